@@ -189,3 +189,15 @@ def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = N
     model.eval()
     model.rolecall_spec = spec
     return model
+
+
+def load_config(name: str = DEFAULT_MODEL):
+    """The model's transformers config, without loading weights (for checking a manifest against it)."""
+    from transformers import AutoConfig
+
+    spec = resolve_model(name)
+    where, kwargs = _source(spec)
+    try:
+        return AutoConfig.from_pretrained(where, **kwargs)
+    except OSError as e:
+        raise _not_found(spec, e) from None

@@ -1,0 +1,85 @@
+"""``rolecall inspect MANIFEST``: identity, provenance, metrics and a terminal role map of a manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
+
+LAYER_GLYPHS = {LAYER_ROLE_FULL: "F", LAYER_ROLE_SELECT: "Δ", 2: "·"}
+HEAD_GLYPHS = {1: "R", 0: "·"}
+
+
+def role_map(manifest: RoleManifest) -> str:
+    """One line per layer: the layer role, its numbers, and one glyph per KV head."""
+    m = manifest.model
+    lines = []
+    has_layers, has_heads = manifest.layer_role is not None, manifest.head_role is not None
+    header = ["layer"]
+    if has_layers:
+        header += ["role", "shift ", "budget"]
+    if has_heads:
+        header += [f"heads (R retrieval, · sparse; {m.num_kv_heads} KV heads)"]
+    lines.append("  ".join(header))
+    for layer in range(m.num_layers):
+        row = [f"{layer:>5}"]
+        if has_layers:
+            row.append(f"{LAYER_GLYPHS[int(manifest.layer_role[layer])]:>4}")
+            shift = manifest.layer_shift[layer] if manifest.layer_shift is not None else None
+            budget = manifest.layer_budget[layer] if manifest.layer_budget is not None else None
+            row.append(f"{float(shift):6.3f}" if shift is not None else "     -")
+            row.append(f"{float(budget):6.3f}" if budget is not None else "     -")
+        if has_heads:
+            row.append("".join(HEAD_GLYPHS[int(r)] for r in manifest.head_role[layer]))
+        lines.append("  ".join(row))
+    return "\n".join(lines)
+
+
+def describe(manifest: RoleManifest, path: str = "") -> str:
+    m = manifest.model
+    out = [
+        f"manifest     {path}",
+        f"model        {m.name or '(unnamed)'}" + (f" @ {m.revision}" if m.revision else ""),
+        f"shape        {m.num_layers} layers, {m.num_heads} query heads, {m.num_kv_heads} KV heads, head dim {m.head_dim}",
+        f"config hash  {m.config_sha256 or '(none)'}",
+        f"sections     {', '.join(manifest.sections) or '(none)'}",
+        f"made by      rolecall {manifest.rolecall_version or '?'}" + (f", {manifest.created}" if manifest.created else ""),
+    ]
+    if manifest.layer_role is not None:
+        out.append(f"Δ-layers     {manifest.delta_layers}")
+    if manifest.head_role is not None:
+        n = len(manifest.retrieval_heads)
+        out.append(f"retrieval    {n} of {m.num_layers * m.num_kv_heads} KV heads")
+    if manifest.data:
+        out.append(f"data         {json.dumps(manifest.data, sort_keys=True)}")
+    if manifest.config:
+        out.append(f"config       {json.dumps(manifest.config, sort_keys=True)}")
+    if manifest.metrics:
+        scalars = {k: v for k, v in manifest.metrics.items() if isinstance(v, (int, float, str))}
+        out.append(f"metrics      {json.dumps(scalars, sort_keys=True)}")
+    for key, value in sorted(manifest.extra.items()):
+        out.append(f"{key:<12} {value}")
+    if manifest.sections:
+        out += ["", role_map(manifest)]
+    return "\n".join(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("manifest", help="path to a .safetensors role manifest")
+    parser.add_argument("--model", help="also check that the manifest fits this model (alias, HF id or folder)")
+    parser.add_argument("--json", action="store_true", help="print the metadata as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = RoleManifest.load(args.manifest)
+    if args.json:
+        print(json.dumps(manifest.metadata(), indent=2, sort_keys=True))
+    else:
+        print(describe(manifest, args.manifest))
+    if args.model:
+        from runtime.models import load_config
+
+        manifest.validate_for(load_config(args.model))
+        print(f"\nfits {args.model}: yes")
+    return 0

