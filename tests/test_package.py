@@ -1,0 +1,44 @@
+"""The built wheel works outside the checkout: console scripts run and model aliases ship as package data."""
+
+import os
+import site
+import subprocess
+import sys
+import venv
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT,
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("rolecall-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    bin_dir = env_dir / ("Scripts" if os.name == "nt" else "bin")
+    py = bin_dir / "python"
+    # Dependencies come from this interpreter's site-packages, appended after the new venv's own.
+    new_site = subprocess.run([py, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    deps = [p for p in site.getsitepackages() if "site-packages" in p]
+    with open(os.path.join(new_site, "zz_deps.pth"), "w") as f:
+        f.write("\n".join(deps) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
+
+    def run(*cmd):
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    where = run(str(py), "-c", "import runtime, configs; print(runtime.__file__); print(configs.__file__)")
+    assert ROOT not in where and "site-packages" in where
+    aliases = run(str(py), "-c", "from runtime.models import list_aliases; print(' '.join(list_aliases()))")
+    assert {"qwen-14b", "smollm2-135m", "llama-70b"} <= set(aliases.split())
+    assert "inspect" in run(str(bin_dir / "rolecall"), "--help")
+    assert "--model" in run(str(bin_dir / "calibrate-delta"), "--help")
+    assert "--target" in run(str(bin_dir / "train-heads"), "--help")
