@@ -1,0 +1,92 @@
+"""Decode policies, one per file, found by name.
+
+A policy is a small dataclass that checks its parameters in ``__post_init__`` and has two methods:
+
+* ``bind(manifest, config)`` — check that the manifest has what the policy needs, remember the per-layer plan;
+* ``plan(step) -> Plan`` — for one decode step of one layer, say which keys each KV head reads.
+
+The engine (``runtime.engine``) turns the plan into attention with the sparse-attention kernel and keeps the
+statistics. ``get_policy("delta", budget=1024)`` builds one from a name and keyword parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# name -> (module, class)
+POLICIES: dict[str, tuple[str, str]] = {
+    "full": ("runtime.policies.full", "Full"),
+    "delta": ("runtime.policies.delta", "Delta"),
+    "lychee": ("runtime.policies.lychee", "Lychee"),
+    "lethe": ("runtime.policies.lethe", "Lethe"),
+    "vattention": ("runtime.policies.vattention", "VAttention"),
+}
+
+
+class PolicyError(ValueError):
+    """A policy was given parameters or a manifest it cannot work with; the message says how to fix it."""
+
+
+class UnknownPolicyError(PolicyError):
+    pass
+
+
+@dataclass
+class Step:
+    """One decode step of one layer, as the engine hands it to a policy."""
+
+    layer: int
+    query: torch.Tensor  # [B, Hq, D] after RoPE
+    key: torch.Tensor  # [B, Hkv, T, D] the cache as stored (physical slots)
+    value: torch.Tensor  # [B, Hkv, T, D]
+    keep: torch.Tensor  # [B, T] bool: slots this query may read (padding and causality applied)
+    scale: float
+    scratch: dict[str, Any]  # per-request state shared by the layers of one step (and across steps)
+    cache_layer: Any = None  # the cache layer when it can evict (Lethe), else None
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[1] // self.key.shape[1]
+
+
+@dataclass
+class Plan:
+    """What a layer reads in one decode step. All ``None`` = every slot in ``step.keep`` (dense)."""
+
+    indices: torch.Tensor | None = None  # [B, Hkv, N] token or block ids, -1 padded
+    block_size: int = 1
+    log_weights: torch.Tensor | None = None  # [B, Hkv, N]
+    key_mask: torch.Tensor | None = None  # [B, T] bool, replaces step.keep when set
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def get_policy(name: str | Any, **params: Any):
+    """A policy instance from its name and parameters (an instance passes through when no params are given)."""
+    if not isinstance(name, str):
+        if params:
+            raise PolicyError("pass parameters either to the policy object or to attach(), not both")
+        return name
+    if name not in POLICIES:
+        raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    module, cls = POLICIES[name]
+    kind = getattr(importlib.import_module(module), cls)
+    try:
+        return kind(**params)
+    except TypeError as e:  # an unknown keyword: name the ones that exist
+        known = ", ".join(f for f in kind.__dataclass_fields__ if not f.startswith("_"))
+        raise PolicyError(f"policy {name!r}: {e}; its parameters are: {known}") from None
+
+
+def positive(name: str, value: Any, allow_zero: bool = False, policy: str = "") -> None:
+    """Shared parameter check: a number > 0 (or ≥ 0)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = "≥ 0" if allow_zero else "> 0"
+        raise PolicyError(f"policy {policy!r}: {name} must be a number {bound}, got {value!r}")
+
+
+__all__ = ["POLICIES", "Plan", "PolicyError", "Step", "UnknownPolicyError", "get_policy"]

@@ -1,0 +1,176 @@
+"""Attach a role manifest and a decode policy to a model: ``with attach(model, manifest, "delta"): ...``.
+
+Prefill (more than one query token) stays dense through SDPA; each decode step (one query token) of every
+non-sliding layer goes through the policy's plan and the sparse-attention kernel. Everything runs inside
+``runtime.attention.use_attention``, so on exit the model is exactly what it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from runtime.attention import keep_mask, use_attention
+from runtime.kernels.page_scores import attention_probs
+from runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
+from runtime.manifest import RoleManifest
+from runtime.policies import Plan, PolicyError, Step, get_policy
+
+
+class LayerStats:
+    """Running sums per layer: tokens read, tokens available, recall and relative error when recorded."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.read = [0.0] * num_layers  # Σ over steps, batch rows and KV heads of tokens read
+        self.available = [0.0] * num_layers  # Σ of the tokens a dense read would have read
+        self.steps = [0] * num_layers
+        self.recall: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # [B, Hq] per step
+        self.error: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # [B, Hq] per step
+        self.kept: list[float | None] = [None] * num_layers  # Lethe: kept fraction after the last step
+
+    def attended_fraction(self) -> list[float | None]:
+        return [r / a if a else None for r, a in zip(self.read, self.available)]
+
+    def summary(self) -> dict[str, Any]:
+        def mean(xs: list[torch.Tensor]) -> float | None:
+            return float(torch.cat([x.flatten() for x in xs]).mean()) if xs else None
+
+        fractions = self.attended_fraction()
+        total_read, total_avail = sum(self.read), sum(self.available)
+        return {
+            "attended_fraction": total_read / total_avail if total_avail else None,
+            "layers": [
+                {"layer": i, "steps": self.steps[i], "attended_fraction": fractions[i],
+                 "recall": mean(self.recall[i]), "relative_error": mean(self.error[i]), "kept_fraction": self.kept[i]}
+                for i in range(self.num_layers)
+            ],
+        }
+
+
+class Session:
+    """What :func:`attach` yields: the bound policy, per-request decode state and statistics."""
+
+    def __init__(self, model: torch.nn.Module, manifest: RoleManifest | None, policy: Any,
+                 record_recall: bool = False, record_error: bool = False) -> None:
+        self.model, self.manifest, self.policy = model, manifest, policy
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        self.num_layers = int(config.num_hidden_layers)
+        # Layers that transformers runs with a sliding window keep their own attention.
+        types = list(getattr(config, "layer_types", None) or [])
+        self.dense_layers = {i for i, t in enumerate(types) if t == "sliding_attention"}
+        self.scratch: dict[str, Any] = {}
+        self.cache_layers: dict[int, Any] = {}  # layer -> the evicting cache layer that served it last
+        self.stats = LayerStats(self.num_layers)
+        self.record_recall, self.record_error = record_recall, record_error
+        self._sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    # -- public helpers ----------------------------------------------------------------------------------------
+    def cache(self):
+        """A fresh cache for one request: the policy's own (Lethe evicts from it), else a DynamicCache."""
+        make = getattr(self.policy, "make_cache", None)
+        return make(self) if make else DynamicCache(config=self.model.config)
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """``model.generate`` with a cache from :meth:`cache` (needed for Lethe to free memory)."""
+        kwargs.setdefault("past_key_values", self.cache())
+        return self.model.generate(*args, **kwargs)
+
+    def reset_stats(self) -> None:
+        self.stats = LayerStats(self.num_layers)
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.policy.name, **self.stats.summary()}
+
+    # -- the attention function --------------------------------------------------------------------------------
+    def _physical(self, layer: int, key: torch.Tensor):
+        """The evicting cache layer whose storage ``key`` is, or None (then slots = positions)."""
+        cl = self.cache_layers.get(layer)
+        return cl if cl is not None and cl.keys is key else None
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer = module.layer_idx
+        b, hq, s, d = query.shape
+        t = key.shape[2]
+        scale = scaling if scaling is not None else d ** -0.5
+        cache_layer = self._physical(layer, key)
+        if s != 1 or layer in self.dense_layers:
+            if s == t and layer == 0:  # a new request starts with a prefill of an empty cache
+                self.scratch.clear()
+                reset = getattr(self.policy, "reset", None)
+                if reset:
+                    reset()
+            if cache_layer is not None and not cache_layer.contiguous():
+                attention_mask = cache_layer.gather_mask(keep_mask(attention_mask, s, cache_layer.seen, query.device))
+            return self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+        logical = cache_layer.seen if cache_layer is not None else t
+        keep_logical = keep_mask(attention_mask, 1, logical, query.device)[:, 0, -1, :].expand(b, logical)  # [B, T]
+        keep = keep_logical.gather(1, cache_layer.positions) if cache_layer is not None else keep_logical
+        q = query[:, :, 0, :]  # [B, Hq, D]
+        step = Step(layer, q, key, value, keep, scale, self.scratch, cache_layer)
+        plan: Plan = self.policy.plan(step)
+        mask = plan.key_mask if plan.key_mask is not None else keep
+        out, _ = sparse_decode_attention(q, key, value, plan.indices, scale=scale, block_size=plan.block_size,
+                                         log_weights=plan.log_weights, key_mask=mask)  # [B, Hq, D]
+        self._record(layer, step, plan, mask, out, float(keep_logical.sum()))
+        return out[:, None].to(query.dtype), None  # [B, 1, Hq, D]
+
+    def _record(self, layer: int, step: Step, plan: Plan, mask: torch.Tensor, out: torch.Tensor,
+                available: float) -> None:
+        b, hkv, t = step.key.shape[:3]
+        read = indices_to_mask(plan.indices, plan.block_size, t, (b, hkv)).to(mask.device) & mask[:, None, :]
+        st = self.stats
+        st.read[layer] += float(read.sum())
+        st.available[layer] += available * hkv
+        st.steps[layer] += 1
+        if "kept_fraction" in plan.info:
+            st.kept[layer] = plan.info["kept_fraction"]
+        if self.record_recall:
+            probs = attention_probs(step.query, step.key, step.scale, step.keep)  # [B, Hq, T]
+            st.recall[layer].append((probs * read.repeat_interleave(step.groups, dim=1)).sum(-1).cpu())
+        if self.record_error:
+            dense, _ = sparse_decode_attention(step.query, step.key, step.value, scale=step.scale, key_mask=step.keep)
+            err = (out - dense).norm(dim=-1) / dense.norm(dim=-1).clamp_min(1e-30)  # [B, Hq]
+            st.error[layer].append(err.cpu())
+
+
+def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleManifest | None:
+    if manifest is None or isinstance(manifest, RoleManifest):
+        return manifest
+    return RoleManifest.load(manifest)
+
+
+@contextmanager
+def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | None = None,
+           policy: str | Any = "delta", **params: Any) -> Iterator[Session]:
+    """Decode ``model`` with ``policy`` (a name from ``runtime.policies.POLICIES`` or a policy object) and
+    ``manifest`` (a RoleManifest or a path) inside the ``with`` block; yields a :class:`Session`.
+
+    ``params`` go to the policy, except ``record_recall`` / ``record_error`` (bool, default False): also
+    measure per layer the true attention mass inside the read set and the relative error of each head's
+    output against dense attention (costs a dense pass per step; for evaluation).
+    """
+    record_recall = bool(params.pop("record_recall", False))
+    record_error = bool(params.pop("record_error", False))
+    manifest = _load_manifest(manifest)
+    pol = get_policy(policy, **params)
+    if manifest is not None:
+        manifest.validate_for(model.config)
+    pol.bind(manifest, model.config)
+    current = model.config._attn_implementation or ""
+    if current.startswith("rolecall"):
+        raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
+    session = Session(model, manifest, pol, record_recall, record_error)
+    with use_attention(model, session.attention, name=f"rolecall_{pol.name}"):
+        yield session
+
+
+__all__ = ["LayerStats", "Session", "attach"]

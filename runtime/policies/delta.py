@@ -1,0 +1,80 @@
+"""``delta``: DELTA (arXiv 2510.09883) layer roles.
+
+* full layers (role 0) read every token;
+* Δ-layers (role 1) read every token and choose pages for the layers after them: page score
+  ``S[u] = Σ_{t in u} max_h p_h[t]`` (max over all query heads of the layer), the last ``L`` pages always and
+  the ``K - L`` other pages of highest score;
+* sparse layers (role 2) read only the pages chosen by the nearest earlier Δ-layer in the same step.
+
+Paper defaults: page size P = 16, K = 64 pages (a 1024-token budget), L = 8 recent pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from runtime.kernels.page_scores import head_max_probs, pool_pages
+from runtime.kernels.topk_select import topk_with_recent
+from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
+from runtime.policies import Plan, PolicyError, Step, positive
+
+
+def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, recent_pages: int) -> torch.Tensor:
+    """``[B, T]`` token scores → ``[B, min(num_pages, ceil(T / page_size))]`` ascending page ids: the last
+    ``recent_pages`` pages always, the rest the highest page scores ``Σ_{t in page} token_scores``."""
+    for name, value in (("page_size", page_size), ("num_pages", num_pages)):
+        if not isinstance(value, int) or value <= 0:
+            raise PolicyError(f"select_pages: {name} must be a positive integer, got {value!r}")
+    if not isinstance(recent_pages, int) or not 0 <= recent_pages <= num_pages:
+        raise PolicyError(f"select_pages: recent_pages must be an integer in [0, num_pages={num_pages}], got {recent_pages!r}")
+    return topk_with_recent(pool_pages(token_scores, page_size), num_pages, recent_pages)
+
+
+@dataclass
+class Delta:
+    num_pages: int = 64  # K: pages read by sparse layers, recent ones included
+    recent_pages: int = 8  # L
+    page_size: int = 16  # P
+    budget: int | None = None  # tokens; when given, K = ceil(budget / P)
+    name: ClassVar[str] = "delta"
+
+    def __post_init__(self) -> None:
+        positive("page_size", self.page_size, policy=self.name)
+        if self.budget is not None:
+            positive("budget", self.budget, policy=self.name)
+            self.num_pages = math.ceil(self.budget / self.page_size)
+        positive("num_pages", self.num_pages, policy=self.name)
+        positive("recent_pages", self.recent_pages, allow_zero=True, policy=self.name)
+        self.recent_pages = min(self.recent_pages, self.num_pages)
+        self.roles: list[int] = []
+
+    def bind(self, manifest: Any, config: Any) -> None:
+        if manifest is None or manifest.layer_role is None:
+            raise PolicyError(
+                "policy 'delta' needs a manifest with a layers section (layers.role); "
+                "make one with calibrate-delta, or use policy 'full'"
+            )
+        self.roles = manifest.layer_role.tolist()
+        first_select = next((i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SELECT), len(self.roles))
+        early = [i for i, r in enumerate(self.roles[:first_select]) if r == LAYER_ROLE_SPARSE]
+        if early:
+            raise PolicyError(
+                f"policy 'delta': sparse layers {early} come before any Δ-layer, so they have no pages to read; "
+                "mark an earlier layer as Δ (role 1) or these as full (role 0)"
+            )
+
+    def plan(self, step: Step) -> Plan:
+        role = self.roles[step.layer]
+        if role == LAYER_ROLE_FULL:
+            return Plan()
+        if role == LAYER_ROLE_SELECT:
+            scores = head_max_probs(step.query, step.key, step.scale, step.keep)  # [B, T]
+            step.scratch["delta.pages"] = select_pages(scores, self.page_size, self.num_pages, self.recent_pages)
+            return Plan()
+        pages = step.scratch["delta.pages"]  # [B, N] from this step's nearest Δ-layer
+        b, hkv = step.key.shape[:2]
+        return Plan(indices=pages[:, None, :].expand(b, hkv, pages.shape[-1]), block_size=self.page_size)
