@@ -1,0 +1,125 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import betainc, betaln
+
+from train.gates import GATES, GateParameters, HardConcrete, HardKuma, Sigmoid, get_gate, log1mexp
+
+N = 10**6
+GRID = [(a, b) for a in (0.3, 1.0, 2.5) for b in (0.4, 1.0, 4.0)]
+EXTREMES = [1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0, 1e3]
+
+
+def _close(mc: float, exact: float, var: float) -> bool:
+    """Within five Monte Carlo standard errors (plus rounding)."""
+    return abs(mc - exact) <= 5 * math.sqrt(var / N) + 1e-6
+
+
+@pytest.mark.parametrize("alpha, beta", GRID)
+def test_hardkuma_closed_forms_match_monte_carlo(alpha, beta):
+    gate = HardKuma(torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64))
+    z = gate.rsample((N,), generator=torch.Generator().manual_seed(1))
+    assert z.shape == (N,) and float(z.min()) >= 0 and float(z.max()) <= 1
+    p0, p1, ez = float(gate.prob_zero()), float(gate.prob_one()), float(gate.expected_gate())
+    assert _close(float((z == 0).double().mean()), p0, p0 * (1 - p0))
+    assert _close(float((z == 1).double().mean()), p1, p1 * (1 - p1))
+    assert _close(float(z.mean()), ez, float(z.var()))
+
+
+def test_hardkuma_formulas_by_hand():
+    # α = β = 1 is the uniform: P(z=0) = 0.1/1.2, P(z=1) = 0.1/1.2, E[z] = 1/2 by symmetry
+    g = HardKuma(torch.ones(3), torch.ones(3))
+    assert torch.allclose(g.prob_zero(), torch.full((3,), 1 / 12))
+    assert torch.allclose(g.prob_one(), torch.full((3,), 1 / 12))
+    assert torch.allclose(g.expected_gate(), torch.full((3,), 0.5))
+    assert float(g.expected_l0()) == pytest.approx(3 * 11 / 12)
+    # α = 2, β = 1: F(x) = x², so P(z=0) = (1/12)², P(z=1) = 1 − (11/12)²
+    g = HardKuma(torch.tensor(2.0), torch.tensor(1.0))
+    assert float(g.prob_zero()) == pytest.approx((1 / 12) ** 2)
+    assert float(g.prob_one()) == pytest.approx(1 - (11 / 12) ** 2)
+
+
+def _expected_gate_reference(a, b, low=-0.1, high=1.1):
+    """(high − low)/α · B(1/α, β+1) · [I(t1^α) − I(t0^α)] with scipy's regularised incomplete beta."""
+    t0, t1 = -low / (high - low), (1 - low) / (high - low)
+    coef = np.exp(np.log(high - low) - np.log(a) + betaln(1 / a, b + 1))
+    return coef * (betainc(1 / a, b + 1, t1**a) - betainc(1 / a, b + 1, t0**a))
+
+
+def test_hardkuma_expected_gate_matches_incomplete_beta_and_is_stable_at_extremes():
+    A, B = np.meshgrid(EXTREMES, EXTREMES)
+    a = torch.tensor(A, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(B, dtype=torch.float64, requires_grad=True)
+    g = HardKuma(a, b)
+    ez, p0, p1 = g.expected_gate(), g.prob_zero(), g.prob_one()
+    for t in (ez.detach(), p0.detach(), p1.detach()):
+        assert torch.isfinite(t).all() and float(t.min()) >= 0 and float(t.max()) <= 1
+    assert bool((p0 + p1 <= 1 + 1e-12).all())
+    assert bool((ez >= p1 - 1e-12).all()) and bool((ez <= 1 - p0 + 1e-12).all())
+    ref = _expected_gate_reference(A, B)
+    ok = A < 1e3  # scipy's betainc itself loses accuracy for 1/α = 1e-3
+    assert np.abs(ez.detach().numpy() - ref)[ok].max() < 1e-9
+    (ez.sum() + g.expected_l0() + p1.sum() + g.rsample().sum()).backward()
+    assert torch.isfinite(a.grad).all() and torch.isfinite(b.grad).all()
+    # float32 parameters work the same and come back as float32
+    g32 = HardKuma(a.detach().float(), b.detach().float())
+    assert g32.expected_gate().dtype == torch.float32
+    assert torch.allclose(g32.expected_gate().double(), ez.detach(), atol=1e-6)
+
+
+def test_log1mexp_is_accurate_at_both_ends():
+    x = torch.tensor([-1e-20, -1e-5, -0.5, -0.7, -5.0, -50.0], dtype=torch.float64)
+    want = [math.log(-math.expm1(v)) if v > -0.7 else math.log1p(-math.exp(v)) for v in x.tolist()]
+    assert torch.allclose(log1mexp(x), torch.tensor(want, dtype=torch.float64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("log_alpha", [-2.0, 0.0, 1.5])
+def test_hardconcrete_matches_monte_carlo_and_louizos_l0(log_alpha):
+    g = HardConcrete(torch.tensor([log_alpha], dtype=torch.float64))
+    z = g.rsample((N,), generator=torch.Generator().manual_seed(2))[:, 0]
+    p0, p1, ez = float(g.prob_zero()), float(g.prob_one()), float(g.expected_gate())
+    assert _close(float((z == 0).double().mean()), p0, p0 * (1 - p0))
+    assert _close(float((z == 1).double().mean()), p1, p1 * (1 - p1))
+    assert _close(float(z.mean()), ez, float(z.var()))
+    # Louizos et al., eq. 12: P(z != 0) = σ(log α − β log(−γ/ζ))
+    louizos = 1 / (1 + math.exp(-(log_alpha - 2 / 3 * math.log(0.1 / 1.1))))
+    assert float(g.expected_l0()) == pytest.approx(louizos, rel=1e-9)
+
+
+def test_sigmoid_is_deterministic_clamped_and_l1():
+    logit = torch.tensor([-10.0, 0.0, 10.0], requires_grad=True)
+    g = Sigmoid(logit)
+    z = g.rsample((5,))
+    assert torch.equal(z[0], z[4])
+    assert z[0].tolist() == pytest.approx([0.0, 0.5, 1.0])
+    assert g.prob_zero().tolist() == [1.0, 0.0, 0.0] and g.prob_one().tolist() == [0.0, 0.0, 1.0]
+    assert float(g.expected_l0()) == pytest.approx(1.5)
+    g.expected_l0().backward()
+    assert logit.grad[1] > 0 and logit.grad[0] == 0  # the clamp stops gradients once a gate is exactly 0
+
+
+def test_registry_parameters_start_where_documented():
+    assert set(GATES) == {"hardkuma", "hardconcrete", "sigmoid"}
+    with pytest.raises(ValueError, match="unknown gate 'kuma'.*hardkuma"):
+        get_gate("kuma")
+    p = GateParameters("hardkuma", (3, 2))
+    d = p.distribution()
+    assert isinstance(d, HardKuma) and torch.equal(d.alpha, torch.ones(3, 2)) and torch.equal(d.beta, torch.ones(3, 2))
+    assert float(d.expected_l0()) == pytest.approx(6 * 11 / 12, rel=1e-6)
+    d.expected_l0().backward()
+    assert all(q.grad is not None for q in p.parameters())
+    for kind in GATES:
+        gate = GateParameters(kind, (4,)).distribution()
+        assert gate.rsample().shape == (4,) and gate.expected_gate().shape == (4,)
+        assert gate.expected_l0().dim() == 0
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(ValueError, match="low < 0 < 1 < high"):
+        HardKuma(torch.ones(1), torch.ones(1), low=0.1)
+    with pytest.raises(ValueError, match="alpha > 0"):
+        HardKuma(torch.zeros(1), torch.ones(1))
+    with pytest.raises(ValueError, match="temperature"):
+        HardConcrete(torch.zeros(1), beta=0.0)
