@@ -1,0 +1,153 @@
+"""``train-heads`` (= ``rolecall train``): learn retrieval heads with HardKuma gates and write a manifest.
+
+Flags override the YAML given by ``--config``, which overrides the defaults of ``train.config.TrainConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from train.config import MIXED_PRECISION, TrainConfig, build_config
+
+
+def _budget(text: str) -> float | int:
+    """``0.3`` is a fraction of the sequence, ``4096`` a token count."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction (0.3) nor a token count (4096)") from None
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    parts = text.replace(":", ",").split(",")
+    try:
+        lo, hi = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW,HIGH (e.g. 1000,10000)") from None
+    return lo, hi
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--config", help="YAML of options: a path or a name in configs/train/ (e.g. lycheedecode)")
+    p.add_argument("--model", help=f"alias, Hugging Face id, local folder or .gguf file (default {d.model})")
+    p.add_argument("--target", type=int, help=f"retrieval heads wanted among layers >= 1 (default {d.target})")
+    p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
+    p.add_argument("--gate", help=f"hardkuma, hardconcrete or sigmoid (default {d.gate})")
+    p.add_argument("--lr", type=float, help=f"Adam learning rate of the gates (default {d.lr})")
+    p.add_argument("--lambda-lr", type=float, help=f"ascent rate of the Lagrange multiplier (default {d.lambda_lr})")
+    p.add_argument("--token-budget", type=_budget,
+                   help=f"sparse heads' tokens: a fraction of the sequence or a count (default {d.token_budget})")
+    p.add_argument("--prefill-chunk", type=int, help=f"teacher prefill chunk in tokens (default {d.prefill_chunk})")
+    p.add_argument("--exact-target", action="store_true", default=None,
+                   help="mark exactly the top-TARGET heads by E[z] as retrieval (default: E[z] > 0.5)")
+    p.add_argument("--seed", type=int, help=f"seed of gate noise and data order (default {d.seed})")
+    p.add_argument("--checkpoint-every", type=int, help=f"steps between checkpoints (default {d.checkpoint_every})")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
+                   help="continue from a checkpoint (the newest of this output when no path is given)")
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
+    p.add_argument("--dtype", help="model weight dtype, e.g. bfloat16 (default: the alias's)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")
+    p.add_argument("--deepspeed", help="DeepSpeed JSON for accelerate (see configs/deepspeed/)")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false", default=None,
+                   help="keep attention scores for backward instead of recomputing them (faster, more memory)")
+    p.add_argument("--dataset", help="'passkey' (default) or a .jsonl file of {input_ids, labels} records")
+    p.add_argument("--data-source", help=f"haystack corpus of the passkey data (default {d.data_source})")
+    p.add_argument("--lengths", type=_lengths, help="passkey haystack lengths LOW,HIGH in tokens (default 1000,10000)")
+    p.add_argument("--num-samples", type=int, help=f"passkey samples (default {d.num_samples})")
+    p.add_argument("--num-passkeys", type=int, help=f"passkeys per sample (default {d.num_passkeys})")
+    p.add_argument("--passkey-words", type=int, help=f"words per passkey (default {d.passkey_words})")
+    p.add_argument("--output", help="manifest path (default artifacts/<model>.heads.safetensors)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", default=None, help="skip the PNG plots")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = [f for f in TrainConfig.__dataclass_fields__ if hasattr(args, f)]
+    return build_config(args.config, **{n: getattr(args, n) for n in names})
+
+
+class JsonlDataset:
+    """Records ``{"input_ids": [...], "labels": [...]}``, one per line."""
+
+    def __init__(self, path: str | Path):
+        import torch
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"dataset {str(path)!r} is not a file; pass --dataset passkey or a .jsonl file")
+        self.path, self.items = path, []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                self.items.append({k: torch.tensor(rec[k], dtype=torch.long) for k in ("input_ids", "labels")})
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise ValueError(f"{path}:{n}: not a record with integer lists input_ids and labels") from None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+def load_dataset(config: TrainConfig, tokenizer) -> tuple[Any, dict[str, Any]]:
+    if config.dataset != "passkey":
+        return JsonlDataset(config.dataset), {"kind": "jsonl", "path": config.dataset}
+    try:
+        from data.passkey import build_passkey_dataset
+    except ImportError as e:
+        raise ValueError(f"the passkey dataset needs the data package ({e}); pass --dataset FILE.jsonl instead") from None
+    info = {"kind": "passkey", "source": config.data_source, "lengths": list(config.lengths),
+            "num_samples": config.num_samples, "num_passkeys": config.num_passkeys,
+            "passkey_words": config.passkey_words, "seed": config.seed}
+    ds = build_passkey_dataset(tokenizer, source=config.data_source, lengths=config.lengths,
+                               num_samples=config.num_samples, num_passkeys=config.num_passkeys,
+                               passkey_words=config.passkey_words, seed=config.seed)
+    return ds, info
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from runtime.models import load_model, load_tokenizer
+    from train.recipe import run as train_run
+
+    config = config_from_args(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(config.model)
+    model = load_model(config.model, dtype=config.dtype, device_map=config.device_map)
+    if config.device_map is None:
+        model.to(device)
+    dataset, info = load_dataset(config, tokenizer)
+    manifest = train_run(model, tokenizer, dataset, config, resume=args.resume, data_info=info)
+    m = manifest.metrics
+    print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "
+          f"E[L0] {m['expected_l0']:.2f}, λ {m['lambda']:.4g}, final loss {m['final_loss']:.4g}, "
+          f"undecided {100 * m['fraction_undecided']:.1f} %")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="train-heads", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"train-heads: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

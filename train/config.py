@@ -1,0 +1,134 @@
+"""Training configuration in layers: dataclass defaults, then a YAML file (``configs/train/*.yaml`` by name,
+or any path), then explicit overrides (CLI flags). The resolved config is written next to the outputs and
+into the manifest's ``config`` metadata."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from train.gates import GATES
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides a training run. Defaults follow LycheeDecode (3000 steps, batch 1, lr 0.01,
+    stretch (−0.1, 1.1), 30 % token budget, 32 retrieval heads)."""
+
+    model: str = "smollm2-135m"
+    gate: str = "hardkuma"  # a name in train.gates.GATES
+    target: int = 32  # retrieval heads wanted among the gated (layer >= 1, KV head) pairs
+    steps: int = 3000
+    lr: float = 0.01  # Adam, gate parameters
+    lambda_lr: float = 0.01  # gradient ascent on the Lagrange multiplier
+    token_budget: float | int = 0.3  # fraction of the keys (<= 1.0) or a fixed count of tokens (int)
+    prefill_chunk: int = 1000
+    low: float = -0.1
+    high: float = 1.1
+    exact_target: bool = False  # roles: top-`target` gates by E[z] instead of E[z] > 0.5
+    seed: int = 0
+    gradient_checkpointing: bool = True  # recompute attention scores in backward instead of keeping them
+    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    dtype: str | None = None  # model weights when the CLI loads it (None: the alias's default)
+    device_map: str | None = None  # "auto" spreads a model over the visible GPUs
+    deepspeed: str | None = None  # a DeepSpeed JSON (configs/deepspeed/) for the accelerate launcher
+    checkpoint_every: int = 100
+    # data: "passkey" builds data.passkey.build_passkey_dataset; otherwise a .jsonl file of
+    # {"input_ids": [...], "labels": [...]} records
+    dataset: str = "passkey"
+    data_source: str = "pg-essays"
+    lengths: tuple[int, int] = (1000, 10000)
+    num_samples: int = 64
+    num_passkeys: int = 10
+    passkey_words: int = 32
+    output: str | None = None  # default artifacts/<model>.heads.safetensors
+    plots: bool = True
+
+    def __post_init__(self):
+        if self.gate not in GATES:
+            raise ValueError(f"gate {self.gate!r} is unknown; choose one of {', '.join(sorted(GATES))}")
+        for name in ("target", "steps", "prefill_chunk", "checkpoint_every", "num_samples", "num_passkeys",
+                     "passkey_words"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "target" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("lr", "lambda_lr"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            setattr(self, name, float(getattr(self, name)))
+        b = self.token_budget
+        if isinstance(b, bool) or not ((isinstance(b, int) and b >= 1) or (isinstance(b, float) and 0 < b <= 1)):
+            raise ValueError(f"token_budget must be a fraction in (0, 1] (e.g. 0.3) or a token count >= 1, got {b!r}")
+        if not (self.low < 0 < 1 < self.high):
+            raise ValueError(f"low/high must satisfy low < 0 < 1 < high, got ({self.low}, {self.high})")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
+        lengths = tuple(int(x) for x in self.lengths)
+        if len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]:
+            raise ValueError(f"lengths must be two token counts low <= high, got {self.lengths!r}")
+        self.lengths = lengths
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ValueError(f"deepspeed config {self.deepspeed!r} does not exist; pass a JSON file such as "
+                             "configs/deepspeed/zero3-offload.json")
+
+    def resolved_output(self) -> Path:
+        if self.output:
+            return Path(self.output)
+        return Path("artifacts") / f"{model_slug(self.model)}.heads.safetensors"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["lengths"] = list(self.lengths)
+        return d
+
+
+def model_slug(name: str) -> str:
+    """A file-name-safe short name: an alias as is, the last part of an id or path, without .gguf."""
+    last = Path(name.rstrip("/")).name or name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", re.sub(r"\.gguf$", "", last))
+
+
+def shipped_configs() -> dict[str, Path]:
+    root = importlib.resources.files("configs") / "train"
+    return {p.name.rsplit(".", 1)[0]: Path(str(p)) for p in root.iterdir() if p.name.endswith((".yaml", ".yml"))}
+
+
+def read_yaml(name_or_path: str) -> dict[str, Any]:
+    """The mapping in a YAML config: a path, or the name of one in configs/train/."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        shipped = shipped_configs()
+        if name_or_path not in shipped:
+            raise ValueError(f"config {name_or_path!r} is neither a file nor one of configs/train/ "
+                             f"({', '.join(sorted(shipped))})")
+        path = shipped[name_or_path]
+    doc = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a training config must be a YAML mapping of option: value")
+    return doc
+
+
+def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults, then the YAML (if any), then ``overrides`` whose value is not None."""
+    known = {f.name for f in fields(TrainConfig)}
+    values: dict[str, Any] = read_yaml(yaml_config) if yaml_config else {}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{yaml_config}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}")
+    return TrainConfig(**values)
+
+
+def config_json(config: TrainConfig) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True, indent=2) + "\n"

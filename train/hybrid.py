@@ -1,0 +1,114 @@
+"""The student's attention during training: per (layer, KV head), a mix of full attention and sparse
+attention over tokens inherited from the previous layer, weighted by the head's gate z.
+
+For layer l > 0 and KV head h:
+
+    out = z[l, h] · full + (1 − z[l, h]) · sparse
+
+where ``full`` is ordinary causal attention and ``sparse`` attends only to the token set that layer l − 1's
+full attention of the same head index selected: per query, the top-k keys of its attention probabilities,
+averaged over the query heads of the KV head's group (GQA). Layer 0 has no previous layer, so it is all
+retrieval (z = 1). This is LycheeDecode's decode-time behaviour (retrieval heads pick tokens for the same
+head in the next layer, sparse heads read them) made differentiable in z.
+
+The budget k is a fraction of the keys each forward sees (``0 < budget <= 1``, e.g. 0.3) or a fixed count
+(an int ``>= 1``). With ``gates`` unset the function is plain full attention (used to check it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from runtime.attention import keep_mask, repeat_kv
+
+ATTENTION_NAME = "rolecall-hybrid"
+
+
+def budget_tokens(budget: float | int, kv_len: int) -> int:
+    """How many keys the sparse set holds for ``kv_len`` keys."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return max(1, min(budget, kv_len))
+    return max(1, min(kv_len, math.ceil(budget * kv_len)))
+
+
+def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float,
+                 inherited: Tensor | None, z: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
+    """One layer of hybrid attention.
+
+    query [B, Hq, S, D]; key/value [B, Hkv, T, D]; keep [B|1, 1, S, T] bool (True = may attend);
+    inherited [B, Hkv, S, T] bool, the previous layer's selection (None: full attention only);
+    z [Hkv] gates. Returns the output [B, S, Hq, D] and this layer's selection [B, Hkv, S, T] bool.
+    """
+    b, hq, s, _ = query.shape
+    hkv, t = key.shape[1], key.shape[2]
+    groups = hq // hkv
+    v = repeat_kv(value, groups).float()
+    # float32 scores: the top-k must not flip on bf16 rounding, and the softmax needs the range
+    scores = torch.matmul(query.float(), repeat_kv(key, groups).float().transpose(-1, -2)) * scaling  # [B, Hq, S, T]
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v)  # [B, Hq, S, D]
+    with torch.no_grad():
+        group_mean = probs.view(b, hkv, groups, s, t).mean(2)  # [B, Hkv, S, T]
+        top = group_mean.topk(k, dim=-1).indices
+        selected = torch.zeros_like(group_mean, dtype=torch.bool).scatter_(-1, top, True) & keep
+    if inherited is not None and z is not None:
+        sparse_keep = repeat_kv(inherited, groups) & keep  # [B, Hq, S, T]
+        sparse = torch.matmul(torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1), v)
+        zq = z.float().repeat_interleave(groups)[None, :, None, None]  # [1, Hq, 1, 1]
+        out = zq * out + (1 - zq) * sparse
+    return out.to(query.dtype).transpose(1, 2).contiguous(), selected
+
+
+@dataclass
+class HybridAttention:
+    """Attention function for ``runtime.attention.use_attention``; set ``gates`` before each forward.
+
+    ``gates``: z for layers 1..L−1, [L − 1, Hkv]; ``None`` gives full attention everywhere.
+    ``checkpoint``: recompute each layer's scores in the backward pass instead of keeping them
+    ([B, Hq, S, T] float32 twice per layer), which is what bounds memory at long prompts.
+    """
+
+    num_layers: int
+    budget: float | int = 0.3
+    checkpoint: bool = False
+    gates: Tensor | None = None
+    _selected: Tensor | None = field(default=None, repr=False)
+    _last_layer: int = field(default=-1, repr=False)
+
+    def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        if isinstance(self.budget, bool) or not (
+            (isinstance(self.budget, int) and self.budget >= 1) or (isinstance(self.budget, float) and 0 < self.budget <= 1)
+        ):
+            raise ValueError(f"token budget must be a fraction in (0, 1] or a token count >= 1, got {self.budget!r}")
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer = module.layer_idx
+        if layer == 0:
+            self._selected = None
+        elif layer != self._last_layer + 1:
+            raise RuntimeError(f"hybrid attention saw layer {layer} after layer {self._last_layer}; layers must run in order")
+        self._last_layer = layer
+        s, t = query.shape[2], key.shape[2]
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        keep = keep_mask(attention_mask, s, t, device=query.device)
+        z = None
+        if self.gates is not None and layer > 0:
+            if self.gates.shape != (self.num_layers - 1, key.shape[1]):
+                raise ValueError(f"gates have shape {tuple(self.gates.shape)}, expected {(self.num_layers - 1, key.shape[1])}")
+            z = self.gates[layer - 1]
+        inherited = self._selected if z is not None else None
+        args = (query, key, value, keep, scaling, inherited, z, budget_tokens(self.budget, t))
+        if self.checkpoint and torch.is_grad_enabled():
+            out, self._selected = checkpoint(hybrid_layer, *args, use_reentrant=False)
+        else:
+            out, self._selected = hybrid_layer(*args)
+        if layer == self.num_layers - 1:
+            self._selected, self._last_layer = None, -1  # nothing outlives a forward pass
+        return out, None

@@ -1,0 +1,104 @@
+"""What a training run leaves behind: the role manifest, and plots drawn from the training log."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.manifest import ModelIdentity, RoleManifest
+
+UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
+
+
+def head_roles(expected: torch.Tensor, target: int, exact: bool) -> torch.Tensor:
+    """Roles of the gated heads [L − 1, Hkv] from E[z]: E[z] > 0.5, or exactly the top-``target`` by E[z]."""
+    if not exact:
+        return (expected > 0.5).to(torch.int8)
+    flat = torch.zeros(expected.numel(), dtype=torch.int8)
+    # stable order: ties go to the earlier (layer, head)
+    order = torch.argsort(-expected.flatten().double(), stable=True)[: min(target, expected.numel())]
+    flat[order] = 1
+    return flat.view_as(expected)
+
+
+def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dict[str, Any],
+                   created: str) -> RoleManifest:
+    """Layer 0 is not gated: it is all retrieval, with E[z] = 1 and the initial α = β = 1 recorded."""
+    expected = gates_dist.expected_gate().detach().float().cpu()  # [L − 1, Hkv]
+    alpha, beta = (t.detach().float().cpu() for t in gates_dist.manifest_params())
+    hkv = expected.shape[1]
+    ones = torch.ones(1, hkv)
+    spec = getattr(model, "rolecall_spec", None)
+    name = getattr(spec, "name", None) or config.model
+    return RoleManifest(
+        model=ModelIdentity.from_config(model, name=name),
+        head_role=torch.cat([ones.to(torch.int8), head_roles(expected, config.target, config.exact_target)]),
+        head_alpha=torch.cat([ones, alpha.expand_as(expected)]),
+        head_beta=torch.cat([ones, beta.expand_as(expected)]),
+        head_expected_gate=torch.cat([ones, expected]),
+        config=config.to_dict(), data=data, metrics=metrics, created=created,
+    )
+
+
+def dataset_provenance(dataset, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where the data came from plus a sha256 over every sample's input_ids and labels."""
+    h = hashlib.sha256()
+    for i in range(len(dataset)):
+        item = dataset[i]
+        for key in ("input_ids", "labels"):
+            h.update(torch.as_tensor(item[key], dtype=torch.int64).numpy().tobytes())
+    return {**(info or {}), "num_samples": len(dataset), "sha256": h.hexdigest()}
+
+
+def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path, panels: int = 6) -> Path:
+    """E[z] heatmaps (layer × KV head, layer 0 included as all-retrieval) at evenly spaced steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    picks = sorted({records[round(i * (len(records) - 1) / max(panels - 1, 1))]["step"] for i in range(panels)})
+    by_step = {r["step"]: r for r in records}
+    fig, axes = plt.subplots(1, len(picks), figsize=(1.2 + 1.1 * len(picks) * max(1, shape[1] / 3), 0.16 * shape[0] + 1.5),
+                             squeeze=False)
+    for ax, step in zip(axes[0], picks):
+        ez = torch.tensor(by_step[step]["expected_gate"]).view(shape[0] - 1, shape[1])
+        grid = torch.cat([torch.ones(1, shape[1]), ez]).numpy()
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", interpolation="nearest")
+        ax.set_title(f"step {step}", fontsize=9)
+        ax.set_xlabel("KV head")
+        ax.set_xticks(range(shape[1]))
+    axes[0][0].set_ylabel("layer")
+    fig.colorbar(im, ax=axes[0].tolist(), label="E[z]")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(records: list[dict[str, Any]], target: int, path: Path) -> Path:
+    """Distillation loss, E[L0] (with the target) and λ over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    axes[0].plot(steps, [r["distill_loss"] for r in records], lw=0.8)
+    axes[0].set_yscale("log")
+    axes[0].set_title("distillation loss")
+    axes[1].plot(steps, [r["expected_l0"] for r in records], lw=0.8, label="E[L0]")
+    axes[1].axhline(target, color="k", ls="--", lw=0.8, label=f"target {target}")
+    axes[1].legend()
+    axes[1].set_title("expected retrieval heads")
+    axes[2].plot(steps, [r["lambda"] for r in records], lw=0.8)
+    axes[2].set_title("λ")
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
