@@ -1,0 +1,253 @@
+"""``lethe``: Lethe (AAAI-26) — per-layer KV budgets and eviction during decoding.
+
+Each decode step a layer adds its attention to decayed token scores ``s_t = γ s_{t-1} + a_t`` (``a_t``: the
+mean over query heads of the softmax probability). When the layer holds more slots than its budget it
+keeps the ``sinks`` first tokens, the most recent ``recent_ratio`` of the budget, and from the rest the
+tokens chosen by a segmented top-k with a breakpoint: the candidates up to the ``tau`` share of their score
+mass (the breakpoint, at most the remaining budget) are spread over ``segments`` equal position segments in
+proportion to each segment's mass, and each segment keeps its best tokens.
+
+Budget per layer:
+
+* ``budget`` (tokens) — a fixed size, shared out over layers in proportion to the manifest's
+  ``layers.budget``; memory stops growing once it is reached;
+* otherwise a fraction of the context: ``layers.budget[l]`` (rescaled to mean ``sparse_ratio`` when given,
+  or ``sparse_ratio`` for every layer without a manifest).
+
+With the cache from ``Session.cache()`` (a :class:`LetheCache`) evicted slots are really freed: the layer's
+tensors are rebuilt with the kept slots and the logical position of every slot is remembered, so masks
+(built by transformers from the logical length) still line up. With any other cache the same slots are
+masked instead (identical results, no memory saved). Beam search is not supported by ``LetheCache``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from runtime.kernels.page_scores import attention_probs
+from runtime.kernels.topk_select import mask_to_indices
+from runtime.policies import Plan, PolicyError, Step, positive
+
+
+class EvictingLayer(DynamicLayer):
+    """A DynamicLayer whose slots can be dropped; ``positions`` ``[B, T_slots]`` maps slots to logical positions."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.positions: torch.Tensor | None = None
+        self.seen = 0  # logical length: every token ever appended
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        b, s = key_states.shape[0], key_states.shape[-2]
+        new = torch.arange(self.seen, self.seen + s, device=key_states.device).expand(b, s)
+        self.positions = new if self.positions is None else torch.cat([self.positions, new], dim=-1)
+        self.seen += s
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def contiguous(self) -> bool:
+        return self.keys is None or self.keys.shape[-2] == self.seen
+
+    def gather_mask(self, keep: torch.Tensor) -> torch.Tensor:
+        """A logical mask ``[B or 1, 1, S, seen]`` → the slots' mask ``[B, 1, S, T_slots]``."""
+        b, t = self.positions.shape
+        keep = keep.expand(b, 1, keep.shape[2], keep.shape[3])
+        return keep.gather(-1, self.positions[:, None, None, :].expand(b, 1, keep.shape[2], t))
+
+    def evict(self, keep: torch.Tensor) -> None:
+        """Keep only the slots ``keep`` ``[B, n]`` (ascending); the old tensors are released."""
+        b, hkv, _, d = self.keys.shape
+        index = keep[:, None, :, None].expand(b, hkv, keep.shape[1], d)
+        self.keys = self.keys.gather(2, index)
+        self.values = self.values.gather(2, index)
+        self.positions = self.positions.gather(1, keep)
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions, self.seen = None, 0
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+class LetheCache(DynamicCache):
+    """A DynamicCache whose full-attention layers can evict; it tells the session which layer served last."""
+
+    def __init__(self, config: Any, session: Any) -> None:
+        super().__init__(config=config)
+        if self.layers:
+            self.layers = [EvictingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        else:
+            self.layer_class_to_replicate = EvictingLayer
+        self.session = session
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if isinstance(self.layers[layer_idx], EvictingLayer):
+            self.session.cache_layers[layer_idx] = self.layers[layer_idx]
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by keys and values over all layers."""
+        total = 0
+        for layer in self.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
+    def slots(self) -> list[int]:
+        """Slots held per layer."""
+        return [int(layer.keys.shape[-2]) if getattr(layer, "keys", None) is not None else 0 for layer in self.layers]
+
+
+@dataclass
+class Lethe:
+    sparse_ratio: float | None = None  # mean fraction of the context kept
+    budget: int | None = None  # mean slots per layer (fixed size)
+    recent_ratio: float = 0.1  # share of a layer's budget kept for the most recent tokens
+    gamma: float = 0.9  # score decay per step
+    segments: int = 4  # D
+    tau: float = 0.95  # breakpoint: share of the candidates' score mass worth keeping
+    sinks: int = 4
+    name: ClassVar[str] = "lethe"
+
+    def __post_init__(self) -> None:
+        if self.sparse_ratio is not None and not 0 < self.sparse_ratio <= 1:
+            raise PolicyError(f"policy 'lethe': sparse_ratio is a fraction in (0, 1], got {self.sparse_ratio!r}")
+        if self.budget is not None:
+            positive("budget", self.budget, policy=self.name)
+        for key, low, high in (("recent_ratio", 0, 1), ("gamma", 0, 1), ("tau", 0, 1)):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not low <= value <= high:
+                raise PolicyError(f"policy 'lethe': {key} must be in [{low}, {high}], got {value!r}")
+        positive("segments", self.segments, policy=self.name)
+        positive("sinks", self.sinks, allow_zero=True, policy=self.name)
+        self.weights: torch.Tensor | None = None  # [L] per-layer share
+
+    def bind(self, manifest: Any, config: Any) -> None:
+        budget = manifest.layer_budget if manifest is not None else None
+        if budget is None and self.sparse_ratio is None and self.budget is None:
+            raise PolicyError(
+                "policy 'lethe' needs a manifest with layers.budget (calibrate-delta writes it), "
+                "or sparse_ratio=<fraction kept> or budget=<tokens per layer>"
+            )
+        layers = int(getattr(config, "num_hidden_layers", 0) or len(budget))
+        self.weights = budget.clamp_min(1e-6) if budget is not None else torch.ones(layers)
+
+    def make_cache(self, session: Any) -> LetheCache:
+        return LetheCache(session.model.config, session)
+
+    def capacity(self, layer: int, logical: int) -> int:
+        """Slots layer ``layer`` may hold at logical length ``logical``."""
+        w = self.weights[layer]
+        if self.budget is not None:
+            cap = round(self.budget * float(w / self.weights.mean()))
+        else:
+            frac = float(w * self.sparse_ratio / self.weights.mean()) if self.sparse_ratio is not None else float(w)
+            cap = math.ceil(min(frac, 1.0) * logical)
+        return max(cap, self.sinks + 2)
+
+    def plan(self, step: Step) -> Plan:
+        b, _, t = step.key.shape[:3]
+        layer = step.layer
+        physical = step.cache_layer is not None
+        if physical:
+            slots = torch.arange(t, device=step.key.device).expand(b, t)  # every stored slot is alive
+            mask = step.keep
+            logical = step.cache_layer.seen
+        else:
+            alive = step.scratch.get(f"lethe.alive.{layer}")
+            if alive is None or alive.shape[-1] > t or alive.shape[0] != b:
+                alive = torch.ones(b, t, dtype=torch.bool, device=step.key.device)
+            alive = torch.nn.functional.pad(alive, (0, t - alive.shape[-1]), value=True)
+            slots = mask_to_indices(alive)  # [B, n] logical position of each live slot
+            mask = step.keep & alive
+            logical = t
+        probs = attention_probs(step.query, step.key, step.scale, mask).mean(1)  # [B, T]
+        attention = probs.gather(1, slots)  # [B, n]
+        scores = step.scratch.get(f"lethe.scores.{layer}")
+        if scores is None or scores.shape[-1] > attention.shape[-1] or scores.shape[0] != b:
+            scores = torch.zeros_like(attention)
+        scores = self.gamma * torch.nn.functional.pad(scores, (0, attention.shape[-1] - scores.shape[-1])) + attention
+        valid = mask.gather(1, slots)
+        n = slots.shape[-1]
+        cap = self.capacity(layer, logical)
+        if n > cap:
+            kept = self._keep(scores, valid, cap)  # [B, n'] ascending slot ids
+            scores = scores.gather(1, kept)
+            if physical:
+                step.cache_layer.evict(kept)
+            else:
+                survivors = torch.zeros_like(alive)
+                survivors.scatter_(1, slots.gather(1, kept), True)
+                alive = survivors
+            n = kept.shape[-1]
+        step.scratch[f"lethe.scores.{layer}"] = scores
+        if not physical:
+            step.scratch[f"lethe.alive.{layer}"] = alive
+        return Plan(key_mask=mask, info={"kept_fraction": n / logical})
+
+    def _keep(self, scores: torch.Tensor, valid: torch.Tensor, cap: int) -> torch.Tensor:
+        """Slots to keep ``[B, n']`` (ascending, ``n' ≤ cap``, the same count in every row)."""
+        b, n = scores.shape
+        recent = min(math.ceil(self.recent_ratio * cap), cap - 1)
+        chosen, priority = [], []
+        for row in range(b):
+            ok = valid[row]
+            protect = ok & (ok.cumsum(0) <= self.sinks)
+            protect[n - recent:] |= ok[n - recent:] if recent else False
+            protect[n - 1] = True  # the current token
+            candidates = ok & ~protect
+            room = max(cap - int(protect.sum()), 0)
+            picked = protect | self._segmented(scores[row], candidates, room)
+            chosen.append(picked)
+            # Fill order for rows that keep fewer than others: best remaining candidates, then anything.
+            rest = torch.where(candidates & ~picked, scores[row], torch.where(picked, math.inf, -math.inf))
+            priority.append(rest)
+        count = min(max(int(c.sum()) for c in chosen), cap)
+        keep = torch.zeros(b, n, dtype=torch.bool, device=scores.device)
+        for row in range(b):
+            order = priority[row].argsort(descending=True, stable=True)[:count]
+            keep[row, order] = True
+        return mask_to_indices(keep)
+
+    def _segmented(self, scores: torch.Tensor, candidates: torch.Tensor, room: int) -> torch.Tensor:
+        """Segmented top-k with a breakpoint over ``candidates`` ``[n]``; returns a bool ``[n]``."""
+        picked = torch.zeros_like(candidates)
+        ids = candidates.nonzero().flatten()
+        if room == 0 or ids.numel() == 0:
+            return picked
+        s = scores[ids].clamp_min(0)
+        total = float(s.sum())
+        ordered = s.sort(descending=True).values
+        reach = int((ordered.cumsum(0) < self.tau * total).sum()) + 1 if total > 0 else room
+        k = min(room, reach, ids.numel())
+        parts = torch.tensor_split(torch.arange(ids.numel(), device=ids.device), min(self.segments, ids.numel()))
+        mass = torch.stack([s[p].sum() for p in parts]) + 1e-12
+        share = mass / mass.sum() * k
+        quota = share.floor().long()
+        for i in (share - quota).argsort(descending=True)[: k - int(quota.sum())]:
+            quota[i] += 1
+        for p, q in zip(parts, quota.tolist()):
+            q = min(q, p.numel())
+            if q:
+                picked[ids[p[s[p].topk(q).indices]]] = True
+        short = k - int(picked.sum())
+        if short > 0:  # a segment had fewer tokens than its quota: take the best of the rest
+            rest = torch.where(picked[ids], -math.inf, s)
+            picked[ids[rest.topk(short).indices]] = True
+        return picked

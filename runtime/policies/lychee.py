@@ -1,0 +1,112 @@
+"""``lychee``: LycheeDecode head roles.
+
+Retrieval heads (``heads.role == 1``, and every head of layer 0) read every token and choose, per KV head,
+the tokens (or blocks) that the same head index reads in the next layer. Sparse heads read the set they
+inherit; a sparse head passes it on unchanged, so a chain of sparse heads reuses the last retrieval choice.
+
+The set size follows one of the paper's four strategies (exactly one may be given):
+
+* ``budget`` — a token count (default 1024 when nothing is given);
+* ``ratio`` — a fraction of the tokens in context (LycheeDecode's best setting);
+* ``top_p`` — the smallest set holding at least that attention mass;
+* ``threshold`` — every token (block) whose attention share is at least that value.
+
+The score of a token for KV head h is the max over its query heads of the softmax probability; a block's
+score is the sum over its tokens. ``recent`` last tokens are always kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from runtime.kernels.page_scores import attention_probs, pool_pages
+from runtime.kernels.topk_select import mask_to_indices, topk_with_recent
+from runtime.manifest import HEAD_ROLE_RETRIEVAL
+from runtime.policies import Plan, PolicyError, Step, positive
+
+DEFAULT_BUDGET = 1024
+
+
+@dataclass
+class Lychee:
+    budget: int | None = None  # tokens
+    ratio: float | None = None  # fraction of the context
+    top_p: float | None = None  # attention mass
+    threshold: float | None = None  # attention share per token/block
+    block_size: int = 1
+    recent: int = 1  # last tokens always kept (the current one at least)
+    name: ClassVar[str] = "lychee"
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("budget", "ratio", "top_p", "threshold") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise PolicyError(f"policy 'lychee': give one of budget, ratio, top_p, threshold, not {' and '.join(given)}")
+        if not given:
+            self.budget = DEFAULT_BUDGET
+            given = ["budget"]
+        self.mode = given[0]
+        positive(self.mode, getattr(self, self.mode), policy=self.name)
+        if self.mode in ("ratio", "top_p", "threshold") and getattr(self, self.mode) > 1:
+            raise PolicyError(f"policy 'lychee': {self.mode} is a fraction in (0, 1], got {getattr(self, self.mode)}")
+        positive("block_size", self.block_size, policy=self.name)
+        positive("recent", self.recent, allow_zero=True, policy=self.name)
+        self.retrieval: torch.Tensor | None = None  # bool [L, Hkv]
+
+    def bind(self, manifest: Any, config: Any) -> None:
+        if manifest is None or manifest.head_role is None:
+            raise PolicyError(
+                "policy 'lychee' needs a manifest with a heads section (heads.role); "
+                "make one with train-heads, or use policy 'full'"
+            )
+        self.retrieval = manifest.head_role == HEAD_ROLE_RETRIEVAL
+        self.retrieval[0] = True  # layer 0 has nothing to inherit
+
+    def _choose(self, scores: torch.Tensor, valid: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Block scores ``[B, Hkv, n]`` → chosen block ids ``[B, Hkv, N]`` (-1 padded)."""
+        n = scores.shape[-1]
+        recent = math.ceil(self.recent / self.block_size) if self.recent else 0
+        if self.mode in ("budget", "ratio"):
+            want = self.budget if self.mode == "budget" else self.ratio * tokens
+            return topk_with_recent(scores, max(math.ceil(want / self.block_size), recent, 1), recent, valid)
+        share = scores.masked_fill(~valid, 0.0)
+        share = share / share.sum(-1, keepdim=True).clamp_min(1e-30)
+        if self.mode == "top_p":
+            ordered, order = share.sort(dim=-1, descending=True)
+            before = ordered.cumsum(-1) - ordered  # mass of the blocks ranked above
+            take_sorted = before < self.top_p
+            chosen = torch.zeros_like(take_sorted).scatter(-1, order, take_sorted)
+        else:
+            chosen = share >= self.threshold
+            chosen |= share == share.amax(-1, keepdim=True)  # never empty
+        if recent:
+            chosen[..., max(n - recent, 0):] = True
+        return mask_to_indices(chosen & valid)
+
+    def plan(self, step: Step) -> Plan:
+        b, hkv, t = step.key.shape[:3]
+        retrieval = self.retrieval[step.layer].to(step.key.device)  # [Hkv]
+        n_blocks = math.ceil(t / self.block_size)
+        inherited = step.scratch.get("lychee.sets")  # [B, Hkv, N] block ids from the previous layer
+        probs = attention_probs(step.query, step.key, step.scale, step.keep)  # [B, Hq, T]
+        token_scores = probs.view(b, hkv, step.groups, t).amax(2)  # [B, Hkv, T]
+        blocks = pool_pages(token_scores, self.block_size)  # [B, Hkv, n]
+        valid = pool_pages(step.keep.float(), self.block_size)[:, None, :].expand(b, hkv, n_blocks) > 0
+        chosen = self._choose(blocks, valid, int(step.keep.sum(-1).max()))
+        if bool(retrieval.all()) or inherited is None:
+            step.scratch["lychee.sets"] = chosen
+            return Plan()
+        # Retrieval heads read every block and pass on their choice; sparse heads read and pass on their inheritance.
+        width = max(n_blocks, inherited.shape[-1])
+        every = torch.arange(n_blocks, device=step.key.device).expand(b, hkv, n_blocks)
+        read = torch.where(retrieval[None, :, None], _pad(every, width), _pad(inherited, width))
+        width = max(chosen.shape[-1], inherited.shape[-1])
+        step.scratch["lychee.sets"] = torch.where(retrieval[None, :, None], _pad(chosen, width), _pad(inherited, width))
+        return Plan(indices=read, block_size=self.block_size)
+
+
+def _pad(indices: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(indices, (0, width - indices.shape[-1]), value=-1)
