@@ -56,6 +56,7 @@ _ST_DTYPES_BACK = {v: k for k, v in _ST_DTYPES.items()}
 _NP_DTYPES = {torch.int8: np.dtype("i1"), torch.float32: np.dtype("<f4")}
 _JSON_KEYS = ("config", "data", "metrics")  # metadata values that hold JSON documents
 _MAX_HEADER = 64 * 1024 * 1024
+CONTENT_HASH_KEY = "content_sha256"  # metadata key; checked on load when present
 
 
 class ManifestError(ValueError):
@@ -265,9 +266,11 @@ class RoleManifest:
             header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
             blobs.append(raw)
             offset += len(raw)
-        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        data = b"".join(blobs)
+        header["__metadata__"][CONTENT_HASH_KEY] = content_sha256(header, data)
+        text = _canonical(header)
         text += b" " * (-len(text) % 8)  # keep the tensor data 8-byte aligned, as safetensors does
-        return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+        return struct.pack("<Q", len(text)) + text + data
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically: a temporary file in the same folder, fsync, then rename over ``path``."""
@@ -295,9 +298,10 @@ class RoleManifest:
     @classmethod
     def from_bytes(cls, buf: bytes, source: str = "<bytes>") -> RoleManifest:
         header, data = _parse(buf, source)
-        meta = header.pop("__metadata__", None)
+        meta = header.get("__metadata__")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ManifestError(f"{source}: not a rolecall manifest (metadata 'format' is not {FORMAT!r})")
+        full_header, header = header, {k: v for k, v in header.items() if k != "__metadata__"}
         version = meta.get("schema_version", "")
         if not str(version).isdigit():
             raise ManifestError(f"{source}: schema_version {version!r} is not an integer")
@@ -321,12 +325,26 @@ class RoleManifest:
             if name not in _TENSORS:
                 raise ManifestError(f"{source}: unknown tensor {name!r} (schema {SCHEMA_VERSION} knows {sorted(_TENSORS)})")
             tensors[_TENSORS[name][0]] = _read_tensor(name, spec, data, source)
+        if "rolecall_version" in meta and CONTENT_HASH_KEY not in meta:
+            raise ManifestError(f"{source}: corrupted: written by rolecall but its {CONTENT_HASH_KEY!r} is missing")
+        if CONTENT_HASH_KEY in meta:
+            written, actual = meta[CONTENT_HASH_KEY], content_sha256(full_header, data)
+            # the hash covers the parsed header; a flip that JSON ignores (e.g. into whitespace) shows up here
+            raw_header = buf[8 : 8 + struct.unpack("<Q", buf[:8])[0]].rstrip(b" ")
+            if raw_header != _canonical(full_header):
+                actual = "not-canonical"
+            if written != actual:
+                raise ManifestError(
+                    f"{source}: corrupted: content hash is {actual[:12]}… but the file says {str(written)[:12]}… "
+                    "(changed after it was written); restore or re-create the manifest"
+                )
         listed = [s for s in meta.get("sections", "").split(",") if s]
         found = sorted({_TENSORS[n][3] for n in header})
         if sorted(listed) != found:
             raise ManifestError(f"{source}: metadata 'sections' lists {listed} but the file holds {found}")
         known = {f"model.{k}" for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "name", "revision",
                                          "config_sha256")} | {"format", "schema_version", "sections", "created",
+                                                              CONTENT_HASH_KEY,
                                                               "rolecall_version", *_JSON_KEYS}
         docs = {}
         for key in _JSON_KEYS:
@@ -350,6 +368,18 @@ class RoleManifest:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         kw.update(changes)
         return RoleManifest(**kw)
+
+
+def _canonical(header: Mapping[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def content_sha256(header: Mapping[str, Any], data: bytes | memoryview) -> str:
+    """SHA-256 of the canonical header JSON (sorted keys, no spaces, without this hash) and the tensor bytes."""
+    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != CONTENT_HASH_KEY}
+    h = hashlib.sha256(_canonical({**header, "__metadata__": meta}))
+    h.update(data)
+    return h.hexdigest()
 
 
 def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:

@@ -197,3 +197,25 @@ def test_constructor_checks_itself():
     m = RoleManifest(ident, layer_role=[0, 0, 1, 2])
     assert m.layer_role.dtype == torch.int8 and m.delta_layers == [2]
     assert RoleManifest(ident).sections == []
+
+
+def test_flipped_bytes_are_reported(tmp_path):
+    good = make().to_bytes()
+    header_len = struct.unpack("<Q", good[:8])[0]
+    # one byte inside the tensor data, and one metadata value that still parses as JSON
+    data_flip = bytearray(good)
+    data_flip[8 + header_len + 3] ^= 0x01
+    meta_flip = good.replace(b'"model.name":"tiny-llama"', b'"model.name":"tiny-llamb"')
+    assert meta_flip != good
+    for i, buf in enumerate([bytes(data_flip), meta_flip]):
+        path = tmp_path / f"bad{i}.safetensors"
+        path.write_bytes(buf)
+        with pytest.raises(ManifestError, match="corrupted: content hash"):
+            RoleManifest.load(path)
+    # every single-bit flip anywhere in the file is refused
+    for pos in range(len(good)):
+        for bit in (0x01, 0x20, 0x80):
+            buf = bytearray(good)
+            buf[pos] ^= bit
+            with pytest.raises(ManifestError):
+                RoleManifest.from_bytes(bytes(buf))
