@@ -1,0 +1,139 @@
+"""``calibrate.run``: traces in, role manifest out. The CLI (``calibrate.cli``) only wraps this."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from calibrate.config import CalibrateConfig, dumps, resolve
+from calibrate.delta import get_selector, layer_roles, mean_sparse_recall, recall_per_layer
+from calibrate.lethe import LetheBudget
+from calibrate.recorder import AttentionRecorder, record_traces
+from calibrate.totals import CalibrationTotals
+from calibrate.traces import traces_sha256
+from runtime.manifest import ModelIdentity, RoleManifest
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _shard(traces: list[list[int]]) -> list[list[int]]:
+    """This process's share of the traces under ``torch.distributed`` (round robin), else all of them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return traces[dist.get_rank() :: dist.get_world_size()]
+    return traces
+
+
+def model_name(model) -> str:
+    spec = getattr(model, "rolecall_spec", None)
+    return spec.name if spec is not None else str(getattr(model.config, "_name_or_path", "") or "model")
+
+
+def record(model, traces: list[list[int]], config: CalibrateConfig, progress: bool = True) -> CalibrationTotals:
+    """Record this process's share of ``traces`` and sum the totals over all processes."""
+    text = _text_config(model)
+    recorder = AttentionRecorder(
+        text.num_hidden_layers, text.num_attention_heads, stride=config.stride, min_context=config.min_context,
+        page_size=config.page_size, top_pages=config.top_pages, recent_pages=config.recent_pages,
+        bins=config.bins, query_block=config.query_block)
+    totals = record_traces(model, _shard(traces), recorder, chunk_size=config.chunk_size, progress=progress)
+    return totals.all_reduce().to("cpu")
+
+
+def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict[str, Any]) -> RoleManifest:
+    """Δ-layers, Lethe budgets and metrics from recorded totals → the manifest."""
+    if totals.recall_count.item() == 0:
+        longest = int(data.get("longest", 0))
+        raise ValueError(f"no query was sampled: the longest trace has {longest} tokens but recording starts at "
+                         f"min_context={config.min_context}; lower --min-context or use longer traces")
+    m = totals.means()
+    num_layers = totals.num_layers
+    if config.warmup >= num_layers:
+        raise ValueError(f"warmup={config.warmup} leaves no layer to select in a {num_layers}-layer model; lower --warmup")
+    kw = {"warmup": config.warmup, "min_gap": config.min_gap, "target_recall": config.target_recall}
+    delta = get_selector(config.select, **kw)(m["shift"], m["recall"], config.num_delta)
+    peaks = get_selector("peaks", **kw)(m["shift"], m["recall"], len(delta))
+    per_layer = recall_per_layer(m["recall"], delta, config.warmup)
+    budget = LetheBudget(config.budget, config.min_budget)(m["sparsity"])
+
+    def r(x: torch.Tensor) -> list:
+        return [round(float(v), 6) for v in x.flatten()] if x.dim() <= 1 else [r(row) for row in x]
+
+    metrics = {
+        "delta_layers": delta,
+        "select": config.select,
+        "recall_mean": round(mean_sparse_recall(m["recall"], delta, config.warmup), 6),
+        "recall_per_layer": r(per_layer),
+        "peaks_delta_layers": peaks,
+        "peaks_recall_mean": round(mean_sparse_recall(m["recall"], peaks, config.warmup), 6),
+        "recall_pairs": r(m["recall"]),  # [s][l]: lets another Δ set be scored without re-running the model
+        "drift": r(m["drift"]),
+        "head_sparsity": r(m["head_sparsity"]),
+        "bin_positions": r(m["positions"]),
+        "budget_tokens": config.top_pages * config.page_size + config.recent_pages * config.page_size,
+        "sampled_queries": int(totals.recall_count.item()),
+    }
+    return RoleManifest(
+        model=ModelIdentity.from_config(model.config, name=model_name(model)),
+        layer_role=layer_roles(num_layers, delta, config.warmup),
+        layer_shift=m["shift"], layer_sparsity=m["sparsity"], layer_budget=budget,
+        config=config.to_dict(), data=data, metrics=metrics,
+    )
+
+
+def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | None = None, *,
+        data: dict[str, Any] | None = None, progress: bool = True) -> RoleManifest:
+    """Record attention on ``traces`` and decide DELTA's layer roles and Lethe's budgets.
+
+    ``traces``: token-id lists or texts (texts are tokenised without special tokens). ``config``: a
+    :class:`CalibrateConfig` or a dict of its fields. ``data``: provenance to merge into the manifest's ``data``
+    (the trace count, token count and hash are always recorded). Under ``torch.distributed`` each process
+    records a round-robin share and the sums are reduced, so every process returns the same manifest.
+    """
+    if not isinstance(config, CalibrateConfig):
+        config = resolve(config or {})
+    traces = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) if isinstance(t, str) else list(t)
+              for t in traces]
+    if config.max_traces is not None:
+        traces = traces[: config.max_traces]
+    if not traces:
+        raise ValueError("no calibration traces; pass prompts to generate from or a --traces file")
+    provenance = {"traces": len(traces), "tokens": sum(map(len, traces)), "longest": max(map(len, traces)),
+                  "sha256": traces_sha256(traces), **(data or {})}
+    totals = record(model, traces, config, progress=progress)
+    return decide(model, totals, config, provenance)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) -> list[Path]:
+    """Write the manifest, its resolved config (``<stem>.config.json``) and, with ``plots``, the PNGs beside it."""
+    output = Path(output)
+    written = [manifest.save(output)]
+    stem = output.name.removesuffix(".safetensors")
+    config_path = output.with_name(f"{stem}.config.json")
+    _atomic_write(config_path, dumps(resolve(manifest.config)))
+    written.append(config_path)
+    if plots:
+        from calibrate.plots import plot_all
+
+        written += plot_all(manifest, output.parent, stem)
+    return written

@@ -1,0 +1,141 @@
+"""``calibrate-delta`` (also ``rolecall calibrate``): record attention on reasoning traces, choose DELTA's
+Δ-layers and Lethe's budgets, write one role manifest, its config and plots.
+
+Settings come in layers: the defaults of ``CalibrateConfig``, then ``--config`` (by default
+``configs/calibrate/<model>.yaml`` when one ships for the model), then the flags given here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# flag -> (config key, type, help); every flag defaults to None so that an unset flag leaves the YAML value alone
+_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--model", "model", str, "model alias (configs/models/), Hugging Face id or local folder [smollm2-135m]"),
+    ("--output", "output", str, "manifest path [artifacts/<model>.delta.safetensors]"),
+    ("--traces", "traces", str, "JSONL file of traces ({\"text\"} or {\"ids\"} per line); skips generation"),
+    ("--prompts", "prompts", str, "reasoning prompt source: champ, arithmetic[:N] or jsonl:PATH [champ]"),
+    ("--num-prompts", "num_prompts", int, "prompts to generate traces from"),
+    ("--max-new-tokens", "max_new_tokens", int, "tokens generated per trace"),
+    ("--temperature", "temperature", float, "sampling temperature (with --sample)"),
+    ("--top-p", "top_p", float, "nucleus sampling mass (with --sample)"),
+    ("--seed", "seed", int, "seed for sampled traces"),
+    ("--max-traces", "max_traces", int, "use at most this many traces"),
+    ("--stride", "stride", int, "record every stride-th query position"),
+    ("--min-context", "min_context", int, "first recorded query position"),
+    ("--chunk-size", "chunk_size", int, "prefill chunk in tokens"),
+    ("--query-block", "query_block", int, "sampled rows materialised at once"),
+    ("--bins", "bins", int, "decode-time bins of the sparsity profile"),
+    ("--page-size", "page_size", int, "DELTA page size P in tokens"),
+    ("--top-pages", "top_pages", int, "DELTA K: pages a Δ-layer selects"),
+    ("--recent-pages", "recent_pages", int, "DELTA L: most recent pages always kept"),
+    ("--warmup", "warmup", int, "full warm-up layers [0, warmup); layer `warmup` is the first Δ-layer"),
+    ("--num-delta", "num_delta", str, "Δ-layers including the first, or 'auto' (smallest set reaching --target-recall)"),
+    ("--select", "select", str, "Δ-layer selector: peaks (shift peaks, DELTA) or recall (greedy on simulated recall)"),
+    ("--min-gap", "min_gap", int, "minimum distance between shift peaks, in layers"),
+    ("--target-recall", "target_recall", float, "recall goal for --num-delta auto"),
+    ("--budget", "budget", float, "Lethe: mean fraction of the context a layer keeps"),
+    ("--min-budget", "min_budget", float, "Lethe: smallest fraction any layer keeps"),
+    ("--dtype", "dtype", str, "model dtype (float32, bfloat16, ...) [the alias's]"),
+    ("--device", "device", str, "cpu, cuda, cuda:N [cuda when available]"),
+    ("--device-map", "device_map", str, "'auto' shards a model larger than one GPU"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML of settings [configs/calibrate/<model>.yaml when it exists]")
+    for flag, key, kind, text in _FLAGS:
+        parser.add_argument(flag, dest=key, type=kind, default=None, help=text)
+    parser.add_argument("--sample", dest="sample", action="store_const", const=True, default=None,
+                        help="sample traces instead of greedy decoding")
+    parser.add_argument("--no-plots", dest="plots", action="store_const", const=False, default=None,
+                        help="skip the PNG plots")
+    parser.add_argument("--no-cache", action="store_true", help="regenerate traces even when cached")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def resolve_config(args: argparse.Namespace):
+    from calibrate.config import read_yaml, resolve, shipped_config
+
+    flags = {key: getattr(args, key) for _, key, _, _ in _FLAGS} | {"sample": args.sample, "plots": args.plots}
+    path = args.config
+    if path is None:
+        default_model = flags["model"] or "smollm2-135m"
+        shipped = shipped_config(default_model)
+        path = str(shipped) if shipped else None
+    doc = read_yaml(path) if path else {}
+    return resolve(doc, flags), path
+
+
+def _default_output(model: str) -> Path:
+    name = Path(model).name if Path(model).expanduser().is_dir() else model.replace("/", "--")
+    return Path("artifacts") / f"{name}.delta.safetensors"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from calibrate.api import run as calibrate
+    from calibrate.api import save
+    from calibrate.traces import generate_traces, load_prompts, read_traces
+    from runtime.models import load_model, load_tokenizer
+
+    config, config_path = resolve_config(args)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    say(f"calibrate-delta: model {config.model}, config {config_path or 'defaults'}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:  # accelerate launch / torchrun: one process per GPU, traces split between them
+        from accelerate import PartialState
+
+        state = PartialState()
+        rank, device = state.process_index, state.device
+    else:
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(config.model, dtype=config.dtype, device_map=config.device_map)
+    if config.device_map is None:
+        model.to(device)
+    tokenizer = load_tokenizer(config.model)
+    data = {}
+    if config.traces:
+        traces = read_traces(config.traces, tokenizer)
+        data["source"] = f"file:{config.traces}"
+    else:
+        prompts = load_prompts(config.prompts, config.num_prompts)
+        gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
+                   top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
+        if world > 1 and rank != 0:
+            torch.distributed.barrier()  # rank 0 generates and caches first, the others read its cache
+        traces = generate_traces(model, tokenizer, prompts, **gen)
+        if world > 1 and rank == 0:
+            torch.distributed.barrier()
+        data.update({"source": f"generated:{config.prompts}", "prompts": len(prompts),
+                     "generation": {k: gen[k] for k in ("max_new_tokens", "sample", "seed")}})
+    manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet)
+    if rank == 0:
+        output = Path(config.output) if config.output else _default_output(config.model)
+        for path in save(manifest, output, plots=config.plots):
+            say(f"wrote {path}")
+        m = manifest.metrics
+        print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
+              f"{m['recall_mean']:.4f} at K={config.top_pages} + L={config.recent_pages} pages of {config.page_size}; "
+              f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="calibrate-delta", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"calibrate-delta: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
