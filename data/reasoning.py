@@ -21,7 +21,15 @@ import torch
 from tqdm.auto import tqdm
 
 from data.corpora import ASSETS_HINT, CorpusError, CorpusNotFoundError
-from data.tokens import TokenDataset, cached, has_chat_template, sha256_text, tokenizer_fingerprint
+from data.tokens import (
+    TokenDataset,
+    atomic_write_text,
+    cache_root,
+    cached,
+    has_chat_template,
+    sha256_text,
+    tokenizer_fingerprint,
+)
 
 INSTRUCTION = "Think it through step by step, then give the final answer in \\boxed{}."
 
@@ -54,8 +62,20 @@ def champ_problems(arg: str = "") -> list[Problem]:
     path = Path(str(dist.locate_file("champ_dataset/dataset_files/v0.json")))
     if not path.is_file():
         raise CorpusNotFoundError(f"reasoning source 'champ': {path} is missing; reinstall: {ASSETS_HINT}")
-    problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
-    return [Problem(key, p["_text"], p.get("_answer")) for key, p in problems.items()]
+    return [Problem(*row) for row in _champ_rows(str(path))]
+
+
+def _champ_rows(path: str) -> list[list[str]]:
+    """(name, text, answer) of each problem. The file is 72 MB, mostly model transcripts; the three fields
+    are kept in a small JSON under the cache, keyed by the file's size and modification time."""
+    stat = Path(path).stat()
+    small = cache_root() / f"champ-{stat.st_size}-{stat.st_mtime_ns}.json"
+    if small.is_file():
+        return json.loads(small.read_text(encoding="utf-8"))
+    problems = json.loads(Path(path).read_text(encoding="utf-8"))["problems"]
+    rows = [[key, p["_text"], p.get("_answer")] for key, p in problems.items()]
+    atomic_write_text(json.dumps(rows), small)
+    return rows
 
 
 @register_problems("jsonl")

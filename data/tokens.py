@@ -140,6 +140,18 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.unlink(tmp)
 
 
+def atomic_write_text(text: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 class TokenDataset(Dataset):
     """A list of samples (dicts whose ``input_ids`` and ``labels`` are 1-D LongTensors, plus per-sample
     metadata) and ``info``: what it was built from, including the cache key, for manifests and logs."""
