@@ -1,10 +1,14 @@
-"""``rolecall``: the umbrella command. Each subcommand is a module with ``add_arguments(parser)`` and
-``run(args) -> int``, listed in ``SUBCOMMANDS``; a module that is not importable is left out of the help."""
+"""``rolecall``: the umbrella command.
+
+Each subcommand is a module with ``add_arguments(parser)`` and ``run(args) -> int``, listed in ``SUBCOMMANDS``;
+only the chosen one is imported, and one whose module does not exist is left out.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # name -> (module, one-line help)
@@ -14,27 +18,37 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train.cli", "learn retrieval heads with HardKuma gates (= train-heads)"),
     "decode": ("runtime.decode_cli", "generate with a manifest and a sparse-decode policy"),
     "eval": ("runtime.eval_cli", "compare policies on passkey prompts"),
+    "export": ("runtime.export_cli", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
+    "import": ("runtime.import_cli", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
+    "merge": ("runtime.merge_cli", "combine a layers manifest and a heads manifest of one model"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rolecall", description=__doc__.split("\n")[0])
+def available() -> dict[str, tuple[str, str]]:
+    """The subcommands whose module exists (found without importing it, so ``--help`` stays fast)."""
+    return {name: entry for name, entry in SUBCOMMANDS.items() if importlib.util.find_spec(entry[0]) is not None}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``only``, just that subcommand's module is imported and given its arguments."""
+    parser = argparse.ArgumentParser(
+        prog="rolecall",
+        description="Find which layers and heads need full attention, and ship them as role manifests.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and module_name.startswith(e.name):
-                continue  # not built in this version
-            raise
+    for name, (module_name, help_text) in available().items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if only in (None, name):
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, OSError) as e:  # our errors are one line that names the problem and the fix

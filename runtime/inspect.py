@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
+from runtime.manifest import CONTENT_HASH_KEY, LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest, read_metadata
 
 LAYER_GLYPHS = {LAYER_ROLE_FULL: "F", LAYER_ROLE_SELECT: "Δ", 2: "·"}
 HEAD_GLYPHS = {1: "R", 0: "·"}
@@ -69,14 +69,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", help="path to a .safetensors role manifest")
     parser.add_argument("--model", help="also check that the manifest fits this model (alias, HF id or folder)")
     parser.add_argument("--json", action="store_true", help="print the metadata as JSON instead of a table")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the role map and the present sections into PNG")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the content hash and that the file is in canonical form; exit 1 if not")
+
+
+def verify(path: str) -> tuple[bool, str]:
+    """(ok, message). Loading checks the content hash; a rolecall file must also re-serialise to its own bytes."""
+    from pathlib import Path
+
+    raw = Path(path).read_bytes()
+    manifest = RoleManifest.from_bytes(raw, source=path)  # raises ManifestError on any corruption
+    digest = read_metadata(raw).get(CONTENT_HASH_KEY)
+    if digest is None:
+        return True, "verified: loads and validates (no content hash to check: written by another tool)"
+    if manifest.to_bytes() != raw:
+        return False, "content hash matches but the file is not in canonical form; re-save it with rolecall"
+    return True, f"verified: content hash {digest} matches and the file is canonical"
 
 
 def run(args: argparse.Namespace) -> int:
     manifest = RoleManifest.load(args.manifest)
+    if args.verify:
+        ok, message = verify(args.manifest)
+        print(message)
+        if not ok:
+            return 1
     if args.json:
         print(json.dumps(manifest.metadata(), indent=2, sort_keys=True))
     else:
         print(describe(manifest, args.manifest))
+    if args.plot:
+        from runtime.plots import plot_manifest
+
+        print(f"\nplot: {plot_manifest(manifest, args.plot)}")
     if args.model:
         from runtime.models import load_config
 

@@ -249,7 +249,7 @@ class RoleManifest:
             if value:
                 meta[key] = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
         for key in ("created", "rolecall_version"):
-            if getattr(self, key) is not None:
+            if getattr(self, key):
                 meta[key] = getattr(self, key)
         return meta
 
@@ -368,6 +368,13 @@ class RoleManifest:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         kw.update(changes)
         return RoleManifest(**kw)
+
+
+def read_metadata(buf: bytes, source: str = "<bytes>") -> dict[str, str]:
+    """The metadata of a manifest's bytes, without reading or checking its tensors."""
+    header, _ = _parse(buf, source)
+    meta = header.get("__metadata__")
+    return dict(meta) if isinstance(meta, dict) else {}
 
 
 def _canonical(header: Mapping[str, Any]) -> bytes:

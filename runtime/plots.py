@@ -1,0 +1,106 @@
+"""One picture of a manifest: role map, and where present the shift curve, sparsity heatmap and gate means."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
+
+ROLE_COLORS = {LAYER_ROLE_FULL: "#4c72b0", LAYER_ROLE_SELECT: "#dd8452", 2: "#d0d0d0"}
+
+
+def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
+    """Draw every present section of ``manifest`` into one PNG (written atomically) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    panels = []
+    if manifest.layer_role is not None:
+        panels.append("layers")
+    if manifest.layer_shift is not None:
+        panels.append("shift")
+    if manifest.layer_sparsity is not None:
+        panels.append("sparsity")
+    if manifest.layer_budget is not None:
+        panels.append("budget")
+    if manifest.head_role is not None:
+        panels.append("heads")
+    if manifest.head_expected_gate is not None:
+        panels.append("gate_mean")
+    if not panels:
+        raise ValueError("the manifest has no sections to plot")
+
+    L = manifest.model.num_layers
+    layers = np.arange(L)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 0.22 * L + 2), 2.3 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        if panel == "layers":
+            roles = manifest.layer_role.numpy()
+            ax.bar(layers, np.ones(L), color=[ROLE_COLORS[int(r)] for r in roles], width=0.9)
+            ax.set_yticks([])
+            ax.set_title("layer roles")
+            ax.legend(handles=[Patch(color=ROLE_COLORS[0], label="full (warm-up)"),
+                               Patch(color=ROLE_COLORS[1], label="Δ (selection)"),
+                               Patch(color=ROLE_COLORS[2], label="sparse")],
+                      loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False, fontsize=8)
+        elif panel == "shift":
+            shift = manifest.layer_shift.numpy()
+            ax.plot(layers, shift, marker="o", ms=3, color="#333333", lw=1.2)
+            delta = manifest.delta_layers
+            if delta:
+                ax.scatter(delta, shift[delta], s=60, color=ROLE_COLORS[1], zorder=3, label="Δ-layers")
+                ax.legend(fontsize=8, frameon=False)
+            ax.set_ylabel("1 − cos(a[l−1], a[l])")
+            ax.set_title("inter-layer attention shift")
+        elif panel == "sparsity":
+            im = ax.imshow(manifest.layer_sparsity.numpy(), aspect="auto", origin="lower", cmap="viridis",
+                           interpolation="nearest", vmin=0.0, vmax=1.0)
+            fig.colorbar(im, ax=ax, pad=0.01, label="Hoyer sparsity")
+            ax.set_ylabel("layer")
+            ax.set_xlabel("decode-time bin")
+            ax.set_title("attention sparsity per layer over decode time")
+        elif panel == "budget":
+            ax.bar(layers, manifest.layer_budget.numpy(), color="#55a868", width=0.9)
+            ax.set_ylabel("kept fraction")
+            ax.set_title("per-layer KV budget (Lethe)")
+        elif panel == "heads":
+            values = manifest.head_expected_gate if manifest.head_expected_gate is not None else manifest.head_role
+            im = ax.imshow(values.numpy().T.astype(float), aspect="auto", origin="lower", cmap="magma",
+                           vmin=0.0, vmax=1.0, interpolation="nearest")
+            rl, rh = np.nonzero(manifest.head_role.numpy())
+            ax.scatter(rl, rh, marker="s", s=14, facecolors="none", edgecolors="#00c0ff", lw=0.8)
+            fig.colorbar(im, ax=ax, pad=0.01, label="E[z]" if manifest.head_expected_gate is not None else "role")
+            ax.set_ylabel("KV head")
+            ax.set_title(f"head roles: {len(rl)} retrieval (outlined) of {manifest.head_role.numel()} KV heads")
+            ax.set_yticks(np.arange(manifest.model.num_kv_heads))
+        elif panel == "gate_mean":
+            ax.bar(layers, manifest.head_expected_gate.numpy().mean(axis=1), color="#8172b3", width=0.9)
+            ax.axhline(0.5, color="#888888", lw=0.8, ls="--")
+            ax.set_ylim(0, 1)
+            ax.set_ylabel("mean E[z]")
+            ax.set_title("gate mean per layer")
+        if panel != "sparsity":  # the sparsity panel's x axis is decode time, not layers
+            ax.set_xlim(-0.6, L - 0.4)
+            ax.set_xticks(layers[:: max(1, L // 16)])
+    axes[-1, 0].set_xlabel("layer")
+    fig.suptitle(f"{manifest.model.name or 'manifest'} — {L} layers × {manifest.model.num_kv_heads} KV heads", fontsize=11)
+    fig.tight_layout()
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=130)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+    return path

@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from runtime.cli import main
+from runtime.manifest import ModelIdentity, RoleManifest
+from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture
+def manifest_path(tmp_path):
+    config = tiny_config("qwen2", layers=4, heads=4, kv_heads=2)
+    m = RoleManifest(ModelIdentity.from_config(config, name="tiny-qwen2"), layer_role=[0, 1, 2, 2],
+                     layer_shift=[0.0, 0.3, 0.1, 0.05], layer_sparsity=torch.rand(4, 6),
+                     head_role=torch.tensor([[1, 1], [0, 1], [1, 0], [0, 0]], dtype=torch.int8),
+                     head_expected_gate=torch.tensor([[0.9, 0.8], [0.1, 0.7], [0.6, 0.2], [0.0, 0.3]]),
+                     metrics={"recall": 0.875})
+    return m.save(tmp_path / "m.safetensors")
+
+
+def test_inspect_prints_identity_and_roles(manifest_path, capsys):
+    assert main(["inspect", str(manifest_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-qwen2" in out and "4 layers, 4 query heads, 2 KV heads, head dim 16" in out
+    assert "Δ-layers     [1]" in out and "retrieval    4 of 8 KV heads" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[1] for r in rows] == ["F", "Δ", "·", "·"]
+    assert [r[-1] for r in rows] == ["RR", "·R", "R·", "··"]
+
+
+def test_inspect_verify_and_plot(manifest_path, tmp_path, capsys):
+    assert main(["inspect", str(manifest_path), "--verify", "--plot", str(tmp_path / "p.png")]) == 0
+    assert "content hash" in capsys.readouterr().out
+    png = (tmp_path / "p.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_inspect_reports_corruption_and_mismatch(manifest_path, tmp_path, capsys):
+    raw = bytearray(manifest_path.read_bytes())
+    raw[-3] ^= 0x10
+    (tmp_path / "bad.safetensors").write_bytes(bytes(raw))
+    assert main(["inspect", str(tmp_path / "bad.safetensors"), "--verify"]) == 2
+    assert "corrupted" in capsys.readouterr().err
+
+    folder = tmp_path / "model6"
+    tiny_model("qwen2", layers=6, heads=4, kv_heads=2).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    assert main(["inspect", str(manifest_path), "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_layers is 4 in the manifest" in err and "but 6 in the model" in err
+
+
+def test_export_import_merge_commands(manifest_path, tmp_path):
+    folder = tmp_path / "model4"
+    tiny_model("qwen2", layers=4, heads=4, kv_heads=2).save_pretrained(folder)
+    assert main(["export", str(manifest_path), "--format", "duo", "-o", str(tmp_path / "duo")]) == 0
+    assert main(["import", str(tmp_path / "duo"), "--format", "duo", "--model", str(folder),
+                 "-o", str(tmp_path / "heads.safetensors")]) == 0
+    heads = RoleManifest.load(tmp_path / "heads.safetensors")
+    assert heads.sections == ["heads"]
+    assert torch.equal(heads.head_role, RoleManifest.load(manifest_path).head_role)
+    assert main(["export", str(manifest_path), "--format", "layers", "-o", str(tmp_path / "l.json")]) == 0
+    assert main(["import", str(tmp_path / "l.json"), "--format", "layers", "--model", str(folder),
+                 "-o", str(tmp_path / "layers.safetensors")]) == 0
+    assert main(["merge", str(tmp_path / "layers.safetensors"), str(tmp_path / "heads.safetensors"),
+                 "-o", str(tmp_path / "both.safetensors")]) == 0
+    assert RoleManifest.load(tmp_path / "both.safetensors").sections == ["layers", "heads"]
