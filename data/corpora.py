@@ -132,7 +132,7 @@ def _pick_field(columns: list[str], field: str | None, where: str) -> str:
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _builder_for(path: Path) -> str | None:
+def builder_for(path: Path) -> str | None:
     suffixes = [s for s in path.suffixes if s not in (".zst", ".gz", ".bz2", ".xz")]
     return _FILE_BUILDERS.get(suffixes[-1]) if suffixes else None
 
@@ -173,7 +173,7 @@ class BookSum(Corpus):
         path = self._local()
         try:
             if path is not None and path.is_file():
-                builder = _builder_for(path)
+                builder = builder_for(path)
                 if builder is None:
                     raise CorpusError(f"booksum: cannot read {path.name}; use .jsonl, .jsonl.zst, .json or .parquet")
                 return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache)
