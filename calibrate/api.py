@@ -85,7 +85,8 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
         model=ModelIdentity.from_config(model.config, name=model_name(model)),
         layer_role=layer_roles(num_layers, delta, config.warmup),
         layer_shift=m["shift"], layer_sparsity=m["sparsity"], layer_budget=budget,
-        config=config.to_dict(), data=data, metrics=metrics,
+        # where the manifest is written is not part of what it says: leave it out, so reruns are byte-identical
+        config={k: v for k, v in config.to_dict().items() if k != "output"}, data=data, metrics=metrics,
     )
 
 
@@ -130,7 +131,7 @@ def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) 
     written = [manifest.save(output)]
     stem = output.name.removesuffix(".safetensors")
     config_path = output.with_name(f"{stem}.config.json")
-    _atomic_write(config_path, dumps(resolve(manifest.config)))
+    _atomic_write(config_path, dumps(resolve(manifest.config, {"output": str(output)})))
     written.append(config_path)
     if plots:
         from calibrate.plots import plot_all

@@ -95,15 +95,15 @@ def run(args: argparse.Namespace) -> int:
         rank, device = state.process_index, state.device
     else:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(config.model)
+    data = {}
+    if config.traces:  # read before loading the model, so a bad file fails fast
+        traces = read_traces(config.traces, tokenizer)
+        data["source"] = f"file:{config.traces}"
     model = load_model(config.model, dtype=config.dtype, device_map=config.device_map)
     if config.device_map is None:
         model.to(device)
-    tokenizer = load_tokenizer(config.model)
-    data = {}
-    if config.traces:
-        traces = read_traces(config.traces, tokenizer)
-        data["source"] = f"file:{config.traces}"
-    else:
+    if not config.traces:
         prompts = load_prompts(config.prompts, config.num_prompts)
         gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
                    top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
@@ -126,10 +126,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="calibrate-delta", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return run(args)
     except (ValueError, OSError) as e:

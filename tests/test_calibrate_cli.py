@@ -1,0 +1,107 @@
+"""The real CLI end to end on a tiny model folder, shipped configs, determinism and errors."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+
+import pytest
+import torch
+
+import calibrate
+from calibrate import cli
+from calibrate.config import ConfigError, read_yaml, resolve
+from calibrate.traces import read_traces
+from runtime.manifest import RoleManifest
+from tests.tiny import tiny_model, tiny_tokenizer
+
+FLAGS = ["--prompts", "arithmetic:3", "--max-new-tokens", "48", "--stride", "6", "--min-context", "40",
+         "--page-size", "4", "--top-pages", "3", "--recent-pages", "2", "--warmup", "1", "--num-delta", "2",
+         "--min-gap", "1", "--bins", "3", "--device", "cpu", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_model("qwen2", layers=4, heads=4, kv_heads=2, seed=7).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_path, cache_dir):
+    out1, out2 = tmp_path / "a" / "m.delta.safetensors", tmp_path / "b" / "m.delta.safetensors"
+    assert cli.main(["--model", str(model_dir), "--output", str(out1), *FLAGS]) == 0
+    cached = list((cache_dir / "traces").glob("*.jsonl"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    assert cli.main(["--model", str(model_dir), "--output", str(out2), *FLAGS]) == 0
+    assert cached[0].stat().st_mtime_ns == stamp  # the second run read the cached traces
+    assert out1.read_bytes() == out2.read_bytes()
+    m = RoleManifest.load(out1)
+    m.validate_for(tiny_model("qwen2", layers=4, heads=4, kv_heads=2).config)
+    assert m.layer_role.tolist()[:2] == [0, 1] and m.delta_layers[0] == 1 and len(m.delta_layers) == 2
+    assert m.layer_sparsity.shape == (4, 3) and m.layer_budget.mean().item() == pytest.approx(0.25, rel=1e-4)
+    assert m.data["traces"] == 3 and m.data["source"] == "generated:arithmetic:3" and len(m.data["sha256"]) == 64
+    assert m.data["sha256"] == calibrate.traces.traces_sha256(read_traces(cached[0]))
+    assert 0.0 < m.metrics["recall_mean"] <= 1.0 and m.metrics["sampled_queries"] > 10
+    assert m.config["top_pages"] == 3 and m.config["model"] == str(model_dir)
+    saved = json.loads((out1.parent / "m.delta.config.json").read_text())
+    assert saved == {**m.config, "output": str(out1)}
+    for kind in ("shift", "sparsity", "recall"):
+        assert (out1.parent / f"m.delta.{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_api_takes_texts_and_matches_the_pair_matrix(model_dir):
+    model, tok = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, seed=7), tiny_tokenizer()
+    texts = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs. " * 3]
+    config = {"stride": 5, "min_context": 30, "page_size": 4, "top_pages": 2, "recent_pages": 1, "warmup": 1,
+              "num_delta": 2, "min_gap": 1, "select": "recall"}
+    m = calibrate.run(model, tok, texts, config, progress=False)
+    pairs = torch.tensor(m.metrics["recall_pairs"])
+    from calibrate.delta import mean_sparse_recall
+
+    assert m.metrics["recall_mean"] == pytest.approx(mean_sparse_recall(pairs, m.delta_layers, 1), abs=1e-5)
+    # the greedy recall search is at least as good as the peaks it is compared with
+    assert m.metrics["recall_mean"] >= m.metrics["peaks_recall_mean"] - 1e-6
+    assert m.model.config_sha256 and m.data["tokens"] == sum(len(tok(t)["input_ids"]) for t in texts)
+
+
+def test_every_shipped_calibration_config_resolves():
+    folder = importlib.resources.files("configs") / "calibrate"
+    names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".yaml"))
+    assert "smollm2-135m.yaml" in names and "qwen-14b.yaml" in names
+    for name in names:
+        config = resolve(read_yaml(str(folder / name)))
+        assert config.model == name.removesuffix(".yaml")
+
+
+def test_flags_override_yaml_override_defaults(tmp_path):
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("stride: 4\ntop_pages: 9\n")
+    args = cli.build_parser().parse_args(["--config", str(yaml_file), "--stride", "2"])
+    config, _ = cli.resolve_config(args)
+    assert (config.stride, config.top_pages, config.recent_pages) == (2, 9, 8)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--traces", "/nonexistent/t.jsonl"], "no such file"),
+    (["--stride", "0"], "stride must be an integer ≥ 1"),
+    (["--select", "best"], "select must be one of"),
+    (["--config", "/nonexistent.yaml"], "no such file"),
+])
+def test_bad_input_is_one_line(model_dir, argv, message, capsys):
+    assert cli.main(["--model", str(model_dir), "--quiet", *argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("calibrate-delta: error: ") and message in last
+
+
+def test_unknown_yaml_key_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'strid'"):
+        resolve({"strid": 3})
+
+
+def test_traces_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"ids": [1, 2]}\n{"ids": []}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2"):
+        read_traces(bad)
