@@ -43,10 +43,14 @@ def text_piece(tokenizer, text: str, label: bool = False) -> Piece:
 
 
 def prefix_ids(tokenizer) -> tuple[int, ...]:
-    """The ids a tokenizer puts in front of every text (``[bos]`` for Llama, nothing for GPT-2-style ones)."""
+    """The ids a tokenizer puts in front of every text (``[bos]`` for Llama, nothing for GPT-2-style ones);
+    ids it appends (an EOS) are left out: a prompt goes on after its text."""
     ids = tokenizer.encode("x", add_special_tokens=True)
     bare = tokenizer.encode("x", add_special_tokens=False)
-    return tuple(ids[: len(ids) - len(bare)]) if ids[len(ids) - len(bare):] == bare else ()
+    for i in range(len(ids) - len(bare) + 1):
+        if ids[i:i + len(bare)] == bare:
+            return tuple(ids[:i])
+    return ()
 
 
 def assemble(pieces: Iterable[Piece]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
@@ -65,6 +69,28 @@ def assemble(pieces: Iterable[Piece]) -> tuple[torch.Tensor, torch.Tensor, list[
 
 _SENTINEL = "\x1e{}\x1e"
 _SENTINEL_RE = re.compile("\x1e(\\d+)\x1e")
+
+
+def pad_collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
+    """Batch samples for a DataLoader: ``input_ids`` right-padded with ``pad_id``, ``labels`` with −100, an
+    ``attention_mask``; any other field becomes a list with one entry per sample."""
+    if not samples:
+        raise ValueError("pad_collate needs at least one sample")
+    width = max(len(s["input_ids"]) for s in samples)
+    batch: dict[str, Any] = {
+        "input_ids": torch.full((len(samples), width), pad_id, dtype=torch.long),
+        "labels": torch.full((len(samples), width), IGNORE, dtype=torch.long),
+        "attention_mask": torch.zeros((len(samples), width), dtype=torch.long),
+    }
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        batch["input_ids"][row, :n] = s["input_ids"]
+        batch["labels"][row, :n] = s["labels"]
+        batch["attention_mask"][row, :n] = 1
+    for key in samples[0]:
+        if key not in batch:
+            batch[key] = [s.get(key) for s in samples]
+    return batch
 
 
 def has_chat_template(tokenizer) -> bool:
