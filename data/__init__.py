@@ -1,0 +1,38 @@
+"""Datasets for rolecall, offline by default.
+
+* ``data.passkey``: passkey-in-haystack training prompts (DuoAttention / LycheeDecode) and a single-passkey
+  needle-in-a-haystack evaluation grid.
+* ``data.hotpotqa``: HotpotQA distractor-setting prompts with answer targets.
+* ``data.reasoning``: calibration prompts (CHAMP by default, a user JSONL, or generated arithmetic).
+* ``data.corpora``: haystack text sources (``pg-essays``, ``booksum[:WHERE]``, ``text:PATH``).
+
+Every builder returns a ``data.tokens.TokenDataset`` (a ``torch.utils.data.Dataset`` of dicts with 1-D
+``input_ids`` and ``labels``), cached under ``runtime.models.cache_dir() / "data"``. ``build_dataset(name,
+tokenizer, **options)`` selects a builder by name, for configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+BUILDERS: dict[str, tuple[str, str]] = {  # name -> (module, function)
+    "passkey": ("data.passkey", "build_passkey_dataset"),
+    "niah": ("data.passkey", "build_niah_dataset"),
+    "hotpotqa": ("data.hotpotqa", "build_hotpotqa_dataset"),
+    "reasoning": ("data.reasoning", "build_reasoning_dataset"),
+}
+
+
+def builder(name: str) -> Callable[..., Any]:
+    import importlib
+
+    if name not in BUILDERS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(BUILDERS)}")
+    module, function = BUILDERS[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def build_dataset(name: str, tokenizer, **options: Any):
+    """``build_dataset("passkey", tok, lengths=(1000, 4000))`` = ``data.passkey.build_passkey_dataset(tok, ...)``."""
+    return builder(name)(tokenizer, **options)

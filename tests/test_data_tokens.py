@@ -86,3 +86,14 @@ def test_tokenizer_fingerprint_follows_the_chat_template():
     assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
     b.chat_template = "{{ messages[0]['content'] }}"
     assert tokenizer_fingerprint(a) != tokenizer_fingerprint(b)
+
+
+def test_builders_are_found_by_name(cache_dir):
+    from data import build_dataset
+    from data.reasoning import build_reasoning_dataset
+
+    tok = tiny_tokenizer()
+    a = build_dataset("reasoning", tok, source="arithmetic:2")
+    assert a.info["key"] == build_reasoning_dataset(tok, "arithmetic:2").info["key"] and len(a) == 2
+    with pytest.raises(ValueError, match="unknown dataset 'books'.*passkey"):
+        build_dataset("books", tok)
