@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from runtime.kernels.page_scores import attention_probs, pool_pages
-from runtime.kernels.topk_select import mask_to_indices, topk_with_recent
+from runtime.kernels.topk_select import mask_to_indices
 from runtime.manifest import HEAD_ROLE_RETRIEVAL
 from runtime.policies import Plan, PolicyError, Step, positive
 
@@ -65,13 +65,20 @@ class Lychee:
         self.retrieval = manifest.head_role == HEAD_ROLE_RETRIEVAL
         self.retrieval[0] = True  # layer 0 has nothing to inherit
 
-    def _choose(self, scores: torch.Tensor, valid: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _choose(self, scores: torch.Tensor, valid: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, n]`` → chosen block ids ``[B, Hkv, N]`` (-1 padded)."""
         n = scores.shape[-1]
         recent = math.ceil(self.recent / self.block_size) if self.recent else 0
         if self.mode in ("budget", "ratio"):
-            want = self.budget if self.mode == "budget" else self.ratio * tokens
-            return topk_with_recent(scores, max(math.ceil(want / self.block_size), recent, 1), recent, valid)
+            want = self.budget if self.mode == "budget" else self.ratio * tokens  # tokens: [B] valid per row
+            k = torch.as_tensor(want, device=scores.device).div(self.block_size).ceil().clamp_min(max(recent, 1))
+            ranked = scores.float().masked_fill(~valid, float("-inf"))
+            if recent:
+                ranked[..., max(n - recent, 0):] = float("inf")
+            order = ranked.argsort(dim=-1, descending=True, stable=True)
+            rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+            k = k.view(-1, 1, 1) if k.dim() else k
+            return mask_to_indices((rank < k) & valid)
         share = scores.masked_fill(~valid, 0.0)
         share = share / share.sum(-1, keepdim=True).clamp_min(1e-30)
         if self.mode == "top_p":
@@ -95,7 +102,7 @@ class Lychee:
         token_scores = probs.view(b, hkv, step.groups, t).amax(2)  # [B, Hkv, T]
         blocks = pool_pages(token_scores, self.block_size)  # [B, Hkv, n]
         valid = pool_pages(step.keep.float(), self.block_size)[:, None, :].expand(b, hkv, n_blocks) > 0
-        chosen = self._choose(blocks, valid, int(step.keep.sum(-1).max()))
+        chosen = self._choose(blocks, valid, step.keep.sum(-1).float())
         if bool(retrieval.all()) or inherited is None:
             step.scratch["lychee.sets"] = chosen
             return Plan()

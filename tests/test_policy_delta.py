@@ -1,0 +1,72 @@
+"""DELTA: page selection against the paper's formula, and sparse layers reading the Δ-layer's pages."""
+
+import math
+
+import pytest
+import torch
+
+from runtime.kernels.sparse_attention import sparse_decode_attention
+from runtime.manifest import ModelIdentity, RoleManifest
+from runtime.policies import PolicyError, Step, get_policy
+from runtime.policies.delta import select_pages
+
+
+def brute_select(probs, page_size, num_pages, recent_pages):
+    """probs [Hq, T] of one sequence → sorted page ids, straight from the formula."""
+    hq, t = probs.shape
+    n = math.ceil(t / page_size)
+    score = []
+    for u in range(n):
+        score.append(sum(max(float(probs[h, i]) for h in range(hq)) for i in range(u * page_size, min((u + 1) * page_size, t))))
+    recent = list(range(max(n - recent_pages, 0), n))
+    others = sorted((u for u in range(n) if u not in recent), key=lambda u: -score[u])
+    return sorted(recent + others[: max(min(num_pages, n) - len(recent), 0)])
+
+
+@pytest.mark.parametrize("t,p,k,recent", [(1000, 16, 8, 2), (257, 16, 64, 8), (100, 7, 5, 0), (33, 16, 2, 2), (5, 16, 4, 1)])
+def test_select_pages_matches_the_formula_on_random_attention(t, p, k, recent):
+    torch.manual_seed(t + p)
+    probs = (torch.randn(3, 6, t) * 3).softmax(-1)  # [B, Hq, T], peaked like real attention
+    got = select_pages(probs.amax(1), p, k, recent)
+    assert got.shape == (3, min(k, math.ceil(t / p)))
+    for b in range(3):
+        assert got[b].tolist() == brute_select(probs[b], p, k, recent)
+
+
+def test_select_pages_rejects_bad_arguments():
+    with pytest.raises(PolicyError, match="recent_pages"):
+        select_pages(torch.rand(1, 64), 16, 2, 3)
+    with pytest.raises(PolicyError, match="page_size"):
+        select_pages(torch.rand(1, 64), 0, 2, 1)
+
+
+def test_budget_is_a_synonym_for_pages():
+    assert get_policy("delta", budget=1024).num_pages == 64
+    assert get_policy("delta", budget=100, page_size=16).num_pages == 7
+    defaults = get_policy("delta")
+    assert (defaults.num_pages, defaults.recent_pages, defaults.page_size) == (64, 8, 16)
+
+
+def test_sparse_layer_reads_exactly_the_delta_layer_pages():
+    torch.manual_seed(3)
+    b, hq, hkv, t, d, p = 2, 6, 2, 90, 8, 8
+    manifest = RoleManifest(ModelIdentity(4, hq, hkv, d), layer_role=torch.tensor([0, 1, 2, 2], dtype=torch.int8))
+    policy = get_policy("delta", num_pages=4, recent_pages=1, page_size=p)
+    policy.bind(manifest, None)
+    keep = torch.ones(b, t, dtype=torch.bool)
+    keep[1, :20] = False
+    scratch = {}
+    q1, k1 = torch.randn(b, hq, d) * 2, torch.randn(b, hkv, t, d)
+    plan = policy.plan(Step(1, q1, k1, torch.randn(b, hkv, t, d), keep, 0.5, scratch))
+    assert plan.indices is None  # the Δ-layer itself reads everything
+    q2, k2, v2 = torch.randn(b, hq, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    plan = policy.plan(Step(2, q2, k2, v2, keep, 0.5, scratch))
+    out, _ = sparse_decode_attention(q2, k2, v2, plan.indices, scale=0.5, block_size=plan.block_size, key_mask=keep)
+    for row in range(b):
+        logits = torch.einsum("hd,htd->ht", q1[row], k1[row].repeat_interleave(hq // hkv, 0)) * 0.5
+        probs = logits.masked_fill(~keep[row], -math.inf).softmax(-1)
+        pages = brute_select(probs, p, 4, 1)
+        tokens = [i for u in pages for i in range(u * p, min((u + 1) * p, t)) if keep[row, i]]
+        kk, vv = k2[row][:, tokens].repeat_interleave(hq // hkv, 0), v2[row][:, tokens].repeat_interleave(hq // hkv, 0)
+        want = torch.einsum("ht,htd->hd", (torch.einsum("hd,htd->ht", q2[row], kk) * 0.5).softmax(-1), vv)
+        assert torch.allclose(out[row], want, atol=1e-5)

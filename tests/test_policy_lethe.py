@@ -1,0 +1,100 @@
+"""Lethe: evicted slots are really freed, the result equals masking the same slots, budgets are kept."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from runtime import attach
+from runtime.manifest import ModelIdentity, RoleManifest
+from runtime.policies import get_policy
+from runtime.policies.lethe import LetheCache
+from tests.tiny import tiny_model
+
+GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=259)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread avoids contention on busy cores
+    yield
+    torch.set_num_threads(threads)
+
+
+def padded(size, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (size, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(1, size):
+        mask[row, : 5 * row] = 0
+    return ids, mask
+
+
+def manifest(model, budget):
+    return RoleManifest(ModelIdentity.from_config(model.config), layer_budget=torch.tensor(budget))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("params", [{"budget": 24}, {"sparse_ratio": 0.5}])
+def test_freeing_equals_masking_and_respects_the_budget(family, params):
+    model = tiny_model(family, layers=4, heads=4, kv_heads=2, head_dim=16)
+    ids, mask = padded(3, 40)
+    man = manifest(model, [2.0, 1.0, 0.5, 0.5])
+    with attach(model, man, "lethe", **params) as session:
+        cache = session.cache()
+        assert isinstance(cache, LetheCache)
+        freed = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, **GEN)
+        logical = 40 + 15  # the last generated token is never fed back
+        caps = [session.policy.capacity(layer, logical) for layer in range(4)]
+        slots = cache.slots()
+        kept = [layer["kept_fraction"] for layer in session.summary()["layers"]]
+    assert all(s <= c for s, c in zip(slots, caps)), (slots, caps)
+    assert slots[0] > slots[3]  # the manifest's per-layer shares are followed
+    assert kept == pytest.approx([s / logical for s in slots])
+    assert cache.get_seq_length() == logical  # positions stay logical for transformers
+    with attach(model, man, "lethe", **params):
+        masked = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+                                max_new_tokens=16, **GEN)
+    assert torch.equal(freed.sequences, masked.sequences)
+    for a, b in zip(freed.logits, masked.logits):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+
+
+def test_memory_is_lower_and_plateaus():
+    model = tiny_model("llama", layers=4, heads=4, kv_heads=2, head_dim=16)
+    ids, mask = padded(2, 64)
+    with attach(model, None, "lethe", budget=32) as session:
+        cache = session.cache()
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, **GEN)
+    dense = DynamicCache(config=model.config)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=dense, max_new_tokens=40, **GEN)
+    full_bytes = sum(layer.keys.numel() * 4 * 2 for layer in dense.layers)
+    assert cache.slots() == [32] * 4 and dense.layers[0].keys.shape[-2] == 64 + 39
+    assert cache.nbytes() == full_bytes * 32 // (64 + 39)
+
+
+def test_eviction_keeps_sinks_and_recent_tokens():
+    policy = get_policy("lethe", budget=20, sinks=3, recent_ratio=0.25, segments=2, tau=1.0)
+    policy.bind(None, type("Config", (), {"num_hidden_layers": 1})())
+    scores = torch.rand(2, 50)
+    scores[:, 10] = 5.0  # a heavy hitter in the middle
+    valid = torch.ones(2, 50, dtype=torch.bool)
+    valid[1, :4] = False  # padding: sinks are the first valid tokens
+    kept = policy._keep(scores, valid, 20)
+    assert kept.shape == (2, 20)
+    for row, first in ((0, 0), (1, 4)):
+        ids = set(kept[row].tolist())
+        assert {first, first + 1, first + 2} <= ids
+        assert set(range(45, 50)) <= ids  # ceil(0.25 · 20) = 5 recent
+        assert 10 in ids
+        assert not ({0, 1, 2, 3} & ids) or row == 0
+
+
+def test_breakpoint_keeps_fewer_when_mass_is_concentrated():
+    policy = get_policy("lethe", budget=30, sinks=1, recent_ratio=0.1, tau=0.9)
+    policy.bind(None, type("Config", (), {"num_hidden_layers": 1})())
+    scores = torch.full((1, 60), 1e-4)
+    scores[0, [7, 20, 33]] = 1.0  # three tokens hold almost all the mass
+    kept = policy._keep(scores, torch.ones(1, 60, dtype=torch.bool), 30)
+    ids = set(kept[0].tolist())
+    assert {7, 20, 33} <= ids and kept.shape[1] < 30
