@@ -1,0 +1,217 @@
+"""Decode-attention kernels on a GPU: rolecall's Triton kernels against the best dense decode in the same process.
+
+    python benchmarks/kernels.py --out kernels.json
+
+For each context T and batch B (Hq 32 / Hkv 8 / D 128, bf16, 64-token blocks) it times, as medians of CUDA-event
+timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve repeats:
+
+* ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
+* ``ours_dense``: the Triton kernel reading every token;
+* ``sparse_r``: the Triton kernel where r of the 8 KV heads read 10 % of the blocks and the others read
+  everything, in one launch (LycheeDecode's mixed retrieval/sparse layer; r = 8 is a fully sparse layer);
+* ``gather_sdpa``: the naive route, gathering 10 % of the blocks of every head and running SDPA on them;
+* ``page_scores``: the extra pass a Δ-layer pays to score pages (DELTA's selection overhead).
+
+It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
+each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
+from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
+
+HQ, HKV, D, BLOCK, KEEP = 32, 8, 128, 64, 0.10
+L2_BYTES = 256 * 2**20  # rotate buffers until this much: well above any Hopper L2
+
+
+def timed(fn, reps: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    x = torch.empty(2**30, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), reps=20)
+    return 2 * x.numel() * 2 / (ms / 1e3)
+
+
+class Rotating:
+    """Several copies of a batch of K/V caches, cycled through so repeats miss the L2 cache."""
+
+    def __init__(self, b: int, t: int, copies: int | None = None):
+        size = 2 * b * HKV * t * D * 2
+        n = copies or max(1, math.ceil(L2_BYTES / size))
+        self.sets = [(torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16),
+                      torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+        self.i = 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.sets)
+        return self.sets[self.i]
+
+
+def sparse_indices(b: int, t: int, g: torch.Generator) -> torch.Tensor:
+    """10 % of the blocks of every row, always including the last (recent) block: ``[B, Hkv, N]`` int32."""
+    blocks = math.ceil(t / BLOCK)
+    n = max(1, round(KEEP * blocks))
+    rows = torch.rand(b * HKV, blocks, generator=g, device="cuda").argsort(dim=1)[:, : n - 1]
+    last = torch.full((b * HKV, 1), blocks - 1, device="cuda")
+    rows = torch.where(rows == blocks - 1, rows.new_tensor(0), rows)
+    return torch.cat([rows, last], dim=1).sort(dim=1).values.view(b, HKV, n).to(torch.int32)
+
+
+def sdpa_dense(q4, k, v):
+    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def pick_sdpa_backend(q4, k, v) -> str:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                sdpa_dense(q4, k, v)
+            return name
+        except RuntimeError:
+            continue
+    return "default"
+
+
+def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int, stages: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kv = Rotating(b, t)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    q4 = q[:, :, None, :]
+    scale = D**-0.5
+    idx = sparse_indices(b, t, g)
+    kv_bytes_row = t * D * 2 * 2  # K and V of one (sequence, KV head), bf16
+    dense_bytes = b * HKV * kv_bytes_row
+    sparse_bytes_row = idx.shape[-1] * BLOCK * D * 2 * 2
+    row = {"batch": b, "context": t, "blocks_read_per_sparse_head": int(idx.shape[-1])}
+
+    backend = pick_sdpa_backend(q4, *kv.sets[0])
+    row["sdpa_backend"] = backend
+    backends = {"flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                "cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(backend)
+
+    def run_sdpa():
+        k, v = kv.next()
+        if backends:
+            with sdpa_kernel(backends):
+                return sdpa_dense(q4, k, v)
+        return sdpa_dense(q4, k, v)
+
+    row["sdpa_ms"] = timed(run_sdpa)
+    row["ours_dense_ms"] = timed(lambda: tri.sparse_decode_attention(q, *kv.next(), scale=scale,
+                                                                      num_warps=warps, num_stages=stages))
+    for r in (0, 4, 8):
+        full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous()
+        row[f"sparse_{r}_ms"] = timed(lambda full=full: tri.sparse_decode_attention(
+            q, *kv.next(), idx, scale=scale, block_size=BLOCK, full_rows=full, num_warps=warps, num_stages=stages))
+        read = b * ((HKV - r) * kv_bytes_row + r * sparse_bytes_row)
+        row[f"sparse_{r}_bytes"] = read
+        row[f"sparse_{r}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"sparse_{r}_ms"]
+        row[f"sparse_{r}_byte_limit"] = dense_bytes / read
+        row[f"sparse_{r}_bandwidth_fraction"] = read / (row[f"sparse_{r}_ms"] / 1e3) / copy_bw
+
+    bi = torch.arange(b, device="cuda")[:, None, None]
+    hi = torch.arange(HKV, device="cuda")[None, :, None]
+    blk = idx.long()
+    blocks = t // BLOCK
+
+    def gather_then_sdpa():
+        k, v = kv.next()
+        kb = k[:, :, : blocks * BLOCK].view(b, HKV, blocks, BLOCK, D)[bi, hi, blk].flatten(2, 3)  # [B, Hkv, M, D]
+        vb = v[:, :, : blocks * BLOCK].view(b, HKV, blocks, BLOCK, D)[bi, hi, blk].flatten(2, 3)
+        return sdpa_dense(q4, kb, vb)
+
+    row["gather_sdpa_ms"] = timed(gather_then_sdpa)
+    _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
+    row["page_scores_ms"] = timed(lambda: page_tri.page_scores(q, kv.next()[0], lse, scale, 16))
+    row["selection_overhead"] = row["page_scores_ms"] / row["ours_dense_ms"]
+    row["sdpa_bandwidth_fraction"] = dense_bytes / (row["sdpa_ms"] / 1e3) / copy_bw
+    row["ours_dense_bandwidth_fraction"] = dense_bytes / (row["ours_dense_ms"] / 1e3) / copy_bw
+    kv.sets.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
+    """Pick num_warps / num_stages on the headline case (128K, batch 8, all heads sparse)."""
+    b, t = 8, 131072
+    kv = Rotating(b, t, copies=1)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    idx = sparse_indices(b, t, g)
+    results = {}
+    for warps in (4, 8):
+        for stages in (1, 2, 3, 4):
+            results[f"{warps}w{stages}s"] = timed(lambda w=warps, s=stages: tri.sparse_decode_attention(
+                q, *kv.sets[0], idx, scale=D**-0.5, block_size=BLOCK, num_warps=w, num_stages=s), reps=20)
+    best = min(results, key=results.get)
+    warps, stages = int(best.split("w")[0]), int(best.split("w")[1][:-1])
+    return warps, stages, results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="kernels.json")
+    parser.add_argument("--contexts", default="16384,32768,65536,131072")
+    parser.add_argument("--batches", default="1,8")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth()
+    warps, stages, tuning = tune(copy_bw, g)
+    rows = [bench_config(b, t, copy_bw, g, warps, stages)
+            for t in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
+    report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
+              "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
+              "num_stages": stages, "tuning_ms": tuning, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+    print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
+          f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
+    head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%")
+    print(" ".join(f"{h:>8}" for h in head))
+    for r in rows:
+        vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["sparse_0_ms"], r["sparse_4_ms"],
+                r["sparse_8_ms"], r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
+                r["sparse_8_bandwidth_fraction"], r["gather_sdpa_ms"], r["page_scores_ms"],
+                100 * r["selection_overhead"])
+        print(" ".join(f"{v:>8}" if isinstance(v, int) else f"{v:>8.3f}" for v in vals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Triton page scores for selection layers, from the log-sum-exp the attention pass already produced.
+
+``page_scores(query, key, lse, scale, page_size, key_mask=None, per_kv_head=False) -> scores``
+
+===============  ===========================  ========================================================
+``query``        ``[B, Hq, D]``               the decode query
+``key``          ``[B, Hkv, T, D]``           the cache, read in place
+``lse``          ``[B, Hq]`` float32          log-sum-exp of each head's logits over the attended keys
+                                              (the second output of ``sparse_decode_attention``)
+``key_mask``     ``[B or 1, T]`` bool         False = not attended (probability 0)
+``scores``       ``[B, ceil(T / P)]``         Σ over the page of max over all query heads of p_h[t]
+                 or ``[B, Hkv, ceil(T / P)]``  with ``per_kv_head``: max over each KV head's query group
+===============  ===========================  ========================================================
+
+``p_h[t] = exp(scale · q_h · k_t − lse_h)``: given the log-sum-exp, probabilities need only K, so a selection
+layer reads its K once more and never writes probabilities to memory; the extra traffic is half of the
+layer's K/V bytes, paid on the few Δ-layers (or retrieval heads) only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _head_max(q_base, k_base, lse_base, tok, valid, s_qh, s_kt, s_lh, scale,
+              G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """max over the query heads of one KV head's group of p_h[t], for a tile of tokens: ``[TILE]``."""
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    q = tl.load(q_base + g[:, None] * s_qh + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :], other=0.0)
+    k = tl.load(k_base + tok[:, None] * s_kt + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+    lse = tl.load(lse_base + g * s_lh, mask=g < G, other=float("inf"))  # padded heads get p = 0
+    s = tl.dot(q, tl.trans(k)) * scale - lse[:, None]  # [G_PAD, TILE]
+    p = tl.where(valid[None, :], tl.exp(s), 0.0)
+    return tl.max(p, 0)
+
+
+@triton.jit
+def _page_scores(
+    Q, K, LSE, KMASK, OUT,
+    s_qb, s_qh, s_kb, s_kh, s_kt, s_lb, s_lh, s_mb, s_ob, s_oh,
+    T, scale,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    P: tl.constexpr, PAGES: tl.constexpr, PER_KV: tl.constexpr, HAS_KMASK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv = tl.program_id(1)  # the KV head with PER_KV, else 0
+    tile = tl.program_id(2)
+    tok = tile * PAGES * P + tl.arange(0, PAGES * P)
+    valid = tok < T
+    if HAS_KMASK:
+        valid = valid & (tl.load(KMASK + b * s_mb + tok, mask=valid, other=0) != 0)
+    if PER_KV:
+        best = _head_max(Q + b * s_qb + kv * G * s_qh, K + b * s_kb + kv * s_kh, LSE + b * s_lb + kv * G * s_lh,
+                         tok, valid, s_qh, s_kt, s_lh, scale, G, G_PAD, D, D_PAD)
+    else:
+        best = tl.zeros([PAGES * P], tl.float32)
+        for h in tl.static_range(0, HKV):
+            best = tl.maximum(best, _head_max(Q + b * s_qb + h * G * s_qh, K + b * s_kb + h * s_kh,
+                                              LSE + b * s_lb + h * G * s_lh, tok, valid, s_qh, s_kt, s_lh,
+                                              scale, G, G_PAD, D, D_PAD))
+    pages = tl.sum(tl.reshape(best, (PAGES, P)), 1)  # [PAGES]
+    page_ids = tile * PAGES + tl.arange(0, PAGES)
+    tl.store(OUT + b * s_ob + kv * s_oh + page_ids, pages, mask=page_ids * P < T)
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << (x - 1).bit_length())
+
+
+def page_scores(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale: float, page_size: int,
+                key_mask: torch.Tensor | None = None, per_kv_head: bool = False) -> torch.Tensor:
+    """See the module docstring."""
+    b, hq, d = query.shape
+    _, hkv, t, _ = key.shape
+    g = hq // hkv
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two for the GPU kernel, got {page_size}")
+    query = query.contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    lse = lse.float().contiguous()
+    n_pages = triton.cdiv(t, page_size)
+    pages_per_prog = max(1, 128 // page_size)
+    out = torch.empty(b, hkv if per_kv_head else 1, n_pages, device=query.device, dtype=torch.float32)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    grid = (b, hkv if per_kv_head else 1, triton.cdiv(n_pages, pages_per_prog))
+    _page_scores[grid](
+        query, key, lse, km if km is not None else query, out,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2), lse.stride(0), lse.stride(1),
+        (km.stride(0) if km.shape[0] > 1 else 0) if km is not None else 0, out.stride(0), out.stride(1),
+        t, float(scale),
+        HKV=hkv, G=g, G_PAD=_pow2(g), D=d, D_PAD=_pow2(d), P=page_size, PAGES=pages_per_prog, PER_KV=per_kv_head,
+        HAS_KMASK=km is not None,
+    )
+    return out if per_kv_head else out[:, 0]

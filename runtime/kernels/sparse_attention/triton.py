@@ -1,0 +1,206 @@
+"""Triton block-sparse GQA decode attention (split-K flash decoding over a chosen set of blocks).
+
+Same contract as :func:`runtime.kernels.sparse_attention.naive.sparse_decode_attention`, plus ``full_rows``:
+
+=================  ========================  =======================================================
+``query``          ``[B, Hq, D]``            one decode query per sequence
+``key``/``value``  ``[B, Hkv, T, D]``        the cache, read in place (any strides with unit last stride)
+``indices``        ``[B, Hkv, N]`` int       block ids, −1 = padding, or ``None`` = every token
+``log_weights``    ``[B, Hkv, N]`` float     added to the logits of every token of the entry
+``key_mask``       ``[B or 1, T]`` bool      False = never read
+``full_rows``      ``[B, Hkv]`` bool         rows that read every token instead of their indices, so
+                                             retrieval (full) heads and sparse heads share one launch
+=================  ========================  =======================================================
+
+Returns ``out [B, Hq, D]`` float32 and ``lse [B, Hq]`` float32.
+
+How it works: one program per (sequence, KV head, chunk of ``chunk`` tokens of that row's read set). All
+``Hq / Hkv`` query heads of the group share each K/V tile (one HBM read serves the whole group, the point of
+GQA decoding). Tiles are gathered rows of the cache, so token sets (block size 1) and block sets (16, 64) use
+the same code. Rows that read fewer tokens have fewer busy chunks; idle programs exit after writing an empty
+partial, so full and sparse heads in one launch are balanced by construction: every busy program does the
+same amount of work. A small combine step merges the chunk partials by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt,
+          T, scale, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+          HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr):
+    """One tile of TILE tokens of the row's read set: gather K/V rows, update the online softmax state."""
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    j = j0 + tl.arange(0, TILE)
+    live = j < end
+    if HAS_IDX:
+        entry = j // BS
+        blk = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=live & (full == 0), other=-1)
+        tok = tl.where(full != 0, j, blk * BS + j % BS)
+        valid = live & ((full != 0) | (blk >= 0)) & (tok < T)
+    else:
+        tok = j
+        valid = live
+    if HAS_KMASK:
+        valid = valid & (tl.load(KMASK + b * s_mb + tok, mask=valid, other=0) != 0)
+    k = tl.load(k_base + tok[:, None] * s_kt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, TILE] fp32
+    if HAS_LOGW:
+        w = tl.load(LOGW + b * s_ib + h * s_ih + entry, mask=valid & (full == 0), other=0.0)
+        s += w.to(tl.float32)[None, :]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing valid keeps the state
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    v = tl.load(v_base + tok[:, None] * s_vt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_decode_partial(
+    Q, K, V, IDX, LOGW, KMASK, FULL, OUT, LSE,
+    s_qb, s_qh,
+    s_kb, s_kh, s_kt,
+    s_vb, s_vh, s_vt,
+    s_ib, s_ih,
+    s_mb,
+    s_ob, s_oh, s_os, s_og,
+    s_lb, s_lh, s_ls,
+    T, N, HKV, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_FULL: tl.constexpr,
+    STATIC_BOUNDS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+
+    # full = 1: this row reads every token (a retrieval head, or no indices at all)
+    if HAS_IDX:
+        if HAS_FULL:
+            full = tl.load(FULL + row).to(tl.int32)
+        else:
+            full = 0
+    else:
+        full = 1
+    n_tok = full * T + (1 - full) * N * BS
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, n_tok)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < G
+    d_ok = d < D
+    q = tl.load(Q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    k_base = K + b * s_kb + h * s_kh
+    v_base = V + b * s_vb + h * s_vh
+    if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2)
+        for off in range(0, CHUNK, TILE):
+            m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
+                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale,
+                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK)
+    else:
+        for j0 in range(start, end, TILE):
+            m_i, l_i, acc = _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
+                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale,
+                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK)
+
+    busy = l_i > 0
+    out = acc / tl.where(busy, l_i, 1.0)[:, None]
+    lse = tl.where(busy, m_i + tl.log(tl.where(busy, l_i, 1.0)), float("-inf"))
+    o_ptr = OUT + b * s_ob + h * s_oh + split * s_os + g[:, None] * s_og + d[None, :]
+    tl.store(o_ptr, out, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + b * s_lb + h * s_lh + split * s_ls + g, lse, mask=g_ok)
+
+
+def _next_pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << (x - 1).bit_length())
+
+
+def choose_chunk(tokens: int, rows: int, sms: int) -> int:
+    """Tokens per program: enough programs to fill the GPU about four times over, at least 256 tokens each."""
+    target_splits = max(1, (4 * sms) // max(rows, 1))
+    chunk = max(256, math.ceil(tokens / target_splits))
+    return 1 << (chunk - 1).bit_length()
+
+
+def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
+                            log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+                            full_rows: torch.Tensor | None = None, chunk: int | None = None,
+                            tile: int = 64, num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of the reference; see the module docstring for shapes."""
+    b, hq, d = query.shape
+    _, hkv, t, dk = key.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"query [B, {hq}, {d}] does not fit key [B, {hkv}, T, {dk}]")
+    if indices is None and (log_weights is not None or full_rows is not None):
+        raise ValueError("log_weights and full_rows need indices (without indices every row reads every token)")
+    g = hq // hkv
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    n = 0 if indices is None else indices.shape[-1]
+    read = t if (indices is None or full_rows is not None) else n * block_size
+    if chunk is None:
+        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+        chunk = choose_chunk(read, b * hkv, sms)
+    chunk = max(chunk, tile)
+    splits = max(1, triton.cdiv(read, chunk))
+    out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
+    lse_p = torch.empty(b, hkv, splits, g, device=query.device, dtype=torch.float32)
+    dummy = query  # stands in for absent optional tensors (never read)
+    idx = indices.to(torch.int32).contiguous() if indices is not None else None
+    logw = log_weights.float().contiguous() if log_weights is not None else None
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    fr = full_rows.to(torch.int8).contiguous() if full_rows is not None else None
+    _sparse_decode_partial[(b * hkv, splits)](
+        query, key, value,
+        idx if idx is not None else dummy, logw if logw is not None else dummy,
+        km if km is not None else dummy, fr if fr is not None else dummy,
+        out_p, lse_p,
+        query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        idx.stride(0) if idx is not None else 0, idx.stride(1) if idx is not None else 0,
+        (km.stride(0) if km.shape[0] > 1 else 0) if km is not None else 0,
+        out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
+        lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
+        t, n, hkv, float(scale),
+        G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile, CHUNK=chunk,
+        HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None, HAS_FULL=fr is not None,
+        STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
+    )
+    return combine_partials(out_p, lse_p)
+
+
+def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` / ``[B, Hq]``."""
+    b, hkv, _, g, d = out_p.shape
+    m = lse_p.amax(dim=2, keepdim=True)  # [B, Hkv, 1, G]
+    w = torch.exp(lse_p - torch.where(torch.isfinite(m), m, 0.0))  # 0 for empty partials
+    total = w.sum(dim=2)  # [B, Hkv, G]
+    out = (torch.where(w[..., None] > 0, out_p, 0.0) * w[..., None]).sum(dim=2)
+    out = out / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, m.squeeze(2) + torch.log(torch.where(total > 0, total, 1.0)), float("-inf"))
+    return out.reshape(b, hkv * g, d), lse.reshape(b, hkv * g)

@@ -1,0 +1,141 @@
+"""Triton kernels against their PyTorch references: on a GPU, and on the CPU through Triton's interpreter.
+
+The interpreter runs the kernel's code on CPU tensors (slowly), so CI checks its logic on small shapes; the
+GPU run covers the odd shapes and dtypes that matter for speed (T up to 131072, bf16/fp16).
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from runtime.kernels.sparse_attention import naive
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+def _case(b, hq, hkv, t, d, n, bs, dtype, device, seed=0, weights=False, mask=False, full=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=g).to(device, dtype)
+    k = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
+    v = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
+    blocks = -(-t // bs)
+    idx = torch.stack([torch.randperm(blocks, generator=g)[:n] for _ in range(b * hkv)]).view(b, hkv, -1)
+    if idx.shape[-1] < n:  # pad rows when there are fewer blocks than requested
+        idx = torch.cat([idx, torch.full((b, hkv, n - idx.shape[-1]), -1)], -1)
+    idx[..., -1:] = torch.where(torch.rand(b, hkv, 1, generator=g) < 0.3, -1, idx[..., -1:])  # ragged rows
+    idx = idx.sort(-1).values.to(device)
+    kw = {}
+    if weights:
+        kw["log_weights"] = (torch.rand(b, hkv, n, generator=g) * 2).to(device)
+    if mask:
+        km = torch.ones(b, t, dtype=torch.bool)
+        km[0, : t // 3] = False  # left padding of the first sequence
+        kw["key_mask"] = km.to(device)
+    fr = (torch.rand(b, hkv, generator=g) < 0.5).to(device) if full else None
+    return q, k, v, idx, kw, fr
+
+
+def _reference(q, k, v, idx, kw, fr, bs, scale):
+    out, lse = naive.sparse_decode_attention(q, k, v, idx, scale=scale, block_size=bs, **kw)
+    if fr is not None:
+        kw = {k_: v_ for k_, v_ in kw.items() if k_ != "log_weights"}
+        dense_out, dense_lse = naive.sparse_decode_attention(q, k, v, None, scale=scale, **kw)
+        g = q.shape[1] // k.shape[1]
+        rows = fr.repeat_interleave(g, dim=1)
+        out = torch.where(rows[..., None], dense_out, out)
+        lse = torch.where(rows, dense_lse, lse)
+    return out, lse
+
+
+def _check(case, bs, tol, chunk=None):
+    from runtime.kernels.sparse_attention import triton as tri
+
+    q, k, v, idx, kw, fr = case
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = _reference(q, k, v, idx, kw, fr, bs, scale)
+    out, lse = tri.sparse_decode_attention(q, k, v, idx, scale=scale, block_size=bs, full_rows=fr, chunk=chunk, **kw)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not torch.isnan(out).any()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    err = (out - ref_out).norm(dim=-1) / ref_out.norm(dim=-1).clamp_min(1e-6)
+    assert err[finite].max() < tol, err.max()
+    assert (lse[finite] - ref_lse[finite]).abs().max() < tol * 10
+
+
+INTERPRET_CASES = [
+    # b, hq, hkv, t, d, n, bs, extras
+    (1, 4, 1, 17, 16, 5, 1, {}),
+    (2, 4, 4, 100, 32, 3, 16, {"weights": True}),
+    (3, 7, 1, 70, 16, 2, 16, {"mask": True, "full": True}),
+    (2, 8, 2, 130, 16, 2, 64, {"full": True, "weights": True}),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("b, hq, hkv, t, d, n, bs, extra", INTERPRET_CASES)
+def test_sparse_decode_matches_reference_in_interpreter(monkeypatch, b, hq, hkv, t, d, n, bs, extra):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check(_case(b, hq, hkv, t, d, n, bs, torch.float32, "cpu", **extra), bs, 1e-4, chunk=64)
+
+
+GPU_CASES = [
+    (b, hq, hkv, t, d, bs, dtype)
+    for (b, hq, hkv) in [(1, 8, 8), (3, 32, 8), (2, 28, 4)]  # GQA ratios 1, 4, 7
+    for t in (1, 17, 1000, 131072)
+    for d in (64, 128)
+    for bs in (1, 16, 64)
+    for dtype in (torch.bfloat16, torch.float16)
+    if not (t == 131072 and (b > 1 or bs == 1))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, hkv, t, d, bs, dtype", GPU_CASES)
+def test_sparse_decode_matches_reference_on_gpu(b, hq, hkv, t, d, bs, dtype):
+    n = max(1, min(-(-t // bs), 40))
+    case = _case(b, hq, hkv, t, d, n, bs, dtype, "cuda", weights=True, mask=True, full=True)
+    _check(case, bs, 2e-2)
+
+
+def _check_page_scores(b, hq, hkv, t, d, page, dtype, device, per_kv):
+    from runtime.kernels.page_scores import naive as page_naive
+    from runtime.kernels.page_scores import triton as page_tri
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q = (torch.randn(b, hq, d, generator=g) * 2).to(device, dtype)
+    k = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
+    km = torch.ones(b, t, dtype=torch.bool)
+    km[-1, : t // 4] = False
+    km = km.to(device)
+    scale = d ** -0.5
+    _, lse = naive.sparse_decode_attention(q, k, k, None, scale=scale, key_mask=km)
+    got = page_tri.page_scores(q, k, lse, scale, page, key_mask=km, per_kv_head=per_kv)
+    probs = page_naive.attention_probs(q, k, scale, km)  # [B, Hq, T]
+    if per_kv:
+        want = page_naive.pool_pages(probs.view(b, hkv, hq // hkv, t).amax(2), page)
+    else:
+        want = page_naive.page_scores(q, k, scale, page, km)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("b, hq, hkv, t, d, page, per_kv", [(2, 4, 2, 50, 16, 16, False), (1, 7, 1, 33, 32, 16, True),
+                                                            (2, 8, 2, 130, 16, 64, True)])
+def test_page_scores_match_reference_in_interpreter(b, hq, hkv, t, d, page, per_kv):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_page_scores(b, hq, hkv, t, d, page, torch.float32, "cpu", per_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, hkv, t, d", [(1, 8, 8, 17, 64), (3, 32, 8, 1000, 128), (2, 28, 4, 131072, 128)])
+@pytest.mark.parametrize("per_kv", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_page_scores_match_reference_on_gpu(b, hq, hkv, t, d, per_kv, dtype):
+    _check_page_scores(b, hq, hkv, t, d, 16, dtype, "cuda", per_kv)
