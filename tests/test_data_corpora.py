@@ -118,3 +118,15 @@ def test_haystack_stream_joins_documents_on_token_boundaries_and_caches(tmp_path
     assert tok.decode(load_haystack(tok, f"text:{folder}").tokens.tolist()) == "abc\n\ndz"
     capped = load_haystack(tok, f"text:{folder}", pool_tokens=4)
     assert torch.equal(capped.tokens, hay.tokens[:4])
+
+
+def test_passkey_prompts_build_on_a_local_booksum_file(zst_file, cache_dir):
+    from data.passkey import build_passkey_dataset
+
+    tok = tiny_tokenizer()
+    ds = build_passkey_dataset(tok, f"booksum:{zst_file}", lengths=(500, 1500), num_samples=2, num_passkeys=2,
+                               passkey_words=3)
+    assert ds.info["source"] == f"booksum:{zst_file}" and len(ds) == 2
+    for s in ds:
+        text = tok.decode(s["input_ids"])
+        assert "of the story." in text and all(f"passkey is {a}." in text for a in s["answers"])
