@@ -109,7 +109,7 @@ class AttentionRecorder:
         a_rows, score_rows, mass_rows = [], [], []
         for i in range(0, len(positions), self.query_block):
             blk = slice(i, i + self.query_block)
-            end = int(pos[blk].max()) + 1  # keys beyond the block's last query are masked anyway
+            end = max(positions[blk]) + 1  # keys beyond the block's last query are masked anyway (host ints: no sync)
             q = query[0, :, (pos[blk] - (t_len - s))].float()  # [Hq, Qb, D]
             k = key[0, :, :end].float()  # [Hkv, Tb, D]
             # Group query heads by their KV head instead of repeating K: [Hkv, G*Qb, D] @ [Hkv, D, Tb].

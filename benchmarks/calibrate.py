@@ -1,0 +1,176 @@
+"""Calibration cost on a DS-Qwen-14B-shaped model: rolecall's streaming recorder against the plain forward pass
+and against asking transformers for ``output_attentions=True`` (eager attention).
+
+Random bf16 weights with the real shapes (Qwen2, 48 layers, hidden 5120, 40 query / 8 KV heads, head_dim 128,
+intermediate 13824, vocab 152064); random token traces. Timings are per trace (one forward of the whole trace),
+CUDA-synchronised, the first trace of each phase is a warm-up and left out; the table shows medians.
+
+    python benchmarks/calibrate.py --out "$OUT"             # GPU: 32 traces × 8K tokens
+    python benchmarks/calibrate.py --shape tiny --traces 3  # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from calibrate.config import resolve  # noqa: E402
+from calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
+
+SHAPES = {
+    "qwen-14b": dict(num_hidden_layers=48, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=13824, vocab_size=152064),
+    "tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=512, vocab_size=1024),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def build(shape: str, device, dtype):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def timed_forwards(model, traces, device, fn, budget_s: float) -> tuple[list[float], int]:
+    times, start = [], time.perf_counter()
+    for ids in traces:
+        sync(device)
+        t0 = time.perf_counter()
+        fn(ids)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return times, len(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen-14b")
+    p.add_argument("--traces", type=int, default=32)
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--stride", type=int, default=64)
+    p.add_argument("--min-context", type=int, default=1024)
+    p.add_argument("--query-block", type=int, default=32)
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop a phase after this many seconds and scale")
+    p.add_argument("--baseline-lengths", default="8192,4096,2048", help="eager output_attentions lengths to try")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    t0 = time.perf_counter()
+    model = build(args.shape, device, dtype)
+    build_s = time.perf_counter() - t0
+    weights_gib = sum(x.numel() * x.element_size() for x in model.parameters()) / 2**30
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    # one extra trace: the warm-up of each phase
+    traces = [torch.randint(0, cfg.vocab_size, (args.length,), generator=g).tolist() for _ in range(args.traces + 1)]
+    result = {"gpu": gpu, "torch": torch.__version__, "shape": args.shape, "model": SHAPES[args.shape],
+              "dtype": str(dtype), "traces": args.traces, "length": args.length, "stride": args.stride,
+              "min_context": args.min_context, "weights_gib": weights_gib, "build_s": build_s}
+
+    def plain(ids):
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+
+    plain(traces[0][:512])
+    reset_peak(device)
+    times, n = timed_forwards(model, traces, device, plain, args.budget_s / 4)
+    result["plain"] = {"median_s": statistics.median(times[1:] or times), "measured": n, "peak_gib": peak_gib(device)}
+
+    config = resolve({"stride": args.stride, "min_context": args.min_context, "query_block": args.query_block,
+                      "chunk_size": args.length})
+    recorder = AttentionRecorder(cfg.num_hidden_layers, cfg.num_attention_heads, stride=config.stride,
+                                 min_context=config.min_context, page_size=config.page_size,
+                                 top_pages=config.top_pages, recent_pages=config.recent_pages, bins=config.bins,
+                                 query_block=config.query_block)
+
+    def rec(ids):
+        record_traces(model, [ids], recorder, chunk_size=config.chunk_size, progress=False)
+
+    reset_peak(device)
+    wall0 = time.perf_counter()
+    times, n = timed_forwards(model, traces, device, rec, args.budget_s)
+    wall = time.perf_counter() - wall0
+    med = statistics.median(times[1:] or times)
+    result["rolecall"] = {
+        "median_s": med, "measured": n, "wall_s": wall, "peak_gib": peak_gib(device),
+        "sampled_queries": int(recorder.totals.recall_count.item()),
+        "estimate_32_traces_s": med * 32,
+        "overhead_vs_plain": med / result["plain"]["median_s"],
+    }
+
+    baseline = []
+    for length in [int(x) for x in args.baseline_lengths.split(",") if x]:
+        model.set_attn_implementation("eager")
+        reset_peak(device)
+        entry = {"length": length}
+        try:
+            sync(device)
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                out = model(input_ids=torch.tensor([traces[1][:length]], device=device), use_cache=False,
+                            logits_to_keep=1, output_attentions=True)
+                probs_gib = sum(a.numel() * a.element_size() for a in out.attentions) / 2**30
+                del out
+            sync(device)
+            entry.update(status="ok", seconds=time.perf_counter() - t1, peak_gib=peak_gib(device), attentions_gib=probs_gib)
+        except torch.OutOfMemoryError:
+            entry.update(status="out of memory", peak_gib=peak_gib(device))
+        finally:
+            model.set_attn_implementation("sdpa")
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        baseline.append(entry)
+    result["baseline_output_attentions"] = baseline
+
+    rows = [("phase", "median s/trace", "traces timed", f"est. {args.traces} traces s", "peak GiB")]
+    for name in ("plain", "rolecall"):
+        r = result[name]
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        rows.append((name, f"{r['median_s']:.3f}", str(r["measured"]), f"{r['median_s'] * args.traces:.1f}", peak))
+    for b in baseline:
+        secs = f"{b['seconds']:.3f}" if "seconds" in b else b["status"]
+        peak = f"{b['peak_gib']:.1f}" if b.get("peak_gib") is not None else "-"
+        rows.append((f"eager+output_attentions @{b['length']}", secs, "1", "-", peak))
+    width = [max(len(r[i]) for r in rows) for i in range(5)]
+    print(f"{gpu}, {args.shape}, {args.traces} traces × {args.length} tokens, weights {weights_gib:.1f} GiB")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, width)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibrate_benchmark.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
