@@ -1,0 +1,151 @@
+"""Evaluate a policy against dense attention on held-out prompts.
+
+For each prompt the policy generates greedily (``evaluate``); one dense forward pass over the prompt and that
+generation then gives the full-attention logits at the very same positions, so every decode step yields
+
+* the KL divergence ``KL(p_full ‖ p_policy)`` and whether both pick the same top-1 token;
+* per layer, the attention recall (true attention mass inside the set the layer read) and the fraction of
+  the context it read;
+* passkey accuracy (single passkey in a haystack, from ``data.passkey``) per context length and depth, and the
+  generation length.
+
+Prompts come from ``data.passkey.build_niah_dataset`` or from a JSONL file (``{"prompt": ..., "answer": ...}``
+per line, ``answer`` optional).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.engine import attach
+
+
+@dataclass
+class EvalSettings:
+    lengths: tuple[int, ...] = (1000, 2000, 4000)  # context lengths in tokens (passkey prompts)
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)  # where the passkey sits (0 = start, 1 = end)
+    samples_per_cell: int = 1
+    passkey_words: int = 2
+    source: str = "pg-essays"  # haystack text (see data.corpora)
+    prompts: str | None = None  # a JSONL file instead of passkey prompts
+    max_new_tokens: int = 12
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 2:
+            raise ValueError(f"max_new_tokens must be ≥ 2 (the first token comes from the dense prefill), got {self.max_new_tokens}")
+        if self.prompts is None and (not self.lengths or not self.depths):
+            raise ValueError("give at least one context length and one depth, or --prompts FILE.jsonl")
+
+
+def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
+    """JSONL prompts → samples ``{"input_ids" [T], "answer" | None, "context_length", "depth": None}``."""
+    samples = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a 'prompt' string") from None
+        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        samples.append({"input_ids": ids, "answer": row.get("answer"), "context_length": len(ids), "depth": None})
+    if not samples:
+        raise ValueError(f"{path}: no prompts in the file; write one JSON object per line")
+    return samples
+
+
+def passkey_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
+    from data.passkey import build_niah_dataset  # evaluation only: runtime does not need data otherwise
+
+    grid = build_niah_dataset(tokenizer, source=settings.source, lengths=settings.lengths, depths=settings.depths,
+                              samples_per_cell=settings.samples_per_cell, passkey_words=settings.passkey_words)
+    return [{"input_ids": s["input_ids"][: s["prompt_length"]], "answer": s["answer"],
+             "context_length": int(s["context_length"]), "depth": float(s["depth"])} for s in grid]
+
+
+def answer_correct(generated: str, answer: str) -> bool:
+    """The generation starts with the answer's words (case and punctuation ignored)."""
+    want = re.findall(r"[a-z0-9]+", answer.lower())
+    return re.findall(r"[a-z0-9]+", generated.lower())[: len(want)] == want
+
+
+def step_divergence(full_logits: torch.Tensor, policy_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, V]`` each → KL(p_full ‖ p_policy) ``[N]`` and top-1 agreement ``[N]`` (bool)."""
+    lf, lp = full_logits.float().log_softmax(-1), policy_logits.float().log_softmax(-1)
+    kl = (lf.exp() * (lf - lp)).sum(-1).clamp_min(0)
+    return kl, full_logits.argmax(-1) == policy_logits.argmax(-1)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
+             settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run the evaluation; returns a JSON-ready dict (see the module docstring)."""
+    settings = settings or EvalSettings()
+    params = dict(params or {})
+    if samples is None:
+        samples = load_prompts(settings.prompts, tokenizer) if settings.prompts else passkey_prompts(tokenizer, settings)
+    eos = tokenizer.eos_token_id
+    records, kls, agree = [], [], []
+    with attach(model, manifest, policy, record_recall=True, **params) as session:
+        for sample in samples:
+            ids = sample["input_ids"][None].to(model.device)
+            out = session.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_new_tokens,
+                                   do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+            new = out.sequences[0, ids.shape[1]:]
+            policy_logits = torch.cat(out.logits)  # [N, V]; row 0 comes from the dense prefill
+            # More than one query token: the engine runs this forward densely (prefill path).
+            dense = model(out.sequences[:, :-1], use_cache=False).logits[0, ids.shape[1] - 1:]  # [N, V]
+            kl, top1 = step_divergence(dense[1:], policy_logits[1:])
+            kls.append(kl.cpu())
+            agree.append(top1.cpu())
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            answer = sample.get("answer")
+            records.append({
+                "context_length": sample["context_length"], "depth": sample["depth"], "answer": answer,
+                "generated": text, "correct": answer_correct(text, answer) if answer else None,
+                "generated_tokens": int(new.numel()), "kl_mean": float(kl.mean()) if kl.numel() else None,
+                "top1_agreement": float(top1.float().mean()) if top1.numel() else None,
+            })
+        summary = session.summary()
+    kl_all, agree_all = torch.cat(kls), torch.cat(agree)
+    scored = [r for r in records if r["correct"] is not None]
+    return {
+        "policy": policy, "params": params, "settings": asdict(settings),
+        "manifest": getattr(getattr(manifest, "model", None), "name", None),
+        "passkey_accuracy": sum(r["correct"] for r in scored) / len(scored) if scored else None,
+        "kl_mean": float(kl_all.mean()) if kl_all.numel() else None,
+        "top1_agreement": float(agree_all.float().mean()) if agree_all.numel() else None,
+        "generated_tokens_mean": sum(r["generated_tokens"] for r in records) / len(records),
+        "attended_fraction": summary["attended_fraction"],
+        "layers": summary["layers"],
+        "samples": records,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable report printed by ``rolecall eval``."""
+    def f(x: Any, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"policy {result['policy']} {result['params'] or ''}".rstrip(), "",
+             f"{'length':>7} {'depth':>6} {'passkey':>8} {'tokens':>7} {'KL':>9} {'top-1':>6}  generated"]
+    for r in result["samples"]:
+        ok = "-" if r["correct"] is None else ("yes" if r["correct"] else "no")
+        lines.append(f"{r['context_length']:>7} {f(r['depth'], '.2f'):>6} {ok:>8} {r['generated_tokens']:>7} "
+                     f"{f(r['kl_mean'], '.2e'):>9} {f(r['top1_agreement'], '.2f'):>6}  {r['generated'][:40]!r}")
+    lines += ["", f"{'layer':>5} {'read':>6} {'recall':>7} {'kept':>6}"]
+    for layer in result["layers"]:
+        lines.append(f"{layer['layer']:>5} {f(layer['attended_fraction']):>6} {f(layer['recall']):>7} "
+                     f"{f(layer['kept_fraction']):>6}")
+    lines += ["", f"passkey accuracy {f(result['passkey_accuracy'])}  KL {f(result['kl_mean'], '.3e')}  "
+                  f"top-1 agreement {f(result['top1_agreement'])}  attended fraction {f(result['attended_fraction'])}  "
+                  f"generated tokens {result['generated_tokens_mean']:.1f}"]
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""``rolecall eval``: compare a decode policy with dense attention on passkey (or JSONL) prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from runtime.models import DEFAULT_MODEL
+
+
+def parse_params(pairs: list[str] | None) -> dict[str, Any]:
+    """``["budget=1024", "ratio=0.1", "mode=x"]`` → ``{"budget": 1024, "ratio": 0.1, "mode": "x"}``."""
+    params: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param {pair!r}: write it as NAME=VALUE, e.g. --param budget=1024")
+        for kind in (int, float):
+            try:
+                params[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            params[key] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
+    return params
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default {DEFAULT_MODEL})")
+    parser.add_argument("--manifest", default=None, help="role manifest (.safetensors); policies full and vattention run without")
+    parser.add_argument("--policy", default="delta", help="full, delta, lychee, lethe or vattention (default delta)")
+    parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
+                        help="policy parameter, repeatable (e.g. -p budget=1024, -p ratio=0.1, -p epsilon=0.05)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000], help="passkey context lengths")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey depths in [0, 1]")
+    parser.add_argument("--samples-per-cell", type=int, default=1)
+    parser.add_argument("--passkey-words", type=int, default=2)
+    parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
+    parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} instead of passkeys')
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--json", default=None, help="write the full result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.eval import EvalSettings, evaluate, format_table
+    from runtime.models import load_model, load_tokenizer
+    from runtime.policies import get_policy
+
+    settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
+                            passkey_words=args.passkey_words, source=args.source, prompts=args.prompts,
+                            max_new_tokens=args.max_new_tokens)
+    params = parse_params(args.param)
+    get_policy(args.policy, **params)  # bad names and values fail here, before the model loads
+    model = load_model(args.model, dtype="float32")
+    tokenizer = load_tokenizer(args.model)
+    result = evaluate(model, tokenizer, args.manifest, args.policy, params, settings)
+    result["model"] = args.model
+    result["manifest"] = args.manifest
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,107 @@
+"""Evaluation and the decode / eval commands, end to end on a tiny model saved to a folder."""
+
+import json
+
+import pytest
+import torch
+
+from runtime.cli import main
+from runtime.eval import EvalSettings, answer_correct, evaluate, step_divergence
+from runtime.manifest import ModelIdentity, RoleManifest
+from tests.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread avoids contention on busy cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    model.generation_config.pad_token_id = 259
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    manifest = RoleManifest(ModelIdentity.from_config(model.config), layer_role=torch.tensor([0, 1, 2, 2], dtype=torch.int8))
+    manifest.save(folder / "delta.safetensors")
+    text = "the quick brown fox jumps over the lazy dog; " * 3
+    (folder / "prompts.jsonl").write_text(
+        json.dumps({"prompt": text + "the passkey is", "answer": "zulu"}) + "\n" + json.dumps({"prompt": text}) + "\n")
+    return folder
+
+
+def test_step_divergence_closed_form():
+    full = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))
+    policy = torch.log(torch.tensor([[0.25, 0.5, 0.25], [0.1, 0.2, 0.7]]))
+    kl, top1 = step_divergence(full, policy)
+    assert kl[0] == pytest.approx(0.5 * torch.log(torch.tensor(2.0)).item() + 0.25 * torch.log(torch.tensor(0.5)).item())
+    assert kl[1] == pytest.approx(0.0, abs=1e-7)
+    assert top1.tolist() == [False, True]
+
+
+def test_answer_correct():
+    assert answer_correct(" Zulu, alpha.", "zulu alpha") and not answer_correct("alpha zulu", "zulu alpha")
+
+
+def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    tok = tiny_tokenizer()
+    settings = EvalSettings(prompts=str(tiny_folder / "prompts.jsonl"), max_new_tokens=6)
+    full = evaluate(model, tok, None, "full", settings=settings)
+    assert full["kl_mean"] < 1e-6 and full["top1_agreement"] == 1.0
+    assert all(layer["recall"] == pytest.approx(1.0) for layer in full["layers"])
+    manifest = tiny_folder / "delta.safetensors"
+    sparse = evaluate(model, tok, manifest, "delta", {"num_pages": 2, "recent_pages": 1, "page_size": 4}, settings)
+    assert sparse["kl_mean"] > 1e-4
+    recalls = [layer["recall"] for layer in sparse["layers"]]
+    assert recalls[0] == pytest.approx(1.0) and recalls[1] == pytest.approx(1.0)
+    assert 0 < recalls[2] < 1 and 0 < recalls[3] < 1
+    assert sparse["attended_fraction"] < 1
+    assert sparse["samples"][0]["correct"] is not None and sparse["samples"][1]["correct"] is None
+
+
+def test_eval_and_decode_commands(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--model", str(tiny_folder), "--manifest", str(tiny_folder / "delta.safetensors"),
+                 "--policy", "delta", "-p", "num_pages=2", "-p", "page_size=4", "-p", "recent_pages=1",
+                 "--prompts", str(tiny_folder / "prompts.jsonl"), "--max-new-tokens", "4", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "passkey accuracy" in printed and "recall" in printed
+    result = json.loads(out.read_text())
+    assert result["params"] == {"num_pages": 2, "page_size": 4, "recent_pages": 1} and len(result["layers"]) == 4
+    code = main(["decode", "--model", str(tiny_folder), "--policy", "lethe", "-p", "budget=16", "--prompt",
+                 "hello world " * 10, "--max-new-tokens", "5", "--layers"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "attended fraction" in printed and "kept" in printed
+
+
+def test_bad_policy_on_the_command_line_is_one_line(tiny_folder, capsys):
+    code = main(["decode", "--model", str(tiny_folder), "--policy", "sparse", "--prompt", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()  # the policy is checked before the model loads
+    assert "unknown policy 'sparse'" in err and "delta" in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_eval_on_the_embedded_model(tmp_path, capsys):
+    from runtime.models import load_model
+
+    model = load_model("smollm2-135m")
+    roles = [0, 0, 1] + [2] * 7 + [1] + [2] * 19
+    manifest = RoleManifest(ModelIdentity.from_config(model.config), layer_role=torch.tensor(roles, dtype=torch.int8))
+    manifest.save(tmp_path / "delta.safetensors")
+    del model
+    code = main(["eval", "--model", "smollm2-135m", "--manifest", str(tmp_path / "delta.safetensors"), "--policy",
+                 "delta", "-p", "budget=256", "--lengths", "600", "--depths", "0.5", "--max-new-tokens", "6",
+                 "--json", str(tmp_path / "eval.json")])
+    assert code == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["passkey_accuracy"] is not None and len(result["layers"]) == 30
+    assert result["attended_fraction"] < 1
+    assert "passkey accuracy" in capsys.readouterr().out
