@@ -87,3 +87,28 @@ def test_error_bound_holds_on_the_embedded_model():
     assert errors.numel() == 3 * 30 * 9  # decode steps × layers × query heads
     assert float((errors <= epsilon).float().mean()) >= 1 - delta
     assert session.summary()["attended_fraction"] < 1.0
+
+
+def test_heavy_hitters_follow_the_nearest_delta_layer():
+    from runtime.manifest import ModelIdentity, RoleManifest
+
+    torch.manual_seed(4)
+    b, hkv, g, t, d = 1, 2, 2, 600, 16
+    manifest = RoleManifest(ModelIdentity(3, hkv * g, hkv, d), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
+    policy = get_policy("vattention", epsilon=0.5, delta=0.5, sinks=0, window=1, heavy=1, pilot=8)
+    policy.bind(manifest, None)
+    keep = torch.ones(b, t, dtype=torch.bool)
+    q, k, v = torch.randn(b, hkv * g, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    assert policy.plan(Step(0, q, k, v, keep, 0.25, {})).indices is None  # full layers stay dense
+    scratch = {}
+    policy.plan(Step(1, q, k, v, keep, 0.25, scratch))
+    published = scratch["vattention.scores"]  # [B, T]: max over all heads of the Δ-layer's probabilities
+    probs = (torch.einsum("bhd,bhtd->bht", q, k.repeat_interleave(g, 1)) * 0.25).softmax(-1)
+    assert torch.allclose(published, probs.amax(1), atol=1e-6)
+    scratch["vattention.scores"] = torch.zeros(b, t)
+    scratch["vattention.scores"][0, 123] = 1.0  # the Δ-layer says token 123 matters
+    plan = policy.plan(Step(2, q, k, v, keep, 0.25, scratch))
+    assert float(plan.log_weights.max()) > 0  # the rest is sampled, so 123 is there because it is a heavy hitter
+    for h in range(hkv):
+        where = (plan.indices[0, h] == 123).nonzero().flatten()
+        assert where.numel() == 1 and float(plan.log_weights[0, h, where]) == 0.0  # deterministic, weight 1
