@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--config", help="YAML of options: a path or a name in configs/train/ (e.g. lycheedecode)")
     p.add_argument("--model", help=f"alias, Hugging Face id, local folder or .gguf file (default {d.model})")
+    p.add_argument("--model-name", help="name recorded in the manifest (default: the --model value)")
     p.add_argument("--target", type=int, help=f"retrieval heads wanted among layers >= 1 (default {d.target})")
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     p.add_argument("--gate", help=f"hardkuma, hardconcrete or sigmoid (default {d.gate})")
@@ -57,7 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="model weight dtype, e.g. bfloat16 (default: the alias's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")
-    p.add_argument("--deepspeed", help="DeepSpeed JSON for accelerate (see configs/deepspeed/)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false", default=None,
                    help="keep attention scores for backward instead of recomputing them (faster, more memory)")
     p.add_argument("--dataset", help="'passkey' (default) or a .jsonl file of {input_ids, labels} records")

@@ -24,6 +24,7 @@ class TrainConfig:
     stretch (−0.1, 1.1), 30 % token budget, 32 retrieval heads)."""
 
     model: str = "smollm2-135m"
+    model_name: str | None = None  # the name recorded in the manifest (default: the model's alias or id)
     gate: str = "hardkuma"  # a name in train.gates.GATES
     target: int = 32  # retrieval heads wanted among the gated (layer >= 1, KV head) pairs
     steps: int = 3000
@@ -39,7 +40,6 @@ class TrainConfig:
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
     dtype: str | None = None  # model weights when the CLI loads it (None: the alias's default)
     device_map: str | None = None  # "auto" spreads a model over the visible GPUs
-    deepspeed: str | None = None  # a DeepSpeed JSON (configs/deepspeed/) for the accelerate launcher
     checkpoint_every: int = 100
     # data: "passkey" builds data.passkey.build_passkey_dataset; otherwise a .jsonl file of
     # {"input_ids": [...], "labels": [...]} records
@@ -75,9 +75,6 @@ class TrainConfig:
         if len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]:
             raise ValueError(f"lengths must be two token counts low <= high, got {self.lengths!r}")
         self.lengths = lengths
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise ValueError(f"deepspeed config {self.deepspeed!r} does not exist; pass a JSON file such as "
-                             "configs/deepspeed/zero3-offload.json")
 
     def resolved_output(self) -> Path:
         if self.output:
@@ -117,8 +114,16 @@ def read_yaml(name_or_path: str) -> dict[str, Any]:
 
 
 def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfig:
-    """Defaults, then the YAML (if any), then ``overrides`` whose value is not None."""
+    """Defaults, then the YAML, then ``overrides`` whose value is not None.
+
+    Without ``yaml_config``, a shipped ``configs/train/<model>.yaml`` named after the model alias is the YAML
+    layer, so every model can carry settings that suit it (context length, step cost).
+    """
     known = {f.name for f in fields(TrainConfig)}
+    if yaml_config is None:
+        model = overrides.get("model") or TrainConfig.model
+        if model in shipped_configs():
+            yaml_config = model
     values: dict[str, Any] = read_yaml(yaml_config) if yaml_config else {}
     unknown = sorted(set(values) - known)
     if unknown:

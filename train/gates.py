@@ -263,3 +263,11 @@ class GateParameters(nn.Module):
 
     def distribution(self):
         return self._build(dict(self.params.items()), self.low, self.high)
+
+    @torch.no_grad()
+    def clamp_(self, bound: float = math.log(1e3)) -> None:
+        """Keep raw parameters in [−bound, bound] (α, β in [1e-3, 1e3] for HardKuma, the range the closed
+        forms are tested on). Adam takes full-size steps on tiny gradients of constant sign, so a saturated
+        gate would otherwise drift without limit and never come back."""
+        for p in self.params.values():
+            p.clamp_(-bound, bound)

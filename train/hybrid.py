@@ -102,7 +102,7 @@ class HybridAttention:
         if self.gates is not None and layer > 0:
             if self.gates.shape != (self.num_layers - 1, key.shape[1]):
                 raise ValueError(f"gates have shape {tuple(self.gates.shape)}, expected {(self.num_layers - 1, key.shape[1])}")
-            z = self.gates[layer - 1]
+            z = self.gates[layer - 1].to(query.device)  # layers may sit on other GPUs (device_map="auto")
         inherited = self._selected if z is not None else None
         args = (query, key, value, keep, scaling, inherited, z, budget_tokens(self.budget, t))
         if self.checkpoint and torch.is_grad_enabled():

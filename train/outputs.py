@@ -32,7 +32,7 @@ def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dic
     hkv = expected.shape[1]
     ones = torch.ones(1, hkv)
     spec = getattr(model, "rolecall_spec", None)
-    name = getattr(spec, "name", None) or config.model
+    name = config.model_name or getattr(spec, "name", None) or config.model
     return RoleManifest(
         model=ModelIdentity.from_config(model, name=name),
         head_role=torch.cat([ones.to(torch.int8), head_roles(expected, config.target, config.exact_target)]),

@@ -29,7 +29,7 @@ from train.hybrid import HybridAttention
 from train.outputs import UNDECIDED, build_manifest, dataset_provenance, plot_curves, plot_gates
 
 # config fields that may differ between a checkpoint and the run resuming from it
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "output", "plots", "device_map", "deepspeed", "dtype"}
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "output", "plots", "device_map", "dtype", "model_name"}
 
 
 @contextlib.contextmanager
@@ -69,10 +69,6 @@ def _accelerator(config: TrainConfig, device: torch.device):
     from accelerate import Accelerator
 
     kwargs: dict[str, Any] = {"mixed_precision": config.mixed_precision, "cpu": device.type == "cpu"}
-    if config.deepspeed:
-        from accelerate.utils import DeepSpeedPlugin
-
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=config.deepspeed)
     return Accelerator(**kwargs)
 
 
@@ -143,6 +139,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             accelerator.backward(loss)
             _check_finite(step, {f"gradient of {n}": p.grad for n, p in unwrapped.named_parameters()})
             optimizer.step()
+            unwrapped.clamp_()
             l0_value = float(l0.detach())
             lam = max(0.0, lam + config.lambda_lr * (l0_value - config.target))
             last_loss = float(loss_d.detach())

@@ -1,0 +1,143 @@
+"""Seconds per train-heads step and peak GPU memory, Llama-3-8B architecture with random bf16 weights.
+
+For each prompt length it times, in the same run:
+
+- ``baseline``: what any distillation step must do anyway: the teacher's chunked prefill of the prompt and
+  its forward over the target span (no gradients);
+- ``train step``: one full step of the recipe: the baseline plus the student's hybrid forward, the backward
+  pass into the gates and the optimizer and λ updates (``train.recipe`` does the same per step).
+
+Medians over ``--repeats`` steps after ``--warmup`` untimed ones; CUDA events; the GPU is named in the
+table and the JSON. Random weights give near-uniform attention, which does not change the work done.
+
+    python benchmarks/train_step.py --lengths 1000 4000 10000 --json train_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.distill import distill_loss, prefill, split_sample  # noqa: E402
+from train.gates import GateParameters  # noqa: E402
+from train.hybrid import HybridAttention  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def build_model(layers: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def sample(prompt_tokens: int, span: int, answers: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt followed by a target span in which ``answers`` tokens carry labels (like passkey answers)."""
+    g = torch.Generator().manual_seed(prompt_tokens)
+    ids = torch.randint(0, vocab, (prompt_tokens + span,), generator=g)
+    labels = torch.full_like(ids, -100)
+    where = torch.linspace(prompt_tokens + 1, prompt_tokens + span - 1, answers).long()
+    labels[where] = ids[where]
+    return ids, labels
+
+
+def time_cuda(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times), times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000, 10000])
+    p.add_argument("--span", type=int, default=730, help="target-span tokens (10 passkeys of 32 words: about 730 with SmolLM2's tokenizer)")
+    p.add_argument("--answers", type=int, default=600, help="labelled tokens inside the span")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--budget", type=float, default=0.3)
+    p.add_argument("--prefill-chunk", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--json", default="train_step.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name()
+    model = build_model(args.layers)
+    num_kv = model.config.num_key_value_heads
+    gates = GateParameters("hardkuma", (args.layers - 1, num_kv)).cuda()
+    optimizer = torch.optim.Adam(gates.parameters(), lr=0.01)
+    hybrid = HybridAttention(args.layers, args.budget, checkpoint=not args.no_checkpointing)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for n in args.lengths:
+        ids, labels = sample(n, args.span, args.answers, model.config.vocab_size)
+        ids, labels = ids.cuda(), labels.cuda()
+
+        def baseline(ids=ids, labels=labels):
+            s = split_sample(ids, labels)
+            with torch.no_grad():
+                cache = prefill(model, s.prompt, args.prefill_chunk)
+                model(input_ids=s.span, past_key_values=cache, use_cache=True).logits.float()
+
+        lam = 0.0
+
+        def step(ids=ids, labels=labels):
+            nonlocal lam
+            dist = gates.distribution()
+            z = dist.rsample(generator=generator)
+            loss_d, _ = distill_loss(model, hybrid, z, ids, labels, args.prefill_chunk)
+            l0 = dist.expected_l0()
+            loss = loss_d + lam * (l0 - 32)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            lam = max(0.0, lam + 0.01 * (float(l0) - 32))
+
+        row = {"prompt_tokens": n, "span_tokens": args.span}
+        for name, fn in (("baseline", baseline), ("train_step", step)):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            median, times = time_cuda(fn, args.warmup, args.repeats)
+            row[f"{name}_s"] = median
+            row[f"{name}_times_s"] = times
+            row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        rows.append(row)
+        print(f"{n}: baseline {row['baseline_s']:.3f} s, step {row['train_step_s']:.3f} s", flush=True)
+    print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
+    print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
+          f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
+    print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9}")
+    for r in rows:
+        print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['train_step_s']:>8.3f} "
+              f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f}")
+    result = {"gpu": gpu, "torch": torch.__version__, "args": vars(args), "rows": rows}
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+import math
+
+import pytest
+import torch
+
+from tests.tiny import tiny_model
+from train.distill import distill_loss, prefill, split_sample
+from train.hybrid import HybridAttention, budget_tokens, hybrid_layer
+
+CASES = [("llama", 4, 1), ("qwen3", 4, 2), ("mistral", 4, 4)]
+
+
+def _frozen(family, heads, kv, layers=3):
+    model = tiny_model(family, layers=layers, heads=heads, kv_heads=kv)
+    return model.requires_grad_(False)
+
+
+def _sample(n=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (n,), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[50:55] = ids[50:55]
+    labels[60:64] = ids[60:64]
+    return ids, labels
+
+
+@pytest.mark.parametrize("family, heads, kv", CASES)
+def test_all_retrieval_or_whole_budget_equals_the_teacher(family, heads, kv):
+    model = _frozen(family, heads, kv)
+    ids, labels = _sample()
+    z_shape = (2, kv)
+    for budget, z in ((0.3, torch.ones(z_shape)), (1.0, torch.zeros(z_shape)), (1.0, torch.rand(z_shape))):
+        loss, seen = distill_loss(model, HybridAttention(3, budget), z, ids, labels, prefill_chunk=16)
+        torch.testing.assert_close(seen["student logits"], seen["teacher logits"], atol=2e-5, rtol=1e-5)
+        assert float(loss) < 1e-8
+    # a small budget with sparse heads really changes the output
+    loss, _ = distill_loss(model, HybridAttention(3, 0.1), torch.zeros(z_shape), ids, labels, prefill_chunk=16)
+    assert float(loss) > 1e-3
+    assert model.config._attn_implementation == "sdpa"
+
+
+def _naive_layer(q, k, v, inherited, z, scaling):
+    """Loop reference: q [Hq, S, D], k/v [Hkv, T, D] with queries at the last S positions; inherited [Hkv, S, T]."""
+    hq, s, _ = q.shape
+    hkv, t, _ = k.shape
+    g = hq // hkv
+    out = torch.zeros(s, hq, q.shape[-1], dtype=torch.float64)
+    for h in range(hq):
+        kh = h // g
+        for i in range(s):
+            pos = t - s + i
+            scores = [(q[h, i] @ k[kh, j]).item() * scaling for j in range(pos + 1)]
+            full = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0) @ v[kh, : pos + 1].double()
+            keep = [j for j in range(pos + 1) if inherited[kh, i, j]]
+            sp = torch.softmax(torch.tensor([scores[j] for j in keep], dtype=torch.float64), 0) @ v[kh, keep].double()
+            out[i, h] = z[kh] * full + (1 - z[kh]) * sp
+    return out
+
+
+def _naive_selection(q, k, scaling, top):
+    """Per KV head and query: the ``top`` keys of the group-averaged causal attention probabilities."""
+    hq, s, _ = q.shape
+    hkv, t, _ = k.shape
+    g = hq // hkv
+    sel = torch.zeros(hkv, s, t, dtype=torch.bool)
+    for kh in range(hkv):
+        for i in range(s):
+            pos = t - s + i
+            probs = torch.stack([torch.softmax((k[kh, : pos + 1] @ q[h, i]) * scaling, 0) for h in range(kh * g, (kh + 1) * g)]).mean(0)
+            for j in torch.argsort(probs, descending=True)[: min(top, pos + 1)].tolist():
+                sel[kh, i, j] = True
+    return sel
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 1), (4, 2), (3, 3)])
+def test_hybrid_layer_matches_a_loop_reference(hq, hkv):
+    torch.manual_seed(3)
+    s, t, d, top = 5, 11, 8, 4
+    q1, q2 = torch.randn(1, hq, s, d) * 2, torch.randn(1, hq, s, d) * 2
+    k1, k2 = torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)
+    v2 = torch.randn(1, hkv, t, d)
+    keep = (torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None])[None, None]
+    scaling = d**-0.5
+    _, selected = hybrid_layer(q1, k1, k1, keep, scaling, None, None, top)
+    assert torch.equal(selected[0], _naive_selection(q1[0], k1[0], scaling, top))
+    z = torch.rand(hkv)
+    out, _ = hybrid_layer(q2, k2, v2, keep, scaling, selected, z, top)  # [1, S, Hq, D]
+    ref = _naive_layer(q2[0], k2[0], v2[0], selected[0], z.double(), scaling)
+    torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_matches_finite_differences_and_checkpointing_changes_nothing():
+    model = _frozen("qwen3", 4, 2)
+    ids, labels = _sample(seed=1)
+    z = torch.full((2, 2), 0.5, dtype=torch.float32)
+    grads = []
+    for ckpt in (False, True):
+        zz = z.clone().requires_grad_(True)
+        loss, _ = distill_loss(model, HybridAttention(3, 0.2, checkpoint=ckpt), zz, ids, labels, prefill_chunk=20)
+        loss.backward()
+        grads.append((float(loss.detach()), zz.grad.clone()))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-6, rtol=1e-5)
+    eps = 1e-2
+    for idx in [(0, 0), (1, 1)]:
+        up, down = z.clone(), z.clone()
+        up[idx] += eps
+        down[idx] -= eps
+        hyb = HybridAttention(3, 0.2)
+        fd = (float(distill_loss(model, hyb, up, ids, labels, 20)[0]) - float(distill_loss(model, hyb, down, ids, labels, 20)[0])) / (2 * eps)
+        assert fd == pytest.approx(float(grads[0][1][idx]), rel=2e-2, abs=1e-4)
+
+
+def test_model_is_unchanged_after_training_forwards_and_after_errors():
+    model = _frozen("llama", 4, 1)
+    ids, labels = _sample()
+    x = ids[None, :40]
+    with torch.no_grad():
+        before = model(x).logits
+    distill_loss(model, HybridAttention(3, 0.3), torch.zeros(2, 1), ids, labels, prefill_chunk=16)
+    with pytest.raises(ValueError, match="gates have shape"):
+        distill_loss(model, HybridAttention(3, 0.3), torch.zeros(5, 1), ids, labels, prefill_chunk=16)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
+
+def test_prefill_in_chunks_equals_one_pass():
+    model = _frozen("llama", 4, 2, layers=2)
+    ids = torch.randint(0, 256, (1, 37))
+    a, b = prefill(model, ids, 5), prefill(model, ids, 100)
+    assert a.get_seq_length() == b.get_seq_length() == 37
+    for la, lb in zip(a.layers, b.layers):
+        torch.testing.assert_close(la.keys, lb.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_split_sample_and_budget():
+    ids = torch.arange(10)
+    labels = torch.full((10,), -100)
+    labels[[5, 6, 8]] = ids[[5, 6, 8]]
+    s = split_sample(ids, labels)
+    assert s.prompt.tolist() == [[0, 1, 2, 3]] and s.span.tolist() == [[4, 5, 6, 7]]
+    assert s.mask.tolist() == [True, True, False, True] and s.num_targets == 3
+    with pytest.raises(ValueError, match="no target tokens"):
+        split_sample(ids, torch.full((10,), -100))
+    with pytest.raises(ValueError, match="same length"):
+        split_sample(ids, labels[:5])
+    assert budget_tokens(0.3, 1000) == 300 and budget_tokens(0.3, 7) == math.ceil(2.1)
+    assert budget_tokens(64, 1000) == 64 and budget_tokens(64, 10) == 10 and budget_tokens(1.0, 9) == 9
+    with pytest.raises(ValueError, match="token budget"):
+        HybridAttention(3, 1.5)
+    with pytest.raises(ValueError, match="token budget"):
+        HybridAttention(3, 0)
