@@ -5,12 +5,16 @@
 For each context T and batch B (Hq 32 / Hkv 8 / D 128, bf16, 64-token blocks) it times, as medians of CUDA-event
 timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve repeats:
 
+Every call is captured in a CUDA graph, as a decode step runs, so launch overhead does not count.
+
 * ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
 * ``ours_dense``: the Triton kernel reading every token;
 * ``sparse_r``: the Triton kernel where r of the 8 KV heads read 10 % of the blocks and the others read
   everything, in one launch (LycheeDecode's mixed retrieval/sparse layer; r = 8 is a fully sparse layer);
 * ``gather_sdpa``: the naive route, gathering 10 % of the blocks of every head and running SDPA on them;
-* ``page_scores``: the extra pass a Δ-layer pays to score pages (DELTA's selection overhead).
+* ``page_scores``: a second pass over K that scores pages from the attention pass's log-sum-exp;
+* ``decode_and_score``: the fused Δ-layer path (attention that keeps its logits, then a pass over the logits):
+  its time over ``ours_dense`` is the selection overhead DELTA reports (154 % at 1K, 25 % at 32K).
 
 It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
 each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
@@ -38,7 +42,7 @@ L2_BYTES = 256 * 2**20  # rotate buffers until this much: well above any Hopper 
 
 
 def timed(fn, reps: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` calls, after ``warmup`` calls."""
+    """Median milliseconds of ``fn()`` over ``reps`` calls, after ``warmup`` calls (CUDA events)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -104,6 +108,23 @@ def pick_sdpa_backend(q4, k, v) -> str:
     return "default"
 
 
+def graph_ms(fn, kv: Rotating, reps: int = 20) -> float:
+    """Median milliseconds of ``fn(k, v)``, captured once per rotating cache copy in a CUDA graph.
+
+    A decode step runs as a graph (no launch or Python overhead), so kernels are timed the same way."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k, v in kv.sets:  # warm-up: compiles the kernels
+            fn(k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k, v in kv.sets:
+            fn(k, v)
+    return timed(graph.replay, reps=reps) / len(kv.sets)
+
+
 def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int, stages: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -122,20 +143,19 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     backends = {"flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
                 "cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(backend)
 
-    def run_sdpa():
-        k, v = kv.next()
+    def run_sdpa(k, v):
         if backends:
             with sdpa_kernel(backends):
                 return sdpa_dense(q4, k, v)
         return sdpa_dense(q4, k, v)
 
-    row["sdpa_ms"] = timed(run_sdpa)
-    row["ours_dense_ms"] = timed(lambda: tri.sparse_decode_attention(q, *kv.next(), scale=scale,
-                                                                      num_warps=warps, num_stages=stages))
+    row["sdpa_ms"] = graph_ms(run_sdpa, kv)
+    row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
+        q, k, v, scale=scale, num_warps=warps, num_stages=stages), kv)
     for r in (0, 4, 8):
         full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous()
-        row[f"sparse_{r}_ms"] = timed(lambda full=full: tri.sparse_decode_attention(
-            q, *kv.next(), idx, scale=scale, block_size=BLOCK, full_rows=full, num_warps=warps, num_stages=stages))
+        row[f"sparse_{r}_ms"] = graph_ms(lambda k, v, full=full: tri.sparse_decode_attention(
+            q, k, v, idx, scale=scale, block_size=BLOCK, full_rows=full, num_warps=warps, num_stages=stages), kv)
         read = b * ((HKV - r) * kv_bytes_row + r * sparse_bytes_row)
         row[f"sparse_{r}_bytes"] = read
         row[f"sparse_{r}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"sparse_{r}_ms"]
@@ -147,16 +167,18 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     blk = idx.long()
     blocks = t // BLOCK
 
-    def gather_then_sdpa():
-        k, v = kv.next()
+    def gather_then_sdpa(k, v):
         kb = k[:, :, : blocks * BLOCK].view(b, HKV, blocks, BLOCK, D)[bi, hi, blk].flatten(2, 3)  # [B, Hkv, M, D]
         vb = v[:, :, : blocks * BLOCK].view(b, HKV, blocks, BLOCK, D)[bi, hi, blk].flatten(2, 3)
         return sdpa_dense(q4, kb, vb)
 
-    row["gather_sdpa_ms"] = timed(gather_then_sdpa)
+    row["gather_sdpa_ms"] = graph_ms(gather_then_sdpa, kv)
     _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
-    row["page_scores_ms"] = timed(lambda: page_tri.page_scores(q, kv.next()[0], lse, scale, 16))
+    row["page_scores_ms"] = graph_ms(lambda k, v: page_tri.page_scores(q, k, lse, scale, 16), kv)
     row["selection_overhead"] = row["page_scores_ms"] / row["ours_dense_ms"]
+    row["decode_and_score_ms"] = graph_ms(lambda k, v: page_tri.decode_and_score(
+        q, k, v, scale, 16, num_warps=warps, num_stages=stages), kv)
+    row["selection_overhead_fused"] = row["decode_and_score_ms"] / row["ours_dense_ms"] - 1.0
     row["sdpa_bandwidth_fraction"] = dense_bytes / (row["sdpa_ms"] / 1e3) / copy_bw
     row["ours_dense_bandwidth_fraction"] = dense_bytes / (row["ours_dense_ms"] / 1e3) / copy_bw
     kv.sets.clear()
@@ -173,8 +195,8 @@ def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
     results = {}
     for warps in (4, 8):
         for stages in (1, 2, 3, 4):
-            results[f"{warps}w{stages}s"] = timed(lambda w=warps, s=stages: tri.sparse_decode_attention(
-                q, *kv.sets[0], idx, scale=D**-0.5, block_size=BLOCK, num_warps=w, num_stages=s), reps=20)
+            results[f"{warps}w{stages}s"] = graph_ms(lambda k, v, w=warps, s=stages: tri.sparse_decode_attention(
+                q, k, v, idx, scale=D**-0.5, block_size=BLOCK, num_warps=w, num_stages=s), kv)
     best = min(results, key=results.get)
     warps, stages = int(best.split("w")[0]), int(best.split("w")[1][:-1])
     return warps, stages, results
@@ -202,13 +224,14 @@ def main() -> int:
 
     print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
           f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
-    head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%")
+    head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%",
+            "fused", "fsel%")
     print(" ".join(f"{h:>8}" for h in head))
     for r in rows:
         vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["sparse_0_ms"], r["sparse_4_ms"],
                 r["sparse_8_ms"], r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
                 r["sparse_8_bandwidth_fraction"], r["gather_sdpa_ms"], r["page_scores_ms"],
-                100 * r["selection_overhead"])
+                100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"])
         print(" ".join(f"{v:>8}" if isinstance(v, int) else f"{v:>8.3f}" for v in vals))
     return 0
 

@@ -72,6 +72,7 @@ INTERPRET_CASES = [
     (2, 4, 4, 100, 32, 3, 16, {"weights": True}),
     (3, 7, 1, 70, 16, 2, 16, {"mask": True, "full": True}),
     (2, 8, 2, 130, 16, 2, 64, {"full": True, "weights": True}),
+    (1, 4, 2, 1100, 16, 30, 16, {"full": True, "mask": True}),  # 18 splits: the combine loops over blocks
 ]
 
 
@@ -139,3 +140,42 @@ def test_page_scores_match_reference_in_interpreter(b, hq, hkv, t, d, page, per_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_page_scores_match_reference_on_gpu(b, hq, hkv, t, d, per_kv, dtype):
     _check_page_scores(b, hq, hkv, t, d, 16, dtype, "cuda", per_kv)
+
+
+def _check_decode_and_score(b, hq, hkv, t, d, page, dtype, device, per_kv):
+    from runtime.kernels.page_scores import naive as page_naive
+    from runtime.kernels.page_scores import triton as page_tri
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    q = (torch.randn(b, hq, d, generator=g) * 2).to(device, dtype)
+    k = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
+    v = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
+    km = torch.ones(b, t, dtype=torch.bool)
+    km[0, : t // 5] = False
+    km = km.to(device)
+    scale = d ** -0.5
+    out, lse, scores = page_tri.decode_and_score(q, k, v, scale, page, key_mask=km, per_kv_head=per_kv,
+                                                 **({"chunk": 64} if device == "cpu" else {}))
+    ref_out, ref_lse = naive.sparse_decode_attention(q, k, v, None, scale=scale, key_mask=km)
+    probs = page_naive.attention_probs(q, k, scale, km)
+    want = page_naive.pool_pages(probs.view(b, hkv, hq // hkv, t).amax(2), page) if per_kv else \
+        page_naive.page_scores(q, k, scale, page, km)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(scores, want, atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("per_kv", [False, True])
+def test_decode_and_score_in_interpreter(per_kv):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_decode_and_score(2, 8, 2, 150, 16, 16, torch.float32, "cpu", per_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, hkv, t, d", [(1, 8, 8, 17, 64), (3, 28, 4, 1000, 128), (2, 32, 8, 131072, 128)])
+@pytest.mark.parametrize("per_kv", [False, True])
+def test_decode_and_score_on_gpu(b, hq, hkv, t, d, per_kv):
+    _check_decode_and_score(b, hq, hkv, t, d, 16, torch.bfloat16, "cuda", per_kv)

@@ -96,3 +96,62 @@ def page_scores(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale
         HAS_KMASK=km is not None,
     )
     return out if per_kv_head else out[:, 0]
+
+
+@triton.jit
+def _pages_from_logits(LG, LSE, OUT, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, T,
+                       HEADS: tl.constexpr, P: tl.constexpr, PAGES: tl.constexpr, PER_KV: tl.constexpr):
+    b = tl.program_id(0)
+    kv = tl.program_id(1)  # with PER_KV: the KV head whose HEADS query heads are reduced
+    tile = tl.program_id(2)
+    tok = tile * PAGES * P + tl.arange(0, PAGES * P)
+    valid = tok < T
+    first = kv * HEADS if PER_KV else 0
+    best = tl.zeros([PAGES * P], tl.float32)
+    for i in tl.static_range(0, HEADS):
+        h = first + i
+        lse = tl.load(LSE + b * s_lb + h * s_lh)
+        logit = tl.load(LG + b * s_gb + h * s_gh + tok, mask=valid, other=float("-inf"))
+        best = tl.maximum(best, tl.exp(logit - lse))
+    pages = tl.sum(tl.reshape(best, (PAGES, P)), 1)
+    page_ids = tile * PAGES + tl.arange(0, PAGES)
+    tl.store(OUT + b * s_ob + kv * s_oh + page_ids, pages, mask=page_ids * P < T)
+
+
+def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: int, num_kv_heads: int,
+                            per_kv_head: bool = False) -> torch.Tensor:
+    """Page scores from kept logits ``[B, Hq, T]`` and their log-sum-exp ``[B, Hq]``: same output as
+    :func:`page_scores`, reading 4 bytes per head and token instead of the keys."""
+    b, hq, t = logits.shape
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two for the GPU kernel, got {page_size}")
+    n_pages = triton.cdiv(t, page_size)
+    pages_per_prog = max(1, 256 // page_size)
+    groups = num_kv_heads if per_kv_head else 1
+    out = torch.empty(b, groups, n_pages, device=logits.device, dtype=torch.float32)
+    lse = lse.float()
+    _pages_from_logits[(b, groups, triton.cdiv(n_pages, pages_per_prog))](
+        logits, lse, out, logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1), out.stride(0),
+        out.stride(1), t, HEADS=hq // groups, P=page_size, PAGES=pages_per_prog, PER_KV=per_kv_head,
+    )
+    return out if per_kv_head else out[:, 0]
+
+
+def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, page_size: int,
+                     key_mask: torch.Tensor | None = None, per_kv_head: bool = False,
+                     **kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full decode attention of a selection layer and its page scores: ``(out [B, Hq, D], lse [B, Hq], scores)``.
+
+    One pass over K/V computes the output and keeps the logits; a second, light pass over the logits turns
+    them into page scores (``[B, pages]``, or ``[B, Hkv, pages]`` with ``per_kv_head``). No probabilities are
+    written to memory and K is read once.
+    """
+    from runtime.kernels.sparse_attention import triton as attention
+
+    b, hq, _ = query.shape
+    t = key.shape[2]
+    logits = torch.empty(b, hq, t, device=query.device, dtype=torch.float32)
+    out, lse = attention.sparse_decode_attention(query, key, value, scale=scale, key_mask=key_mask,
+                                                 logits_out=logits, **kernel)
+    scores = page_scores_from_logits(logits, lse, page_size, key.shape[1], per_kv_head)
+    return out, lse, scores

@@ -36,8 +36,9 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt,
-          T, scale, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-          HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr):
+          T, scale, lg_base, s_gh, G: tl.constexpr, G_PAD: tl.constexpr,
+          D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+          HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, WRITE_LOGITS: tl.constexpr):
     """One tile of TILE tokens of the row's read set: gather K/V rows, update the online softmax state."""
     d = tl.arange(0, D_PAD)
     d_ok = d < D
@@ -59,6 +60,9 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
         w = tl.load(LOGW + b * s_ib + h * s_ih + entry, mask=valid & (full == 0), other=0.0)
         s += w.to(tl.float32)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
+    if WRITE_LOGITS:  # a selection layer keeps its logits (4 bytes per head and token, vs 2·D·2 of K/V)
+        g = tl.arange(0, G_PAD)
+        tl.store(lg_base + g[:, None] * s_gh + tok[None, :], s, mask=(g < G)[:, None] & live[None, :])
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing valid keeps the state
     alpha = tl.exp(m_i - m_safe)
@@ -71,7 +75,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
 
 @triton.jit
 def _sparse_decode_partial(
-    Q, K, V, IDX, LOGW, KMASK, FULL, OUT, LSE,
+    Q, K, V, IDX, LOGW, KMASK, FULL, OUT, LSE, LOGITS,
     s_qb, s_qh,
     s_kb, s_kh, s_kt,
     s_vb, s_vh, s_vt,
@@ -79,11 +83,12 @@ def _sparse_decode_partial(
     s_mb,
     s_ob, s_oh, s_os, s_og,
     s_lb, s_lh, s_ls,
+    s_gb, s_gh,
     T, N, HKV, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_FULL: tl.constexpr,
-    STATIC_BOUNDS: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,16 +119,17 @@ def _sparse_decode_partial(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     k_base = K + b * s_kb + h * s_kh
     v_base = V + b * s_vb + h * s_vh
+    lg_base = LOGITS + b * s_gb + h * G * s_gh
     if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2)
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
-                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale,
-                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK)
+                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, G, G_PAD,
+                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, WRITE_LOGITS)
     else:
         for j0 in range(start, end, TILE):
             m_i, l_i, acc = _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
-                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale,
-                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK)
+                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, G, G_PAD,
+                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, WRITE_LOGITS)
 
     busy = l_i > 0
     out = acc / tl.where(busy, l_i, 1.0)[:, None]
@@ -148,25 +154,35 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
-                            tile: int = 64, num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of the reference; see the module docstring for shapes."""
+                            tile: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of the reference; see the module docstring for shapes.
+
+    ``logits_out``: a float32 ``[B, Hq, T]`` buffer that, for dense calls (no indices), receives every scaled
+    logit (−inf where masked), so a selection layer can score pages without reading K again.
+    """
     b, hq, d = query.shape
     _, hkv, t, dk = key.shape
     if dk != d or hq % hkv:
         raise ValueError(f"query [B, {hq}, {d}] does not fit key [B, {hkv}, T, {dk}]")
     if indices is None and (log_weights is not None or full_rows is not None):
         raise ValueError("log_weights and full_rows need indices (without indices every row reads every token)")
+    if logits_out is not None and (indices is not None or logits_out.shape != (b, hq, t)
+                                   or logits_out.dtype != torch.float32 or logits_out.stride(-1) != 1):
+        raise ValueError(f"logits_out must be a float32 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call")
     g = hq // hkv
     query = query if query.stride(-1) == 1 else query.contiguous()
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     n = 0 if indices is None else indices.shape[-1]
-    read = t if (indices is None or full_rows is not None) else n * block_size
+    sparse_read = t if indices is None else n * block_size  # tokens a sparse row reads
+    max_read = t if (indices is None or full_rows is not None) else sparse_read
     if chunk is None:
+        # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        chunk = choose_chunk(read, b * hkv, sms)
+        chunk = choose_chunk(sparse_read, b * hkv, sms)
     chunk = max(chunk, tile)
-    splits = max(1, triton.cdiv(read, chunk))
+    splits = max(1, triton.cdiv(max_read, chunk))
     out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
     lse_p = torch.empty(b, hkv, splits, g, device=query.device, dtype=torch.float32)
     dummy = query  # stands in for absent optional tensors (never read)
@@ -178,7 +194,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         query, key, value,
         idx if idx is not None else dummy, logw if logw is not None else dummy,
         km if km is not None else dummy, fr if fr is not None else dummy,
-        out_p, lse_p,
+        out_p, lse_p, logits_out if logits_out is not None else out_p,
         query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -186,16 +202,60 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         (km.stride(0) if km.shape[0] > 1 else 0) if km is not None else 0,
         out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
         lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
+        logits_out.stride(0) if logits_out is not None else 0, logits_out.stride(1) if logits_out is not None else 0,
         t, n, hkv, float(scale),
         G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile, CHUNK=chunk,
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None, HAS_FULL=fr is not None,
-        STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
+        WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
     )
     return combine_partials(out_p, lse_p)
 
 
+@triton.jit
+def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, HKV, G, S,
+             S_PAD: tl.constexpr, SB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    pid = tl.program_id(0)  # one (sequence, query head)
+    b = pid // (HKV * G)
+    h = (pid // G) % HKV
+    g = pid % G
+    d = tl.arange(0, D_PAD)
+    lse_base = LSE_P + b * s_lb + h * s_lh + g
+    m = tl.full([SB], float("-inf"), tl.float32)
+    for s0 in range(0, S_PAD, SB):  # pass 1: the largest partial log-sum-exp
+        s = s0 + tl.arange(0, SB)
+        m = tl.maximum(m, tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([SB], tl.float32)
+    acc = tl.zeros([SB, D_PAD], tl.float32)
+    for s0 in range(0, S_PAD, SB):  # pass 2: weights relative to it (0 for empty partials)
+        s = s0 + tl.arange(0, SB)
+        w = tl.exp(tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf")) - m_safe)
+        o = tl.load(OUT_P + b * s_ob + h * s_oh + s[:, None] * s_os + g * s_og + d[None, :],
+                    mask=(w > 0)[:, None] & (d < D)[None, :], other=0.0)
+        total += w
+        acc += o * w[:, None]
+    t = tl.sum(total, 0)
+    out = tl.sum(acc, 0) / tl.where(t > 0, t, 1.0)
+    tl.store(OUT + pid * D + d, out, mask=d < D)
+    tl.store(LSE + pid, tl.where(t > 0, m_safe + tl.log(tl.where(t > 0, t, 1.0)), float("-inf")))
+
+
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` / ``[B, Hq]``."""
+    b, hkv, splits, g, d = out_p.shape
+    if out_p.is_cuda or INTERPRETING:
+        out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=torch.float32)
+        lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
+        _combine[(b * hkv * g,)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
+                                 out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
+                                 S_PAD=max(16, triton.next_power_of_2(splits)), SB=16, D=d,
+                                 D_PAD=triton.next_power_of_2(d))
+        return out, lse
+    return _combine_torch(out_p, lse_p)
+
+
+def _combine_torch(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, hkv, _, g, d = out_p.shape
     m = lse_p.amax(dim=2, keepdim=True)  # [B, Hkv, 1, G]
     w = torch.exp(lse_p - torch.where(torch.isfinite(m), m, 0.0))  # 0 for empty partials
