@@ -126,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config.model)
+    dataset, info = load_dataset(config, tokenizer)  # before the model: bad data fails fast
     model = load_model(config.model, dtype=config.dtype, device_map=config.device_map)
     if config.device_map is None:
         model.to(device)
-    dataset, info = load_dataset(config, tokenizer)
     manifest = train_run(model, tokenizer, dataset, config, resume=args.resume, data_info=info)
     m = manifest.metrics
     print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "
