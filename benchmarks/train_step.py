@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.distill import distill_loss, prefill, split_sample  # noqa: E402
 from train.gates import GateParameters  # noqa: E402
-from train.hybrid import HybridAttention  # noqa: E402
+from train.hybrid import HybridAttention, fast_float32_matmul  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -80,6 +80,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--no-tf32", action="store_true", help="exact float32 attention scores")
     p.add_argument("--json", default="train_step.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -115,13 +116,14 @@ def main() -> int:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            lam = max(0.0, lam + 0.01 * (float(l0) - 32))
+            lam = max(0.0, lam + 0.01 * (float(l0.detach()) - 32))
 
         row = {"prompt_tokens": n, "span_tokens": args.span}
         for name, fn in (("baseline", baseline), ("train_step", step)):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            median, times = time_cuda(fn, args.warmup, args.repeats)
+            with fast_float32_matmul(not args.no_tf32):
+                median, times = time_cuda(fn, args.warmup, args.repeats)
             row[f"{name}_s"] = median
             row[f"{name}_times_s"] = times
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -129,7 +131,7 @@ def main() -> int:
         print(f"{n}: baseline {row['baseline_s']:.3f} s, step {row['train_step_s']:.3f} s", flush=True)
     print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
     print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
-          f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
+          f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
     print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9}")
     for r in rows:
         print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['train_step_s']:>8.3f} "

@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
                    help="continue from a checkpoint (the newest of this output when no path is given)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
+    p.add_argument("--no-tf32", dest="tf32", action="store_false", default=None,
+                   help="exact float32 attention scores on GPUs (default: TF32 tensor cores)")
     p.add_argument("--dtype", help="model weight dtype, e.g. bfloat16 (default: the alias's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")

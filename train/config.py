@@ -38,6 +38,7 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = True  # recompute attention scores in backward instead of keeping them
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    tf32: bool = True  # TF32 tensor cores for the float32 attention scores on GPUs (train.hybrid)
     dtype: str | None = None  # model weights when the CLI loads it (None: the alias's default)
     device_map: str | None = None  # "auto" spreads a model over the visible GPUs
     checkpoint_every: int = 100

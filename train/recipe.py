@@ -25,7 +25,7 @@ from train import checkpoint as ckpt
 from train.config import TrainConfig, config_json
 from train.distill import NotFiniteError, distill_loss
 from train.gates import GateParameters
-from train.hybrid import HybridAttention
+from train.hybrid import HybridAttention, fast_float32_matmul
 from train.outputs import UNDECIDED, build_manifest, dataset_provenance, plot_curves, plot_gates
 
 # config fields that may differ between a checkpoint and the run resuming from it
@@ -124,7 +124,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     ckpt.atomic_write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
 
     last_loss = math.nan
-    with frozen(model), tqdm(total=config.steps, initial=start, desc="train-heads", dynamic_ncols=True) as bar:
+    with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads", dynamic_ncols=True) as bar:
         for step in range(start, config.steps):
             item = dataset[sample_index(step, len(dataset), config.seed)]
             ids, labels = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])
