@@ -17,10 +17,39 @@ argument              shape                   meaning
 ``lse``               ``[B, Hq]`` float32     ``log Σ w_i e^{s_i}`` (-inf and ``out = 0`` for an empty set)
 ====================  ======================  ===========================================================
 
-``s_i = scale · q · k_i``. The reference in ``naive.py`` runs anywhere; a GPU kernel will sit behind this
-same function and be tested against it.
+``s_i = scale · q · k_i``. The reference in ``naive.py`` runs anywhere; on CUDA tensors the Triton kernel in
+``triton.py`` (split-K over the chosen blocks, one pass per GQA group) runs instead and is tested against
+the reference. ``ROLECALL_KERNELS=naive`` forces the reference everywhere.
 """
 
-from runtime.kernels.sparse_attention.naive import expand_blocks, indices_to_mask, sparse_decode_attention
+from __future__ import annotations
 
-__all__ = ["expand_blocks", "indices_to_mask", "sparse_decode_attention"]
+import importlib.util
+import os
+
+import torch
+
+from runtime.kernels.sparse_attention import naive
+from runtime.kernels.sparse_attention.naive import expand_blocks, indices_to_mask
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(query: torch.Tensor) -> bool:
+    """Whether this call goes to the Triton kernel: a CUDA tensor, Triton installed, not switched off."""
+    return query.is_cuda and _HAS_TRITON and os.environ.get("ROLECALL_KERNELS", "auto") != "naive"
+
+
+def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
+                            log_weights: torch.Tensor | None = None,
+                            key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, D] float32, lse [B, Hq] float32)``; see the table above."""
+    impl = naive
+    if use_triton(query):
+        from runtime.kernels.sparse_attention import triton as impl
+    return impl.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
+                                        log_weights=log_weights, key_mask=key_mask)
+
+
+__all__ = ["expand_blocks", "indices_to_mask", "sparse_decode_attention", "use_triton"]
