@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from runtime.engine import attach
 
@@ -96,9 +97,12 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     with attach(model, manifest, policy, record_recall=True, **params) as session:
         for sample in samples:
             ids = sample["input_ids"][None].to(model.device)
-            out = session.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_new_tokens,
-                                   do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+            # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts
+            # the attention mass that fell on evicted tokens.
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_new_tokens,
+                                 past_key_values=DynamicCache(config=model.config),
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
             new = out.sequences[0, ids.shape[1]:]
             policy_logits = torch.cat(out.logits)  # [N, V]; row 0 comes from the dense prefill
             # More than one query token: the engine runs this forward densely (prefill path).

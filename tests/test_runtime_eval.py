@@ -62,6 +62,9 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
     assert 0 < recalls[2] < 1 and 0 < recalls[3] < 1
     assert sparse["attended_fraction"] < 1
     assert sparse["samples"][0]["correct"] is not None and sparse["samples"][1]["correct"] is None
+    evicting = evaluate(model, tok, None, "lethe", {"budget": 12}, settings)
+    assert all(layer["recall"] < 1 for layer in evicting["layers"])  # evicted mass counts as missed
+    assert all(layer["kept_fraction"] < 0.5 for layer in evicting["layers"])
 
 
 def test_eval_and_decode_commands(tiny_folder, tmp_path, capsys):
