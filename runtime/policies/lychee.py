@@ -7,7 +7,7 @@ inherit; a sparse head passes it on unchanged, so a chain of sparse heads reuses
 The set size follows one of the paper's four strategies (exactly one may be given):
 
 * ``budget`` — a token count (default 1024 when nothing is given);
-* ``ratio`` — a fraction of the tokens in context (LycheeDecode's best setting);
+* ``ratio`` — a fraction of the tokens (blocks) in context (LycheeDecode's best setting);
 * ``top_p`` — the smallest set holding at least that attention mass;
 * ``threshold`` — every token (block) whose attention share is at least that value.
 
@@ -65,19 +65,22 @@ class Lychee:
         self.retrieval = manifest.head_role == HEAD_ROLE_RETRIEVAL
         self.retrieval[0] = True  # layer 0 has nothing to inherit
 
-    def _choose(self, scores: torch.Tensor, valid: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _choose(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, n]`` → chosen block ids ``[B, Hkv, N]`` (-1 padded)."""
         n = scores.shape[-1]
         recent = math.ceil(self.recent / self.block_size) if self.recent else 0
         if self.mode in ("budget", "ratio"):
-            want = self.budget if self.mode == "budget" else self.ratio * tokens  # tokens: [B] valid per row
-            k = torch.as_tensor(want, device=scores.device).div(self.block_size).ceil().clamp_min(max(recent, 1))
+            if self.mode == "budget":
+                k = torch.tensor(math.ceil(self.budget / self.block_size), device=scores.device)
+            else:  # a share of the blocks holding context (blocks, not tokens: padding may split a block)
+                k = (self.ratio * valid.sum(-1)).ceil()  # [B, Hkv]
+            k = k.clamp_min(max(recent, 1))
             ranked = scores.float().masked_fill(~valid, float("-inf"))
             if recent:
                 ranked[..., max(n - recent, 0):] = float("inf")
             order = ranked.argsort(dim=-1, descending=True, stable=True)
             rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
-            k = k.view(-1, 1, 1) if k.dim() else k
+            k = k[..., None] if k.dim() else k
             return mask_to_indices((rank < k) & valid)
         share = scores.masked_fill(~valid, 0.0)
         share = share / share.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -102,7 +105,7 @@ class Lychee:
         token_scores = probs.view(b, hkv, step.groups, t).amax(2)  # [B, Hkv, T]
         blocks = pool_pages(token_scores, self.block_size)  # [B, Hkv, n]
         valid = pool_pages(step.keep.float(), self.block_size)[:, None, :].expand(b, hkv, n_blocks) > 0
-        chosen = self._choose(blocks, valid, step.keep.sum(-1).float())
+        chosen = self._choose(blocks, valid)
         if bool(retrieval.all()) or inherited is None:
             step.scratch["lychee.sets"] = chosen
             return Plan()
