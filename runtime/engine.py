@@ -28,22 +28,22 @@ class LayerStats:
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
-        self.read = [0.0] * num_layers  # Σ over steps, batch rows and KV heads of tokens read
-        self.available = [0.0] * num_layers  # Σ of the tokens a dense read would have read
+        self.read: list[Any] = [0] * num_layers  # Σ over steps, batch rows and KV heads of tokens read (tensors)
+        self.available: list[Any] = [0] * num_layers  # Σ of the tokens a dense read would have read
         self.steps = [0] * num_layers
         self.recall: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # [B, Hq] per step
         self.error: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # [B, Hq] per step
         self.kept: list[float | None] = [None] * num_layers  # Lethe: kept fraction after the last step
 
     def attended_fraction(self) -> list[float | None]:
-        return [r / a if a else None for r, a in zip(self.read, self.available)]
+        return [float(r) / float(a) if float(a) else None for r, a in zip(self.read, self.available)]
 
     def summary(self) -> dict[str, Any]:
         def mean(xs: list[torch.Tensor]) -> float | None:
             return float(torch.cat([x.flatten() for x in xs]).mean()) if xs else None
 
         fractions = self.attended_fraction()
-        total_read, total_avail = sum(self.read), sum(self.available)
+        total_read, total_avail = sum(float(r) for r in self.read), sum(float(a) for a in self.available)
         return {
             "attended_fraction": total_read / total_avail if total_avail else None,
             "layers": [
@@ -120,15 +120,16 @@ class Session:
         mask = plan.key_mask if plan.key_mask is not None else keep
         out, _ = sparse_decode_attention(q, key, value, plan.indices, scale=scale, block_size=plan.block_size,
                                          log_weights=plan.log_weights, key_mask=mask)  # [B, Hq, D]
-        self._record(layer, step, plan, mask, out, float(keep_logical.sum()))
+        self._record(layer, step, plan, mask, out, keep_logical.sum())
         return out[:, None].to(query.dtype), None  # [B, 1, Hq, D]
 
     def _record(self, layer: int, step: Step, plan: Plan, mask: torch.Tensor, out: torch.Tensor,
-                available: float) -> None:
+                available: torch.Tensor) -> None:
+        # Sums stay on the device (no host sync per layer); summary() reads them once.
         b, hkv, t = step.key.shape[:3]
         read = indices_to_mask(plan.indices, plan.block_size, t, (b, hkv)).to(mask.device) & mask[:, None, :]
         st = self.stats
-        st.read[layer] += float(read.sum())
+        st.read[layer] += read.sum()
         st.available[layer] += available * hkv
         st.steps[layer] += 1
         if "kept_fraction" in plan.info:
