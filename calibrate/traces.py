@@ -102,6 +102,17 @@ def trace_cache_path(model, prompts: list[str], settings: dict[str, Any]) -> Pat
     return cache_dir() / "traces" / f"{safe}-{digest}.jsonl"
 
 
+class _StepCounter:
+    """A logits processor that only advances a progress bar: generate() calls it once per decoding step."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def __call__(self, input_ids, scores):
+        self.bar.update(1)
+        return scores
+
+
 def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, sample: bool = False,
                     temperature: float = 0.6, top_p: float = 0.95, seed: int = 0, batch_size: int = 8,
                     cache: bool = True, progress: bool = True) -> list[list[int]]:
@@ -110,6 +121,7 @@ def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, s
     Prompts are generated ``batch_size`` at a time with left padding; the padding is removed again.
     """
     from tqdm.auto import tqdm
+    from transformers import LogitsProcessorList
 
     from data.reasoning import format_prompt
 
@@ -126,8 +138,10 @@ def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, s
     encoded = [tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
     generator_seed = torch.Generator().manual_seed(seed)
     traces = []
-    bar = tqdm(total=len(prompts), desc=f"generating traces (≤{max_new_tokens} new tokens)", unit="trace",
+    batches = -(-len(encoded) // batch_size)
+    bar = tqdm(total=batches * max_new_tokens, desc=f"generating {len(prompts)} traces", unit="step",
                disable=not progress)
+    steps = LogitsProcessorList([_StepCounter(bar)])
     for i in range(0, len(encoded), batch_size):
         batch = encoded[i : i + batch_size]
         width = max(len(x) for x in batch)
@@ -136,7 +150,7 @@ def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, s
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator_seed)))
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=1, do_sample=sample, pad_token_id=pad,
+                                 min_new_tokens=1, do_sample=sample, pad_token_id=pad, logits_processor=steps,
                                  **({"temperature": temperature, "top_p": top_p} if sample else
                                     {"temperature": None, "top_p": None, "top_k": None}))
         for prompt_ids, row in zip(batch, out[:, width:].tolist()):
@@ -146,7 +160,8 @@ def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, s
                 if t in eos:
                     break
             traces.append(prompt_ids + answer)
-        bar.update(len(batch))
+        bar.n = (i // batch_size + 1) * max_new_tokens  # a batch that stopped early at EOS
+        bar.refresh()
     bar.close()
     if cache:
         write_traces(path, traces)
