@@ -23,18 +23,20 @@ from data.passkey import answer_prompt, build_niah_dataset, build_passkey_datase
 
 
 @torch.no_grad()
-def answer_hits(model, sample) -> tuple[list[bool], float]:
-    """Per answer: exact greedy match; and the fraction of answer tokens whose argmax is right."""
+def answer_hits(model, sample) -> tuple[list[bool], float, list[bool]]:
+    """Per answer: exact greedy match; the fraction of answer tokens whose argmax is right; and per answer
+    whether its first token is right (the model found the passkey, whether or not it then copies it well)."""
     spans = sample["answer_spans"].tolist()
     ids = sample["input_ids"][: spans[-1][1]].unsqueeze(0)
     positions = torch.tensor([t - 1 for a, b in spans for t in range(a, b)])
     logits = model(input_ids=ids, logits_to_keep=positions).logits[0]  # [n_answer_tokens, V]
     right = logits.argmax(-1) == ids[0, positions + 1]
-    hits, at = [], 0
+    hits, first, at = [], [], 0
     for a, b in spans:
         hits.append(bool(right[at:at + b - a].all()))
+        first.append(bool(right[at]))
         at += b - a
-    return hits, float(right.float().mean())
+    return hits, float(right.float().mean()), first
 
 
 @torch.no_grad()
@@ -57,9 +59,9 @@ def run(model_name: str, lengths: list[int], samples: int, words: int, chat: boo
                                    passkey_words=words, seed=0, split="eval", chat_template=chat)
         for s in tqdm(ds, desc=f"{num_passkeys} passkeys, context {n}", leave=False):
             t = time.perf_counter()
-            hits, token_acc = answer_hits(model, s)
+            hits, token_acc, first = answer_hits(model, s)
             row = {"context_length": n, "total_tokens": len(s["input_ids"]), "hits": hits, "token_acc": token_acc,
-                   "seconds": round(time.perf_counter() - t, 2)}
+                   "first_token": first, "seconds": round(time.perf_counter() - t, 2)}
             if generate:
                 text = generated_first_answer(model, tokenizer, s)
                 row["generated_first"] = text
@@ -68,8 +70,9 @@ def run(model_name: str, lengths: list[int], samples: int, words: int, chat: boo
     grid = build_niah_dataset(tokenizer, lengths=lengths, depths=depths, samples_per_cell=samples,
                               passkey_words=words, seed=0, chat_template=chat)
     for s in tqdm(grid, desc="needle grid", leave=False):
-        hits, token_acc = answer_hits(model, s)
-        row = {"context_length": s["context_length"], "depth": s["depth"], "hit": hits[0], "token_acc": token_acc}
+        hits, token_acc, first = answer_hits(model, s)
+        row = {"context_length": s["context_length"], "depth": s["depth"], "hit": hits[0], "token_acc": token_acc,
+               "first_token": first[0]}
         if generate:
             text = generated_first_answer(model, tokenizer, s)
             row["generate_agrees"] = passkey_correct(text, s["answer"]) == hits[0]
@@ -80,15 +83,17 @@ def run(model_name: str, lengths: list[int], samples: int, words: int, chat: boo
 def summary(results: dict) -> str:
     lines = [f"model {results['model']}, chat template {results['chat_template']}, "
              f"{results['passkey_words']}-word passkeys, CPU"]
-    lines.append("context | multi: passkeys retrieved | token acc | single: prompts retrieved | token acc")
+    lines.append("context | multi: passkeys retrieved | first token | token acc | "
+                 "single: prompts retrieved | first token | token acc")
     for n in sorted({r["context_length"] for r in results["multi"]}):
         multi = [r for r in results["multi"] if r["context_length"] == n]
         single = [r for r in results["single"] if r["context_length"] == n]
         got = sum(sum(r["hits"]) for r in multi)
         total = sum(len(r["hits"]) for r in multi)
-        lines.append(f"{n:>7} | {got}/{total} | {sum(r['token_acc'] for r in multi) / len(multi):.3f} | "
-                     f"{sum(r['hit'] for r in single)}/{len(single)} | "
-                     f"{sum(r['token_acc'] for r in single) / len(single):.3f}")
+        found = sum(sum(r.get("first_token", [])) for r in multi)
+        lines.append(f"{n:>7} | {got}/{total} | {found}/{total} | {sum(r['token_acc'] for r in multi) / len(multi):.3f} | "
+                     f"{sum(r['hit'] for r in single)}/{len(single)} | {sum(r.get('first_token', 0) for r in single)}/"
+                     f"{len(single)} | {sum(r['token_acc'] for r in single) / len(single):.3f}")
     return "\n".join(lines)
 
 

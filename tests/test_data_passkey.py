@@ -183,3 +183,33 @@ def test_embedded_tokenizer_4k_sample_holds_ten_needles_in_order():
     again = build_passkey_dataset(tok, lengths=(4000, 4000), num_samples=1, cache=False)[0]
     other = build_passkey_dataset(tok, lengths=(4000, 4000), num_samples=1, seed=1, cache=False)[0]
     assert torch.equal(again["input_ids"], s["input_ids"]) and not torch.equal(other["input_ids"], s["input_ids"])
+
+
+class _Oracle:
+    """Predicts the true next token everywhere except at the positions in ``wrong``."""
+
+    def __init__(self, vocab, wrong=()):
+        self.vocab, self.wrong = vocab, set(wrong)
+
+    def __call__(self, input_ids, logits_to_keep):
+        nxt = input_ids[0, logits_to_keep + 1].clone()
+        for i, p in enumerate(logits_to_keep.tolist()):
+            if p in self.wrong:
+                nxt[i] = (nxt[i] + 1) % self.vocab
+        logits = torch.nn.functional.one_hot(nxt, self.vocab).float().unsqueeze(0)
+        return type("Out", (), {"logits": logits})()
+
+
+def test_teacher_forced_scoring_counts_exact_answers(tok, corpus, cache_dir):
+    from data.check_retrieval import answer_hits
+
+    s = _build(tok, corpus, num_samples=1)[0]
+    vocab = len(tok)
+    hits, acc, first = answer_hits(_Oracle(vocab), s)
+    assert hits == [True] * 4 and acc == 1.0 and first == [True] * 4
+    a, b = s["answer_spans"][1].tolist()
+    hits, acc, first = answer_hits(_Oracle(vocab, wrong={b - 2}), s)  # second answer's last token wrong
+    n = sum(e - st for st, e in s["answer_spans"].tolist())
+    assert hits == [True, False, True, True] and first == [True] * 4 and acc == pytest.approx(1 - 1 / n)
+    hits, _, first = answer_hits(_Oracle(vocab, wrong={a - 1}), s)  # second answer's first token wrong
+    assert hits == [True, False, True, True] and first == [True, False, True, True]
