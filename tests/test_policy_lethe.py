@@ -98,3 +98,10 @@ def test_breakpoint_keeps_fewer_when_mass_is_concentrated():
     kept = policy._keep(scores, torch.ones(1, 60, dtype=torch.bool), 30)
     ids = set(kept[0].tolist())
     assert {7, 20, 33} <= ids and kept.shape[1] < 30
+
+
+def test_beam_search_is_refused_with_one_line():
+    model = tiny_model("llama", layers=2, heads=2, kv_heads=1)
+    ids, mask = padded(1, 20)
+    with attach(model, None, "lethe", budget=8) as session, pytest.raises(ValueError, match="num_beams=1"):
+        session.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, pad_token_id=259)

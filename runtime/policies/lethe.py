@@ -78,6 +78,14 @@ class EvictingLayer(DynamicLayer):
         super().reset()
         self.positions, self.seen = None, 0
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise PolicyError("policy 'lethe' does not support beam search (its scores follow one sequence per row); "
+                          "generate with num_beams=1")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise PolicyError("policy 'lethe' cannot crop a cache it has evicted from (assisted decoding); "
+                          "generate without an assistant model")
+
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
