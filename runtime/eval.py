@@ -121,10 +121,14 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
         summary = session.summary()
     kl_all, agree_all = torch.cat(kls), torch.cat(agree)
     scored = [r for r in records if r["correct"] is not None]
+    cells: dict[str, dict[str, list[bool]]] = {}
+    for r in scored:
+        cells.setdefault(str(r["context_length"]), {}).setdefault(f"{r['depth']}", []).append(r["correct"])
     return {
         "policy": policy, "params": params, "settings": asdict(settings),
         "manifest": getattr(getattr(manifest, "model", None), "name", None),
         "passkey_accuracy": sum(r["correct"] for r in scored) / len(scored) if scored else None,
+        "passkey_grid": {n: {d: sum(v) / len(v) for d, v in row.items()} for n, row in cells.items()},
         "kl_mean": float(kl_all.mean()) if kl_all.numel() else None,
         "top1_agreement": float(agree_all.float().mean()) if agree_all.numel() else None,
         "generated_tokens_mean": sum(r["generated_tokens"] for r in records) / len(records),
@@ -145,6 +149,12 @@ def format_table(result: dict[str, Any]) -> str:
         ok = "-" if r["correct"] is None else ("yes" if r["correct"] else "no")
         lines.append(f"{r['context_length']:>7} {f(r['depth'], '.2f'):>6} {ok:>8} {r['generated_tokens']:>7} "
                      f"{f(r['kl_mean'], '.2e'):>9} {f(r['top1_agreement'], '.2f'):>6}  {r['generated'][:40]!r}")
+    if result.get("passkey_grid"):
+        depths = sorted({d for row in result["passkey_grid"].values() for d in row})  # "0.1", ... or "None"
+        lines += ["", "passkey accuracy by length (rows) and depth (columns)",
+                  f"{'':>7} " + " ".join(f"{d:>6}" for d in depths)]
+        for n, row in result["passkey_grid"].items():
+            lines.append(f"{n:>7} " + " ".join(f"{f(row.get(d), '.2f'):>6}" for d in depths))
     lines += ["", f"{'layer':>5} {'read':>6} {'recall':>7} {'kept':>6}"]
     for layer in result["layers"]:
         lines.append(f"{layer['layer']:>5} {f(layer['attended_fraction']):>6} {f(layer['recall']):>7} "

@@ -62,6 +62,7 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
     assert 0 < recalls[2] < 1 and 0 < recalls[3] < 1
     assert sparse["attended_fraction"] < 1
     assert sparse["samples"][0]["correct"] is not None and sparse["samples"][1]["correct"] is None
+    assert sparse["passkey_grid"] == {str(sparse["samples"][0]["context_length"]): {"None": float(sparse["samples"][0]["correct"])}}
     evicting = evaluate(model, tok, None, "lethe", {"budget": 12}, settings)
     assert all(layer["recall"] < 1 for layer in evicting["layers"])  # evicted mass counts as missed
     assert all(layer["kept_fraction"] < 0.5 for layer in evicting["layers"])
@@ -106,5 +107,6 @@ def test_eval_on_the_embedded_model(tmp_path, capsys):
     assert code == 0
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["passkey_accuracy"] is not None and len(result["layers"]) == 30
+    assert list(result["passkey_grid"]) == ["600"] and list(result["passkey_grid"]["600"]) == ["0.5"]
     assert result["attended_fraction"] < 1
     assert "passkey accuracy" in capsys.readouterr().out
