@@ -170,3 +170,16 @@ def test_manifest_from_a_path(tmp_path):
     path = manifest_for(model, layer_role=[0, 1, 2, 2]).save(tmp_path / "m.safetensors")
     with attach(model, str(path), "delta") as session:
         assert session.manifest.delta_layers == [1]
+
+
+def test_sliding_window_layers_keep_their_own_attention():
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16, layer_types=types,
+                       use_sliding_window=True, sliding_window=8)
+    assert model.config.layer_types == types
+    ids, mask = batch(3, length=40)
+    want = decode_logits(model, ids, mask)
+    with attach(model, manifest_for(model, layer_role=[1, 2, 2, 2]), "delta", num_pages=64) as session:
+        got = decode_logits(model, ids, mask, session)
+    assert_close(got, want)  # the sliding layers still see only their window
+    assert [s > 0 for s in session.stats.steps] == [True, False, True, False]
