@@ -119,6 +119,7 @@ def _atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -30,7 +30,7 @@ class CalibrateConfig:
     # traces
     prompts: str = "champ"  # data.reasoning source: champ, arithmetic[:N], jsonl:PATH
     num_prompts: int = 8
-    max_new_tokens: int = 384
+    max_new_tokens: int = 320
     sample: bool = False  # greedy by default; sampling uses temperature / top_p with `seed`
     temperature: float = 0.6
     top_p: float = 0.95

@@ -10,6 +10,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from runtime.manifest import RoleManifest  # noqa: E402
 
@@ -23,6 +25,7 @@ def _save(fig, path: Path) -> Path:
     try:
         # a fixed Software/date-free metadata keeps the PNG bytes identical between runs
         fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata={"Software": None})
+        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -46,7 +49,8 @@ def plot_shift(manifest: RoleManifest, path: Path) -> Path:
     if warm:
         ax.axvspan(-0.5, warm - 0.5, color=ROLE_COLORS[0], alpha=0.2, label="warm-up (full)")
     delta = manifest.delta_layers
-    ax.scatter(delta, shift[delta], s=70, color=ROLE_COLORS[1], zorder=3, label=f"Δ-layers {delta}")
+    ax.scatter(delta, shift[delta], s=70, color=ROLE_COLORS[1], zorder=3,
+               label=f"Δ-layers {delta} ({manifest.config.get('select', 'peaks')}, min gap {manifest.config.get('min_gap')})")
     for d in delta:
         ax.axvline(d, color=ROLE_COLORS[1], lw=0.6, ls="--")
     ax.set(xlabel="layer", ylabel="cosine shift", title=_title(manifest), xlim=(-0.5, len(shift) - 0.5))
@@ -77,15 +81,15 @@ def plot_recall(manifest: RoleManifest, path: Path) -> Path:
     cfg = manifest.config
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.bar(range(len(recall)), recall, color=[ROLE_COLORS[r] for r in role])
-    for r, name in ROLE_NAMES.items():
-        ax.bar([], [], color=ROLE_COLORS[r], label=name)
     mean = manifest.metrics["recall_mean"]
-    ax.axhline(mean, color="black", lw=0.8, ls="--", label=f"mean over sparse layers {mean:.3f}")
+    ax.axhline(mean, color="black", lw=0.8, ls="--")
+    handles = [Patch(color=ROLE_COLORS[r], label=name) for r, name in ROLE_NAMES.items()]
+    handles.append(Line2D([], [], color="black", lw=0.8, ls="--", label=f"mean over sparse layers {mean:.3f}"))
     ax.set(xlabel="layer", ylabel="attention recall", ylim=(min(0.5, min(recall) - 0.05), 1.01),
            title=f"simulated recall, Δ = {manifest.delta_layers}, K = {cfg.get('top_pages')} + "
                  f"L = {cfg.get('recent_pages')} pages of {cfg.get('page_size')}")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
     return _save(fig, path)
 
 

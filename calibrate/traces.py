@@ -69,6 +69,7 @@ def write_traces(path: Path, traces: list[list[int]]) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for ids in traces:
                 f.write(json.dumps({"ids": list(ids)}, separators=(",", ":")) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
