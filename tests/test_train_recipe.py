@@ -110,6 +110,11 @@ def test_run_writes_a_manifest_and_resume_reproduces_it_exactly(tmp_path):
     assert [json.loads(line)["step"] for line in (tmp_path / "heads.log.jsonl").read_text().splitlines()] == list(range(6))
     with pytest.raises(CheckpointError, match="target is 2 in the checkpoint but 3 now"):
         train.run(model, tiny_tokenizer(), ds, _config(tmp_path, target=3), resume="latest")
+    with pytest.raises(CheckpointError, match="dataset differs"):
+        train.run(model, tiny_tokenizer(), _dataset(seed=9), cfg, resume="latest")
+    # resuming at the last checkpoint with steps equal to it trains nothing and writes that state
+    m3 = train.run(model, tiny_tokenizer(), ds, _config(tmp_path, plots=True, steps=3), resume=checkpoint_path(out, 3))
+    assert m3.metrics["steps"] == 3 and m3.metrics["final_loss"] == log[2]["distill_loss"]
 
 
 @pytest.mark.parametrize("gate", ["hardconcrete", "sigmoid"])

@@ -63,7 +63,7 @@ def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path
     picks = sorted({records[round(i * (len(records) - 1) / max(panels - 1, 1))]["step"] for i in range(panels)})
     by_step = {r["step"]: r for r in records}
     fig, axes = plt.subplots(1, len(picks), figsize=(1.2 + 1.1 * len(picks) * max(1, shape[1] / 3), 0.16 * shape[0] + 1.5),
-                             squeeze=False)
+                             squeeze=False, sharey=True)
     for ax, step in zip(axes[0], picks):
         ez = torch.tensor(by_step[step]["expected_gate"]).view(shape[0] - 1, shape[1])
         grid = torch.cat([torch.ones(1, shape[1]), ez]).numpy()

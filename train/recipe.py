@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from runtime.manifest import RoleManifest
+from runtime.manifest import RoleManifest, config_sha256
 from train import checkpoint as ckpt
 from train.config import TrainConfig, config_json
 from train.distill import NotFiniteError, distill_loss
@@ -29,7 +29,8 @@ from train.hybrid import HybridAttention, fast_float32_matmul
 from train.outputs import UNDECIDED, build_manifest, dataset_provenance, plot_curves, plot_gates
 
 # config fields that may differ between a checkpoint and the run resuming from it
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "output", "plots", "device_map", "dtype", "model_name"}
+# (the model may move to another path or name: its architecture hash is checked instead)
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "output", "plots", "device_map", "dtype", "model", "model_name"}
 
 
 @contextlib.contextmanager
@@ -72,8 +73,15 @@ def _accelerator(config: TrainConfig, device: torch.device):
     return Accelerator(**kwargs)
 
 
-def _restore(state: dict[str, Any], config: TrainConfig, gates, optimizer, generator) -> None:
+def _restore(state: dict[str, Any], config: TrainConfig, model, data: dict[str, Any], gates, optimizer,
+             generator) -> None:
     saved = state["config"]
+    if state.get("data_sha256") and state["data_sha256"] != data["sha256"]:
+        raise ckpt.CheckpointError("cannot resume: the dataset differs from the checkpoint's (sha256 "
+                                   f"{state['data_sha256'][:12]}… vs {data['sha256'][:12]}…); use the same data settings")
+    if state.get("model_sha256") and state["model_sha256"] != config_sha256(model):
+        raise ckpt.CheckpointError("cannot resume: the checkpoint was made for another model architecture "
+                                   f"({saved.get('model')!r}); pass the same --model")
     for key, value in config.to_dict().items():
         if key not in _RESUMABLE_CHANGES and saved.get(key) != value:
             raise ckpt.CheckpointError(f"cannot resume: {key} is {saved.get(key)!r} in the checkpoint but {value!r} "
@@ -105,6 +113,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
         raise ValueError("the model has one layer; head roles need at least two (layer 0 is always retrieval)")
     if config.target > (num_layers - 1) * num_kv:
         raise ValueError(f"target {config.target} exceeds the {(num_layers - 1) * num_kv} gated heads of this model")
+    data = dataset_provenance(dataset, data_info)
     accelerator = _accelerator(config, device)
     torch.manual_seed(config.seed)
     gates = GateParameters(config.gate, (num_layers - 1, num_kv), config.low, config.high).to(device)
@@ -118,7 +127,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     if resume is not None:
         path = ckpt.latest_checkpoint(output) if str(resume) == "latest" else Path(resume)
         state = ckpt.load_checkpoint(path)
-        _restore(state, config, unwrapped, optimizer, generator)
+        _restore(state, config, model, data, unwrapped, optimizer, generator)
         start, lam, created = state["step"], state["lambda"], state["created"]
         records = [r for r in ckpt.read_log(log_path) if r["step"] < start]
     ckpt.atomic_write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
@@ -151,9 +160,11 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             bar.set_postfix(loss=f"{last_loss:.4g}", EL0=f"{l0_value:.2f}", lam=f"{lam:.3g}")
             bar.update()
             if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
-                _save(output, step + 1, config, unwrapped, optimizer, generator, lam, created)
+                _save(output, step + 1, config, model, data, unwrapped, optimizer, generator, lam, created)
                 ckpt.write_log(log_path, records)
 
+    if records and start >= config.steps:  # resumed at the last step: nothing left to train
+        last_loss = records[-1]["distill_loss"]
     with torch.no_grad():
         final = unwrapped.distribution()
         ez = final.expected_gate().float().cpu()
@@ -166,7 +177,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1])).float().mean()),
             "gate": config.gate,
         }
-        manifest = build_manifest(model, final, config, metrics, dataset_provenance(dataset, data_info), created)
+        manifest = build_manifest(model, final, config, metrics, data, created)
     manifest.metrics["retrieval_heads"] = int(manifest.head_role[1:].sum())
     manifest.save(output)
     ckpt.write_log(log_path, records)
@@ -176,12 +187,14 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     return manifest
 
 
-def _save(output, step, config, gates, optimizer, generator, lam, created) -> Path:
+def _save(output, step, config, model, data, gates, optimizer, generator, lam, created) -> Path:
     state = {
         "format": "rolecall.train-heads",
         "step": step,
         "data_position": step,
         "config": config.to_dict(),
+        "model_sha256": config_sha256(model),
+        "data_sha256": data["sha256"],
         "gates": gates.state_dict(),
         "optimizer": optimizer.state_dict(),
         "lambda": lam,
