@@ -63,8 +63,9 @@ BOOK_END = "\n</book>\n\n"
 
 
 def needle_text(k: int, count: int) -> str:
-    """The words before passkey ``k`` inside the haystack (the passkey follows, then '.')."""
-    return f"\n\nRemember this: {_name(k, count)} is"
+    """The words before passkey ``k`` inside the haystack (the passkey follows, then '.'). The answer repeats
+    the same "passkey is:" so that a model can find the passkey by matching it."""
+    return f"\n\nRemember this: {_name(k, count)} is:"
 
 
 def question_text(k: int, count: int) -> str:
@@ -72,17 +73,26 @@ def question_text(k: int, count: int) -> str:
 
 
 def answer_lead(k: int, count: int) -> str:
-    return f"{_name(k, count)[0].upper()}{_name(k, count)[1:]} is"
+    return f"{_name(k, count)[0].upper()}{_name(k, count)[1:]} is:"
 
 
-def make_passkey(rng: np.random.Generator, words: int) -> str:
+ALPHABETS = ("nato", "digits")
+
+
+def make_passkey(rng: np.random.Generator, words: int, alphabet: str = "nato") -> str:
+    """``words`` NATO words ("alpha bravo ..."), or with ``alphabet="digits"`` a number of ``words`` digits
+    (the classic single-key passkey test, e.g. "71432")."""
+    if alphabet == "digits":
+        return str(int(rng.integers(1, 10))) + "".join(str(d) for d in rng.integers(0, 10, size=words - 1))
+    if alphabet != "nato":
+        raise ValueError(f"alphabet must be one of {', '.join(ALPHABETS)}, got {alphabet!r}")
     return " ".join(NATO[i] for i in rng.integers(0, len(NATO), size=words))
 
 
 def passkey_correct(generated: str, answer: str) -> bool:
     """Whether ``generated`` starts with the passkey ``answer`` (case, spacing and punctuation ignored)."""
-    want = answer.lower().split()
-    got = re.findall(r"[a-z]+", generated.lower())
+    want = re.findall(r"[a-z0-9]+", answer.lower())
+    got = re.findall(r"[a-z0-9]+", generated.lower())
     return got[: len(want)] == want
 
 
@@ -137,6 +147,7 @@ class PasskeySettings:
     chat_template: bool = False
     depth_range: tuple[float, float] = (0.05, 0.95)
     pool_tokens: int = POOL_TOKENS
+    alphabet: str = "nato"
 
     def __post_init__(self):
         lo, hi = self.lengths
@@ -149,6 +160,8 @@ class PasskeySettings:
         d0, d1 = self.depth_range
         if not 0.0 <= d0 <= d1 <= 1.0:
             raise ValueError(f"depth_range must satisfy 0 <= low <= high <= 1, got {self.depth_range}")
+        if self.alphabet not in ALPHABETS:
+            raise ValueError(f"alphabet must be one of {', '.join(ALPHABETS)}, got {self.alphabet!r}")
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
 
@@ -162,7 +175,7 @@ def spread_lengths(lo: int, hi: int, n: int, rng: np.random.Generator) -> list[i
 
 def _passkey_sample(tokenizer, hay: Haystack, s: PasskeySettings, length: int, rng: np.random.Generator):
     depths = sorted(float(x) for x in rng.uniform(*s.depth_range, size=s.num_passkeys))
-    passkeys = [make_passkey(rng, s.passkey_words) for _ in range(s.num_passkeys)]
+    passkeys = [make_passkey(rng, s.passkey_words, s.alphabet) for _ in range(s.num_passkeys)]
     pieces = _prompt_pieces(tokenizer, hay.cut(length, rng), depths, passkeys, s.chat_template, False)
     input_ids, labels, spans = assemble(pieces)
     return {"input_ids": input_ids, "labels": labels, "context_length": length,
@@ -174,14 +187,14 @@ def build_passkey_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths
                           num_samples: int = 64, num_passkeys: int = 10, passkey_words: int = 32, seed: int = 0,
                           *, split: str = "train", chat_template: bool = False,
                           depth_range: tuple[float, float] = (0.05, 0.95), pool_tokens: int = POOL_TOKENS,
-                          cache: bool = True) -> TokenDataset:
+                          alphabet: str = "nato", cache: bool = True) -> TokenDataset:
     """Multi-passkey retrieval prompts (see the module doc). Samples are dicts with ``input_ids`` and ``labels``
     (1-D LongTensors), ``context_length`` (haystack tokens), ``depths`` [num_passkeys], ``answers`` (the
     passkey strings) and ``answer_spans`` [num_passkeys, 2] (token ``[start, end)`` of each answer).
     ``split="eval"`` gives a held-out set: other haystack cuts, depths, lengths and passkeys for the same seed."""
     corpus = load_corpus(source)
     s = PasskeySettings(corpus.spec, tuple(lengths), num_samples, num_passkeys, passkey_words, seed, split,
-                        bool(chat_template), tuple(depth_range), pool_tokens)
+                        bool(chat_template), tuple(depth_range), pool_tokens, alphabet)
     key = {**asdict(s), "tokenizer": tokenizer_fingerprint(tokenizer), "corpus": corpus.fingerprint()}
 
     def build() -> list[dict[str, Any]]:
@@ -198,7 +211,7 @@ def build_passkey_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths
 def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1000, 2000, 4000, 8000),
                        depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples_per_cell: int = 1, passkey_words: int = 32,
                        seed: int = 0, *, chat_template: bool = False, pool_tokens: int = POOL_TOKENS,
-                       cache: bool = True) -> TokenDataset:
+                       alphabet: str = "nato", cache: bool = True) -> TokenDataset:
     """Single-passkey needle-in-a-haystack grid. Each sample: ``input_ids`` = prompt + answer, ``labels`` on
     the answer, ``prompt_length`` (= ``context_length``, the cell's length: generate from
     ``input_ids[:prompt_length]``), ``depth`` (0 = start of the haystack, 1 = end), ``answer`` (score with
@@ -206,11 +219,13 @@ def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1
     lengths, depths = tuple(int(n) for n in lengths), tuple(float(d) for d in depths)
     if not lengths or not depths or samples_per_cell < 1:
         raise ValueError("build_niah_dataset needs at least one length, one depth and samples_per_cell >= 1")
+    if alphabet not in ALPHABETS:
+        raise ValueError(f"alphabet must be one of {', '.join(ALPHABETS)}, got {alphabet!r}")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"depths must lie in [0, 1], got {depths}")
     corpus = load_corpus(source)
     key = {"source": corpus.spec, "lengths": lengths, "depths": depths, "per_cell": samples_per_cell,
-           "words": passkey_words, "seed": seed, "chat": bool(chat_template), "pool": pool_tokens,
+           "words": passkey_words, "alphabet": alphabet, "seed": seed, "chat": bool(chat_template), "pool": pool_tokens,
            "tokenizer": tokenizer_fingerprint(tokenizer), "corpus": corpus.fingerprint()}
     def build() -> list[dict[str, Any]]:
         hay = load_haystack(tokenizer, corpus, pool_tokens, use_cache=cache)
@@ -219,7 +234,7 @@ def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1
         samples = []
         for i, (n, d, _) in enumerate(tqdm(cells, desc="needle grid", leave=False)):
             rng = np.random.default_rng([seed, 2, 1 + i])
-            passkey = make_passkey(rng, passkey_words)
+            passkey = make_passkey(rng, passkey_words, alphabet)
             room = n - _overhead(tokenizer, passkey, chat_template)
             if room < 1:
                 raise ValueError(f"length {n} leaves no room for a haystack: the prompt around it takes {n - room} "

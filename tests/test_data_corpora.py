@@ -129,4 +129,4 @@ def test_passkey_prompts_build_on_a_local_booksum_file(zst_file, cache_dir):
     assert ds.info["source"] == f"booksum:{zst_file}" and len(ds) == 2
     for s in ds:
         text = tok.decode(s["input_ids"])
-        assert "of the story." in text and all(f"passkey is {a}." in text for a in s["answers"])
+        assert "of the story." in text and all(f"passkey is: {a}." in text for a in s["answers"])

@@ -80,7 +80,7 @@ def test_labels_cover_exactly_the_answers_and_needles_sit_at_their_depths(tok, c
         assert s["depths"].tolist() == sorted(s["depths"].tolist())
         # questions in order after the book, each answered
         tail = text[book_end:]
-        positions = [tail.index(f"{question_text(k, 4)}\nThe {o} passkey is {a}.")
+        positions = [tail.index(f"{question_text(k, 4)}\nThe {o} passkey is: {a}.")
                      for k, (o, a) in enumerate(zip(("first", "second", "third", "fourth"), s["answers"]))]
         assert positions == sorted(positions)
 
@@ -120,7 +120,7 @@ def test_chat_template_keeps_labels_on_the_answers(tok, corpus, cache_dir):
     assert text.count("<|im_start|>assistant\n") == 4 and text.count("<|im_start|>user\n") == 4
     labelled = s["labels"][s["labels"] != -100]
     assert tok.decode(labelled) == "".join(" " + a for a in s["answers"])
-    assert all(f"passkey is {a}.<|im_end|>" in text for a in s["answers"])
+    assert all(f"passkey is: {a}.<|im_end|>" in text for a in s["answers"])
 
 
 def test_bad_settings_and_short_corpus_fail_with_one_line(tok, corpus, tmp_path, cache_dir):
@@ -173,13 +173,13 @@ def test_embedded_tokenizer_4k_sample_holds_ten_needles_in_order():
     assert s["context_length"] == 4000
     text = tok.decode(s["input_ids"])
     ordinals = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
-    where = [text.index(f"Remember this: the {o} passkey is {a}.") for o, a in zip(ordinals, s["answers"])]
+    where = [text.index(f"Remember this: the {o} passkey is: {a}.") for o, a in zip(ordinals, s["answers"])]
     assert where == sorted(where) and len(set(s["answers"])) == 10
     assert all(len(a.split()) == 32 for a in s["answers"])
     got = [tok.decode(s["labels"][a:b]) for a, b in s["answer_spans"].tolist()]
     assert got == [" " + a for a in s["answers"]]
     assert int((s["labels"] != -100).sum()) == sum(b - a for a, b in s["answer_spans"].tolist())
-    assert re.search(r"What is the tenth passkey\?\nThe tenth passkey is", text)
+    assert re.search(r"What is the tenth passkey\?\nThe tenth passkey is:", text)
     again = build_passkey_dataset(tok, lengths=(4000, 4000), num_samples=1, cache=False)[0]
     other = build_passkey_dataset(tok, lengths=(4000, 4000), num_samples=1, seed=1, cache=False)[0]
     assert torch.equal(again["input_ids"], s["input_ids"]) and not torch.equal(other["input_ids"], s["input_ids"])
@@ -213,3 +213,12 @@ def test_teacher_forced_scoring_counts_exact_answers(tok, corpus, cache_dir):
     assert hits == [True, False, True, True] and first == [True] * 4 and acc == pytest.approx(1 - 1 / n)
     hits, _, first = answer_hits(_Oracle(vocab, wrong={a - 1}), s)  # second answer's first token wrong
     assert hits == [True, False, True, True] and first == [True, False, True, True]
+
+
+def test_digit_passkeys(tok, corpus, cache_dir):
+    s = _build(tok, corpus, num_samples=1, passkey_words=5, alphabet="digits")[0]
+    assert all(re.fullmatch(r"[1-9]\d{4}", a) for a in s["answers"])
+    assert [tok.decode(s["labels"][a:b]) for a, b in s["answer_spans"].tolist()] == [" " + a for a in s["answers"]]
+    assert passkey_correct(" 71432. It was", "71432") and not passkey_correct("714325", "71432")
+    with pytest.raises(ValueError, match="alphabet must be one of nato, digits"):
+        _build(tok, corpus, alphabet="greek")
