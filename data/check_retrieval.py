@@ -48,15 +48,16 @@ def generated_first_answer(model, tokenizer, sample) -> str:
 
 
 def run(model_name: str, lengths: list[int], samples: int, words: int, chat: bool, generate: bool,
-        num_passkeys: int, depths: list[float]) -> dict:
+        num_passkeys: int, depths: list[float], alphabet: str = "nato") -> dict:
     from runtime.models import load_model, load_tokenizer
 
     tokenizer, model = load_tokenizer(model_name), load_model(model_name)
-    results: dict = {"model": model_name, "chat_template": chat, "passkey_words": words, "device": "cpu",
+    results: dict = {"model": model_name, "chat_template": chat, "passkey_words": words, "alphabet": alphabet,
+                     "device": "cpu",
                      "torch_threads": torch.get_num_threads(), "multi": [], "single": []}
     for n in lengths:
         ds = build_passkey_dataset(tokenizer, lengths=(n, n), num_samples=samples, num_passkeys=num_passkeys,
-                                   passkey_words=words, seed=0, split="eval", chat_template=chat)
+                                   passkey_words=words, seed=0, split="eval", chat_template=chat, alphabet=alphabet)
         for s in tqdm(ds, desc=f"{num_passkeys} passkeys, context {n}", leave=False):
             t = time.perf_counter()
             hits, token_acc, first = answer_hits(model, s)
@@ -68,7 +69,7 @@ def run(model_name: str, lengths: list[int], samples: int, words: int, chat: boo
                 row["generate_agrees"] = passkey_correct(text, s["answers"][0]) == hits[0]
             results["multi"].append(row)
     grid = build_niah_dataset(tokenizer, lengths=lengths, depths=depths, samples_per_cell=samples,
-                              passkey_words=words, seed=0, chat_template=chat)
+                              passkey_words=words, seed=0, chat_template=chat, alphabet=alphabet)
     for s in tqdm(grid, desc="needle grid", leave=False):
         hits, token_acc, first = answer_hits(model, s)
         row = {"context_length": s["context_length"], "depth": s["depth"], "hit": hits[0], "token_acc": token_acc,
@@ -82,7 +83,7 @@ def run(model_name: str, lengths: list[int], samples: int, words: int, chat: boo
 
 def summary(results: dict) -> str:
     lines = [f"model {results['model']}, chat template {results['chat_template']}, "
-             f"{results['passkey_words']}-word passkeys, CPU"]
+             f"{results['passkey_words']}-{'digit' if results['alphabet'] == 'digits' else 'word'} passkeys, CPU"]
     lines.append("context | multi: passkeys retrieved | first token | token acc | "
                  "single: prompts retrieved | first token | token acc")
     for n in sorted({r["context_length"] for r in results["multi"]}):
@@ -103,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000])
     p.add_argument("--samples", type=int, default=3, help="samples per length (and per grid cell)")
     p.add_argument("--passkeys", type=int, default=10)
-    p.add_argument("--words", type=int, default=32)
+    p.add_argument("--words", type=int, default=32, help="words per passkey (digits with --alphabet digits)")
+    p.add_argument("--alphabet", choices=["nato", "digits"], default="nato")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--generate", action="store_true", help="also check greedy generate on the first answer")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
-    results = run(a.model, a.lengths, a.samples, a.words, a.chat, a.generate, a.passkeys, a.depths)
+    results = run(a.model, a.lengths, a.samples, a.words, a.chat, a.generate, a.passkeys, a.depths, a.alphabet)
     print(summary(results))
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
