@@ -63,3 +63,30 @@ def test_cli_errors_are_one_line(model_dir, data_file, tmp_path, capsys):
     assert "gate 'kuma' is unknown" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(_args(model_dir, data_file, out, "--token-budget", "lots"))
+
+
+@pytest.mark.slow
+def test_embedded_model_student_equals_teacher_and_trains(tmp_path):
+    """SmolLM2-135M (GQA 9/3): all-retrieval gates reproduce the teacher; two steps write a valid manifest."""
+    import train
+    from runtime.models import load_model, load_tokenizer
+    from train.config import TrainConfig
+    from train.distill import distill_loss
+    from train.hybrid import HybridAttention
+
+    tok, model = load_tokenizer("smollm2-135m"), load_model("smollm2-135m").requires_grad_(False)
+    text = "The passkey is lima oscar kilo. " + "The grass is green and the sky is blue. " * 20
+    prompt = tok(text + "What is the passkey? The passkey is", return_tensors="pt").input_ids[0]
+    answer = tok(" lima oscar kilo.", return_tensors="pt").input_ids[0]
+    ids = torch.cat([prompt, answer])
+    labels = torch.full_like(ids, -100)
+    labels[len(prompt) :] = answer
+    z = torch.ones(29, 3)
+    loss, seen = distill_loss(model, HybridAttention(30, 0.3), z, ids, labels, prefill_chunk=64)
+    torch.testing.assert_close(seen["student logits"], seen["teacher logits"], atol=2e-3, rtol=1e-4)
+    sparse, _ = distill_loss(model, HybridAttention(30, 0.05), torch.zeros(29, 3), ids, labels, prefill_chunk=64)
+    assert float(sparse) > 100 * max(float(loss), 1e-6)
+    cfg = TrainConfig(target=8, steps=2, prefill_chunk=64, output=str(tmp_path / "h.safetensors"), plots=False)
+    m = train.run(model, tok, [{"input_ids": ids, "labels": labels}], cfg)
+    RoleManifest.load(tmp_path / "h.safetensors").validate_for(model)
+    assert m.head_role.shape == (30, 3) and m.model.name == "smollm2-135m"
