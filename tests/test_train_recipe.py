@@ -147,6 +147,7 @@ def test_non_finite_loss_stops_with_step_and_tensor(tmp_path):
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(NotFiniteError, match=r"step 0: student logits holds \d+ non-finite"):
         train.run(model, tiny_tokenizer(), _dataset(n=1), _config(tmp_path))
+    assert (tmp_path / "heads.log.jsonl").read_text() == ""  # written, empty: nothing finished before step 0
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):

@@ -133,7 +133,8 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     ckpt.atomic_write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
 
     last_loss = math.nan
-    with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads", dynamic_ncols=True) as bar:
+    with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads",
+                                                                 dynamic_ncols=True) as bar:
         for step in range(start, config.steps):
             item = dataset[sample_index(step, len(dataset), config.seed)]
             ids, labels = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])
@@ -143,10 +144,14 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                 loss_d, seen = distill_loss(model, hybrid, z, ids, labels, config.prefill_chunk)
             l0 = dist.expected_l0()
             loss = loss_d + lam * (l0 - config.target)
-            _check_finite(step, {"gates z": z, **seen, "expected L0": l0, "loss": loss})
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            _check_finite(step, {f"gradient of {n}": p.grad for n, p in unwrapped.named_parameters()})
+            try:
+                _check_finite(step, {"gates z": z, **seen, "expected L0": l0, "loss": loss})
+                optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(loss)
+                _check_finite(step, {f"gradient of {n}": p.grad for n, p in unwrapped.named_parameters()})
+            except NotFiniteError:
+                ckpt.write_log(log_path, records)  # keep the history that led here
+                raise
             optimizer.step()
             unwrapped.clamp_()
             l0_value = float(l0.detach())
