@@ -150,6 +150,8 @@ class PasskeySettings:
     alphabet: str = "nato"
 
     def __post_init__(self):
+        if len(self.lengths) != 2:
+            raise ValueError(f"lengths must be (low, high) in tokens, got {self.lengths}")
         lo, hi = self.lengths
         if not 1 <= lo <= hi:
             raise ValueError(f"lengths must be (low, high) with 1 <= low <= high tokens, got {self.lengths}")

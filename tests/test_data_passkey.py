@@ -126,6 +126,8 @@ def test_chat_template_keeps_labels_on_the_answers(tok, corpus, cache_dir):
 def test_bad_settings_and_short_corpus_fail_with_one_line(tok, corpus, tmp_path, cache_dir):
     with pytest.raises(ValueError, match="lengths"):
         _build(tok, corpus, lengths=(3000, 1000))
+    with pytest.raises(ValueError, match="lengths must be"):
+        _build(tok, corpus, lengths=(1000, 2000, 3000))
     with pytest.raises(ValueError, match="num_passkeys"):
         _build(tok, corpus, num_passkeys=21)
     with pytest.raises(CorpusError, match="fewer than the 50,000-token haystack"):
