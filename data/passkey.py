@@ -12,6 +12,10 @@ split, so a sample is the same on every machine.
 
 Evaluation grid (``build_niah_dataset``): one passkey per prompt at each (length, depth) cell; here a length
 is the whole prompt (everything before the answer), so a grid can run up to a model's context limit.
+
+Both take ``alphabet="digits"`` for numeric passkeys (``passkey_words`` digits), the classic single-key test
+that small models pass long before they can copy 32 random words. Prompts are plain text by default, as in
+DuoAttention; ``chat_template=True`` puts each question in a user turn and each answer in an assistant turn.
 """
 
 from __future__ import annotations
