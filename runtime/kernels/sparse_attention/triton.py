@@ -46,9 +46,10 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
     live = j < end
     if HAS_IDX:
         entry = j // BS
-        blk = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=live & (full == 0), other=-1)
-        tok = tl.where(full != 0, j, blk * BS + j % BS)
-        valid = live & ((full != 0) | (blk >= 0)) & (tok < T)
+        is_full = (tl.zeros([TILE], tl.int32) + full) != 0  # as a bool tensor: masks must be tensors
+        blk = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=live & ~is_full, other=-1)
+        tok = tl.where(is_full, j, blk * BS + j % BS)
+        valid = live & (is_full | (blk >= 0)) & (tok < T)
     else:
         tok = j
         valid = live
@@ -57,7 +58,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
     k = tl.load(k_base + tok[:, None] * s_kt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, TILE] fp32
     if HAS_LOGW:
-        w = tl.load(LOGW + b * s_ib + h * s_ih + entry, mask=valid & (full == 0), other=0.0)
+        w = tl.load(LOGW + b * s_ib + h * s_ih + entry, mask=valid & ~is_full, other=0.0)
         s += w.to(tl.float32)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
     if WRITE_LOGITS:  # a selection layer keeps its logits (4 bytes per head and token, vs 2·D·2 of K/V)
