@@ -30,7 +30,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--query-block", "query_block", int, "sampled rows materialised at once"),
     ("--bins", "bins", int, "decode-time bins of the sparsity profile"),
     ("--page-size", "page_size", int, "DELTA page size P in tokens"),
-    ("--top-pages", "top_pages", int, "DELTA K: pages a Δ-layer selects"),
+    ("--top-pages", "top_pages", int, "DELTA K: pages a sparse layer reads, the recent ones included"),
     ("--recent-pages", "recent_pages", int, "DELTA L: most recent pages always kept"),
     ("--warmup", "warmup", int, "full warm-up layers [0, warmup); layer `warmup` is the first Δ-layer"),
     ("--num-delta", "num_delta", str, "Δ-layers including the first, or 'auto' (smallest set reaching --target-recall)"),
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"wrote {path}")
         m = manifest.metrics
         print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
-              f"{m['recall_mean']:.4f} at K={config.top_pages} + L={config.recent_pages} pages of {config.page_size}; "
+              f"{m['recall_mean']:.4f} at K={config.top_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
     return 0
 

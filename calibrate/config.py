@@ -45,7 +45,7 @@ class CalibrateConfig:
     bins: int = 8  # decode-time bins of the sparsity profile
     # DELTA
     page_size: int = 16
-    top_pages: int = 64  # K
+    top_pages: int = 64  # K: pages a sparse layer reads in all, the L recent ones included (runtime's num_pages)
     recent_pages: int = 8  # L
     warmup: int = 2  # layers [0, warmup) are full; layer `warmup` is the first Δ-layer
     num_delta: int | str = 3  # Δ-layers including layer `warmup`, or "auto" (smallest set reaching target_recall)
@@ -73,6 +73,8 @@ class CalibrateConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer ≥ 0, got {getattr(self, name)!r}")
         need(self.min_gap >= 1, f"min_gap must be ≥ 1, got {self.min_gap}")
+        need(self.top_pages >= self.recent_pages, f"top_pages (K, {self.top_pages}) counts the recent pages "
+             f"(L, {self.recent_pages}) too, so it must be ≥ recent_pages")
         if isinstance(self.num_delta, str) and self.num_delta.isdigit():
             self.num_delta = int(self.num_delta)
         need(self.num_delta == "auto" or (isinstance(self.num_delta, int) and self.num_delta >= 1),

@@ -31,9 +31,10 @@ class AttentionRecorder:
     def __init__(self, num_layers: int, num_heads: int, *, stride: int = 16, min_context: int = 128,
                  page_size: int = 16, top_pages: int = 64, recent_pages: int = 8, bins: int = 8,
                  query_block: int = 16, base: str = "sdpa"):
-        if stride < 1 or min_context < 0 or page_size < 1 or top_pages < 0 or recent_pages < 1 or query_block < 1:
-            raise ValueError("recorder needs stride ≥ 1, min_context ≥ 0, page_size ≥ 1, top_pages ≥ 0, "
-                             "recent_pages ≥ 1 and query_block ≥ 1")
+        if (stride < 1 or min_context < 0 or page_size < 1 or top_pages < recent_pages or recent_pages < 1
+                or query_block < 1):
+            raise ValueError("recorder needs stride ≥ 1, min_context ≥ 0, page_size ≥ 1, top_pages ≥ recent_pages "
+                             "≥ 1 (K counts the L recent pages) and query_block ≥ 1")
         self.num_layers, self.num_heads = num_layers, num_heads
         self.stride, self.min_context, self.page_size = stride, min_context, page_size
         self.top_pages, self.recent_pages, self.bins, self.query_block = top_pages, recent_pages, bins, query_block

@@ -60,8 +60,9 @@ def page_sums(x: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def selected_pages(score: torch.Tensor, last_page: torch.Tensor, top_pages: int, recent_pages: int) -> torch.Tensor:
-    """DELTA's page choice for rows of page scores: the last ``recent_pages`` pages up to and including
-    ``last_page`` (the page of the query itself), plus the ``top_pages`` highest-scoring older pages.
+    """DELTA's page choice for rows of page scores: ``top_pages`` (K) pages in all, the last ``recent_pages``
+    (L) up to and including ``last_page`` (the page of the query itself) and the K − L highest-scoring older
+    pages, the same count as the runtime's ``delta`` policy (K = 64 pages of 16 is the paper's 1K budget).
 
     ``score``: ``[..., P]``; ``last_page``: ``[...]`` int, index of the query's page. Returns a bool ``[..., P]``.
     Pages after ``last_page`` are never chosen (they do not exist yet at that decode step).
@@ -71,7 +72,7 @@ def selected_pages(score: torch.Tensor, last_page: torch.Tensor, top_pages: int,
     recent = (idx <= last) & (idx > last - recent_pages)
     older = idx <= last - recent_pages
     keep = recent.clone()
-    k = min(top_pages, score.shape[-1])
+    k = min(top_pages - recent_pages, score.shape[-1])
     if k > 0:
         masked = torch.where(older, score, torch.full_like(score, -1.0))  # scores are ≥ 0, so -1 marks "not a candidate"
         top = masked.topk(k, dim=-1).indices

@@ -9,7 +9,7 @@ import torch
 from calibrate.recorder import AttentionRecorder, record_traces
 from tests.tiny import tiny_model
 
-PAGE, TOP, RECENT, STRIDE, MIN_CTX, BINS = 4, 3, 2, 7, 20, 3
+PAGE, TOP, RECENT, STRIDE, MIN_CTX, BINS = 4, 5, 2, 7, 20, 3  # TOP = K pages in all, RECENT of them
 
 
 def brute_force(model, ids: list[int]) -> dict[str, np.ndarray]:
@@ -48,7 +48,7 @@ def brute_force(model, ids: list[int]) -> dict[str, np.ndarray]:
             score = [a[s][u * PAGE : (u + 1) * PAGE].sum() for u in range(npages)]
             recent = set(range(max(0, npages - RECENT), npages))
             older = sorted((u for u in range(npages) if u not in recent), key=lambda u: -score[u])
-            chosen = recent | set(older[:TOP])
+            chosen = recent | set(older[: TOP - RECENT])
             for layer in range(n_layers):
                 mass = att[layer][:, t, : t + 1].mean(0)
                 out["recall"][s, layer] += sum(mass[u * PAGE : (u + 1) * PAGE].sum() for u in chosen)

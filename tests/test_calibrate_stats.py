@@ -54,12 +54,12 @@ def test_pages_and_recall_by_hand():
     x = torch.arange(10.0)
     assert page_sums(x, 4).tolist() == [6.0, 22.0, 17.0]  # 0..3, 4..7, 8..9
     score = torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0, 9.0, 0.0]])  # query in page 5; page 6 does not exist yet
-    keep = selected_pages(score, torch.tensor([5]), top_pages=2, recent_pages=2)
+    keep = selected_pages(score, torch.tensor([5]), top_pages=4, recent_pages=2)
     assert keep.tolist() == [[True, False, True, False, True, True, False]]  # recent 4, 5; top-2 older 0, 2
     mass = torch.tensor([[[0.1, 0.2, 0.05, 0.25, 0.1, 0.3, 0.0]]])  # [L=1, Q=1, P]
-    assert pair_recall(score[None], mass, torch.tensor([5]), 2, 2)[0, 0, 0].item() == pytest.approx(0.55)
+    assert pair_recall(score[None], mass, torch.tensor([5]), 4, 2)[0, 0, 0].item() == pytest.approx(0.55)
     # a budget covering every page recalls everything
-    assert pair_recall(score[None], mass, torch.tensor([5]), 4, 2)[0, 0, 0].item() == pytest.approx(1.0)
+    assert pair_recall(score[None], mass, torch.tensor([5]), 6, 2)[0, 0, 0].item() == pytest.approx(1.0)
 
 
 def _record(model, traces):
