@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from calibrate.lethe import LetheBudget
 from calibrate.recorder import AttentionRecorder, record_traces
 from calibrate.totals import CalibrationTotals
 from calibrate.traces import traces_sha256
+from runtime.atomic import write_text
 from runtime.manifest import ModelIdentity, RoleManifest
 
 
@@ -113,26 +113,13 @@ def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | Non
     return decide(model, totals, config, provenance)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) -> list[Path]:
     """Write the manifest, its resolved config (``<stem>.config.json``) and, with ``plots``, the PNGs beside it."""
     output = Path(output)
     written = [manifest.save(output)]
     stem = output.name.removesuffix(".safetensors")
     config_path = output.with_name(f"{stem}.config.json")
-    _atomic_write(config_path, dumps(resolve(manifest.config, {"output": str(output)})))
+    write_text(config_path, dumps(resolve(manifest.config, {"output": str(output)})))
     written.append(config_path)
     if plots:
         from calibrate.plots import plot_all

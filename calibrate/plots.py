@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from runtime.atomic import atomic_path  # noqa: E402
 from runtime.manifest import RoleManifest  # noqa: E402
 
 ROLE_COLORS = {0: "#7f7f7f", 1: "#d62728", 2: "#1f77b4"}
@@ -20,16 +20,10 @@ ROLE_NAMES = {0: "full (warm-up)", 1: "Δ (selection)", 2: "sparse"}
 
 
 def _save(fig, path: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        # a fixed Software/date-free metadata keeps the PNG bytes identical between runs
-        fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata={"Software": None})
-        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path, suffix=".png") as tmp:
+            # a fixed Software/date-free metadata keeps the PNG bytes identical between runs
+            fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata={"Software": None})
     finally:
         plt.close(fig)
     return path

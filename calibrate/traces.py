@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from runtime.atomic import write_text
 
 
 class TraceError(ValueError):
@@ -63,17 +64,7 @@ def read_traces(path: str | os.PathLike, tokenizer: Any = None) -> list[list[int
 
 def write_traces(path: Path, traces: list[list[int]]) -> None:
     """Atomic JSONL write (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for ids in traces:
-                f.write(json.dumps({"ids": list(ids)}, separators=(",", ":")) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text(path, "".join(json.dumps({"ids": list(ids)}, separators=(",", ":")) + "\n" for ids in traces))
 
 
 def load_prompts(source: str, limit: int) -> list[str]:

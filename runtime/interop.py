@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from runtime.atomic import write_text
 from runtime.manifest import (
     LAYER_ROLE_FULL,
     LAYER_ROLE_SELECT,
@@ -38,18 +38,6 @@ FORMATS = ("duo", "json", "layers")
 DUO_TSV = "full_attention_heads.tsv"
 JSON_FORMAT = "rolecall.manifest.json"
 LAYERS_FORMAT = "rolecall.layers"
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # -- export ---------------------------------------------------------------------------------------------------
@@ -71,14 +59,14 @@ def export_manifest(manifest: RoleManifest, fmt: str, out: str | os.PathLike, si
     if fmt == "duo":
         gates = to_duo_gates(manifest)
         rows = ["\t".join(repr(float(v)) for v in row) for row in gates]
-        _write_text(out / DUO_TSV, "\n".join(rows) + "\n")
-        _write_text(out / "config.json", json.dumps({"sink_size": sink_size, "recent_size": recent_size}, indent=2) + "\n")
+        write_text(out / DUO_TSV, "\n".join(rows) + "\n")
+        write_text(out / "config.json", json.dumps({"sink_size": sink_size, "recent_size": recent_size}, indent=2) + "\n")
         return out
     if fmt == "json":
-        _write_text(out, json.dumps(to_json(manifest), indent=1, sort_keys=True) + "\n")
+        write_text(out, json.dumps(to_json(manifest), indent=1, sort_keys=True) + "\n")
         return out
     if fmt == "layers":
-        _write_text(out, json.dumps(to_layer_list(manifest), indent=2, sort_keys=True) + "\n")
+        write_text(out, json.dumps(to_layer_list(manifest), indent=2, sort_keys=True) + "\n")
         return out
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -274,19 +273,9 @@ class RoleManifest:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically: a temporary file in the same folder, fsync, then rename over ``path``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        from runtime.atomic import write_bytes
+
+        return write_bytes(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoleManifest:

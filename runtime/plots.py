@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from runtime.atomic import atomic_path
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
 
 ROLE_COLORS = {LAYER_ROLE_FULL: "#4c72b0", LAYER_ROLE_SELECT: "#dd8452", 2: "#d0d0d0"}
@@ -93,14 +93,9 @@ def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
     fig.suptitle(f"{manifest.model.name or 'manifest'} — {L} layers × {manifest.model.num_kv_heads} KV heads", fontsize=11)
     fig.tight_layout()
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=130)
-        os.replace(tmp, path)
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=130)
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return Path(path)

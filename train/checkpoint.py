@@ -9,38 +9,17 @@ seed and epoch), stored too so a reader can see it.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.atomic import atomic_write, write_text
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable or belongs to another run."""
-
-
-def atomic_write(path: Path, write) -> Path:
-    """Call ``write(file)`` on a temporary file next to ``path``, fsync, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    return atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def checkpoint_dir(output: Path) -> Path:
@@ -85,4 +64,4 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 
 def write_log(path: Path, records: Iterable[dict[str, Any]]) -> Path:
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    return atomic_write_text(path, text)
+    return write_text(path, text)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from runtime.atomic import write_text
 from runtime.manifest import RoleManifest, config_sha256
 from train import checkpoint as ckpt
 from train.config import TrainConfig, config_json
@@ -130,7 +131,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
         _restore(state, config, model, data, unwrapped, optimizer, generator)
         start, lam, created = state["step"], state["lambda"], state["created"]
         records = [r for r in ckpt.read_log(log_path) if r["step"] < start]
-    ckpt.atomic_write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
+    write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
 
     last_loss = math.nan
     with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads",

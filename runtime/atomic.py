@@ -1,0 +1,52 @@
+"""Atomic file writes: a temporary file in the target's folder, flushed to disk, then renamed over the target.
+
+A crash or an exception leaves either the old file or the new one, never half of one, and no temporary file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+FILE_MODE = 0o644  # mkstemp creates owner-only files; outputs are meant to be shared
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds, rename it over ``path``.
+
+    For writers that want a file name (``savefig``, ``save_pretrained`` of a single file); ``suffix`` keeps the
+    extension they infer the format from.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
+    """Call ``write(file)`` on a binary temporary file, fsync it, and rename it over ``path``."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return Path(path)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
