@@ -23,13 +23,13 @@ from tqdm.auto import tqdm
 from data.corpora import ASSETS_HINT, CorpusError, CorpusNotFoundError
 from data.tokens import (
     TokenDataset,
-    atomic_write_text,
     cache_root,
     cached,
     has_chat_template,
     sha256_text,
     tokenizer_fingerprint,
 )
+from runtime.atomic import write_text
 
 INSTRUCTION = "Think it through step by step, then give the final answer in \\boxed{}."
 
@@ -74,7 +74,7 @@ def _champ_rows(path: str) -> list[list[str]]:
         return json.loads(small.read_text(encoding="utf-8"))
     problems = json.loads(Path(path).read_text(encoding="utf-8"))["problems"]
     rows = [[key, p["_text"], p.get("_answer")] for key, p in problems.items()]
-    atomic_write_text(json.dumps(rows), small)
+    write_text(small, json.dumps(rows))
     return rows
 
 
