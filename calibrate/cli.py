@@ -133,12 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"calibrate-delta: error: {e}", file=sys.stderr)
-        return 2
+    from runtime.cli import run_reporting_errors
+
+    return run_reporting_errors("calibrate-delta", run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

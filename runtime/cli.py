@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -45,15 +46,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def run_reporting_errors(prog: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Run a command; our errors (one line naming the problem and the fix) print as such, exit status 2."""
+    try:
+        return int(run(args) or 0)
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
-    try:
-        return int(args._run(args) or 0)
-    except (ValueError, OSError) as e:  # our errors are one line that names the problem and the fix
-        print(f"rolecall {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(f"rolecall {args.command}", args._run, args)
 
 
 if __name__ == "__main__":

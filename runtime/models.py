@@ -159,15 +159,20 @@ def _not_found(spec: ModelSpec, err: Exception) -> ModelNotFoundError:
     )
 
 
+def _from_pretrained(auto_class: Any, name: str, **kwargs: Any) -> tuple[ModelSpec, Any]:
+    """Resolve ``name`` and call ``auto_class.from_pretrained`` on it; a miss becomes one clear line."""
+    spec = resolve_model(name)
+    where, extra = _source(spec)
+    try:
+        return spec, auto_class.from_pretrained(where, **{**extra, **kwargs})
+    except OSError as e:
+        raise _not_found(spec, e) from None
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
 
-    spec = resolve_model(name)
-    where, kwargs = _source(spec)
-    try:
-        return AutoTokenizer.from_pretrained(where, **kwargs)
-    except OSError as e:
-        raise _not_found(spec, e) from None
+    return _from_pretrained(AutoTokenizer, name)[1]
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = None, **kwargs: Any):
@@ -178,14 +183,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = N
     """
     from transformers import AutoModelForCausalLM
 
-    spec = resolve_model(name)
-    where, extra = _source(spec)
-    extra.update(kwargs)
-    dtype = dtype or spec.dtype or "auto"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, device_map=device_map, **extra)
-    except OSError as e:
-        raise _not_found(spec, e) from None
+    dtype = dtype or resolve_model(name).dtype or "auto"
+    spec, model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, device_map=device_map, **kwargs)
     model.eval()
     model.rolecall_spec = spec
     return model
@@ -195,9 +194,4 @@ def load_config(name: str = DEFAULT_MODEL):
     """The model's transformers config, without loading weights (for checking a manifest against it)."""
     from transformers import AutoConfig
 
-    spec = resolve_model(name)
-    where, kwargs = _source(spec)
-    try:
-        return AutoConfig.from_pretrained(where, **kwargs)
-    except OSError as e:
-        raise _not_found(spec, e) from None
+    return _from_pretrained(AutoConfig, name)[1]

@@ -143,12 +143,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="train-heads", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"train-heads: error: {e}", file=sys.stderr)
-        return 2
+    from runtime.cli import run_reporting_errors
+
+    return run_reporting_errors("train-heads", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
