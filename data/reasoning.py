@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.corpora import ASSETS_HINT, CorpusError, CorpusNotFoundError
+from data.jsonl import iter_jsonl
 from data.tokens import (
     TokenDataset,
     cache_root,
@@ -85,18 +86,11 @@ def jsonl_problems(arg: str) -> list[Problem]:
         raise CorpusNotFoundError(f"reasoning source jsonl:{arg}: no such file; pass jsonl:/path/prompts.jsonl "
                                   'with one {"prompt": "..."} per line')
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise CorpusError(f"{path}: line {n} is not JSON; write one {{\"prompt\": ...}} object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise CorpusError(f"{path}: line {n} has no non-empty string field 'prompt'")
-            answer = row.get("answer")
-            out.append(Problem(str(row.get("id", n)), row["prompt"], None if answer is None else str(answer)))
+    for n, row in iter_jsonl(path, CorpusError, '{"prompt": ...}'):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise CorpusError(f"{path}: line {n} has no non-empty string field 'prompt'")
+        answer = row.get("answer")
+        out.append(Problem(str(row.get("id", n)), row["prompt"], None if answer is None else str(answer)))
     if not out:
         raise CorpusError(f"{path} holds no prompts; write one {{\"prompt\": ...}} object per line")
     return out

@@ -28,3 +28,12 @@ def _seed():
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLECALL_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models and small tensors run faster on one thread, much faster when the cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,12 +13,7 @@ from tests.tiny import tiny_model
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=259)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread avoids contention on busy cores
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def padded(size, length, seed=0):

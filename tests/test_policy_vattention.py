@@ -6,13 +6,7 @@ import torch
 from runtime.kernels.sparse_attention import sparse_decode_attention
 from runtime.policies import Step, get_policy
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors; one thread avoids contention on busy cores
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def head_errors(policy, b=2, hkv=2, groups=4, t=8192, d=32, scale=1.0, trials=3, seed=0):

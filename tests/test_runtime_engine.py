@@ -11,13 +11,7 @@ from tests.tiny import tiny_model
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models run faster on one thread, and much faster when the machine's cores are busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=259)

@@ -10,13 +10,7 @@ from runtime.eval import EvalSettings, answer_correct, evaluate, step_divergence
 from runtime.manifest import ModelIdentity, RoleManifest
 from tests.tiny import tiny_model, tiny_tokenizer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread avoids contention on busy cores
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
