@@ -33,6 +33,7 @@ class EvalSettings:
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)  # where the passkey sits (0 = start, 1 = end)
     samples_per_cell: int = 1
     passkey_words: int = 2
+    alphabet: str = "nato"  # passkey words: "nato" code words, or "digits" (what small models can copy)
     source: str = "pg-essays"  # haystack text (see data.corpora)
     prompts: str | None = None  # a JSONL file instead of passkey prompts
     max_new_tokens: int = 12
@@ -66,7 +67,8 @@ def passkey_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
     from data.passkey import build_niah_dataset  # evaluation only: runtime does not need data otherwise
 
     grid = build_niah_dataset(tokenizer, source=settings.source, lengths=settings.lengths, depths=settings.depths,
-                              samples_per_cell=settings.samples_per_cell, passkey_words=settings.passkey_words)
+                              samples_per_cell=settings.samples_per_cell, passkey_words=settings.passkey_words,
+                              alphabet=settings.alphabet)
     return [{"input_ids": s["input_ids"][: s["prompt_length"]], "answer": s["answer"],
              "context_length": int(s["context_length"]), "depth": float(s["depth"])} for s in grid]
 

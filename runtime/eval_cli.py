@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey depths in [0, 1]")
     parser.add_argument("--samples-per-cell", type=int, default=1)
     parser.add_argument("--passkey-words", type=int, default=2)
+    parser.add_argument("--alphabet", default="nato", choices=("nato", "digits"),
+                        help="passkey words: NATO code words, or digits (small models copy digits, not words)")
     parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
     parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} instead of passkeys')
     parser.add_argument("--max-new-tokens", type=int, default=12)
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.policies import get_policy
 
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
-                            passkey_words=args.passkey_words, source=args.source, prompts=args.prompts,
+                            passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens)
     params = parse_params(args.param)
     get_policy(args.policy, **params)  # bad names and values fail here, before the model loads

@@ -104,3 +104,16 @@ def test_eval_on_the_embedded_model(tmp_path, capsys):
     assert list(result["passkey_grid"]) == ["600"] and list(result["passkey_grid"]["600"]) == ["0.5"]
     assert result["attended_fraction"] < 1
     assert "passkey accuracy" in capsys.readouterr().out
+
+
+def test_passkey_prompts_follow_the_alphabet():
+    from runtime.eval import EvalSettings, passkey_prompts
+    from tests.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    for alphabet, check in (("digits", str.isdigit), ("nato", str.isalpha)):
+        settings = EvalSettings(lengths=(600,), depths=(0.5,), passkey_words=5, alphabet=alphabet)
+        (sample,) = passkey_prompts(tok, settings)
+        answer = sample["answer"].replace(" ", "")
+        assert check(answer), (alphabet, sample["answer"])
+        assert sample["answer"] in tok.decode(sample["input_ids"])
