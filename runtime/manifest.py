@@ -26,7 +26,7 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -352,11 +352,6 @@ class RoleManifest:
 
     def equals(self, other: RoleManifest) -> bool:
         return self.to_bytes() == other.to_bytes()
-
-    def replace(self, **changes: Any) -> RoleManifest:
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        kw.update(changes)
-        return RoleManifest(**kw)
 
 
 def read_metadata(buf: bytes, source: str = "<bytes>") -> dict[str, str]:

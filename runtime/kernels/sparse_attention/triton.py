@@ -245,23 +245,10 @@ def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, H
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` / ``[B, Hq]``."""
     b, hkv, splits, g, d = out_p.shape
-    if out_p.is_cuda or INTERPRETING:
-        out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=torch.float32)
-        lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
-        _combine[(b * hkv * g,)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
-                                 out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
-                                 S_PAD=max(16, triton.next_power_of_2(splits)), SB=16, D=d,
-                                 D_PAD=triton.next_power_of_2(d))
-        return out, lse
-    return _combine_torch(out_p, lse_p)
-
-
-def _combine_torch(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    b, hkv, _, g, d = out_p.shape
-    m = lse_p.amax(dim=2, keepdim=True)  # [B, Hkv, 1, G]
-    w = torch.exp(lse_p - torch.where(torch.isfinite(m), m, 0.0))  # 0 for empty partials
-    total = w.sum(dim=2)  # [B, Hkv, G]
-    out = (torch.where(w[..., None] > 0, out_p, 0.0) * w[..., None]).sum(dim=2)
-    out = out / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, m.squeeze(2) + torch.log(torch.where(total > 0, total, 1.0)), float("-inf"))
-    return out.reshape(b, hkv * g, d), lse.reshape(b, hkv * g)
+    out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=torch.float32)
+    lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
+    _combine[(b * hkv * g,)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
+                             out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
+                             S_PAD=max(16, triton.next_power_of_2(splits)), SB=16, D=d,
+                             D_PAD=triton.next_power_of_2(d))
+    return out, lse
