@@ -319,7 +319,7 @@ class RoleManifest:
         if CONTENT_HASH_KEY in meta:
             written, actual = meta[CONTENT_HASH_KEY], content_sha256(full_header, data)
             # the hash covers the parsed header; a flip that JSON ignores (e.g. into whitespace) shows up here
-            raw_header = buf[8 : 8 + struct.unpack("<Q", buf[:8])[0]].rstrip(b" ")
+            raw_header = buf[8 : len(buf) - len(data)].rstrip(b" ")
             if raw_header != _canonical(full_header):
                 actual = "not-canonical"
             if written != actual:

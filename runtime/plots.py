@@ -10,6 +10,9 @@ import numpy as np
 from runtime.atomic import atomic_path
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
 
+# panel -> the manifest tensor it draws; a panel appears when its tensor is present
+PANELS = [("layers", "layer_role"), ("shift", "layer_shift"), ("sparsity", "layer_sparsity"),
+          ("budget", "layer_budget"), ("heads", "head_role"), ("gate_mean", "head_expected_gate")]
 ROLE_COLORS = {LAYER_ROLE_FULL: "#4c72b0", LAYER_ROLE_SELECT: "#dd8452", 2: "#d0d0d0"}
 
 
@@ -21,19 +24,7 @@ def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    panels = []
-    if manifest.layer_role is not None:
-        panels.append("layers")
-    if manifest.layer_shift is not None:
-        panels.append("shift")
-    if manifest.layer_sparsity is not None:
-        panels.append("sparsity")
-    if manifest.layer_budget is not None:
-        panels.append("budget")
-    if manifest.head_role is not None:
-        panels.append("heads")
-    if manifest.head_expected_gate is not None:
-        panels.append("gate_mean")
+    panels = [panel for panel, attr in PANELS if getattr(manifest, attr) is not None]
     if not panels:
         raise ValueError("the manifest has no sections to plot")
 
