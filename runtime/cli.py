@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 
@@ -50,6 +51,9 @@ def run_reporting_errors(prog: str, run: Callable[[argparse.Namespace], int | No
     """Run a command; our errors (one line naming the problem and the fix) print as such, exit status 2."""
     try:
         return int(run(args) or 0)
+    except BrokenPipeError:  # output piped into `head` and closed: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
