@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="name recorded in the manifest (default: the --model value)")
     p.add_argument("--target", type=int, help=f"retrieval heads wanted among layers >= 1 (default {d.target})")
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
+    p.add_argument("--batch-size", type=int,
+                   help=f"samples per step, split over the processes of a multi-GPU run (default {d.batch_size})")
     p.add_argument("--gate", help=f"hardkuma, hardconcrete or sigmoid (default {d.gate})")
     p.add_argument("--lr", type=float, help=f"Adam learning rate of the gates (default {d.lr})")
     p.add_argument("--lambda-lr", type=float, help=f"ascent rate of the Lagrange multiplier (default {d.lambda_lr})")
@@ -60,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="model weight dtype, e.g. bfloat16 (default: the alias's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")
+    p.add_argument("--deepspeed", metavar="CONFIG",
+                   help="shard the frozen model with this DeepSpeed ZeRO-3 JSON (path or name in configs/deepspeed/); "
+                        "under `accelerate launch` the config file's DeepSpeed section is used without this flag")
+    p.add_argument("--random-weights", action="store_true", default=None,
+                   help="the model's architecture with random weights (speed and memory measurements only)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false", default=None,
                    help="keep attention scores for backward instead of recomputing them (faster, more memory)")
     p.add_argument("--dataset", help="'passkey' (default) or a .jsonl file of {input_ids, labels} records")
@@ -122,21 +129,28 @@ def load_dataset(config: TrainConfig, tokenizer) -> tuple[Any, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from runtime.models import load_model, load_tokenizer
+    from runtime import distributed
+    from runtime.models import load_tokenizer
     from train.recipe import run as train_run
 
     config = config_from_args(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(config.model)
+    launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
+    device = launched or torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    # a JSONL dataset is already tokenized: a model given by its architecture alone needs no tokenizer
+    tokenizer = None if config.dataset != "passkey" else load_tokenizer(config.model)
     dataset, info = load_dataset(config, tokenizer)  # before the model: bad data fails fast
-    model = load_model(config.model, dtype=config.dtype, device_map=config.device_map)
-    if config.device_map is None:
-        model.to(device)
+    model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
+                                          random_weights=config.random_weights, deepspeed=config.deepspeed,
+                                          device=device)
     manifest = train_run(model, tokenizer, dataset, config, resume=args.resume, data_info=info)
-    m = manifest.metrics
-    print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "
-          f"E[L0] {m['expected_l0']:.2f}, λ {m['lambda']:.4g}, final loss {m['final_loss']:.4g}, "
-          f"undecided {100 * m['fraction_undecided']:.1f} %")
+    if distributed.is_main():
+        m = manifest.metrics
+        print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "
+              f"E[L0] {m['expected_l0']:.2f}, λ {m['lambda']:.4g}, final loss {m['final_loss']:.4g}, "
+              f"undecided {100 * m['fraction_undecided']:.1f} %"
+              + (f", {distributed.world_size()} processes" if distributed.world_size() > 1 else ""))
     return 0
 
 

@@ -28,6 +28,7 @@ class TrainConfig:
     gate: str = "hardkuma"  # a name in train.gates.GATES
     target: int = 32  # retrieval heads wanted among the gated (layer >= 1, KV head) pairs
     steps: int = 3000
+    batch_size: int = 1  # samples per step (the global batch: split over the processes of a multi-GPU run)
     lr: float = 0.01  # Adam, gate parameters
     # gradient ascent on the Lagrange multiplier. Its right size follows the distillation loss (a sum over the
     # vocabulary, 1e4-1e5 for SmolLM2); with 3.0 SmolLM2 reached E[L0] 9.0 for a target of 8 by step 150
@@ -44,6 +45,8 @@ class TrainConfig:
     tf32: bool = True  # TF32 tensor cores for the float32 attention scores on GPUs (train.hybrid)
     dtype: str | None = None  # model weights when the CLI loads it (None: the alias's default)
     device_map: str | None = None  # "auto" spreads a model over the visible GPUs
+    deepspeed: str | None = None  # a DeepSpeed JSON (path or configs/deepspeed/ name) whose ZeRO-3 shards the model
+    random_weights: bool = False  # the model's architecture with random weights: speed and memory only
     checkpoint_every: int = 100
     # data: "passkey" builds data.passkey.build_passkey_dataset; otherwise a .jsonl file of
     # {"input_ids": [...], "labels": [...]} records
@@ -59,7 +62,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.gate not in GATES:
             raise ValueError(f"gate {self.gate!r} is unknown; choose one of {', '.join(sorted(GATES))}")
-        for name in ("target", "steps", "prefill_chunk", "checkpoint_every", "num_samples", "num_passkeys",
+        for name in ("target", "steps", "batch_size", "prefill_chunk", "checkpoint_every", "num_samples", "num_passkeys",
                      "passkey_words"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "target" else 1):

@@ -22,6 +22,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from runtime.attention import use_attention
+from runtime.distributed import model_device
 from train.hybrid import ATTENTION_NAME, HybridAttention
 
 
@@ -55,13 +56,24 @@ def split_sample(input_ids: Tensor, labels: Tensor) -> TargetSpan:
                       mask=lab[first : last + 1] != -100)
 
 
+def prefill_calls(prompt_tokens: int, chunk: int) -> int:
+    return -(-prompt_tokens // chunk)
+
+
 @torch.no_grad()
-def prefill(model, prompt: Tensor, chunk: int) -> DynamicCache:
-    """The teacher's KV cache for ``prompt`` [1, P], filled ``chunk`` tokens at a time."""
+def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> DynamicCache:
+    """The teacher's KV cache for ``prompt`` [1, P], filled ``chunk`` tokens at a time.
+
+    ``calls``: run the model this many times in all, padding with one-token forwards that touch no cache.
+    Under ZeRO-3 every process must run the same sequence of layers (each gathers its weights collectively),
+    so processes with shorter prompts pad up to the longest one's chunk count.
+    """
     cache = DynamicCache(config=model.config)
     for start in range(0, prompt.shape[1], chunk):
         # logits_to_keep=1: the prompt's logits are never used, so skip the [chunk, vocab] projection
         model(input_ids=prompt[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    for _ in range((calls or 0) - prefill_calls(prompt.shape[1], chunk)):
+        model(input_ids=prompt[:, :1], use_cache=False, logits_to_keep=1)
     return cache
 
 
@@ -73,14 +85,15 @@ def _drop_after(cache: DynamicCache, length: int) -> None:
 
 
 def distill_loss(model, hybrid: HybridAttention, z: Tensor, input_ids: Tensor, labels: Tensor,
-                 prefill_chunk: int = 1000) -> tuple[Tensor, dict[str, Tensor]]:
+                 prefill_chunk: int = 1000, calls: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one sample and the tensors it came from (for diagnostics).
 
-    ``z`` [L − 1, Hkv] are the gate values of layers 1..L−1 (layer 0 is always retrieval).
+    ``z`` [L − 1, Hkv] are the gate values of layers 1..L−1 (layer 0 is always retrieval). ``calls``: see
+    :func:`prefill`.
     """
-    device = next(model.parameters()).device
+    device = model_device(model)
     sample = split_sample(input_ids.to(device), labels.to(device))
-    cache = prefill(model, sample.prompt, prefill_chunk)
+    cache = prefill(model, sample.prompt, prefill_chunk, calls)
     prompt_len = sample.prompt.shape[1]
     with torch.no_grad():
         teacher = model(input_ids=sample.span, past_key_values=cache, use_cache=True).logits[0].float()  # [S, V]

@@ -5,7 +5,13 @@
 Gates take Adam steps (lr ``config.lr``) on L; λ takes a gradient-ascent step of ``config.lambda_lr`` on
 E[‖z‖₀] − target and is clipped at 0, so it grows while too many heads are retrieval heads and decays once
 the constraint holds. The model is frozen (its ``requires_grad`` flags are restored afterwards) and stays
-where it is: the caller places it (the CLI does, through accelerate).
+where it is: the caller places it (the CLI does, see ``runtime.distributed``).
+
+A step reads ``batch_size`` samples (data positions step·B … step·B + B − 1 of a seeded permutation stream)
+with one gate draw z. Under ``torch.distributed`` the samples are split round robin over the processes, the
+gradients with respect to z are summed over them, and every process then takes the same optimizer and λ
+step on its replica of the gates: the run computes the same numbers on any number of processes, and a
+checkpoint resumes on a different number.
 """
 
 from __future__ import annotations
@@ -20,18 +26,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from runtime import distributed
 from runtime.atomic import write_text
 from runtime.manifest import RoleManifest, config_sha256
 from train import checkpoint as ckpt
 from train.config import TrainConfig, config_json
-from train.distill import NotFiniteError, distill_loss
+from train.distill import NotFiniteError, distill_loss, prefill_calls, split_sample
 from train.gates import GateParameters
 from train.hybrid import HybridAttention, fast_float32_matmul
 from train.outputs import UNDECIDED, build_manifest, dataset_provenance, plot_curves, plot_gates
 
 # config fields that may differ between a checkpoint and the run resuming from it
 # (the model may move to another path or name: its architecture hash is checked instead)
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "output", "plots", "device_map", "dtype", "model", "model_name"}
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "output", "plots", "device_map", "dtype", "model", "model_name",
+                      "deepspeed"}
 
 
 @contextlib.contextmanager
@@ -67,11 +75,30 @@ def _check_finite(step: int, named: dict[str, torch.Tensor]) -> None:
                                  "--mixed-precision no")
 
 
-def _accelerator(config: TrainConfig, device: torch.device):
-    from accelerate import Accelerator
+def _autocast(config: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16")
 
-    kwargs: dict[str, Any] = {"mixed_precision": config.mixed_precision, "cpu": device.type == "cpu"}
-    return Accelerator(**kwargs)
+
+def _step_positions(step: int, config: TrainConfig) -> list[int]:
+    """This process's share of the step's global batch: data positions step·B … step·B + B − 1, round robin."""
+    first = step * config.batch_size
+    return list(range(first + distributed.rank(), first + config.batch_size, distributed.world_size()))
+
+
+def _prefill_calls(model, dataset, positions: list[int], config: TrainConfig) -> list[int | None]:
+    """Per local sample, the most prefill chunks any process needs for its sample in that slot (ZeRO-3 only)."""
+    if not distributed.is_sharded(model) or distributed.world_size() == 1:
+        return [None] * len(positions)
+    counts = torch.zeros(len(positions), dtype=torch.float64)
+    for i, pos in enumerate(positions):
+        item = dataset[sample_index(pos, len(dataset), config.seed)]
+        prompt = split_sample(torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])).prompt
+        counts[i] = prefill_calls(prompt.shape[1], config.prefill_chunk)
+    # MAX through SUM of one-hot maxima would need more traffic; gather all counts instead
+    everyone = torch.zeros(distributed.world_size(), len(positions), dtype=torch.float64)
+    everyone[distributed.rank()] = counts
+    distributed.all_reduce_sum_([everyone])
+    return [int(c) for c in everyone.max(0).values]
 
 
 def _restore(state: dict[str, Any], config: TrainConfig, model, data: dict[str, Any], gates, optimizer,
@@ -108,71 +135,96 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     output = config.resolved_output()
     stem = output.with_name(output.name.removesuffix(".safetensors"))
     log_path = stem.with_name(stem.name + ".log.jsonl")
-    device = next(model.parameters()).device
     num_layers, num_kv = _shape(model)
     if num_layers < 2:
         raise ValueError("the model has one layer; head roles need at least two (layer 0 is always retrieval)")
     if config.target > (num_layers - 1) * num_kv:
         raise ValueError(f"target {config.target} exceeds the {(num_layers - 1) * num_kv} gated heads of this model")
     data = dataset_provenance(dataset, data_info)
-    accelerator = _accelerator(config, device)
+    world, main = distributed.world_size(), distributed.is_main()
+    if config.batch_size % world:
+        raise ValueError(f"batch_size {config.batch_size} does not split evenly over {world} processes; "
+                         f"use a multiple of {world} (--batch-size)")
+    device = distributed.model_device(model)
     torch.manual_seed(config.seed)
     gates = GateParameters(config.gate, (num_layers - 1, num_kv), config.low, config.high).to(device)
     optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
-    gates, optimizer = accelerator.prepare(gates, optimizer)
     generator = torch.Generator().manual_seed(config.seed)  # gate noise on the CPU: same draws on any device
     hybrid = HybridAttention(num_layers, config.token_budget, checkpoint=config.gradient_checkpointing)
-    unwrapped = accelerator.unwrap_model(gates)
 
     start, lam, created, records = 0, 0.0, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), []
     if resume is not None:
         path = ckpt.latest_checkpoint(output) if str(resume) == "latest" else Path(resume)
         state = ckpt.load_checkpoint(path)
-        _restore(state, config, model, data, unwrapped, optimizer, generator)
+        _restore(state, config, model, data, gates, optimizer, generator)
         start, lam, created = state["step"], state["lambda"], state["created"]
         records = [r for r in ckpt.read_log(log_path) if r["step"] < start]
-    write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
+    if main:
+        write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
 
     last_loss = math.nan
     with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads",
-                                                                 dynamic_ncols=True) as bar:
+                                                                 dynamic_ncols=True, disable=not main) as bar:
         for step in range(start, config.steps):
-            item = dataset[sample_index(step, len(dataset), config.seed)]
-            ids, labels = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])
-            dist = unwrapped.distribution()
-            z = dist.rsample(generator=generator)  # [L − 1, Hkv]
-            with accelerator.autocast():
-                loss_d, seen = distill_loss(model, hybrid, z, ids, labels, config.prefill_chunk)
+            positions = _step_positions(step, config)
+            calls = _prefill_calls(model, dataset, positions, config)
+            dist = gates.distribution()
+            z = dist.rsample(generator=generator)  # [L − 1, Hkv], the same draw on every process
+            # each sample's backward stops at z (a leaf here), so samples are processed one at a time in memory;
+            # their gradients meet in z_leaf.grad and then flow into the gate parameters once
+            z_leaf = z.detach().requires_grad_(True)
+            local_loss, bad = torch.zeros((), dtype=torch.float64), []
+            for pos, n_calls in zip(positions, calls):
+                item = dataset[sample_index(pos, len(dataset), config.seed)]
+                ids, labels = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])
+                with _autocast(config, device):
+                    loss_d, seen = distill_loss(model, hybrid, z_leaf, ids, labels, config.prefill_chunk, n_calls)
+                bad += [f"{name} holds {int((~torch.isfinite(t)).sum())} non-finite value(s) of {t.numel()}"
+                        for name, t in {"gates z": z, **seen, "distillation loss": loss_d}.items()
+                        if t is not None and not bool(torch.isfinite(t).all())]
+                (loss_d / config.batch_size).backward()
+                local_loss += float(loss_d.detach())
             l0 = dist.expected_l0()
-            loss = loss_d + lam * (l0 - config.target)
+            totals = torch.tensor([float(local_loss), float(len(bad))], dtype=torch.float64)
+            distributed.all_reduce_sum_([totals])
+            loss_d_value = float(totals[0]) / config.batch_size
             try:
-                _check_finite(step, {"gates z": z, **seen, "expected L0": l0, "loss": loss})
+                if bad or totals[1] > 0:
+                    raise NotFiniteError(f"step {step}: {bad[0] if bad else 'a tensor of another process went bad'}; "
+                                         "training stopped. Resume from the last checkpoint with a lower "
+                                         "--lr/--lambda-lr, or use --mixed-precision no")
+                _check_finite(step, {"expected L0": l0})
                 optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)
-                _check_finite(step, {f"gradient of {n}": p.grad for n, p in unwrapped.named_parameters()})
+                grad_z = z_leaf.grad if z_leaf.grad is not None else torch.zeros_like(z_leaf)
+                distributed.all_reduce_sum_([grad_z])  # Σ over the global batch of ∂(loss_i / B)/∂z
+                torch.autograd.backward([z, lam * (l0 - config.target)], [grad_z.to(z.dtype), None])
+                _check_finite(step, {f"gradient of {n}": p.grad for n, p in gates.named_parameters()})
             except NotFiniteError:
-                ckpt.write_log(log_path, records)  # keep the history that led here
+                if main:
+                    ckpt.write_log(log_path, records)  # keep the history that led here
                 raise
             optimizer.step()
-            unwrapped.clamp_()
+            gates.clamp_()
             l0_value = float(l0.detach())
             lam = max(0.0, lam + config.lambda_lr * (l0_value - config.target))
-            last_loss = float(loss_d.detach())
+            last_loss = loss_d_value
             with torch.no_grad():
-                ez = unwrapped.distribution().expected_gate().float().cpu()
+                ez = gates.distribution().expected_gate().float().cpu()
+            samples = [sample_index(p, len(dataset), config.seed)
+                       for p in range(step * config.batch_size, (step + 1) * config.batch_size)]
             records.append({"step": step, "distill_loss": last_loss, "expected_l0": l0_value, "lambda": lam,
-                            "sample": sample_index(step, len(dataset), config.seed),
+                            "sample": samples[0] if len(samples) == 1 else samples,
                             "expected_gate": [round(x, 6) for x in ez.flatten().tolist()]})
             bar.set_postfix(loss=f"{last_loss:.4g}", EL0=f"{l0_value:.2f}", lam=f"{lam:.3g}")
             bar.update()
-            if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
-                _save(output, step + 1, config, model, data, unwrapped, optimizer, generator, lam, created)
+            if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps and main:
+                _save(output, step + 1, config, model, data, gates, optimizer, generator, lam, created)
                 ckpt.write_log(log_path, records)
 
     if records and start >= config.steps:  # resumed at the last step: nothing left to train
         last_loss = records[-1]["distill_loss"]
     with torch.no_grad():
-        final = unwrapped.distribution()
+        final = gates.distribution()
         ez = final.expected_gate().float().cpu()
         metrics = {
             "steps": config.steps,
@@ -185,6 +237,8 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
         }
         manifest = build_manifest(model, final, config, metrics, data, created)
     manifest.metrics["retrieval_heads"] = int(manifest.head_role[1:].sum())
+    if not main:
+        return manifest
     manifest.save(output)
     ckpt.write_log(log_path, records)
     if config.plots and records:

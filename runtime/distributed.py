@@ -1,0 +1,244 @@
+"""Processes, reductions and model placement for runs spread over GPUs with ``accelerate launch``/``torchrun``.
+
+rolecall keeps only small state of its own: calibration sums and the gate parameters of ``train-heads``.
+Both are replicated on every process and reduced with ``torch.distributed``; the frozen model is either
+replicated (one copy per GPU: DDP-style data parallelism, also what ZeRO-1/2 amount to when nothing of the
+model trains) or sharded by DeepSpeed ZeRO-3, which gathers each layer's weights just before it runs, in the
+forward and in the backward pass into the gates.
+
+Where the DeepSpeed config comes from, first match wins: ``--deepspeed FILE`` (a path or a name in
+``configs/deepspeed/``), then what ``accelerate launch --config_file configs/accelerate/zero3.yaml`` passes
+in the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def world_size() -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist else 1
+
+
+def rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def launched_world_size() -> int:
+    """The process count a launcher asked for (before any process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_from_launcher() -> torch.device | None:
+    """Join the process group that ``accelerate launch``/``torchrun`` set up; the device of this process.
+
+    None when the process was started alone (no ``WORLD_SIZE`` > 1 in the environment).
+    """
+    if launched_world_size() <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState().device
+
+
+def _reduce_device(t: torch.Tensor) -> torch.device:
+    dist = _dist()
+    if dist is not None and dist.get_backend() == "nccl":  # NCCL reduces only on the GPU, gloo only on the CPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum_(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Sum each tensor over all processes, in place (no-op for one process); ``None`` entries are skipped."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return
+    for t in tensors:
+        if t is None:
+            continue
+        device = _reduce_device(t)
+        if t.device == device:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        else:
+            moved = t.to(device)
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+            t.copy_(moved.to(t.device))
+
+
+def sum_over_processes(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    all_reduce_sum_([t])
+    return float(t[0])
+
+
+def barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. fills a cache), then the others."""
+    if not is_main():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier()
+
+
+# ----------------------------------------------------------------------------------------------- DeepSpeed
+
+def shipped_deepspeed_configs() -> dict[str, Path]:
+    root = importlib.resources.files("configs") / "deepspeed"
+    return {p.name.removesuffix(".json"): Path(str(p)) for p in root.iterdir() if p.name.endswith(".json")}
+
+
+def read_deepspeed_config(name_or_path: str) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if not path.is_file():
+        shipped = shipped_deepspeed_configs()
+        if name_or_path not in shipped:
+            raise ValueError(f"DeepSpeed config {name_or_path!r} is neither a file nor one of configs/deepspeed/ "
+                             f"({', '.join(sorted(shipped))})")
+        path = shipped[name_or_path]
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object")
+    return config
+
+
+def deepspeed_config_from_environment() -> dict[str, Any] | None:
+    """The DeepSpeed config ``accelerate launch`` handed this process, if it did."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:
+        return read_deepspeed_config(path)
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+    section: dict[str, Any] = {"stage": stage}
+    offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+    if stage == 3 and offload != "none":
+        section["offload_param"] = {"device": offload, "pin_memory": True}
+    return {"zero_optimization": section}
+
+
+def zero_stage(config: dict[str, Any] | None) -> int:
+    return int(((config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def frozen_model_config(config: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    """A DeepSpeed config for a model that is only run, never optimised (the gates train outside it).
+
+    ``"auto"`` values are filled: batch sizes are 1 per process (DeepSpeed's batch bookkeeping is unused),
+    the precision follows the model's dtype, and optimizer and scheduler sections are dropped.
+    """
+    out = json.loads(json.dumps(config))
+    for key in ("optimizer", "scheduler", "train_batch_size"):
+        out.pop(key, None)
+    out["train_micro_batch_size_per_gpu"] = 1
+    out["gradient_accumulation_steps"] = 1
+    out["bf16"] = {"enabled": dtype == torch.bfloat16}
+    out["fp16"] = {"enabled": dtype == torch.float16}
+    zero = out.setdefault("zero_optimization", {})
+    for key, value in list(zero.items()):
+        if value == "auto":  # sizes DeepSpeed would derive from the hidden size: its defaults suit a frozen model
+            del zero[key]
+    if zero.get("stage", 0) != 3:
+        raise ValueError(f"ZeRO stage {zero.get('stage', 0)} does not shard a frozen model (only ZeRO-3 does); "
+                         "use configs/deepspeed/zero3.json, or plain data parallelism without DeepSpeed")
+    return out
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    return getattr(torch, str(dtype))
+
+
+def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, random_weights: bool = False,
+                      deepspeed: str | dict[str, Any] | None = None, device: torch.device | str | None = None):
+    """The model of ``name``, placed for this process: replicated on its device, or sharded by ZeRO-3.
+
+    ``random_weights``: build the architecture of ``name`` (an alias, id, folder or ``config.json``) with
+    random weights, seeded: for speed and memory measurements, never for quality.
+    ``deepspeed``: a config (dict, path or shipped name) whose ZeRO-3 section shards the weights over the
+    processes; None looks at what ``accelerate launch`` passed. Returns the model to call (for ZeRO-3 the
+    engine's module, whose hooks gather each layer's weights when it runs).
+    """
+    from runtime.models import load_config, load_model
+
+    ds = read_deepspeed_config(deepspeed) if isinstance(deepspeed, str) else deepspeed
+    if ds is None:
+        ds = deepspeed_config_from_environment()
+    if zero_stage(ds) < 3:
+        ds = None  # ZeRO-1/2 partition optimizer state and gradients, which a frozen model has none of
+    torch_dtype = _torch_dtype(dtype)
+    keep_alive = None
+    if ds is not None:
+        if device_map is not None:
+            raise ValueError("--device-map and ZeRO-3 both place the weights; use one of them")
+        ds = frozen_model_config(ds, torch_dtype)
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep_alive = HfDeepSpeedConfig(ds)  # while it lives, transformers builds the model already sharded
+    if random_weights:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = (AutoConfig.from_pretrained(str(Path(name).parent)) if str(name).endswith("config.json")
+                  else load_config(name))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or torch.float32)
+        model.eval()
+    else:
+        model = load_model(name, dtype=dtype, device_map=device_map)
+    if ds is None:
+        if device_map is None and device is not None:
+            model.to(device)
+        return model
+    import deepspeed as _deepspeed
+
+    engine, *_ = _deepspeed.initialize(model=model, config=ds)
+    module = engine.module
+    module.eval()
+    module.rolecall_deepspeed = engine  # keep the engine (and its hooks) alive with the module
+    module.rolecall_ds_config = keep_alive
+    return module
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return getattr(model, "rolecall_deepspeed", None) is not None
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model computes: a ZeRO-3 model's own parameters are placeholders (maybe offloaded)."""
+    if is_sharded(model):
+        return torch.device("cuda", torch.cuda.current_device())
+    return next(model.parameters()).device
