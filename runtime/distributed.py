@@ -215,7 +215,10 @@ def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, rand
         config = (AutoConfig.from_pretrained(str(Path(name).parent)) if str(name).endswith("config.json")
                   else load_config(name))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or torch.float32)
+        # drawn where the model will live (fast on a GPU); under ZeRO-3 each layer is drawn and split as it is built
+        where = torch.device(device) if ds is None and device_map is None and device is not None else None
+        with where or contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or torch.float32)
         model.eval()
     else:
         model = load_model(name, dtype=dtype, device_map=device_map)

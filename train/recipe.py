@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from train import checkpoint as ckpt
 from train.config import TrainConfig, config_json
 from train.distill import NotFiniteError, distill_loss, prefill_calls, split_sample
 from train.gates import GateParameters
-from train.hybrid import HybridAttention, fast_float32_matmul
+from train.hybrid import GateLayout, HybridAttention, fast_float32_matmul
 from train.outputs import UNDECIDED, build_manifest, dataset_provenance, plot_curves, plot_gates
 
 # config fields that may differ between a checkpoint and the run resuming from it
@@ -77,6 +78,13 @@ def _check_finite(step: int, named: dict[str, torch.Tensor]) -> None:
 
 def _autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16")
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak GPU memory so far, in GiB (nothing on the CPU)."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}
 
 
 def _step_positions(step: int, config: TrainConfig) -> list[int]:
@@ -138,8 +146,9 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     num_layers, num_kv = _shape(model)
     if num_layers < 2:
         raise ValueError("the model has one layer; head roles need at least two (layer 0 is always retrieval)")
-    if config.target > (num_layers - 1) * num_kv:
-        raise ValueError(f"target {config.target} exceeds the {(num_layers - 1) * num_kv} gated heads of this model")
+    layout = GateLayout.of(model, config.include_sliding)  # hybrid models: sliding layers' gates held open
+    if config.target > layout.gated_heads(num_kv):
+        raise ValueError(f"target {config.target} exceeds the {layout.gated_heads(num_kv)} gated heads of this model")
     data = dataset_provenance(dataset, data_info)
     world, main = distributed.world_size(), distributed.is_main()
     if config.batch_size % world:
@@ -147,10 +156,12 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                          f"use a multiple of {world} (--batch-size)")
     device = distributed.model_device(model)
     torch.manual_seed(config.seed)
-    gates = GateParameters(config.gate, (num_layers - 1, num_kv), config.low, config.high).to(device)
+    gates = GateParameters(config.gate, (num_layers - 1, num_kv), config.low, config.high,
+                           fixed_open=layout.fixed_open(num_kv)).to(device)
     optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(config.seed)  # gate noise on the CPU: same draws on any device
-    hybrid = HybridAttention(num_layers, config.token_budget, checkpoint=config.gradient_checkpointing)
+    hybrid = HybridAttention(num_layers, config.token_budget, checkpoint=config.gradient_checkpointing,
+                             sliding=layout.sliding)
 
     start, lam, created, records = 0, 0.0, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), []
     if resume is not None:
@@ -166,6 +177,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads",
                                                                  dynamic_ncols=True, disable=not main) as bar:
         for step in range(start, config.steps):
+            began = time.perf_counter()
             positions = _step_positions(step, config)
             calls = _prefill_calls(model, dataset, positions, config)
             dist = gates.distribution()
@@ -214,6 +226,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                        for p in range(step * config.batch_size, (step + 1) * config.batch_size)]
             records.append({"step": step, "distill_loss": last_loss, "expected_l0": l0_value, "lambda": lam,
                             "sample": samples[0] if len(samples) == 1 else samples,
+                            "seconds": round(time.perf_counter() - began, 4), **_peak_memory(device),
                             "expected_gate": [round(x, 6) for x in ez.flatten().tolist()]})
             bar.set_postfix(loss=f"{last_loss:.4g}", EL0=f"{l0_value:.2f}", lam=f"{lam:.3g}")
             bar.update()
@@ -236,7 +249,6 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             "gate": config.gate,
         }
         manifest = build_manifest(model, final, config, metrics, data, created)
-    manifest.metrics["retrieval_heads"] = int(manifest.head_role[1:].sum())
     if not main:
         return manifest
     manifest.save(output)
