@@ -1,4 +1,13 @@
-"""``calibrate.run``: traces in, role manifest out. The CLI (``calibrate.cli``) only wraps this."""
+"""``calibrate.run``: traces in, role manifest out. The CLI (``calibrate.cli``) only wraps this.
+
+Hybrid models (Gemma 3 and others whose ``layer_types`` mix sliding-window and full attention): the sliding
+layers keep their own windowed attention at decode time, so by default they are not recorded, never become
+Δ-layers and get no Lethe budget (their window is their budget; the manifest stores 1.0 for them). The shift
+curve is then the cosine shift between consecutive *full-attention* layers: DELTA's signal is how much the
+token ranking changes between two layers that could share a selection, and a sliding layer in between
+neither selects nor reads, while its windowed ``a`` would compare a window against a whole prefix.
+``include_sliding=True`` records and treats every layer alike.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +18,21 @@ from typing import Any
 import torch
 
 from calibrate.config import CalibrateConfig, dumps, resolve
-from calibrate.delta import get_selector, layer_roles, mean_sparse_recall, recall_per_layer
+from calibrate.delta import (
+    candidate_recall,
+    get_selector,
+    layer_roles,
+    mean_sparse_recall,
+    recall_per_layer,
+    select_among,
+)
 from calibrate.lethe import LetheBudget
 from calibrate.recorder import AttentionRecorder, record_traces
 from calibrate.totals import CalibrationTotals
 from calibrate.traces import traces_sha256
 from runtime.atomic import write_text
 from runtime.manifest import ModelIdentity, RoleManifest
+from runtime.models import sliding_layers
 
 
 def _text_config(model):
@@ -37,13 +54,29 @@ def model_name(model) -> str:
     return spec.name if spec is not None else str(getattr(model.config, "_name_or_path", "") or "model")
 
 
+def excluded_layers(model, config: CalibrateConfig) -> list[int]:
+    """Layers that are not candidates: the sliding-window ones, unless ``include_sliding``."""
+    return [] if config.include_sliding else sliding_layers(model)
+
+
+def candidate_layers(model, config: CalibrateConfig) -> list[int]:
+    num_layers = int(_text_config(model).num_hidden_layers)
+    skip = set(excluded_layers(model, config))
+    candidates = [i for i in range(num_layers) if i not in skip]
+    if not candidates:
+        raise ValueError("every layer of this model uses a sliding window, so none needs a role; pass "
+                         "--include-sliding (include_sliding=True) to calibrate them anyway")
+    return candidates
+
+
 def record(model, traces: list[list[int]], config: CalibrateConfig, progress: bool = True) -> CalibrationTotals:
     """Record this process's share of ``traces`` and sum the totals over all processes."""
     text = _text_config(model)
     recorder = AttentionRecorder(
         text.num_hidden_layers, text.num_attention_heads, stride=config.stride, min_context=config.min_context,
         page_size=config.page_size, top_pages=config.top_pages, recent_pages=config.recent_pages,
-        bins=config.bins, query_block=config.query_block)
+        bins=config.bins, query_block=config.query_block, layers=candidate_layers(model, config),
+        full_keys=bool(config.include_sliding and sliding_layers(model)))
     totals = record_traces(model, _shard(traces), recorder, chunk_size=config.chunk_size, progress=progress)
     return totals.all_reduce().to("cpu")
 
@@ -59,10 +92,21 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
     if config.warmup >= num_layers:
         raise ValueError(f"warmup={config.warmup} leaves no layer to select in a {num_layers}-layer model; lower --warmup")
     kw = {"warmup": config.warmup, "min_gap": config.min_gap, "target_recall": config.target_recall}
-    delta = get_selector(config.select, **kw)(m["shift"], m["recall"], config.num_delta)
-    peaks = get_selector("peaks", **kw)(m["shift"], m["recall"], len(delta))
-    per_layer = recall_per_layer(m["recall"], delta, config.warmup)
-    budget = LetheBudget(config.budget, config.min_budget)(m["sparsity"])
+    sliding = excluded_layers(model, config)
+    candidates = candidate_layers(model, config)
+    delta = select_among(get_selector(config.select, **kw), m["shift"], m["recall"], config.num_delta, candidates)
+    peaks = select_among(get_selector("peaks", **kw), m["shift"], m["recall"], len(delta), candidates)
+    # recall and budgets over the candidates; excluded (sliding) layers compute what the model computes: 1.0
+    recall_c, index = candidate_recall(m["recall"], candidates), {layer: i for i, layer in enumerate(candidates)}
+    warmup_c = sum(1 for layer in candidates if layer < config.warmup)
+
+    def sparse_recall(chosen: list[int]) -> float:
+        return mean_sparse_recall(recall_c, [index[d] for d in chosen], warmup_c)
+
+    per_layer = torch.ones(num_layers, dtype=m["recall"].dtype)
+    per_layer[candidates] = recall_per_layer(recall_c, [index[d] for d in delta], warmup_c)
+    budget = torch.ones(num_layers, dtype=torch.float32)
+    budget[candidates] = LetheBudget(config.budget, config.min_budget)(m["sparsity"][candidates])
 
     def r(x: torch.Tensor) -> list:
         return [round(float(v), 6) for v in x.flatten()] if x.dim() <= 1 else [r(row) for row in x]
@@ -70,10 +114,10 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
     metrics = {
         "delta_layers": delta,
         "select": config.select,
-        "recall_mean": round(mean_sparse_recall(m["recall"], delta, config.warmup), 6),
+        "recall_mean": round(sparse_recall(delta), 6),
         "recall_per_layer": r(per_layer),
         "peaks_delta_layers": peaks,
-        "peaks_recall_mean": round(mean_sparse_recall(m["recall"], peaks, config.warmup), 6),
+        "peaks_recall_mean": round(sparse_recall(peaks), 6),
         "recall_pairs": r(m["recall"]),  # [s][l]: lets another Δ set be scored without re-running the model
         "drift": r(m["drift"]),
         "head_sparsity": r(m["head_sparsity"]),
@@ -81,9 +125,11 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
         "budget_tokens": config.top_pages * config.page_size + config.recent_pages * config.page_size,
         "sampled_queries": int(totals.recall_count.item()),
     }
+    if sliding:
+        metrics["sliding_layers"] = sliding
     return RoleManifest(
         model=ModelIdentity.from_config(model.config, name=model_name(model)),
-        layer_role=layer_roles(num_layers, delta, config.warmup),
+        layer_role=layer_roles(num_layers, delta, config.warmup, sliding),
         layer_shift=m["shift"], layer_sparsity=m["sparsity"], layer_budget=budget,
         # where the manifest is written is not part of what it says: leave it out, so reruns are byte-identical
         config={k: v for k, v in config.to_dict().items() if k != "output"}, data=data, metrics=metrics,

@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample traces instead of greedy decoding")
     parser.add_argument("--no-plots", dest="plots", action="store_const", const=False, default=None,
                         help="skip the PNG plots")
+    parser.add_argument("--include-sliding", dest="include_sliding", action="store_const", const=True, default=None,
+                        help="hybrid models: let sliding-window layers be recorded and chosen as Δ-layers")
     parser.add_argument("--no-cache", action="store_true", help="regenerate traces even when cached")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -60,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_config(args: argparse.Namespace):
     from calibrate.config import read_yaml, resolve, shipped_config
 
-    flags = {key: getattr(args, key) for _, key, _, _ in _FLAGS} | {"sample": args.sample, "plots": args.plots}
+    flags = {key: getattr(args, key) for _, key, _, _ in _FLAGS} | {"sample": args.sample, "plots": args.plots,
+                                                                      "include_sliding": args.include_sliding}
     path = args.config
     if path is None:
         default_model = flags["model"] or "smollm2-135m"

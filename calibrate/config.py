@@ -55,6 +55,9 @@ class CalibrateConfig:
     # Lethe
     budget: float = 0.25  # mean fraction of the context a layer keeps
     min_budget: float = 0.02
+    # hybrid models: sliding-window layers keep their own attention, so they are neither recorded, Δ-layers nor
+    # given Lethe budgets; True records them and lets them be chosen like any other layer
+    include_sliding: bool = False
     # outputs
     output: str | None = None  # default artifacts/<model>.delta.safetensors
     plots: bool = True

@@ -3,6 +3,10 @@
 Roles (as in ``runtime.manifest``): layers ``[0, warmup)`` are full (warm-up), the Δ-layers run full attention
 and choose pages, every other layer is sparse and reads the pages chosen by the nearest earlier Δ-layer.
 Selectors (strategies that pick the Δ set) are found by name in ``SELECTORS``.
+
+Hybrid models: sliding-window layers run their own attention at decode time, so they are not candidates.
+:func:`select_among` runs a selector on the candidate layers only (the shift curve, the recall matrix and the
+warm-up restricted to them, ``min_gap`` counted in candidate layers) and maps the choice back to layer indices.
 """
 
 from __future__ import annotations
@@ -71,10 +75,36 @@ def choose_delta_layers(shift: Sequence[float], num_delta: int, warmup: int = 2,
     return sorted(chosen)
 
 
-def layer_roles(num_layers: int, delta_layers: Sequence[int], warmup: int) -> torch.Tensor:
-    """int8 ``[L]``: 0 for the warm-up layers, 1 for the Δ-layers, 2 for the sparse rest."""
+def select_among(selector, shift: torch.Tensor, recall: torch.Tensor, num_delta: int | str,
+                 candidates: Sequence[int]) -> list[int]:
+    """Run ``selector`` on the ``candidates`` layers only; returns layer indices.
+
+    ``shift [L]``, ``recall [L, L]``; the selector's ``warmup`` counts layers, so it becomes the number of
+    candidates below it (the first candidate at or after ``warmup`` is the first Δ-layer).
+    """
+    idx = torch.as_tensor(list(candidates), dtype=torch.long)
+    warmup = int((idx < selector.warmup).sum())
+    if warmup >= len(idx):
+        raise ValueError(f"warmup={selector.warmup} leaves no full-attention layer to select (candidates "
+                         f"{idx.tolist()}); lower --warmup")
+    inner = type(selector)(**{**vars(selector), "warmup": warmup})
+    chosen = inner(shift[idx], recall[idx][:, idx], num_delta)
+    return [int(idx[i]) for i in chosen]
+
+
+def candidate_recall(recall: torch.Tensor, candidates: Sequence[int]) -> torch.Tensor:
+    """The ``[C, C]`` block of ``recall [L, L]`` between the candidate layers."""
+    idx = torch.as_tensor(list(candidates), dtype=torch.long)
+    return recall[idx][:, idx]
+
+
+def layer_roles(num_layers: int, delta_layers: Sequence[int], warmup: int,
+                sliding: Sequence[int] = ()) -> torch.Tensor:
+    """int8 ``[L]``: 0 for the warm-up layers, 1 for the Δ-layers, 2 for the sparse rest; ``sliding`` layers
+    (not candidates) are 0: they keep their own attention and neither choose nor read pages."""
     role = torch.full((num_layers,), LAYER_ROLE_SPARSE, dtype=torch.int8)
     role[:warmup] = LAYER_ROLE_FULL
+    role[list(sliding)] = LAYER_ROLE_FULL
     role[list(delta_layers)] = LAYER_ROLE_SELECT
     return role
 

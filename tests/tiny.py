@@ -6,6 +6,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedTokenizerFast,
@@ -14,7 +15,12 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+            "gemma3": Gemma3TextConfig}
+# A tiny hybrid: sliding-window layers 0, 1, 3 and 4 around full-attention layers 2 and 5 (Gemma 3 puts one
+# full layer after every five sliding ones); a window of 8 tokens matters at the tests' lengths.
+HYBRID_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
+                      "sliding_attention", "sliding_attention", "full_attention"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 VOCAB_SIZE = 256 + len(SPECIALS)
 CHAT_TEMPLATE = (
@@ -30,6 +36,8 @@ def tiny_config(family: str = "llama", layers: int = 4, heads: int = 4, kv_heads
               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
               max_position_embeddings=4096, bos_token_id=256, eos_token_id=258, pad_token_id=259,
               tie_word_embeddings=False)
+    if family == "gemma3":
+        kw.update(query_pre_attn_scalar=head_dim, sliding_window=8, layer_types=HYBRID_LAYER_TYPES[:layers])
     kw.update(overrides)
     return FAMILIES[family](**kw)
 
@@ -42,6 +50,8 @@ def tiny_model(family: str = "llama", seed: int = 0, **kw) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(4.0)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # Gemma 3 normalises q and k: scale (1 + w)
+                p.fill_(1.0)
     return model.eval()
 
 

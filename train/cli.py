@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, help=f"passkey samples (default {d.num_samples})")
     p.add_argument("--num-passkeys", type=int, help=f"passkeys per sample (default {d.num_passkeys})")
     p.add_argument("--passkey-words", type=int, help=f"words per passkey (default {d.passkey_words})")
+    p.add_argument("--include-sliding", action="store_true", default=None,
+                   help="hybrid models: gate sliding-window layers too (default: held open, not counted)")
     p.add_argument("--output", help="manifest path (default artifacts/<model>.heads.safetensors)")
     p.add_argument("--no-plots", dest="plots", action="store_false", default=None, help="skip the PNG plots")
 

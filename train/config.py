@@ -39,6 +39,9 @@ class TrainConfig:
     low: float = -0.1
     high: float = 1.1
     exact_target: bool = False  # roles: top-`target` gates by E[z] instead of E[z] > 0.5
+    # hybrid models: gates of sliding-window layers are held open (z = 1) and left out of E[L0] and the target;
+    # True gates them like any other layer
+    include_sliding: bool = False
     seed: int = 0
     gradient_checkpointing: bool = True  # recompute attention scores in backward instead of keeping them
     mixed_precision: str = "no"  # accelerate autocast: no | bf16

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from runtime.attention import use_attention
 from runtime.distributed import model_device
+from runtime.models import sliding_layers
 from train.hybrid import ATTENTION_NAME, HybridAttention
 
 
@@ -68,7 +69,9 @@ def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> Dyna
     Under ZeRO-3 every process must run the same sequence of layers (each gathers its weights collectively),
     so processes with shorter prompts pad up to the longest one's chunk count.
     """
-    cache = DynamicCache(config=model.config)
+    # A sliding-window cache layer cannot be cropped back (step 3) once past its window: on a hybrid model keep
+    # every key of every layer; the sliding layers' masks still come from the config.
+    cache = DynamicCache() if sliding_layers(model) else DynamicCache(config=model.config)
     for start in range(0, prompt.shape[1], chunk):
         # logits_to_keep=1: the prompt's logits are never used, so skip the [chunk, vocab] projection
         model(input_ids=prompt[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -247,22 +247,70 @@ _PARAMS = {
 }
 
 
+@dataclass
+class FixedOpen:
+    """A gate distribution with some gates held at z = 1 (``open`` bool, the gates' shape).
+
+    Held gates are not learned: they draw 1, have E[z] = 1, P(z = 1) = 1, and add nothing to E[L0], so the
+    Lagrangian constrains only the others (the sliding-window layers of a hybrid model, whose student
+    attention must equal the teacher's). ``manifest_params`` passes the inner parameters through.
+    """
+
+    inner: object
+    open: Tensor
+
+    def __getattr__(self, name: str):  # low, high, shape, dtype, ... of the inner gate
+        if name in ("inner", "open"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _hold(self, x: Tensor, value: float) -> Tensor:
+        return torch.where(self.open.to(x.device), torch.full_like(x, value), x)
+
+    def rsample(self, sample_shape=(), generator: torch.Generator | None = None) -> Tensor:
+        return self._hold(self.inner.rsample(sample_shape, generator=generator), 1.0)
+
+    def prob_zero(self) -> Tensor:
+        return self._hold(self.inner.prob_zero(), 0.0)
+
+    def prob_one(self) -> Tensor:
+        return self._hold(self.inner.prob_one(), 1.0)
+
+    def expected_gate(self) -> Tensor:
+        return self._hold(self.inner.expected_gate(), 1.0)
+
+    def expected_l0(self) -> Tensor:
+        nonzero = 1 - self.inner.prob_zero()
+        return nonzero.masked_fill(self.open.to(nonzero.device), 0.0).sum()
+
+    def manifest_params(self) -> tuple[Tensor, Tensor]:
+        return self.inner.manifest_params()
+
+
 class GateParameters(nn.Module):
     """The trainable parameters of one gate per (layer, KV head), stored unconstrained (logs, logits).
 
     All start at zero: α = β = 1 for HardKuma, log α = 0 for HardConcrete, σ = 0.5 for Sigmoid.
+    ``fixed_open`` (bool, ``shape``): gates held at z = 1 and left out of E[L0] (see :class:`FixedOpen`).
     """
 
-    def __init__(self, kind: str, shape: tuple[int, ...], low: float = -0.1, high: float = 1.1):
+    def __init__(self, kind: str, shape: tuple[int, ...], low: float = -0.1, high: float = 1.1,
+                 fixed_open: Tensor | None = None):
         super().__init__()
         get_gate(kind)
         _check_stretch(low, high)
         self.kind, self.low, self.high = kind, low, high
         names, self._build = _PARAMS[kind]
         self.params = nn.ParameterDict({n: nn.Parameter(torch.zeros(shape)) for n in names})
+        if fixed_open is not None and tuple(fixed_open.shape) != tuple(shape):
+            raise ValueError(f"fixed_open has shape {tuple(fixed_open.shape)}, expected the gates' {tuple(shape)}")
+        # not persistent: checkpoints keep only what is learned, and stay loadable either way
+        held = fixed_open.bool() if fixed_open is not None and bool(fixed_open.any()) else None
+        self.register_buffer("fixed_open", held, persistent=False)
 
     def distribution(self):
-        return self._build(dict(self.params.items()), self.low, self.high)
+        gate = self._build(dict(self.params.items()), self.low, self.high)
+        return FixedOpen(gate, self.fixed_open) if self.fixed_open is not None else gate
 
     @torch.no_grad()
     def clamp_(self, bound: float = math.log(1e3)) -> None:

@@ -13,6 +13,11 @@ head in the next layer, sparse heads read them) made differentiable in z.
 
 The budget k is a fraction of the keys each forward sees (``0 < budget <= 1``, e.g. 0.3) or a fixed count
 (an int ``>= 1``). With ``gates`` unset the function is plain full attention (used to check it).
+
+Hybrid models: sliding-window layers keep their own attention at decode time, so here they run it unmixed
+(the student equals the teacher there), pass on the selection they received unchanged, and their gates are
+held open and left out of E[L0] (:class:`GateLayout`). The first full-attention layer then has nothing to
+inherit, so like layer 0 it is all retrieval. ``include_sliding`` treats sliding layers like any other.
 """
 
 from __future__ import annotations
@@ -73,10 +78,69 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
         selected = torch.zeros_like(group_mean, dtype=torch.bool).scatter_(-1, top, True) & keep
     if inherited is not None and z is not None:
         sparse_keep = repeat_kv(inherited, groups) & keep  # [B, Hq, S, T]
+        # A window (a sliding layer, with include_sliding) can hide every inherited key: such a query reads its
+        # own position, as the runtime's sparse heads always read the current token.
+        own = keep & (keep.cumsum(-1) == keep.sum(-1, keepdim=True))
+        sparse_keep = torch.where(sparse_keep.any(-1, keepdim=True), sparse_keep, own)
         sparse = torch.matmul(torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1), v)
         zq = z.float().repeat_interleave(groups)[None, :, None, None]  # [1, Hq, 1, 1]
         out = zq * out + (1 - zq) * sparse
     return out.to(query.dtype).transpose(1, 2).contiguous(), selected
+
+
+@dataclass(frozen=True)
+class GateLayout:
+    """Which of the gated layers 1..L−1 are learned and which are held open (z = 1).
+
+    ``sliding``: layers that keep their own attention (empty when sliding layers are included).
+    """
+
+    num_layers: int
+    sliding: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model, include_sliding: bool = False) -> GateLayout:
+        from runtime.models import sliding_layers
+
+        config = getattr(model, "config", model)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(int(text.num_hidden_layers), () if include_sliding else tuple(sliding_layers(config)))
+
+    @property
+    def first_full(self) -> int:
+        """The first layer that is not sliding: it has no earlier selection to read, so it is all retrieval."""
+        return next((i for i in range(self.num_layers) if i not in self.sliding), 0)
+
+    @property
+    def held(self) -> list[int]:
+        """Layers ≥ 1 whose gates are held open: the sliding ones and a first full layer past layer 0."""
+        return sorted({i for i in self.sliding if i > 0} | ({self.first_full} - {0}))
+
+    def fixed_open(self, num_kv: int) -> Tensor | None:
+        """bool [L − 1, Hkv], True for held gates; None when every gate is learned."""
+        if not self.held:
+            return None
+        mask = torch.zeros(self.num_layers - 1, num_kv, dtype=torch.bool)
+        mask[[i - 1 for i in self.held]] = True
+        return mask
+
+    def gated_heads(self, num_kv: int) -> int:
+        """How many (layer, KV head) gates are learned: the most a target can ask for."""
+        return (self.num_layers - 1 - len(self.held)) * num_kv
+
+
+def _align(inherited: Tensor, t: int) -> Tensor:
+    """A selection ``[B, Hkv, S, T']`` over keys that end at the same position as ``t`` keys → ``[.., t]``.
+
+    Keys of every layer end at the current position; a sliding-window cache holds fewer of them (only with
+    ``include_sliding`` does a selection cross such a layer), so align on the right.
+    """
+    have = inherited.shape[-1]
+    if have == t:
+        return inherited
+    if have > t:
+        return inherited[..., have - t :]
+    return torch.nn.functional.pad(inherited, (t - have, 0), value=False)
 
 
 @dataclass
@@ -86,11 +150,13 @@ class HybridAttention:
     ``gates``: z for layers 1..L−1, [L − 1, Hkv]; ``None`` gives full attention everywhere.
     ``checkpoint``: recompute each layer's scores in the backward pass instead of keeping them
     ([B, Hq, S, T] float32 twice per layer), which is what bounds memory at long prompts.
+    ``sliding``: layers that run their own attention unmixed and pass their inherited selection on.
     """
 
     num_layers: int
     budget: float | int = 0.3
     checkpoint: bool = False
+    sliding: tuple[int, ...] = ()
     gates: Tensor | None = None
     _selected: Tensor | None = field(default=None, repr=False)
     _last_layer: int = field(default=-1, repr=False)
@@ -118,12 +184,17 @@ class HybridAttention:
             if self.gates.shape != (self.num_layers - 1, key.shape[1]):
                 raise ValueError(f"gates have shape {tuple(self.gates.shape)}, expected {(self.num_layers - 1, key.shape[1])}")
             z = self.gates[layer - 1].to(query.device)  # layers may sit on other GPUs (device_map="auto")
-        inherited = self._selected if z is not None else None
+        passing = self._selected
+        if layer in self.sliding:
+            z = None  # its own (windowed) attention, as the teacher runs it
+        inherited = _align(self._selected, t) if z is not None and self._selected is not None else None
         args = (query, key, value, keep, scaling, inherited, z, budget_tokens(self.budget, t))
         if self.checkpoint and torch.is_grad_enabled():
             out, self._selected = checkpoint(hybrid_layer, *args, use_reentrant=False)
         else:
             out, self._selected = hybrid_layer(*args)
+        if layer in self.sliding:
+            self._selected = passing
         if layer == self.num_layers - 1:
             self._selected, self._last_layer = None, -1  # nothing outlives a forward pass
         return out, None

@@ -13,29 +13,49 @@ from runtime.manifest import ModelIdentity, RoleManifest
 UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
 
 
-def head_roles(expected: torch.Tensor, target: int, exact: bool) -> torch.Tensor:
-    """Roles of the gated heads [L − 1, Hkv] from E[z]: E[z] > 0.5, or exactly the top-``target`` by E[z]."""
+def head_roles(expected: torch.Tensor, target: int, exact: bool, held: torch.Tensor | None = None) -> torch.Tensor:
+    """Roles of the gated heads [L − 1, Hkv] from E[z]: E[z] > 0.5, or exactly the top-``target`` by E[z].
+
+    ``held`` (bool, same shape): gates held open, which never take one of the ``target`` places.
+    """
     if not exact:
         return (expected > 0.5).to(torch.int8)
     flat = torch.zeros(expected.numel(), dtype=torch.int8)
+    ranked = expected.double() if held is None else expected.double().masked_fill(held, -1.0)
     # stable order: ties go to the earlier (layer, head)
-    order = torch.argsort(-expected.flatten().double(), stable=True)[: min(target, expected.numel())]
+    order = torch.argsort(-ranked.flatten(), stable=True)[: min(target, int((ranked >= 0).sum()))]
     flat[order] = 1
     return flat.view_as(expected)
 
 
 def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dict[str, Any],
                    created: str) -> RoleManifest:
-    """Layer 0 is not gated: it is all retrieval, with E[z] = 1 and the initial α = β = 1 recorded."""
+    """Layer 0 is not gated: it is all retrieval, with E[z] = 1 and the initial α = β = 1 recorded.
+
+    Hybrid models: sliding-window layers (held open, E[z] = 1) are not retrieval heads (role 0; the runtime
+    runs their own attention whatever the role), and the first full-attention layer is all retrieval, as layer
+    0 is otherwise. ``metrics["retrieval_heads"]`` counts the learned retrieval heads.
+    """
+    from train.hybrid import GateLayout
+
     expected = gates_dist.expected_gate().detach().float().cpu()  # [L − 1, Hkv]
     alpha, beta = (t.detach().float().cpu() for t in gates_dist.manifest_params())
     hkv = expected.shape[1]
     ones = torch.ones(1, hkv)
     spec = getattr(model, "rolecall_spec", None)
     name = config.model_name or getattr(spec, "name", None) or config.model
+    layout = GateLayout.of(model, getattr(config, "include_sliding", False))
+    held = layout.fixed_open(hkv)
+    role = torch.cat([ones.to(torch.int8), head_roles(expected, config.target, config.exact_target, held)])
+    role[list(layout.sliding)] = 0
+    role[layout.first_full] = 1
+    learned = [i for i in range(1, layout.num_layers) if i not in set(layout.held)]
+    metrics = {**metrics, "retrieval_heads": int(role[learned].sum())}
+    if layout.sliding:
+        metrics["sliding_layers"] = list(layout.sliding)
     return RoleManifest(
         model=ModelIdentity.from_config(model, name=name),
-        head_role=torch.cat([ones.to(torch.int8), head_roles(expected, config.target, config.exact_target)]),
+        head_role=role,
         head_alpha=torch.cat([ones, alpha.expand_as(expected)]),
         head_beta=torch.cat([ones, beta.expand_as(expected)]),
         head_expected_gate=torch.cat([ones, expected]),

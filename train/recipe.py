@@ -127,7 +127,9 @@ def _restore(state: dict[str, Any], config: TrainConfig, model, data: dict[str, 
     generator.set_state(state["gate_rng"])
     torch.set_rng_state(state["torch_rng"])
     if torch.cuda.is_available() and state.get("cuda_rng"):
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+        # the run may resume on fewer GPUs than it was saved on: restore the states of the devices there are
+        for index, rng in enumerate(state["cuda_rng"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(rng, index)
 
 
 def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | None = None,

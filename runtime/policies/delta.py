@@ -20,6 +20,7 @@ import torch
 from runtime.kernels.page_scores import head_max_probs, pool_pages
 from runtime.kernels.topk_select import topk_with_recent
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
+from runtime.models import sliding_layers
 from runtime.policies import Plan, PolicyError, Step, positive
 
 
@@ -59,8 +60,13 @@ class Delta:
                 "make one with calibrate-delta, or use policy 'full'"
             )
         self.roles = manifest.layer_role.tolist()
-        first_select = next((i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SELECT), len(self.roles))
-        early = [i for i, r in enumerate(self.roles[:first_select]) if r == LAYER_ROLE_SPARSE]
+        # Sliding-window layers never reach plan() (the engine runs their own attention), so whatever role a
+        # manifest gives them, they neither choose pages nor read them: the nearest earlier Δ-layer of a sparse
+        # layer is the nearest earlier non-sliding one.
+        sliding = set(sliding_layers(config))
+        first_select = next((i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SELECT and i not in sliding),
+                            len(self.roles))
+        early = [i for i, r in enumerate(self.roles[:first_select]) if r == LAYER_ROLE_SPARSE and i not in sliding]
         if early:
             raise PolicyError(
                 f"policy 'delta': sparse layers {early} come before any Δ-layer, so they have no pages to read; "

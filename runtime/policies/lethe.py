@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicLayer
 
 from runtime.kernels.page_scores import attention_probs
 from runtime.kernels.topk_select import mask_to_indices
+from runtime.models import sliding_layers
 from runtime.policies import Plan, PolicyError, Step, positive
 
 
@@ -145,6 +146,7 @@ class Lethe:
         positive("segments", self.segments, policy=self.name)
         positive("sinks", self.sinks, allow_zero=True, policy=self.name)
         self.weights: torch.Tensor | None = None  # [L] per-layer share
+        self.policy_layers: list[int] = []  # layers that share the budget (not sliding-window ones)
 
     def bind(self, manifest: Any, config: Any) -> None:
         budget = manifest.layer_budget if manifest is not None else None
@@ -155,6 +157,10 @@ class Lethe:
             )
         layers = int(getattr(config, "num_hidden_layers", 0) or len(budget))
         self.weights = budget.clamp_min(1e-6) if budget is not None else torch.ones(layers)
+        # Sliding-window layers get no budget (their window is their budget, and they never reach plan()), so
+        # the shares are normalised over the full-attention layers only.
+        sliding = set(sliding_layers(config))
+        self.policy_layers = [i for i in range(len(self.weights)) if i not in sliding] or list(range(len(self.weights)))
 
     def make_cache(self, session: Any) -> LetheCache:
         return LetheCache(session.model.config, session)
@@ -162,10 +168,11 @@ class Lethe:
     def capacity(self, layer: int, logical: int) -> int:
         """Slots layer ``layer`` may hold at logical length ``logical``."""
         w = self.weights[layer]
+        mean = self.weights[self.policy_layers].mean()
         if self.budget is not None:
-            cap = round(self.budget * float(w / self.weights.mean()))
+            cap = round(self.budget * float(w / mean))
         else:
-            frac = float(w * self.sparse_ratio / self.weights.mean()) if self.sparse_ratio is not None else float(w)
+            frac = float(w * self.sparse_ratio / mean) if self.sparse_ratio is not None else float(w)
             cap = math.ceil(min(frac, 1.0) * logical)
         return max(cap, self.sinks + 2)
 

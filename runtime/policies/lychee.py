@@ -26,6 +26,7 @@ import torch
 from runtime.kernels.page_scores import attention_probs, pool_pages
 from runtime.kernels.topk_select import mask_to_indices
 from runtime.manifest import HEAD_ROLE_RETRIEVAL
+from runtime.models import sliding_layers
 from runtime.policies import Plan, PolicyError, Step, positive
 
 DEFAULT_BUDGET = 1024
@@ -64,6 +65,11 @@ class Lychee:
             )
         self.retrieval = manifest.head_role == HEAD_ROLE_RETRIEVAL
         self.retrieval[0] = True  # layer 0 has nothing to inherit
+        # Sliding-window layers never reach plan(): sets pass between the full-attention layers, and the first
+        # of those has nothing to inherit (without this it would read the previous step's last set).
+        sliding = set(sliding_layers(config))
+        first = next((i for i in range(len(self.retrieval)) if i not in sliding), 0)
+        self.retrieval[first] = True
 
     def _choose(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, n]`` → chosen block ids ``[B, Hkv, N]`` (-1 padded)."""
