@@ -24,6 +24,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "lychee": ("runtime.policies.lychee", "Lychee"),
     "lethe": ("runtime.policies.lethe", "Lethe"),
     "vattention": ("runtime.policies.vattention", "VAttention"),
+    "quest": ("runtime.policies.quest", "Quest"),
 }
 
 

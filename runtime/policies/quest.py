@@ -1,0 +1,124 @@
+"""``quest``: Quest (Tang et al. 2024, "Query-aware sparsity for long-context LLM inference"), a baseline
+that needs no manifest.
+
+Every page of ``page_size`` cache slots keeps the elementwise minimum and maximum of its keys. At each decode
+step every layer from ``dense_layers`` on scores each page, per query head, by the upper bound
+
+    U[u] = scale · Σ_d max(q_d · kmin_d, q_d · kmax_d)  ≥  scale · q · k_t   for every token t in page u,
+
+and each KV head reads its ``K - 1`` pages of highest bound plus the current (last, possibly partial) page,
+``K = ceil(budget / page_size)``. Layers ``[0, dense_layers)`` read everything (Quest keeps the first two
+layers dense: their attention is too flat for a bound to rank pages).
+
+GQA (Quest itself is multi-head): the query heads of a group share one read set, so the group's page score
+is ``group="max"`` (default) the largest bound over its heads — a page is kept if any head could find a
+high logit in it, which bounds ``max_{g, t in u} s_g[t]`` — or ``group="sum"`` the sum of the bounds, which
+bounds ``Σ_g s_g[t]`` and favours pages several heads want.
+
+Page metadata (in the cache's dtype) is kept per layer in the request's ``scratch``: pages that were already
+full are reused and only the pages from the first unfinished one on are computed from the keys, so a step
+reads O(page_size · D) keys per head instead of O(T · D) (the bounds themselves still read every page's
+metadata, 2/P of the keys). Slots that the query may not read (left padding) are left out of the minimum and
+maximum; a page with none counts as empty.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from runtime.kernels.page_scores import pool_pages
+from runtime.kernels.topk_select import topk_with_recent
+from runtime.policies import Plan, PolicyError, Step, positive
+
+GROUPS = ("max", "sum")
+
+
+def page_minmax(key: torch.Tensor, keep: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[B, Hkv, T, D]`` and readable slots ``[B, T]`` → elementwise ``(kmin, kmax)`` per page, each
+    ``[B, Hkv, ceil(T / P), D]`` in the keys' dtype (exact: a min or max is one of the values); a page with no
+    readable slot has ``kmin = +inf, kmax = -inf``."""
+    b, hkv, t, d = key.shape
+    n = math.ceil(t / page_size)
+    k = torch.nn.functional.pad(key, (0, 0, 0, n * page_size - t))  # [B, Hkv, n·P, D]
+    ok = torch.nn.functional.pad(keep, (0, n * page_size - t), value=False)[:, None, :, None]  # [B, 1, n·P, 1]
+    kmin = k.masked_fill(~ok, math.inf).view(b, hkv, n, page_size, d).amin(3)
+    kmax = k.masked_fill(~ok, -math.inf).view(b, hkv, n, page_size, d).amax(3)
+    return kmin, kmax
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """Query ``[B, Hq, D]`` and page metadata ``[B, Hkv, n, D]`` → upper bounds ``[B, Hq, n]`` of the logit
+    ``scale · q · k`` of any token in the page; ``-inf`` for empty pages.
+
+    ``max(q_d · kmin_d, q_d · kmax_d) = q⁺_d · kmax_d + q⁻_d · kmin_d`` with ``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``,
+    so the bound is two matrix products."""
+    b, hq, d = query.shape
+    hkv = kmin.shape[1]
+    empty = kmax[..., 0] < kmin[..., 0]  # [B, Hkv, n]
+    lo, hi = kmin.float().masked_fill(empty[..., None], 0.0), kmax.float().masked_fill(empty[..., None], 0.0)
+    q = query.float().view(b, hkv, hq // hkv, d)
+    bound = (torch.einsum("bhgd,bhnd->bhgn", q.clamp_min(0), hi) + torch.einsum("bhgd,bhnd->bhgn", q.clamp_max(0), lo))
+    bound = bound.masked_fill(empty[:, :, None, :], -math.inf) * scale
+    return bound.reshape(b, hq, -1)
+
+
+@dataclass
+class Quest:
+    budget: int = 1024  # tokens per KV head, the current page included
+    page_size: int = 16  # P
+    dense_layers: int = 2  # layers [0, dense_layers) read everything
+    group: str = "max"  # how a GQA group's query heads combine their page bounds: "max" or "sum"
+    name: ClassVar[str] = "quest"
+
+    def __post_init__(self) -> None:
+        for key in ("budget", "page_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise PolicyError(f"policy 'quest': {key} must be a positive integer, got {value!r}")
+        positive("dense_layers", self.dense_layers, allow_zero=True, policy=self.name)
+        if self.group not in GROUPS:
+            raise PolicyError(f"policy 'quest': group must be one of {', '.join(GROUPS)}, got {self.group!r}")
+        self.num_pages = math.ceil(self.budget / self.page_size)  # K
+
+    def bind(self, manifest: Any, config: Any) -> None:
+        """Any manifest (or none) is fine: Quest decides every step from the keys alone."""
+
+    def bounds(self, step: Step) -> torch.Tensor:
+        """Page bounds ``[B, Hq, n]`` for this step, from metadata kept across steps in ``step.scratch``.
+
+        Pages that were full at an earlier step are read from a per-layer buffer (grown by doubling, so steps
+        rarely copy it); only the pages from the first one not yet stored are computed from the keys."""
+        b, hkv, t, d = step.key.shape
+        p = self.page_size
+        slot = f"quest.pages.{step.layer}"
+        held = step.scratch.get(slot)  # (kmin [B, Hkv, capacity, D], kmax, count of full pages stored)
+        full = t // p
+        if held is None or held[0].shape[:2] != (b, hkv) or held[2] > full:
+            held = (step.key.new_empty(b, hkv, 0, d), step.key.new_empty(b, hkv, 0, d), 0)
+        lo, hi, count = held
+        new_min, new_max = page_minmax(step.key[:, :, count * p:], step.keep[:, count * p:], p)
+        grown = full - count  # pages that are full now and not stored yet
+        if grown:
+            if full > lo.shape[2]:
+                capacity = max(2 * lo.shape[2], full, 16)
+                lo = torch.cat([lo[:, :, :count], lo.new_empty(b, hkv, capacity - count, d)], dim=2)
+                hi = torch.cat([hi[:, :, :count], hi.new_empty(b, hkv, capacity - count, d)], dim=2)
+            lo[:, :, count:full] = new_min[:, :, :grown]
+            hi[:, :, count:full] = new_max[:, :, :grown]
+        step.scratch[slot] = (lo, hi, full)
+        stored = page_bounds(step.query, lo[:, :, :count], hi[:, :, :count], step.scale)
+        return torch.cat([stored, page_bounds(step.query, new_min, new_max, step.scale)], dim=-1)
+
+    def plan(self, step: Step) -> Plan:
+        if step.layer < self.dense_layers:
+            return Plan()
+        b, hkv = step.key.shape[:2]
+        bounds = self.bounds(step).view(b, hkv, step.groups, -1)  # [B, Hkv, G, n]
+        scores = bounds.amax(2) if self.group == "max" else bounds.sum(2)  # [B, Hkv, n]
+        valid = pool_pages(step.keep.float(), self.page_size)[:, None, :].expand_as(scores) > 0
+        pages = topk_with_recent(scores, self.num_pages, 1, valid)  # [B, Hkv, min(K, n)]
+        return Plan(indices=pages, block_size=self.page_size)

@@ -1,0 +1,113 @@
+"""benchmarks/quality.py end to end on a tiny model: every policy at two budgets, consistent outputs, resuming."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.manifest import ModelIdentity, RoleManifest
+from tests.tiny import tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("quality_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Qwen2 model and tokenizer, three manifests for it, and a small haystack corpus."""
+    folder = tmp_path_factory.mktemp("quality")
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    model.generation_config.pad_token_id = 259
+    model.save_pretrained(folder / "model")
+    tiny_tokenizer().save_pretrained(folder / "model")
+    identity = ModelIdentity.from_config(model.config)
+    RoleManifest(identity, layer_role=torch.tensor([0, 1, 2, 2], dtype=torch.int8),
+                 layer_budget=torch.tensor([1.0, 0.5, 0.25, 0.25])).save(folder / "delta.safetensors")
+    RoleManifest(identity, head_role=torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0]], dtype=torch.int8)).save(
+        folder / "heads.safetensors")
+    rng = np.random.default_rng(7)
+    (folder / "books").mkdir()
+    words = ("river", "stone", "lantern", "orchard", "meadow", "harbour", "quiet", "morning")
+    for i in range(2):
+        (folder / "books" / f"b{i}.txt").write_text(" ".join(words[j] for j in rng.integers(0, 8, size=600)) + ".")
+    return folder
+
+
+def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsys, cache_dir):
+    quality = load_script()
+    out = tmp_path / "out"
+    argv = ["--model", str(folder / "model"), "--source", f"text:{folder / 'books'}", "--lengths", "400",
+            "--depths", "0.2", "0.8", "--budgets", "32", "64", "--max-new-tokens", "4", "--device", "cpu",
+            "--delta", str(folder / "delta.safetensors"), "--heads", f"kuma={folder / 'heads.safetensors'}",
+            "--lethe", str(folder / "delta.safetensors"), "--vattention-epsilon", "0.5", "--out", str(out)]
+    assert quality.main(argv) == 0
+    printed = capsys.readouterr().out
+    labels = ["full", "delta", "lychee-kuma", "lethe", "vattention", "quest"]
+    names = ["full"] + [f"{label}-b{b}" for label in labels[1:] for b in (32, 64)]
+    assert sorted(p.stem for p in (out / "cells").glob("*.json")) == sorted(names)
+    assert f"{len(names)} cells run, 0 resumed" in printed
+
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {(r["label"], r["budget"]): r for r in summary["rows"]}
+    assert len(rows) == len(names) and all(r["prompts"] == 2 for r in rows.values())
+    full = rows[("full", None)]
+    assert full["kl_mean"] < 1e-6 and full["top1_agreement"] == 1.0
+    assert full["attended_fraction"] == pytest.approx(1.0) and full["recall_sparse_layers"] == pytest.approx(1.0)
+    for (label, budget), r in rows.items():
+        if label == "full":
+            continue
+        assert r["attended_fraction"] < 1 and r["recall_sparse_layers"] < 1 and r["kl_mean"] > 0, (label, budget)
+        cell = json.loads((out / "cells" / f"{label}-b{budget}.json").read_text())
+        assert cell["row"] == r and cell["result"]["kl_mean"] == r["kl_mean"]
+    # The budget mapping reaches each policy's parameters; more budget reads more.
+    assert rows[("delta", 32)]["params"] == {"budget": 32, "page_size": 16, "recent_pages": 1}
+    assert rows[("quest", 64)]["params"] == {"budget": 64, "page_size": 16}
+    for label in ("delta", "lychee-kuma", "lethe", "quest"):  # vAttention's CLT sample is not set by the budget
+        assert rows[(label, 32)]["attended_fraction"] < rows[(label, 64)]["attended_fraction"], label
+
+    table = (out / "TABLE.md").read_text()
+    assert table in printed
+    table_rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(table_rows) == len(names)
+    assert table_rows[0].split(" | ")[:2] == ["| full", "–"] and "| 1.000 | 1.000 |" in table_rows[0]
+    assert "quest: K = ceil(budget / 16) pages" in table
+    assert (out / "quality.png").stat().st_size > 1000
+    assert "benchmarks/quality.py --model" in (out / "COMMAND.txt").read_text()
+
+    # A rerun resumes every cell; a removed cell is the only one run again.
+    (out / "cells" / "quest-b32.json").unlink()
+    stamp = (out / "cells" / "delta-b32.json").stat().st_mtime_ns
+    assert quality.main(argv) == 0
+    assert f"1 cells run, {len(names) - 1} resumed" in capsys.readouterr().out
+    assert (out / "cells" / "delta-b32.json").stat().st_mtime_ns == stamp
+    assert json.loads((out / "summary.json").read_text())["rows"][0] == summary["rows"][0]
+    assert len((out / "COMMAND.txt").read_text().splitlines()) == 2
+
+    # Other prompts into the same folder are refused rather than mixed with the old cells.
+    with pytest.raises(SystemExit, match="made with other settings"):
+        quality.main([a if a != "0.8" else "0.5" for a in argv])
+    assert len((out / "COMMAND.txt").read_text().splitlines()) == 2  # refused before anything was written
+
+
+def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
+    quality = load_script()
+    base = ["--model", str(folder / "model"), "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit, match="policy delta needs --delta"):
+        quality.main([*base, "--policies", "delta"])
+    with pytest.raises(SystemExit, match="write it as NAME=PATH"):
+        quality.main([*base, "--heads", "nopath"])
+    with pytest.raises(SystemExit, match="unknown policy 'dense'"):
+        quality.main([*base, "--policies", "dense"])
