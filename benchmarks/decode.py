@@ -1,0 +1,379 @@
+"""End-to-end decode speed of rolecall's policies: one static decode step per token, replayed from a CUDA graph.
+
+    python benchmarks/decode.py                     # the default grid, JSON to benchmarks/results/decode_<gpu>.json
+    python benchmarks/decode.py --smoke --out x.json  # tiny shapes on the CPU: checks that it runs
+
+Models are DS-Qwen-7B / DS-Qwen-1.5B shaped (random bf16 weights: speed does not depend on the values). For
+each model, context, batch, policy and budget it fills a static cache with random keys and values (the
+prefill is not timed), captures :class:`runtime.fastdecode.StaticDecoder`'s step in a CUDA graph, warms up,
+and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s (batch / TPOT)
+and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
+plus the K/V bytes the policy must read, over the device-to-device copy bandwidth measured in the same run
+(bytes read + written per second, as in ``benchmarks/kernels.py``), and the fraction of it achieved. Page
+scores that Δ-layers write and read (4 bytes per head and token) are not counted.
+
+Policies: ``full``; ``delta`` (layers 0–1 full, Δ-layers 2, 14, 22, the rest read ``budget`` tokens of
+16-token pages, 8 of them the most recent); ``lychee`` (``--retrieval-heads`` of the 112 KV heads of 7B read
+everything, scaled for other shapes; the others read ``budget`` tokens of 16-token blocks); ``lethe`` (the
+steady state of eviction: every layer holds and reads ``budget`` tokens). Sparse policies are timed as they
+are (no fallback); the table's ``crossover`` lines give the smallest measured context from which a sparse
+policy stays faster than full — where ``runtime.fastdecode.DEFAULT_MIN_CONTEXT`` belongs.
+
+The DELTA setting (``--delta-setting``, DS-Qwen-1.5B, batch 64, 1K budget, decoding from ``--delta-prompt``
+tokens to 18K): TPOT of full and delta at ``--delta-samples`` evenly spaced lengths, each in a cache sized to
+that length, integrated with the trapezoid rule over every generated token; delta runs full below
+``--min-context`` (the fallback the runtime applies), and the raw delta total is given too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.atomic import write_text  # noqa: E402
+from runtime.fastdecode import (  # noqa: E402
+    DEFAULT_MIN_CONTEXT,
+    SHAPES,
+    Delta,
+    Full,
+    Lethe,
+    Lychee,
+    ModelShape,
+    StaticCache,
+    StaticDecoder,
+    Weights,
+)
+
+SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
+GIB = 2**30
+
+
+# -- timing --------------------------------------------------------------------------------------------------------
+def timed(fn, reps: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn`` after ``warmup`` calls (CUDA events; wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def copy_bandwidth(device: str, elements: int) -> float:
+    """Bytes read + written per second of a device-to-device copy (the bandwidth byte bounds are taken over)."""
+    src = torch.empty(elements, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = statistics.median(timed(lambda: dst.copy_(src), reps=20, warmup=3))
+    return 2 * elements * 2 / (ms / 1e3)
+
+
+def gpu_slug(name: str) -> str:
+    """``NVIDIA H200`` → ``h200``: the file name suffix of benchmark results."""
+    m = re.search(r"\b([A-Z]+\d+[A-Za-z]*)\b", name.replace("NVIDIA", ""))
+    return m.group(1).lower() if m else re.sub(r"\W+", "_", name.lower()).strip("_")
+
+
+# -- policies ------------------------------------------------------------------------------------------------------
+def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int):
+    if name == "full":
+        return Full()
+    if name == "delta":
+        selection = (2, 14, 22) if shape.layers > 22 else tuple(range(2, shape.layers, 2))[:3]
+        return Delta.standard(shape.layers, selection=selection, budget=budget)
+    if name == "lychee":
+        return Lychee.spread(shape.layers, shape.kv_heads, retrieval_heads, budget=budget)
+    if name == "lethe":
+        return Lethe(budget=budget)
+    raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, lethe")
+
+
+def scaled_retrieval_heads(shape: ModelShape, count_7b: int) -> int:
+    """The 7B count of retrieval heads as the same share of another shape's KV heads (at least layer 0's)."""
+    total = shape.layers * shape.kv_heads
+    return max(shape.kv_heads, round(count_7b * total / (28 * 4)))
+
+
+# -- one configuration ---------------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args: argparse.Namespace, device: str, bandwidth: float) -> None:
+        self.args, self.device, self.bandwidth = args, device, bandwidth
+        self.graphs = device == "cuda"
+
+    def free_bytes(self) -> int:
+        if self.device != "cuda":
+            return 1 << 62
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0]
+
+    def measure(self, weights: Weights, policy, batch: int, slots: int, start: int,
+                cache: StaticCache | None) -> float:
+        """Median ms per step of ``policy`` with ``start`` valid tokens (the length grows by one per step)."""
+        a = self.args
+        dec = StaticDecoder(weights, policy, batch, slots, cache=cache, min_context=0)
+        dec.set_length(start)
+        if self.graphs:
+            dec.capture()
+        ms = statistics.median(timed(dec.step, reps=a.steps, warmup=a.warmup))
+        del dec
+        return ms
+
+    def bound(self, shape: ModelShape, policy, batch: int, context: int) -> float:
+        """Bytes one step must read: weights once, and the K/V the policy reads at ``context`` tokens."""
+        return shape.weight_bytes(batch) + shape.kv_bytes(batch, policy.tokens_read(shape, context))
+
+    def row(self, model: str, shape: ModelShape, policy, budget: int | None, batch: int, context: int,
+            ms: float) -> dict:
+        nbytes = self.bound(shape, policy, batch, context)
+        limit_ms = nbytes / self.bandwidth * 1e3
+        return {"model": model, "policy": policy.name, "budget": budget, "batch": batch, "context": context,
+                "tpot_ms": ms, "tokens_per_s": batch / (ms / 1e3), "bytes": nbytes, "byte_limit_ms": limit_ms,
+                "byte_limit_fraction": limit_ms / ms}
+
+    def margin(self) -> int:
+        return self.args.warmup + self.args.steps + 4
+
+    def grid(self, model: str, shape: ModelShape, weights: Weights) -> list[dict]:
+        a = self.args
+        rows = []
+        for context in a.contexts:
+            for batch in a.batches:
+                need = StaticCache.bytes_needed(shape, batch, [context] * shape.layers)
+                work = 2 * batch * shape.heads * context * 4 + GIB  # kept logits, partials, activations
+                free = self.free_bytes()
+                if need + work > free:
+                    reason = f"needs {(need + work) / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+                    print(f"skip {model} B={batch} T={context}: {reason}", flush=True)
+                    rows.append({"model": model, "batch": batch, "context": context, "skipped": reason})
+                    continue
+                cache = StaticCache(shape, batch, [context] * shape.layers, self.device, weights.dtype)
+                cache.fill_random()
+                start = context - self.margin()
+                full_ms = None
+                for name in a.policies:
+                    for budget in ([None] if name == "full" else a.budgets):
+                        if budget is not None and budget >= context:
+                            continue  # reads the whole context anyway
+                        policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
+                        if name == "lethe":  # its own compacted cache: budget slots per layer
+                            own = StaticCache(shape, batch, [policy.slots(i, context) for i in range(shape.layers)],
+                                              self.device, weights.dtype)
+                            own.fill_random()
+                            ms = self.measure(weights, policy, batch, context, start, own)
+                            del own
+                        else:
+                            ms = self.measure(weights, policy, batch, context, start, cache)
+                        r = self.row(model, shape, policy, budget, batch, context, ms)
+                        if name == "full":
+                            full_ms = ms
+                        if full_ms is not None:
+                            full_bytes = self.bound(shape, Full(), batch, context)
+                            r["speedup_vs_full"] = full_ms / ms
+                            r["speedup_limit"] = full_bytes / r["bytes"]
+                        rows.append(r)
+                        print_row(r, flush=True)
+                del cache
+        return rows
+
+    def delta_setting(self, weights: Weights, shape: ModelShape) -> dict:
+        """Total decode time from the prompt to ``--delta-total`` tokens, full against delta."""
+        a = self.args
+        b, budget, first, last = a.delta_batch, a.delta_budget, a.delta_prompt, a.delta_total
+        lengths = sorted({round(first + (last - first) * i / (a.delta_samples - 1)) for i in range(a.delta_samples)})
+        delta = make_policy("delta", shape, budget, 0)
+        samples = []
+        for length in lengths:
+            slots = length + self.margin()
+            need = StaticCache.bytes_needed(shape, b, [slots] * shape.layers) + 2 * b * shape.heads * slots * 4 + GIB
+            free = self.free_bytes()
+            if need > free:
+                reason = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+                print(f"skip DELTA setting at {length}: {reason}", flush=True)
+                return {"skipped": reason}
+            cache = StaticCache(shape, b, [slots] * shape.layers, self.device, weights.dtype)
+            cache.fill_random()
+            full_ms = self.measure(weights, Full(), b, slots, length, cache)
+            delta_ms = self.measure(weights, delta, b, slots, length, cache)
+            del cache
+            samples.append({"length": length, "full_ms": full_ms, "delta_ms": delta_ms,
+                            "full_bytes": self.bound(shape, Full(), b, length),
+                            "delta_bytes": self.bound(shape, delta, b, length)})
+            print(f"  DELTA setting, length {length:>6}: full {full_ms:.3f} ms, delta {delta_ms:.3f} ms", flush=True)
+
+        def integrate(key) -> float:
+            """Σ over generated tokens (lengths first .. last-1) of a per-step quantity, by the trapezoid rule."""
+            xs = [s["length"] for s in samples]
+            ys = [key(s) for s in samples]
+            return sum((xs[i + 1] - xs[i]) * (ys[i] + ys[i + 1]) / 2 for i in range(len(xs) - 1))
+
+        threshold = a.min_context
+        total_full = integrate(lambda s: s["full_ms"]) / 1e3
+        total_delta_raw = integrate(lambda s: s["delta_ms"]) / 1e3
+        total_delta = integrate(lambda s: s["full_ms"] if s["length"] < threshold else s["delta_ms"]) / 1e3
+        bytes_full = integrate(lambda s: s["full_bytes"])
+        bytes_delta = integrate(lambda s: s["full_bytes"] if s["length"] < threshold else s["delta_bytes"])
+        tokens = b * (last - first)
+        return {"model": "tiny" if a.smoke else "1.5b", "batch": b, "budget": budget, "prompt": first, "total": last,
+                "min_context": threshold, "samples": samples, "integration": "trapezoid over sampled lengths",
+                "full_s": total_full, "delta_s": total_delta, "delta_raw_s": total_delta_raw,
+                "full_tokens_per_s": tokens / total_full, "delta_tokens_per_s": tokens / total_delta,
+                "speedup": total_full / total_delta, "speedup_raw": total_full / total_delta_raw,
+                "speedup_limit": bytes_full / bytes_delta,
+                "byte_limit_fraction_full": bytes_full / self.bandwidth / total_full,
+                "byte_limit_fraction_delta": bytes_delta / self.bandwidth / total_delta}
+
+
+# -- reporting -----------------------------------------------------------------------------------------------------
+HEAD = ("model", "B", "T", "policy", "budget", "TPOT ms", "tok/s", "x full", "limit x", "bound ms", "of bound")
+
+
+def print_row(r: dict, flush: bool = False) -> None:
+    vals = (r["model"], r["batch"], r["context"], r["policy"], r["budget"] or "-", f"{r['tpot_ms']:.3f}",
+            f"{r['tokens_per_s']:.1f}", f"{r.get('speedup_vs_full', float('nan')):.2f}",
+            f"{r.get('speedup_limit', float('nan')):.2f}", f"{r['byte_limit_ms']:.3f}",
+            f"{100 * r['byte_limit_fraction']:.0f} %")
+    print(" ".join(f"{v:>9}" for v in vals), flush=flush)
+
+
+def crossovers(rows: list[dict]) -> list[dict]:
+    """Per (model, batch, policy, budget): the smallest measured context from which the policy is faster than
+    full at every measured context, or None."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "skipped" not in r and r["policy"] != "full" and "speedup_vs_full" in r:
+            groups.setdefault((r["model"], r["batch"], r["policy"], r["budget"]), []).append(r)
+    out = []
+    for (model, batch, policy, budget), rs in sorted(groups.items(), key=str):
+        rs.sort(key=lambda r: r["context"])
+        wins = None
+        for r in reversed(rs):
+            if r["speedup_vs_full"] <= 1.0:
+                break
+            wins = r["context"]
+        out.append({"model": model, "batch": batch, "policy": policy, "budget": budget, "faster_from": wins,
+                    "contexts": [r["context"] for r in rs]})
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
+    p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
+    p.add_argument("--batches", type=ints, default=[1, 8])
+    p.add_argument("--policies", default="full,delta,lychee,lethe")
+    p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
+    p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
+                   help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")
+    p.add_argument("--steps", type=int, default=30, help="timed replays per configuration")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--delta-setting", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time DELTA's setting: 1.5B, batch 64, decoding to 18K tokens")
+    p.add_argument("--delta-batch", type=int, default=64)
+    p.add_argument("--delta-budget", type=int, default=1024)
+    p.add_argument("--delta-prompt", type=int, default=512, help="prompt length the decoding starts from")
+    p.add_argument("--delta-total", type=int, default=18432, help="length the decoding ends at")
+    p.add_argument("--delta-samples", type=int, default=7, help="lengths timed and integrated over")
+    p.add_argument("--min-context", type=int, default=DEFAULT_MIN_CONTEXT,
+                   help="below this length delta runs full in the DELTA-setting total")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.policies = [x for x in args.policies.split(",") if x]
+    if "full" in args.policies:
+        args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first
+    for m in args.models:
+        if m not in SHAPES:
+            p.error(f"unknown model {m!r}; known: {', '.join(SHAPES)}")
+    if args.smoke:
+        args.contexts = [c for c in args.contexts if c <= 256] or [64, 160]
+        args.batches = [min(b, 2) for b in args.batches]
+        args.budgets = [min(b, 32) for b in args.budgets]
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+        args.delta_batch, args.delta_budget, args.delta_prompt, args.delta_total = 2, 32, 40, 160
+        args.delta_samples, args.min_context = 3, 64
+    if args.delta_samples < 2:
+        p.error("--delta-samples must be at least 2 (the first and the last length)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        device, gpu, dtype = "cpu", "cpu", torch.float32
+        shapes = {"tiny": SMOKE_SHAPE}
+        delta_shape = SMOKE_SHAPE
+        bandwidth = copy_bandwidth(device, 1 << 22)
+    else:
+        if not torch.cuda.is_available():
+            print("benchmarks/decode.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+            return 2
+        device, gpu, dtype = "cuda", torch.cuda.get_device_name(), torch.bfloat16
+        shapes = {m: SHAPES[m] for m in args.models}
+        delta_shape = SHAPES["1.5b"]
+        bandwidth = copy_bandwidth(device, 2**30)
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"decode_{gpu_slug(gpu)}.json")
+    bench = Bench(args, device, bandwidth)
+    print(f"{gpu}; copy {bandwidth / 1e12:.2f} TB/s; {'bf16' if dtype == torch.bfloat16 else 'fp32'}; "
+          f"{'CUDA graphs' if bench.graphs else 'eager'}; medians of {args.steps} steps", flush=True)
+    print(" ".join(f"{h:>9}" for h in HEAD), flush=True)
+    rows: list[dict] = []
+    for model, shape in shapes.items():
+        weights = Weights.random(shape, device, dtype)
+        rows += bench.grid(model, shape, weights)
+        del weights
+    setting = None
+    if args.delta_setting:
+        print(f"DELTA setting: {'tiny' if args.smoke else '1.5B'}, batch {args.delta_batch}, {args.delta_budget}-token budget, "
+              f"{args.delta_prompt} → {args.delta_total} tokens", flush=True)
+        weights = Weights.random(delta_shape, device, dtype)
+        setting = bench.delta_setting(weights, delta_shape)
+        del weights
+    cross = crossovers(rows)
+    for c in cross:
+        where = f"from {c['faster_from']} tokens" if c["faster_from"] else "at no measured context"
+        print(f"crossover {c['model']} B={c['batch']} {c['policy']} (budget {c['budget']}): faster than full {where} "
+              f"(measured {c['contexts']})")
+    if setting and "skipped" not in setting:
+        s = setting
+        print(f"DELTA setting total: full {s['full_s']:.2f} s ({s['full_tokens_per_s']:.0f} tok/s), delta "
+              f"{s['delta_s']:.2f} s ({s['delta_tokens_per_s']:.0f} tok/s, full below {s['min_context']}): "
+              f"{s['speedup']:.2f}× (raw delta {s['speedup_raw']:.2f}×; byte limit {s['speedup_limit']:.2f}×; "
+              f"{100 * s['byte_limit_fraction_delta']:.0f} % of the byte bound)")
+    report = {"gpu": gpu, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+              "copy_bandwidth_Bps": bandwidth, "cuda_graphs": bench.graphs,
+              "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "shapes": {m: vars(s) for m, s in shapes.items()}, "rows": rows, "crossovers": cross,
+              "delta_setting": setting}
+    write_text(out, json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
