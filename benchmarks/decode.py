@@ -30,16 +30,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import copy_bandwidth, event_times, gpu_slug  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.fastdecode import (  # noqa: E402
     DEFAULT_MIN_CONTEXT,
@@ -57,44 +56,6 @@ from runtime.fastdecode import (  # noqa: E402
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
 GIB = 2**30
-
-
-# -- timing --------------------------------------------------------------------------------------------------------
-def timed(fn, reps: int, warmup: int) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn`` after ``warmup`` calls (CUDA events; wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def copy_bandwidth(device: str, elements: int) -> float:
-    """Bytes read + written per second of a device-to-device copy (the bandwidth byte bounds are taken over)."""
-    src = torch.empty(elements, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    ms = statistics.median(timed(lambda: dst.copy_(src), reps=20, warmup=3))
-    return 2 * elements * 2 / (ms / 1e3)
-
-
-def gpu_slug(name: str) -> str:
-    """``NVIDIA H200`` → ``h200``: the file name suffix of benchmark results."""
-    m = re.search(r"\b([A-Z]+\d+[A-Za-z]*)\b", name.replace("NVIDIA", ""))
-    return m.group(1).lower() if m else re.sub(r"\W+", "_", name.lower()).strip("_")
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
@@ -138,7 +99,7 @@ class Bench:
         dec.set_length(start)
         if self.graphs:
             dec.capture()
-        ms = statistics.median(timed(dec.step, reps=a.steps, warmup=a.warmup))
+        ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))
         del dec
         return ms
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,35 +33,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
 HQ, HKV, D, BLOCK, KEEP = 32, 8, 128, 64, 0.10
 L2_BYTES = 256 * 2**20  # rotate buffers until this much: well above any Hopper L2
-
-
-def timed(fn, reps: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` calls, after ``warmup`` calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    x = torch.empty(2**30, dtype=torch.float16, device="cuda")
-    y = torch.empty_like(x)
-    ms = timed(lambda: y.copy_(x), reps=20)
-    return 2 * x.numel() * 2 / (ms / 1e3)
 
 
 class Rotating:
@@ -122,7 +98,7 @@ def graph_ms(fn, kv: Rotating, reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         for k, v in kv.sets:
             fn(k, v)
-    return timed(graph.replay, reps=reps) / len(kv.sets)
+    return median_ms(graph.replay, reps=reps) / len(kv.sets)
 
 
 def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int, stages: int) -> dict:

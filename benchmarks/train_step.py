@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import event_times  # noqa: E402
 from train.distill import distill_loss, prefill, split_sample  # noqa: E402
 from train.gates import GateParameters  # noqa: E402
 from train.hybrid import HybridAttention, fast_float32_matmul  # noqa: E402
@@ -56,16 +57,8 @@ def sample(prompt_tokens: int, span: int, answers: int, vocab: int) -> tuple[tor
 
 
 def time_cuda(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
+    """Median and all seconds of ``repeats`` calls after ``warmup`` (CUDA events)."""
+    times = [ms / 1000 for ms in event_times(fn, repeats, warmup)]
     return statistics.median(times), times
 
 
