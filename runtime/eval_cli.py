@@ -32,7 +32,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default {DEFAULT_MODEL})")
     parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
                         "lethe layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
-    parser.add_argument("--policy", default="delta", help="full, delta, lychee, lethe or vattention (default delta)")
+    parser.add_argument("--policy", default="delta", help="full, delta, lychee, lethe, vattention or quest (default delta)")
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
                         help="policy parameter, repeatable (e.g. -p budget=1024, -p ratio=0.1, -p epsilon=0.05)")
 
