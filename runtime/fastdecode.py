@@ -19,7 +19,8 @@ Attention per layer by policy, on the repo's kernels (Triton on CUDA, the refere
   (layer 0 is all retrieval). A layer's retrieval heads are stored first, so they are one dense
   ``decode_and_score`` launch over a head-prefix view of the cache and the sparse heads one block-sparse
   launch (the kernel's ``full_rows`` mixes both in one launch but cannot keep logits for scoring);
-  a manifest whose retrieval heads are not a prefix gets its weights' KV heads reordered once;
+  a manifest whose retrieval heads are not a prefix gets its weights' KV heads reordered once, and its cache
+  keeps them in that order (:attr:`StaticCache.head_order`);
 * :class:`Lethe` — the steady state of per-layer eviction: each layer's cache is compacted to its budget
   (plus an optional recent window), the new token takes a slot (``length mod slots``), and the kernel reads
   every slot. The scoring and eviction work itself (amortised over many steps) is not modelled, so this
@@ -27,7 +28,8 @@ Attention per layer by policy, on the repo's kernels (Triton on CUDA, the refere
 
 Short contexts: a sparse policy reads nothing less than full below its budget and pays for selection, so
 below ``min_context`` tokens :meth:`StaticDecoder.step` runs the full-attention step instead (two graphs
-over the same buffers; the host knows the length because it issued every step).
+over the same buffers; the host knows the length because it issued every step). By default the threshold
+is the measured crossover for the policy and batch size (:func:`default_min_context`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,43 @@ from runtime.kernels.page_scores import attention_probs, pool_pages
 from runtime.kernels.sparse_attention import naive as naive_attention
 from runtime.kernels.sparse_attention import use_triton
 
-DEFAULT_MIN_CONTEXT = 4096  # below this many tokens sparse policies run the full step
+# The context from which a sparse policy (2K budget) is faster than full end to end, measured on one H200
+# (benchmarks/decode.py: bf16, CUDA graphs, contexts 4K–128K in powers of two, the smallest context from
+# which the policy stays faster):
+#
+#   shape          batch   delta    lychee               lethe
+#   DS-Qwen-7B       1     32768    never (up to 131072)  8192
+#   DS-Qwen-7B       8      8192    32768                 4096
+#   DS-Qwen-1.5B     1     32768    never (up to 131072) 16384
+#   DS-Qwen-1.5B     8      8192    32768                 4096
+#
+# Both shapes agree but for lethe at batch 1, where the later crossover is kept. Per policy, the row of the
+# largest measured batch not above ``batch`` applies: batches 2–7 take batch 1's thresholds, batches above 8
+# batch 8's. The crossover only falls as the batch grows (K/V bytes grow with it, weight bytes do not), so
+# both err towards the full step where the sparse one is not known to win. Other budgets shift the
+# crossovers (a larger budget reads more, so it wins later); pass ``min_context`` for them.
+NEVER = 1 << 62  # a threshold no context reaches: the policy always runs the full step
+MIN_CONTEXT_BY_BATCH: dict[str, tuple[tuple[int, int], ...]] = {  # policy -> ((from batch, threshold), ...)
+    "delta": ((1, 32768), (8, 8192)),
+    "lychee": ((1, NEVER), (8, 32768)),
+    "lethe": ((1, 16384), (8, 4096)),  # for reference: a compacted cache has no full step to fall back to
+}
+DEFAULT_MIN_CONTEXT = 4096  # the former default for every policy and batch, kept for callers that import it
+
+
+def default_min_context(policy: Any, batch: int) -> int:
+    """Below how many tokens ``policy`` (a policy or its name) should run the full step at ``batch`` rows:
+    the measured crossover of :data:`MIN_CONTEXT_BY_BATCH` (0 for ``full``, :data:`NEVER` where the sparse
+    step never won). :class:`StaticDecoder` uses it when no ``min_context`` is given; policies that cannot
+    fall back (``Lethe``) ignore it."""
+    name = getattr(policy, "name", policy)
+    if name == "full":
+        return 0
+    if name not in MIN_CONTEXT_BY_BATCH:
+        raise ValueError(f"no measured threshold for policy {name!r}; known: full, {', '.join(MIN_CONTEXT_BY_BATCH)}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    return [threshold for first, threshold in MIN_CONTEXT_BY_BATCH[name] if first <= batch][-1]
 
 
 @dataclass(frozen=True)
@@ -307,13 +345,21 @@ POLICY_NAMES = ("full", "delta", "lychee", "lethe")
 
 # -- the cache -----------------------------------------------------------------------------------------------------
 class StaticCache:
-    """K and V per layer ``[B, Hkv, slots_l, D]``, allocated once, and the length as a device scalar."""
+    """K and V per layer ``[B, Hkv, slots_l, D]``, allocated once, and the length as a device scalar.
 
-    def __init__(self, shape: ModelShape, batch: int, slots: list[int], device: Any, dtype: torch.dtype) -> None:
+    ``head_order``: per layer, the model's KV head each cache head holds (position j holds head
+    ``head_order[l][j]``), or ``None`` for the model's own order. A :class:`Lychee` decoder whose retrieval
+    heads are not a prefix stores its heads in :meth:`Lychee.orders`; a cache it shares must be created with
+    that order, so that every decoder reading it sees the same model state.
+    """
+
+    def __init__(self, shape: ModelShape, batch: int, slots: list[int], device: Any, dtype: torch.dtype,
+                 head_order: list[torch.Tensor] | None = None) -> None:
         self.shape, self.batch, self.slots = shape, batch, list(slots)
         self.k = [torch.zeros(batch, shape.kv_heads, s, shape.head_dim, device=device, dtype=dtype) for s in slots]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.head_order = _head_order(head_order, shape)
 
     @property
     def nbytes(self) -> int:
@@ -324,10 +370,34 @@ class StaticCache:
         return 2 * element * batch * shape.kv_heads * shape.head_dim * sum(slots)
 
     def fill_random(self, seed: int = 0) -> None:
-        """Random keys and values in every slot (a benchmark's stand-in for a prefill)."""
+        """Random keys and values in every slot (a benchmark's stand-in for a prefill).
+
+        Drawn in the model's head order, then stored in ``head_order``: the same seed gives the same model
+        state whatever order a cache keeps its heads in."""
         g = torch.Generator(device=self.length.device).manual_seed(seed)
         for t in self.k + self.v:
             t.normal_(generator=g)
+        if self.head_order is not None:
+            for t, order in zip(self.k + self.v, self.head_order * 2):
+                t.copy_(t.index_select(1, order.to(t.device)))
+
+
+def _head_order(orders: list[torch.Tensor] | None, shape: ModelShape) -> list[torch.Tensor] | None:
+    """``orders`` as CPU long tensors, checked; ``None`` when every layer keeps the model's order."""
+    if orders is None:
+        return None
+    orders = [torch.as_tensor(o).long().cpu() for o in orders]
+    identity = torch.arange(shape.kv_heads)
+    if len(orders) != shape.layers or any(not torch.equal(o.sort().values, identity) for o in orders):
+        raise ValueError(f"head_order needs one permutation of the {shape.kv_heads} KV heads per layer "
+                         f"({shape.layers} layers)")
+    return None if all(torch.equal(o, identity) for o in orders) else orders
+
+
+def _same_order(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # -- the decoder ---------------------------------------------------------------------------------------------------
@@ -336,21 +406,25 @@ class StaticDecoder:
 
     ``kernels``: ``"auto"`` (Triton on CUDA), ``"naive"`` (the PyTorch references) or ``"triton"`` (also on
     the CPU under ``TRITON_INTERPRET=1``, to test the calls). ``cache``: share one cache between decoders
-    (benchmarks); by default the decoder allocates its own with ``max_len`` slots per layer.
+    (benchmarks); by default the decoder allocates its own with ``max_len`` slots per layer. ``min_context``:
+    below this many tokens a sparse policy runs the full step; ``None`` (the default) takes
+    :func:`default_min_context` for the policy and ``batch``.
     """
 
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
-                 cache: StaticCache | None = None, min_context: int = DEFAULT_MIN_CONTEXT,
+                 cache: StaticCache | None = None, min_context: int | None = None,
                  kernels: str = "auto") -> None:
         self.policy = policy if policy is not None else Full()
         s = weights.shape
         self.order: list[torch.Tensor] | None = None
+        head_order = None  # the order the cache keeps KV heads in (None: the model's)
         if isinstance(self.policy, Lychee):
             if tuple(self.policy.retrieval.shape) != (s.layers, s.kv_heads):
                 raise ValueError(f"lychee: retrieval roles {tuple(self.policy.retrieval.shape)} do not fit "
                                  f"{s.layers} layers × {s.kv_heads} KV heads")
             orders = self.policy.orders()
-            if any(bool((o != torch.arange(s.kv_heads)).any()) for o in orders):
+            head_order = _head_order(orders, s)
+            if head_order is not None:
                 weights = weights.permute_kv_heads(orders)
             self.order = [o.to(weights.device) for o in orders]
             self.n_retrieval = [int(r) for r in self.policy.retrieval.sum(1)]
@@ -360,11 +434,16 @@ class StaticDecoder:
         device, dtype = weights.device, weights.dtype
         slots = [self.policy.slots(i, max_len) for i in range(s.layers)]
         if cache is None:
-            cache = StaticCache(s, batch, slots, device, dtype)
+            cache = StaticCache(s, batch, slots, device, dtype, head_order)
         elif cache.batch != batch or cache.slots != slots:
             raise ValueError(f"the shared cache has {cache.batch} rows × slots {sorted(set(cache.slots))}, "
                              f"this decoder needs {batch} × {sorted(set(slots))}")
+        elif not _same_order(cache.head_order, head_order):
+            raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
+                             "(create it with head_order=policy.orders())")
         self.cache, self.max_len = cache, max_len
+        if min_context is None:
+            min_context = default_min_context(self.policy, batch) if self.policy.sparse else 0
         self.min_context = min_context if self.policy.sparse else 0
         if kernels not in ("auto", "naive", "triton"):
             raise ValueError(f"kernels must be auto, naive or triton, not {kernels!r}")
@@ -389,7 +468,8 @@ class StaticDecoder:
 
     # -- host-side control -------------------------------------------------------------------------------------
     def set_length(self, length: int) -> None:
-        """Declare the first ``length`` slots valid (after filling them by other means)."""
+        """Declare the first ``length`` slots valid (after filling them by other means, with the KV heads in
+        ``cache.head_order``)."""
         self.cache.length.fill_(length)
         self.position = length
 
@@ -602,5 +682,5 @@ class StaticDecoder:
         return out, pool_pages(best, page)
 
 
-__all__ = ["DEFAULT_MIN_CONTEXT", "POLICY_NAMES", "SHAPES", "Delta", "Full", "Lethe", "Lychee", "ModelShape",
-           "StaticCache", "StaticDecoder", "Weights"]
+__all__ = ["DEFAULT_MIN_CONTEXT", "MIN_CONTEXT_BY_BATCH", "NEVER", "POLICY_NAMES", "SHAPES", "Delta", "Full", "Lethe",
+           "Lychee", "ModelShape", "StaticCache", "StaticDecoder", "Weights", "default_min_context"]

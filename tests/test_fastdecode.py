@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from benchmarks import decode as bench
 from runtime import attach
 from runtime.fastdecode import (
+    NEVER,
     SHAPES,
     Delta,
     Full,
@@ -20,6 +21,7 @@ from runtime.fastdecode import (
     StaticCache,
     StaticDecoder,
     Weights,
+    default_min_context,
 )
 from runtime.manifest import ModelIdentity, RoleManifest
 from tests.tiny import tiny_config, tiny_model
@@ -135,6 +137,54 @@ def test_short_contexts_fall_back_to_full():
     assert max_diff(mixed[:4], full[:4]) < 1e-6 and max_diff(sparse[:4], full[:4]) > 1e-2
     assert min(float((a - b).abs().max()) for a, b in zip(mixed[4:], full[4:])) > 1e-3  # sparse from there on
     assert not StaticDecoder(weights, Lethe(budget=8), min_context=100).uses_full()  # nothing to fall back from
+
+
+def test_default_min_context_follows_the_measured_crossovers():
+    """The fallback threshold depends on the batch (and policy): the H200 crossovers at a 2K budget."""
+    assert [default_min_context("delta", b) for b in (1, 4, 8, 64)] == [32768, 32768, 8192, 8192]
+    assert [default_min_context("lychee", b) for b in (1, 7, 8, 64)] == [NEVER, NEVER, 32768, 32768]
+    assert NEVER > 131072
+    assert [default_min_context("lethe", b) for b in (1, 8)] == [16384, 4096]
+    assert default_min_context(Full(), 1) == 0 and default_min_context(Delta([0, 1, 2]), 8) == 8192
+    with pytest.raises(ValueError, match="no measured threshold"):
+        default_min_context("quest", 1)
+    weights = Weights.random(ModelShape(3, 32, 4, 2, 8, 64, 50), dtype=torch.float32)
+    delta, lychee = Delta([0, 1, 2]), Lychee(torch.ones(3, 2, dtype=torch.bool))
+    assert StaticDecoder(weights, delta, batch=1).min_context == 32768
+    assert StaticDecoder(weights, delta, batch=8).min_context == 8192
+    assert StaticDecoder(weights, lychee, batch=1).uses_full()  # never faster than full at batch 1
+    assert StaticDecoder(weights, lychee, batch=8).min_context == 32768
+    assert StaticDecoder(weights, delta, batch=1, min_context=100).min_context == 100  # an explicit one wins
+    assert StaticDecoder(weights, Lethe(budget=8), batch=1).min_context == 0  # nothing to fall back from
+    assert StaticDecoder(weights, Full(), batch=8).min_context == 0
+
+
+def test_lychee_with_reordered_heads_reads_a_random_cache_as_full():
+    """A Lychee decoder stores a layer's retrieval heads first (here layer 1's second head): a random cache
+    holds the same model state as a full decoder's with the same seed, for the reference kernels and for the
+    Triton ones (the GPU path, through the interpreter: one dense launch over a head prefix, one sparse)."""
+    shape = ModelShape(layers=4, hidden=64, heads=8, kv_heads=2, head_dim=16, intermediate=128, vocab=100)
+    weights = Weights.random(shape, dtype=torch.float32, std=0.05)
+    heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0]]) == 1
+    kernels = ["naive"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+    def run(policy, kernels):
+        dec = StaticDecoder(weights, policy, batch=2, max_len=80, min_context=0, kernels=kernels)
+        dec.cache.fill_random(seed=1)
+        dec.set_length(60)
+        return [dec.step(torch.full((2,), 7 * i)).clone() for i in range(3)]
+
+    want = run(Full(), "naive")
+    for k in kernels:  # a budget covering the context: lychee equals full
+        assert max_diff(run(Lychee(heads, budget=128, block_size=16), k), want) < 1e-4, k
+    lychee = Lychee(heads, budget=128)
+    assert torch.equal(StaticDecoder(weights, lychee, max_len=80).cache.head_order[1], torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="another order"):  # a cache in the model's order would be misread
+        StaticDecoder(weights, lychee, max_len=80, cache=StaticCache(shape, 1, [80] * 4, "cpu", torch.float32))
+    shared = StaticCache(shape, 1, [80] * 4, "cpu", torch.float32, head_order=lychee.orders())
+    StaticDecoder(weights, lychee, max_len=80, cache=shared)
+    with pytest.raises(ValueError, match="another order"):
+        StaticDecoder(weights, Full(), max_len=80, cache=shared)
 
 
 def test_policies_check_their_roles():
