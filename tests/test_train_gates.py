@@ -123,3 +123,23 @@ def test_bad_arguments_are_one_line_errors():
         HardKuma(torch.zeros(1), torch.ones(1))
     with pytest.raises(ValueError, match="temperature"):
         HardConcrete(torch.zeros(1), beta=0.0)
+
+
+@pytest.mark.parametrize("kind", ["hardkuma", "hardconcrete", "sigmoid"])
+def test_held_open_gates_leave_e_l0_and_keep_its_gradient(kind):
+    """Held gates (sliding layers) add nothing to E[L0]; the others add what they add alone, with a gradient."""
+    held = torch.tensor([[True, False], [False, False]])
+    free = GateParameters(kind, (2, 2))
+    gates = GateParameters(kind, (2, 2), fixed_open=held)
+    with torch.no_grad():
+        for p, q in zip(free.parameters(), gates.parameters()):
+            p.copy_(torch.tensor([[0.3, -0.7], [1.1, 0.2]]))
+            q.copy_(p)
+    alone = free.distribution()
+    per_gate = alone.value() if kind == "sigmoid" else 1 - alone.prob_zero()
+    l0 = gates.distribution().expected_l0()
+    assert float(l0) == pytest.approx(float(per_gate.sum() - per_gate[0, 0]), rel=1e-6)
+    l0.backward()
+    grads = [p.grad for p in gates.parameters()]
+    assert all(g is not None and g[0, 0] == 0 and bool((g.flatten()[1:] != 0).all()) for g in grads)
+    assert float(gates.distribution().expected_gate()[0, 0]) == 1.0

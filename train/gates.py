@@ -280,7 +280,9 @@ class FixedOpen:
         return self._hold(self.inner.expected_gate(), 1.0)
 
     def expected_l0(self) -> Tensor:
-        nonzero = 1 - self.inner.prob_zero()
+        # the inner gate's own per-gate term: P(z ≠ 0), or z itself for Sigmoid (its L1 relaxation; its
+        # prob_zero is an indicator without gradient)
+        nonzero = self.inner.value() if isinstance(self.inner, Sigmoid) else 1 - self.inner.prob_zero()
         return nonzero.masked_fill(self.open.to(nonzero.device), 0.0).sum()
 
     def manifest_params(self) -> tuple[Tensor, Tensor]:

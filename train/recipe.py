@@ -241,13 +241,16 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     with torch.no_grad():
         final = gates.distribution()
         ez = final.expected_gate().float().cpu()
+        held = layout.fixed_open(num_kv)
+        learned = torch.ones_like(ez, dtype=torch.bool) if held is None else ~held
         metrics = {
             "steps": config.steps,
             "final_loss": last_loss,
             "final_loss_mean_last_10pct": float(np.mean([r["distill_loss"] for r in records[-max(1, len(records) // 10):]])),
             "expected_l0": float(final.expected_l0()),
             "lambda": lam,
-            "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1])).float().mean()),
+            # over the learned gates only: gates held open (sliding layers) are decided by construction
+            "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1]))[learned].float().mean()),
             "gate": config.gate,
         }
         manifest = build_manifest(model, final, config, metrics, data, created)
