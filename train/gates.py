@@ -138,8 +138,12 @@ class HardKuma:
         return _survival_integral(self.low, self.high,
                                   lambda s: b * log1mexp(a * torch.log(s.to(a.device)))).to(self.dtype)
 
+    def l0_terms(self) -> Tensor:
+        """Each gate's share of E[‖z‖₀]: P(z ≠ 0)."""
+        return 1 - self.prob_zero()
+
     def expected_l0(self) -> Tensor:
-        return (1 - self.prob_zero()).sum()
+        return self.l0_terms().sum()
 
     def manifest_params(self) -> tuple[Tensor, Tensor]:
         return self.alpha, self.beta
@@ -191,8 +195,12 @@ class HardConcrete:
         return _survival_integral(self.low, self.high, lambda s: torch.nn.functional.logsigmoid(
             la - self.beta * (torch.log(s) - torch.log1p(-s)).to(la.device))).to(self.dtype)
 
+    def l0_terms(self) -> Tensor:
+        """Each gate's share of E[‖z‖₀]: P(z ≠ 0)."""
+        return 1 - self.prob_zero()
+
     def expected_l0(self) -> Tensor:
-        return (1 - self.prob_zero()).sum()
+        return self.l0_terms().sum()
 
     def manifest_params(self) -> tuple[Tensor, Tensor]:
         return self.log_alpha.exp(), torch.full_like(self.log_alpha, self.beta)
@@ -232,8 +240,12 @@ class Sigmoid:
     def expected_gate(self) -> Tensor:
         return self.value()
 
+    def l0_terms(self) -> Tensor:
+        """Each gate's share of the penalty: z itself (the L1 relaxation; 1[z ≠ 0] has no gradient)."""
+        return self.value()
+
     def expected_l0(self) -> Tensor:
-        return self.value().sum()
+        return self.l0_terms().sum()
 
     def manifest_params(self) -> tuple[Tensor, Tensor]:
         return self.value(), torch.ones_like(self.logit)
@@ -280,10 +292,8 @@ class FixedOpen:
         return self._hold(self.inner.expected_gate(), 1.0)
 
     def expected_l0(self) -> Tensor:
-        # the inner gate's own per-gate term: P(z ≠ 0), or z itself for Sigmoid (its L1 relaxation; its
-        # prob_zero is an indicator without gradient)
-        nonzero = self.inner.value() if isinstance(self.inner, Sigmoid) else 1 - self.inner.prob_zero()
-        return nonzero.masked_fill(self.open.to(nonzero.device), 0.0).sum()
+        terms = self.inner.l0_terms()
+        return terms.masked_fill(self.open.to(terms.device), 0.0).sum()
 
     def manifest_params(self) -> tuple[Tensor, Tensor]:
         return self.inner.manifest_params()
