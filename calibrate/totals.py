@@ -59,17 +59,10 @@ class CalibrationTotals:
 
     def all_reduce(self) -> CalibrationTotals:
         """Sum over the processes of an initialised ``torch.distributed`` group (no-op without one)."""
-        import torch.distributed as dist
+        from runtime.distributed import all_reduce_sum_
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self
-        # NCCL reduces only on the GPU; gloo only on the CPU.
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        out = {}
-        for k, v in self.tensors().items():
-            t = v.to(device).clone()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            out[k] = t.to(v.device)
+        out = {k: v.clone() for k, v in self.tensors().items()}
+        all_reduce_sum_(out.values())
         return CalibrationTotals(**out)
 
     def means(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import contextlib
 import importlib.resources
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -83,30 +83,6 @@ def all_reduce_sum_(tensors: Iterable[torch.Tensor | None]) -> None:
             moved = t.to(device)
             dist.all_reduce(moved, op=dist.ReduceOp.SUM)
             t.copy_(moved.to(t.device))
-
-
-def sum_over_processes(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    all_reduce_sum_([t])
-    return float(t[0])
-
-
-def barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def main_first() -> Iterator[None]:
-    """Rank 0 runs the block first (e.g. fills a cache), then the others."""
-    if not is_main():
-        barrier()
-    try:
-        yield
-    finally:
-        if is_main():
-            barrier()
 
 
 # ----------------------------------------------------------------------------------------------- DeepSpeed

@@ -102,7 +102,7 @@ def _prefill_calls(model, dataset, positions: list[int], config: TrainConfig) ->
         item = dataset[sample_index(pos, len(dataset), config.seed)]
         prompt = split_sample(torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])).prompt
         counts[i] = prefill_calls(prompt.shape[1], config.prefill_chunk)
-    # MAX through SUM of one-hot maxima would need more traffic; gather all counts instead
+    # each process fills its own row, so the summed table holds everyone's counts
     everyone = torch.zeros(distributed.world_size(), len(positions), dtype=torch.float64)
     everyone[distributed.rank()] = counts
     distributed.all_reduce_sum_([everyone])
