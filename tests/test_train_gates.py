@@ -143,3 +143,57 @@ def test_held_open_gates_leave_e_l0_and_keep_its_gradient(kind):
     grads = [p.grad for p in gates.parameters()]
     assert all(g is not None and g[0, 0] == 0 and bool((g.flatten()[1:] != 0).all()) for g in grads)
     assert float(gates.distribution().expected_gate()[0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["hardkuma", "hardconcrete"])
+def test_constrain_keeps_prob_zero_inside_the_bound_and_moves_nothing_inside(kind):
+    """Saturated gates (both ways, and across β for HardKuma) land exactly on P(z = 0) = p or 1 − p; gates
+    already inside are left bit for bit."""
+    names = GateParameters(kind, (1,)).params.keys()
+    raw = {n: torch.tensor([6.9, -6.9, 3.0, -3.0, 0.0, 0.2]) for n in names}
+    if kind == "hardkuma":
+        raw["log_beta"] = torch.tensor([-4.0, 2.0, 6.9, -6.9, 0.0, 0.3])
+    g = GateParameters(kind, (6,))
+    for n, v in raw.items():
+        g.params[n].data.copy_(v)
+    before = g.distribution().prob_zero().double()
+    g.constrain_(0.01)
+    after = g.distribution().prob_zero().double()
+    assert bool(((after >= 0.01 - 1e-6) & (after <= 0.99 + 1e-6)).all()), after
+    inside = (before >= 0.01) & (before <= 0.99)
+    moved = ~inside
+    assert torch.allclose(after[moved], torch.where(before[moved] < 0.01, 0.01, 0.99).double(), atol=1e-6)
+    for n in names:
+        assert torch.equal(g.params[n].data[inside], raw[n][inside].clamp(-math.log(1e3), math.log(1e3)))
+
+
+def test_constrain_keeps_the_lagrangian_gradient_of_an_open_gate_alive():
+    """An open HardKuma gate at the clamp has ∂P(z ≠ 0)/∂θ ≈ 0, so no λ can close it; bounded at P(z = 0) = p
+    the same gradient is of the order of p. A polarised open gate still fits inside the bound."""
+    g = GateParameters("hardkuma", (1,))
+    g.params["log_alpha"].data.fill_(math.log(1e3))
+    g.params["log_beta"].data.fill_(math.log(0.01))
+    g.distribution().expected_l0().backward()
+    free = g.params["log_alpha"].grad.abs().item()
+    g.zero_grad()
+    g.constrain_(0.01)
+    g.distribution().expected_l0().backward()
+    bounded = g.params["log_alpha"].grad.abs().item()
+    assert free < 1e-30 and bounded > 1e-3
+    assert float(g.distribution().expected_gate()) > 0.95
+
+
+def test_constrain_sigmoid_keeps_the_clamp_gradient_and_off_means_clamp_only():
+    g = GateParameters("sigmoid", (2,))
+    g.params["logit"].data.copy_(torch.tensor([50.0, -50.0]))
+    g.constrain_(0.01)
+    z = g.distribution().rsample()
+    assert torch.allclose(z, torch.tensor([1.0, 0.0]), atol=1e-3)
+    z.sum().backward()
+    assert bool((g.params["logit"].grad.abs() > 1e-3).all())
+    k = GateParameters("hardkuma", (1,))
+    k.params["log_alpha"].data.fill_(20.0)
+    k.constrain_(0.0)
+    assert float(k.params["log_alpha"]) == pytest.approx(math.log(1e3))
+    with pytest.raises(ValueError, match="min_prob"):
+        k.constrain_(0.5)

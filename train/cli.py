@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", help=f"hardkuma, hardconcrete or sigmoid (default {d.gate})")
     p.add_argument("--lr", type=float, help=f"Adam learning rate of the gates (default {d.lr})")
     p.add_argument("--lambda-lr", type=float, help=f"ascent rate of the Lagrange multiplier (default {d.lambda_lr})")
+    p.add_argument("--min-gate-prob", type=float,
+                   help=f"keep every gate's P(z = 0) in [p, 1 - p] so no gate freezes; 0 turns it off (default {d.min_gate_prob})")
     p.add_argument("--token-budget", type=_budget,
                    help=f"sparse heads' tokens: a fraction of the sequence or a count (default {d.token_budget})")
     p.add_argument("--prefill-chunk", type=int, help=f"teacher prefill chunk in tokens (default {d.prefill_chunk})")

@@ -34,6 +34,9 @@ class TrainConfig:
     # vocabulary, 1e4-1e5 for SmolLM2); with 3.0 SmolLM2 reached E[L0] 9.0 for a target of 8 by step 150
     # (artifacts/smollm2-135m/), 10 and 30 overshot the target; the paper does not give a value
     lambda_lr: float = 3.0
+    # every gate keeps P(z = 0) in [min_gate_prob, 1 − min_gate_prob] (train.gates.GateParameters.constrain_), so
+    # neither the distillation loss nor λ loses its grip on a gate that has made up its mind
+    min_gate_prob: float = 0.01
     token_budget: float | int = 0.3  # fraction of the keys (<= 1.0) or a fixed count of tokens (int)
     prefill_chunk: int = 1000
     low: float = -0.1
@@ -74,6 +77,9 @@ class TrainConfig:
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
             setattr(self, name, float(getattr(self, name)))
+        if not 0.0 <= float(self.min_gate_prob) < 0.5:
+            raise ValueError(f"min_gate_prob must be in [0, 0.5) (0 turns the bound off), got {self.min_gate_prob!r}")
+        self.min_gate_prob = float(self.min_gate_prob)
         b = self.token_budget
         if isinstance(b, bool) or not ((isinstance(b, int) and b >= 1) or (isinstance(b, float) and 0 < b <= 1)):
             raise ValueError(f"token_budget must be a fraction in (0, 1] (e.g. 0.3) or a token count >= 1, got {b!r}")

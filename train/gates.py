@@ -331,3 +331,44 @@ class GateParameters(nn.Module):
         gate would otherwise drift without limit and never come back."""
         for p in self.params.values():
             p.clamp_(-bound, bound)
+
+    @torch.no_grad()
+    def constrain_(self, min_prob: float = 0.0, bound: float = math.log(1e3)) -> None:
+        """Project the parameters after an optimizer step: :meth:`clamp_`, then keep every gate's P(z = 0) in
+        [min_prob, 1 − min_prob].
+
+        A gate that is certain (P(z = 0) ≈ 0 or ≈ 1) has no gradient left: its samples sit at the clamp, where
+        the distillation loss cannot reach it, and ∂P(z ≠ 0)/∂θ ≈ 0, where the multiplier cannot either, so
+        λ can grow without limit and still not close it. The bound keeps both levers alive at the cost of at
+        most ``min_prob`` of E[L0] per gate. It is the analogue of Louizos et al.'s clamp of log α to
+        [log 1e-2, log 1e2] (P(z = 0) in about [0.002, 0.95] for their stretch and temperature), stated as a
+        probability so that it means the same for every gate kind:
+
+        - HardKuma: P(z = 0) = 1 − (1 − t0^α)^β falls with α at fixed β, so α is clamped into the interval
+          where P(z = 0) = 1 − min_prob and P(z = 0) = min_prob (closed forms); β keeps its value;
+        - HardConcrete: P(z = 0) = σ(τ logit t0 − log α), so log α is clamped into an interval;
+        - Sigmoid: deterministic; the logit is clamped to just inside where z reaches 0 and 1, so the clamp's
+          gradient stays alive at both ends (``min_prob`` has no meaning there).
+        """
+        if not 0.0 <= min_prob < 0.5:
+            raise ValueError(f"min_prob must be in [0, 0.5), got {min_prob}")
+        self.clamp_(bound)
+        t0, t1 = -self.low / (self.high - self.low), (1 - self.low) / (self.high - self.low)
+        if self.kind == "sigmoid":  # 1e-4 inside, so rounding cannot push z past the clamp
+            self.params["logit"].clamp_(math.log(t0 / (1 - t0)) + 1e-4, math.log(t1 / (1 - t1)) - 1e-4)
+            return
+        if min_prob == 0.0:
+            return
+        if self.kind == "hardkuma":
+            log_alpha = self.params["log_alpha"]
+            beta = self.params["log_beta"].double().exp()
+
+            def log_alpha_at(p: float) -> Tensor:  # 1 − (1 − t0^α)^β = p  ⇔  α = log(1 − (1 − p)^{1/β}) / log t0
+                return torch.log(log1mexp(math.log1p(-p) / beta) / math.log(t0))
+
+            log_alpha.copy_(log_alpha.double().clamp(log_alpha_at(1 - min_prob), log_alpha_at(min_prob)))
+        elif self.kind == "hardconcrete":
+            tau = HardConcrete.beta
+            centre = tau * math.log(t0 / (1 - t0))  # P(z = 0) = σ(centre − log α)
+            logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+            self.params["log_alpha"].clamp_(centre - logit(1 - min_prob), centre - logit(min_prob))

@@ -218,7 +218,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                     ckpt.write_log(log_path, records)  # keep the history that led here
                 raise
             optimizer.step()
-            gates.clamp_()
+            gates.constrain_(config.min_gate_prob)
             l0_value = float(l0.detach())
             lam = max(0.0, lam + config.lambda_lr * (l0_value - config.target))
             last_loss = loss_d_value
