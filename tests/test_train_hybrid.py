@@ -151,3 +151,54 @@ def test_split_sample_and_budget():
         HybridAttention(3, 1.5)
     with pytest.raises(ValueError, match="token budget"):
         HybridAttention(3, 0)
+
+
+def test_hybrid_layer_renormalises_exactly_when_the_selected_share_underflows():
+    """Selected keys whose probabilities underflow in float32 (scores 200 below the best key) must still get
+    the restricted softmax, not 0/0; the reference works in float64 from the scores."""
+    torch.manual_seed(4)
+    hq, hkv, s, t, d = 2, 1, 3, 8, 4
+    q = torch.zeros(1, hq, s, d)
+    q[..., 0] = 1.0
+    k = torch.randn(1, hkv, t, d) * 0.1
+    k[0, 0, 0, 0] = 200.0  # key 0 dominates every query
+    v = torch.randn(1, hkv, t, d)
+    keep = (torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None])[None, None]
+    inherited = torch.zeros(1, hkv, s, t, dtype=torch.bool)
+    inherited[..., 2:4] = True  # never key 0
+    z = torch.tensor([0.25])
+    out, _ = hybrid_layer(q, k, v, keep, 1.0, inherited, z, 2)
+    ref = _naive_layer(q[0], k[0], v[0], inherited[0], z.double(), 1.0)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_layer_gradients_match_the_float64_reference():
+    """Gradients with respect to queries, keys, values and z of the one-softmax form equal those of the
+    two-softmax definition, computed in float64."""
+    torch.manual_seed(5)
+    hq, hkv, s, t, d = 4, 2, 4, 9, 8
+    q, k, v = (torch.randn(1, h, n, d, dtype=torch.float64) for h, n in ((hq, s), (hkv, t), (hkv, t)))
+    keep = (torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None])[None, None]
+    inherited = torch.rand(1, hkv, s, t) < 0.5
+    inherited[..., -1] = True
+    z = torch.rand(hkv, dtype=torch.float64)
+
+    def reference(q, k, v, z):
+        g = hq // hkv
+        kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        sc = q @ kr.transpose(-1, -2) * d**-0.5
+        full = torch.softmax(sc.masked_fill(~keep, float("-inf")), -1) @ vr
+        sk = inherited.repeat_interleave(g, 1) & keep
+        sparse = torch.softmax(sc.masked_fill(~sk, float("-inf")), -1) @ vr
+        zq = z.repeat_interleave(g)[None, :, None, None]
+        return (zq * full + (1 - zq) * sparse).transpose(1, 2)
+
+    grads = []
+    for fn in (lambda *a: hybrid_layer(*a[:3], keep, d**-0.5, inherited, a[3], 3)[0], reference):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, z)]
+        out = fn(*leaves)
+        (out.double() * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for mine, ref in zip(*grads):
+        torch.testing.assert_close(mine.double(), ref, atol=2e-5, rtol=1e-4)

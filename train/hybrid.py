@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from runtime.attention import keep_mask, repeat_kv
+from runtime.attention import keep_mask
 
 ATTENTION_NAME = "rolecall-hybrid"
 
@@ -56,6 +56,9 @@ def fast_float32_matmul(enabled: bool = True) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
+_MIN_MASS = 1e-20  # below this share of a query's probability, the selected keys are renormalised exactly
+
+
 def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float,
                  inherited: Tensor | None, z: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
     """One layer of hybrid attention.
@@ -63,28 +66,40 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
     query [B, Hq, S, D]; key/value [B, Hkv, T, D]; keep [B|1, 1, S, T] bool (True = may attend);
     inherited [B, Hkv, S, T] bool, the previous layer's selection (None: full attention only);
     z [Hkv] gates. Returns the output [B, S, Hq, D] and this layer's selection [B, Hkv, S, T] bool.
+
+    Query heads are grouped under their KV head ([B, Hkv, G, S, T]), so keys and values are never repeated.
+    The sparse attention is the full attention renormalised over the selected keys (a softmax restricted to
+    a subset is exactly that), and both mix into one weight matrix, so a layer runs one softmax and one
+    product with the values. Where the selected keys' share of a query's probability underflows, the
+    restricted softmax is taken from the scores instead.
     """
-    b, hq, s, _ = query.shape
+    b, hq, s, d = query.shape
     hkv, t = key.shape[1], key.shape[2]
     groups = hq // hkv
-    v = repeat_kv(value, groups).float()
     # float32 scores: the top-k must not flip on bf16 rounding, and the softmax needs the range
-    scores = torch.matmul(query.float(), repeat_kv(key, groups).float().transpose(-1, -2)) * scaling  # [B, Hq, S, T]
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-    out = torch.matmul(probs, v)  # [B, Hq, S, D]
+    q = (query.float() * scaling).reshape(b, hkv, groups * s, d)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).view(b, hkv, groups, s, t)
+    scores = scores.masked_fill_(~keep[:, :, None], float("-inf"))  # the product's backward does not need it
+    probs = torch.softmax(scores, dim=-1)
     with torch.no_grad():
-        group_mean = probs.view(b, hkv, groups, s, t).mean(2)  # [B, Hkv, S, T]
-        top = group_mean.topk(k, dim=-1, sorted=False).indices  # order is irrelevant; skip the sort
-        selected = torch.zeros_like(group_mean, dtype=torch.bool).scatter_(-1, top, True) & keep
+        top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
+        selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=query.device).scatter_(-1, top, True) & keep
+    weights = probs
     if inherited is not None and z is not None:
-        sparse_keep = repeat_kv(inherited, groups) & keep  # [B, Hq, S, T]
+        sparse_keep = inherited & keep  # [B, Hkv, S, T]
         # A window (a sliding layer, with include_sliding) can hide every inherited key: such a query reads its
         # own position, as the runtime's sparse heads always read the current token.
         own = keep & (keep.cumsum(-1) == keep.sum(-1, keepdim=True))
-        sparse_keep = torch.where(sparse_keep.any(-1, keepdim=True), sparse_keep, own)
-        sparse = torch.matmul(torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1), v)
-        zq = z.float().repeat_interleave(groups)[None, :, None, None]  # [1, Hq, 1, 1]
-        out = zq * out + (1 - zq) * sparse
+        sparse_keep = torch.where(sparse_keep.any(-1, keepdim=True), sparse_keep, own)[:, :, None]
+        zg = z.float().view(1, hkv, 1, 1, 1)
+        mass = (probs * sparse_keep).sum(-1, keepdim=True)  # [B, Hkv, G, S, 1]
+        if bool((mass < _MIN_MASS).any()):
+            sparse = torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1)
+            weights = zg * probs + (1 - zg) * sparse
+        else:
+            # z · p + (1 − z) · p · 1[selected] / mass
+            weights = probs * torch.where(sparse_keep, zg + (1 - zg) / mass, zg)
+    out = torch.matmul(weights.view(b, hkv, groups * s, t), value.float()).view(b, hq, s, d)
     return out.to(query.dtype).transpose(1, 2).contiguous(), selected
 
 
