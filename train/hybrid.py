@@ -69,9 +69,9 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
 
     Query heads are grouped under their KV head ([B, Hkv, G, S, T]), so keys and values are never repeated.
     The sparse attention is the full attention renormalised over the selected keys (a softmax restricted to
-    a subset is exactly that), and both mix into one weight matrix, so a layer runs one softmax and one
-    product with the values. Where the selected keys' share of a query's probability underflows, the
-    restricted softmax is taken from the scores instead.
+    a subset is exactly that), so a layer runs one softmax; the renormalising mass comes out of the sparse
+    product with the values, through a column of ones. Where the selected keys' share of a query's
+    probability underflows, the restricted softmax is taken from the scores instead.
     """
     b, hq, s, d = query.shape
     hkv, t = key.shape[1], key.shape[2]
@@ -84,22 +84,28 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
     with torch.no_grad():
         top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
         selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=query.device).scatter_(-1, top, True) & keep
-    weights = probs
+    v = value.float()
+    out = torch.matmul(probs.view(b, hkv, groups * s, t), v)  # [B, Hkv, G·S, D]
     if inherited is not None and z is not None:
         sparse_keep = inherited & keep  # [B, Hkv, S, T]
         # A window (a sliding layer, with include_sliding) can hide every inherited key: such a query reads its
         # own position, as the runtime's sparse heads always read the current token.
         own = keep & (keep.cumsum(-1) == keep.sum(-1, keepdim=True))
         sparse_keep = torch.where(sparse_keep.any(-1, keepdim=True), sparse_keep, own)[:, :, None]
-        zg = z.float().view(1, hkv, 1, 1, 1)
-        mass = (probs * sparse_keep).sum(-1, keepdim=True)  # [B, Hkv, G, S, 1]
+        # one product gives the selected keys' weighted values and, from a column of ones, their mass;
+        # the columns are padded to a multiple of 8 for the tensor-core kernels
+        ones = torch.zeros(*v.shape[:-1], 8, dtype=v.dtype, device=v.device)
+        ones[..., 0] = 1
+        picked = torch.matmul((probs * sparse_keep).view(b, hkv, groups * s, t), torch.cat([v, ones], -1))
+        mass = picked[..., d : d + 1]
         if bool((mass < _MIN_MASS).any()):
-            sparse = torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1)
-            weights = zg * probs + (1 - zg) * sparse
+            sparse = torch.matmul(torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1).view(
+                b, hkv, groups * s, t), v)
         else:
-            # z · p + (1 − z) · p · 1[selected] / mass
-            weights = probs * torch.where(sparse_keep, zg + (1 - zg) / mass, zg)
-    out = torch.matmul(weights.view(b, hkv, groups * s, t), value.float()).view(b, hq, s, d)
+            sparse = picked[..., :d] / mass
+        zg = z.float().view(1, hkv, 1, 1)
+        out = zg * out + (1 - zg) * sparse
+    out = out.view(b, hq, s, d)
     return out.to(query.dtype).transpose(1, 2).contiguous(), selected
 
 
