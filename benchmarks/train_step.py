@@ -75,6 +75,8 @@ def main() -> int:
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--no-tf32", action="store_true", help="exact float32 attention scores")
     p.add_argument("--json", default="train_step.json")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="also profile one step at the longest prompt and write the kernels by GPU time to FILE")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
@@ -122,6 +124,13 @@ def main() -> int:
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         rows.append(row)
         print(f"{n}: baseline {row['baseline_s']:.3f} s, step {row['train_step_s']:.3f} s", flush=True)
+    if args.profile:
+        with fast_float32_matmul(not args.no_tf32), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+        Path(args.profile).write_text(f"one train step, {args.lengths[-1]} prompt tokens, {gpu}\n{table}\n")
     print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
     print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
           f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")

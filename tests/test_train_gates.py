@@ -197,3 +197,25 @@ def test_constrain_sigmoid_keeps_the_clamp_gradient_and_off_means_clamp_only():
     assert float(k.params["log_alpha"]) == pytest.approx(math.log(1e3))
     with pytest.raises(ValueError, match="min_prob"):
         k.constrain_(0.5)
+
+
+@pytest.mark.parametrize("kind", ["hardkuma", "hardconcrete"])
+@pytest.mark.parametrize("held", [False, True])
+def test_l0_goal_is_the_expected_l0_of_exactly_target_decided_gates(kind, held):
+    """With 4 gates driven open, the rest shut and held gates left alone, the bound puts E[L0] exactly on
+    l0_goal(4, p): target (1 − 2p) + n p over the n learned gates, not 4."""
+    p, shape = 0.01, (5, 3)
+    fixed = torch.zeros(shape, dtype=torch.bool)
+    if held:
+        fixed[2] = True  # a sliding layer's three gates
+    g = GateParameters(kind, shape, fixed_open=fixed if held else None)
+    open_ = torch.zeros(shape, dtype=torch.bool)
+    open_.view(-1)[[0, 4, 11, 13]] = True
+    g.params["log_alpha"].data.copy_(torch.where(open_, 6.9, -6.9))  # large α: P(z = 0) -> 0 for both kinds
+    g.constrain_(p)
+    n = 15 - (3 if held else 0)
+    goal = g.l0_goal(4, p)
+    assert goal == pytest.approx(4 * (1 - 2 * p) + n * p)
+    assert float(g.distribution().expected_l0()) == pytest.approx(goal, abs=1e-6)
+    assert GateParameters("sigmoid", shape).l0_goal(4, p) == 4.0
+    assert g.l0_goal(4, 0.0) == 4.0

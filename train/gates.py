@@ -324,6 +324,23 @@ class GateParameters(nn.Module):
         gate = self._build(dict(self.params.items()), self.low, self.high)
         return FixedOpen(gate, self.fixed_open) if self.fixed_open is not None else gate
 
+    def l0_goal(self, target: float, min_prob: float) -> float:
+        """The value of ``expected_l0()`` that means ``target`` open gates while :meth:`constrain_` bounds every
+        gate's P(z = 0) to [min_prob, 1 − min_prob].
+
+        Under that bound a gate that is fully open still counts 1 − min_prob toward E[L0], and one that is fully
+        closed still counts min_prob, so ``target`` decided gates give E[L0] = target (1 − 2p) + n p over the n
+        learned gates, not ``target``. Constraining E[L0] to ``target`` itself would keep the multiplier rising
+        with the right number of gates open (by n p − 2p target: 0.71 for 87 gates, a target of 8 and p = 0.01)
+        until it forced a good gate shut. The Sigmoid gate has no probabilities (its E[L0] is Σ z, which may
+        reach 0 and 1), so its goal is the target.
+        """
+        if self.kind == "sigmoid" or min_prob == 0.0:
+            return float(target)
+        gates = next(iter(self.params.values())).numel()
+        learned = gates - (int(self.fixed_open.sum()) if self.fixed_open is not None else 0)
+        return float(target) * (1 - 2 * min_prob) + learned * min_prob
+
     @torch.no_grad()
     def clamp_(self, bound: float = math.log(1e3)) -> None:
         """Keep raw parameters in [−bound, bound] (α, β in [1e-3, 1e3] for HardKuma, the range the closed

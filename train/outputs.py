@@ -98,8 +98,9 @@ def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path
     return path
 
 
-def plot_curves(records: list[dict[str, Any]], target: int, path: Path) -> Path:
-    """Distillation loss, E[L0] (with the target) and λ over steps."""
+def plot_curves(records: list[dict[str, Any]], target: int, path: Path, goal: float | None = None) -> Path:
+    """Distillation loss, E[L0] (with the target, and the E[L0] that means the target under the gates' probability
+    bound) with the count of gates at E[z] > 0.5, and λ over steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,7 +112,11 @@ def plot_curves(records: list[dict[str, Any]], target: int, path: Path) -> Path:
     axes[0].set_yscale("log")
     axes[0].set_title("distillation loss")
     axes[1].plot(steps, [r["expected_l0"] for r in records], lw=0.8, label="E[L0]")
+    axes[1].plot(steps, [sum(x > 0.5 for x in r["expected_gate"]) for r in records], lw=0.8,
+                 label="gates with E[z] > 0.5")
     axes[1].axhline(target, color="k", ls="--", lw=0.8, label=f"target {target}")
+    if goal is not None and abs(goal - target) > 1e-9:
+        axes[1].axhline(goal, color="k", ls=":", lw=0.8, label=f"E[L0] goal {goal:.2f}")
     axes[1].legend()
     axes[1].set_title("expected retrieval heads")
     axes[2].plot(steps, [r["lambda"] for r in records], lw=0.8)

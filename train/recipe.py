@@ -165,6 +165,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     hybrid = HybridAttention(num_layers, config.token_budget, checkpoint=config.gradient_checkpointing,
                              sliding=layout.sliding)
 
+    goal = gates.l0_goal(config.target, config.min_gate_prob)  # E[L0] that means `target` open gates
     start, lam, created, records = 0, 0.0, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), []
     if resume is not None:
         path = ckpt.latest_checkpoint(output) if str(resume) == "latest" else Path(resume)
@@ -211,7 +212,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                 optimizer.zero_grad(set_to_none=True)
                 grad_z = z_leaf.grad if z_leaf.grad is not None else torch.zeros_like(z_leaf)
                 distributed.all_reduce_sum_([grad_z])  # Σ over the global batch of ∂(loss_i / B)/∂z
-                torch.autograd.backward([z, lam * (l0 - config.target)], [grad_z.to(z.dtype), None])
+                torch.autograd.backward([z, lam * (l0 - goal)], [grad_z.to(z.dtype), None])
                 _check_finite(step, {f"gradient of {n}": p.grad for n, p in gates.named_parameters()})
             except NotFiniteError:
                 if main:
@@ -220,7 +221,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             optimizer.step()
             gates.constrain_(config.min_gate_prob)
             l0_value = float(l0.detach())
-            lam = max(0.0, lam + config.lambda_lr * (l0_value - config.target))
+            lam = max(0.0, lam + config.lambda_lr * (l0_value - goal))
             last_loss = loss_d_value
             with torch.no_grad():
                 ez = gates.distribution().expected_gate().float().cpu()
@@ -248,6 +249,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             "final_loss": last_loss,
             "final_loss_mean_last_10pct": float(np.mean([r["distill_loss"] for r in records[-max(1, len(records) // 10):]])),
             "expected_l0": float(final.expected_l0()),
+            "expected_l0_goal": goal,
             "lambda": lam,
             # over the learned gates only: gates held open (sliding layers) are decided by construction
             "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1]))[learned].float().mean()),
@@ -260,7 +262,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     ckpt.write_log(log_path, records)
     if config.plots and records:
         plot_gates(records, (num_layers, num_kv), stem.with_name(stem.name + ".gates.png"))
-        plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"))
+        plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), goal)
     return manifest
 
 
