@@ -60,12 +60,15 @@ _MIN_MASS = 1e-20  # below this share of a query's probability, the selected key
 
 
 def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float,
-                 inherited: Tensor | None, z: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
+                 inherited: Tensor | None, z: Tensor | None, k: int,
+                 memo: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """One layer of hybrid attention.
 
     query [B, Hq, S, D]; key/value [B, Hkv, T, D]; keep [B|1, 1, S, T] bool (True = may attend);
     inherited [B, Hkv, S, T] bool, the previous layer's selection (None: full attention only);
     z [Hkv] gates. Returns the output [B, S, Hq, D] and this layer's selection [B, Hkv, S, T] bool.
+    ``memo``: where the first call leaves its selection, so that the recomputation of a checkpointed layer in
+    the backward pass (same inputs, same selection) skips the top-k.
 
     Query heads are grouped under their KV head ([B, Hkv, G, S, T]), so keys and values are never repeated.
     The sparse attention is the full attention renormalised over the selected keys (a softmax restricted to
@@ -78,12 +81,21 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
     groups = hq // hkv
     # float32 scores: the top-k must not flip on bf16 rounding, and the softmax needs the range
     q = (query.float() * scaling).reshape(b, hkv, groups * s, d)
-    scores = torch.matmul(q, key.float().transpose(-1, -2)).view(b, hkv, groups, s, t)
-    scores = scores.masked_fill_(~keep[:, :, None], float("-inf"))  # the product's backward does not need it
-    probs = torch.softmax(scores, dim=-1)
-    with torch.no_grad():
-        top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
-        selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=query.device).scatter_(-1, top, True) & keep
+    scores = torch.matmul(q, key.float().transpose(-1, -2))  # [B, Hkv, G·S, T]
+    # The mask enters as an added bias, in place on the product (not on a view of it, which autograd would
+    # answer with a copy of the whole gradient): an addition passes its gradient through untouched, and the
+    # softmax's backward is zero at masked keys anyway.
+    bias = torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~keep, float("-inf"))
+    scores.add_(bias[:, :, None].expand(-1, -1, groups, -1, -1).reshape(bias.shape[0], 1, groups * s, t))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, groups, s, t)
+    if memo is not None and "selected" in memo:
+        selected = memo["selected"]
+    else:
+        with torch.no_grad():
+            top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
+            selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=query.device).scatter_(-1, top, True) & keep
+        if memo is not None:
+            memo["selected"] = selected
     v = value.float()
     out = torch.matmul(probs.view(b, hkv, groups * s, t), v)  # [B, Hkv, G·S, D]
     if inherited is not None and z is not None:
@@ -96,11 +108,12 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
         # the columns are padded to a multiple of 8 for the tensor-core kernels
         ones = torch.zeros(*v.shape[:-1], 8, dtype=v.dtype, device=v.device)
         ones[..., 0] = 1
-        picked = torch.matmul((probs * sparse_keep).view(b, hkv, groups * s, t), torch.cat([v, ones], -1))
+        # masked_fill, not a product with the mask: its backward needs no float copy of the mask
+        picked = torch.matmul(probs.masked_fill(~sparse_keep, 0.0).view(b, hkv, groups * s, t), torch.cat([v, ones], -1))
         mass = picked[..., d : d + 1]
         if bool((mass < _MIN_MASS).any()):
-            sparse = torch.matmul(torch.softmax(scores.masked_fill(~sparse_keep, float("-inf")), dim=-1).view(
-                b, hkv, groups * s, t), v)
+            sparse = torch.matmul(torch.softmax(scores.view(b, hkv, groups, s, t).masked_fill(
+                ~sparse_keep, float("-inf")), dim=-1).view(b, hkv, groups * s, t), v)
         else:
             sparse = picked[..., :d] / mass
         zg = z.float().view(1, hkv, 1, 1)
@@ -211,7 +224,7 @@ class HybridAttention:
         inherited = _align(self._selected, t) if z is not None and self._selected is not None else None
         args = (query, key, value, keep, scaling, inherited, z, budget_tokens(self.budget, t))
         if self.checkpoint and torch.is_grad_enabled():
-            out, self._selected = checkpoint(hybrid_layer, *args, use_reentrant=False)
+            out, self._selected = checkpoint(hybrid_layer, *args, {}, use_reentrant=False)
         else:
             out, self._selected = hybrid_layer(*args)
         if layer in self.sliding:
