@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, help=f"Adam learning rate of the gates (default {d.lr})")
     p.add_argument("--lambda-lr", type=float, help=f"ascent rate of the Lagrange multiplier (default {d.lambda_lr})")
     p.add_argument("--min-gate-prob", type=float,
-                   help=f"keep every gate's P(z = 0) in [p, 1 - p] so no gate freezes; 0 turns it off (default {d.min_gate_prob})")
+                   help=f"keep every gate's P(z = 0) in [p, 1 - p] so no gate freezes, and drive E[L0] to "
+                   f"TARGET (1 - 2p) + n p, what TARGET decided gates of n count; 0 turns it off (default {d.min_gate_prob})")
     p.add_argument("--token-budget", type=_budget,
                    help=f"sparse heads' tokens: a fraction of the sequence or a count (default {d.token_budget})")
     p.add_argument("--prefill-chunk", type=int, help=f"teacher prefill chunk in tokens (default {d.prefill_chunk})")
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if distributed.is_main():
         m = manifest.metrics
         print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "
-              f"E[L0] {m['expected_l0']:.2f}, λ {m['lambda']:.4g}, final loss {m['final_loss']:.4g}, "
+              f"E[L0] {m['expected_l0']:.2f} (goal {m['expected_l0_goal']:.2f}), λ {m['lambda']:.4g}, final loss {m['final_loss']:.4g}, "
               f"undecided {100 * m['fraction_undecided']:.1f} %"
               + (f", {distributed.world_size()} processes" if distributed.world_size() > 1 else ""))
     return 0
