@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,13 @@ def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path
     return path
 
 
-def plot_curves(records: list[dict[str, Any]], target: int, path: Path, goal: float | None = None) -> Path:
+def plot_curves(records: list[dict[str, Any]], target: int, path: Path, goal: float | None = None,
+                learned: list[bool] | None = None) -> Path:
     """Distillation loss, E[L0] (with the target, and the E[L0] that means the target under the gates' probability
-    bound) with the count of gates at E[z] > 0.5, and λ over steps."""
+    bound) with the count of learned gates at E[z] > 0.5, and λ over steps.
+
+    ``learned``: per gate (flattened like ``expected_gate``), False for gates held open, which the count leaves
+    out as E[L0] and the target do; None counts every gate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,8 +117,8 @@ def plot_curves(records: list[dict[str, Any]], target: int, path: Path, goal: fl
     axes[0].set_yscale("log")
     axes[0].set_title("distillation loss")
     axes[1].plot(steps, [r["expected_l0"] for r in records], lw=0.8, label="E[L0]")
-    axes[1].plot(steps, [sum(x > 0.5 for x in r["expected_gate"]) for r in records], lw=0.8,
-                 label="gates with E[z] > 0.5")
+    axes[1].plot(steps, [sum(x > 0.5 for x, keep in zip(r["expected_gate"], learned or repeat(True)) if keep)
+                         for r in records], lw=0.8, label="learned gates with E[z] > 0.5")
     axes[1].axhline(target, color="k", ls="--", lw=0.8, label=f"target {target}")
     if goal is not None and abs(goal - target) > 1e-9:
         axes[1].axhline(goal, color="k", ls=":", lw=0.8, label=f"E[L0] goal {goal:.2f}")

@@ -262,7 +262,8 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     ckpt.write_log(log_path, records)
     if config.plots and records:
         plot_gates(records, (num_layers, num_kv), stem.with_name(stem.name + ".gates.png"))
-        plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), goal)
+        plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), goal,
+                    learned.flatten().tolist())
     return manifest
 
 
