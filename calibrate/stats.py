@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from runtime.kernels.topk_select import topk_mask_with_recent
+
 
 def hoyer_sparsity(p: torch.Tensor, n: torch.Tensor | int | None = None) -> torch.Tensor:
     """Hoyer sparsity ``(√n − ‖p‖₁/‖p‖₂) / (√n − 1)`` of ``p [..., n]`` → ``[...]``.
@@ -62,23 +64,12 @@ def page_sums(x: torch.Tensor, page_size: int) -> torch.Tensor:
 def selected_pages(score: torch.Tensor, last_page: torch.Tensor, top_pages: int, recent_pages: int) -> torch.Tensor:
     """DELTA's page choice for rows of page scores: ``top_pages`` (K) pages in all, the last ``recent_pages``
     (L) up to and including ``last_page`` (the page of the query itself) and the K − L highest-scoring older
-    pages, the same count as the runtime's ``delta`` policy (K = 64 pages of 16 is the paper's 1K budget).
+    pages, the same rule (``runtime.kernels.topk_select``) as the runtime's ``delta`` policy and engine.
 
     ``score``: ``[..., P]``; ``last_page``: ``[...]`` int, index of the query's page. Returns a bool ``[..., P]``.
     Pages after ``last_page`` are never chosen (they do not exist yet at that decode step).
     """
-    idx = torch.arange(score.shape[-1], device=score.device)
-    last = last_page.unsqueeze(-1)
-    recent = (idx <= last) & (idx > last - recent_pages)
-    older = idx <= last - recent_pages
-    keep = recent.clone()
-    k = min(top_pages - recent_pages, score.shape[-1])
-    if k > 0:
-        masked = torch.where(older, score, torch.full_like(score, -1.0))  # scores are ≥ 0, so -1 marks "not a candidate"
-        top = masked.topk(k, dim=-1).indices
-        chosen = torch.zeros_like(keep).scatter_(-1, top, True)
-        keep |= chosen & older
-    return keep
+    return topk_mask_with_recent(score, top_pages, recent_pages, last=last_page)
 
 
 def pair_recall(score: torch.Tensor, mass: torch.Tensor, last_page: torch.Tensor, top_pages: int,

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from runtime.engine import attach
+    from runtime.session import attach
     from runtime.models import load_model, load_tokenizer
     from runtime.policies import get_policy
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from runtime.engine import attach
+from runtime.session import attach
 
 
 @dataclass

@@ -84,3 +84,44 @@ class Delta:
         pages = step.scratch["delta.pages"]  # [B, N] from this step's nearest Δ-layer
         b, hkv = step.key.shape[:2]
         return Plan(indices=pages[:, None, :].expand(b, hkv, pages.shape[-1]), block_size=self.page_size)
+
+    def static_step(self, shape: Any) -> DeltaStep:
+        if len(self.roles) != shape.layers:
+            raise PolicyError(f"policy 'delta' holds {len(self.roles)} layer roles for a {shape.layers}-layer model; "
+                              "bind it to a manifest of this model first")
+        return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages)
+
+
+@dataclass
+class DeltaStep:
+    """The engine's step: Δ-layers score pages inside their dense attention pass (the Triton kernel keeps the
+    logits) and choose on the device; sparse layers read the chosen pages in place."""
+
+    roles: list[int]
+    page_size: int
+    num_pages: int
+    recent_pages: int
+    head_order: ClassVar[None] = None
+    sparse: ClassVar[bool] = True
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return (self.page_size,)
+
+    def reads(self, shape: Any, context: int) -> float:
+        """Mean tokens read per (layer, KV head) at ``context`` tokens (windowed layers read their window)."""
+        budget = min(context, self.num_pages * self.page_size)
+        per_layer = [min(context, w) if w is not None else budget if r == LAYER_ROLE_SPARSE else context
+                     for r, w in zip(self.roles, shape.windows)]
+        return sum(per_layer) / len(per_layer)
+
+    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+        role = self.roles[layer]
+        if role == LAYER_ROLE_SELECT:
+            out, scores = dec.attend_and_score(q, k, v, mask, self.page_size, per_kv_head=False)
+            pages = dec.select(scores, self.page_size, self.num_pages, self.recent_pages)  # [B, N]
+            state["delta.pages"] = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1]).contiguous()
+            return out
+        if role == LAYER_ROLE_SPARSE:
+            return dec.attend(q, k, v, mask, state["delta.pages"], self.page_size)
+        return dec.attend(q, k, v, mask)

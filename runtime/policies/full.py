@@ -1,4 +1,4 @@
-"""``full``: dense decode through the rolecall path; the reference every other policy is compared with."""
+"""``full``: dense decode; the reference every other policy is compared with."""
 
 from __future__ import annotations
 
@@ -17,3 +17,22 @@ class Full:
 
     def plan(self, step: Step) -> Plan:
         return Plan()
+
+    def static_step(self, shape: Any) -> FullStep:
+        return FullStep()
+
+
+@dataclass
+class FullStep:
+    """The engine's step: every layer reads every valid slot."""
+
+    head_order: ClassVar[None] = None
+    sparse: ClassVar[bool] = False
+    block_sizes: ClassVar[tuple[int, ...]] = ()
+
+    def reads(self, shape: Any, context: int) -> float:
+        """Mean tokens read per (layer, KV head) at ``context`` tokens."""
+        return float(context)
+
+    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+        return dec.attend(q, k, v, mask)

@@ -124,5 +124,71 @@ class Lychee:
         return Plan(indices=read, block_size=self.block_size)
 
 
+    def static_step(self, shape: Any) -> LycheeStep:
+        if self.retrieval is None or tuple(self.retrieval.shape) != (shape.layers, shape.kv_heads):
+            raise PolicyError(f"policy 'lychee' needs head roles for {shape.layers} layers × {shape.kv_heads} KV heads; "
+                              "bind it to a manifest of this model first")
+        if self.mode != "budget":
+            raise NotImplementedError(f"policy 'lychee' with {self.mode} has a set size that changes per step; the "
+                                      "engine runs budget=N")
+        recent = math.ceil(self.recent / self.block_size) if self.recent else 0
+        blocks = max(math.ceil(self.budget / self.block_size), recent, 1)
+        return LycheeStep(self.retrieval.clone(), self.block_size, blocks, recent)
+
+
+@dataclass
+class LycheeStep:
+    """The engine's step. A layer's retrieval heads are stored first (``head_order``: the engine permutes the
+    weights once and the cache keeps that order), so they are one dense ``decode_and_score`` launch over a
+    head-prefix view of the cache, scoring blocks per KV head, and the sparse heads one block-sparse launch over
+    what they inherit. ``state["lychee.sets"] [B, Hkv, N]`` holds the blocks per *original* head index, as the
+    next layer's same head index inherits them."""
+
+    retrieval: torch.Tensor  # [L, Hkv] bool
+    block_size: int
+    num_blocks: int
+    recent_blocks: int
+    sparse: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.order = [torch.argsort((~row).to(torch.int8), stable=True) for row in self.retrieval]
+        self.n_retrieval = [int(r) for r in self.retrieval.sum(1)]
+        self._device_order: dict[Any, list[torch.Tensor]] = {}
+
+    @property
+    def head_order(self) -> list[torch.Tensor]:
+        """Per layer, the stored order of KV heads: retrieval heads first (each group in original order)."""
+        return self.order
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return (self.block_size,)
+
+    def reads(self, shape: Any, context: int) -> float:
+        budget = min(context, self.num_blocks * self.block_size)
+        per_head = [min(context, w) if w is not None else (context if r else budget)
+                    for row, w in zip(self.retrieval.tolist(), shape.windows) for r in row]
+        return sum(per_head) / len(per_head)
+
+    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+        hkv = k.shape[1]
+        g = q.shape[1] // hkv
+        orders = self._device_order.setdefault(k.device, [o.to(k.device) for o in self.order])
+        r, order, bs = self.n_retrieval[layer], orders[layer], self.block_size
+        outs = []
+        if r:
+            out, scores = dec.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], mask, bs, per_kv_head=True)
+            chosen = dec.select(scores, bs, self.num_blocks, self.recent_blocks)  # [B, r, N]
+            outs.append(out)
+        if r < hkv:
+            inherited = state["lychee.sets"].index_select(1, order[r:])
+            outs.append(dec.attend(q[:, r * g:], k[:, r:], v[:, r:], mask, inherited, bs))
+        if r:
+            sets = state.get("lychee.sets")
+            sets = torch.empty_like(chosen) if sets is None else sets  # the first layer chooses for every head
+            state["lychee.sets"] = sets.index_copy(1, order[:r], chosen)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
 def _pad(indices: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(indices, (0, width - indices.shape[-1]), value=-1)

@@ -38,3 +38,19 @@ def page_scores(query: torch.Tensor, key: torch.Tensor, scale: float, page_size:
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`runtime.kernels.page_scores.page_scores`."""
     return pool_pages(head_max_probs(query, key, scale, key_mask), page_size)
+
+
+def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, page_size: int,
+                     key_mask: torch.Tensor | None = None,
+                     per_kv_head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of the Triton ``decode_and_score``: dense decode attention and the page scores of the same
+    pass, ``(out [B, Hq, D], lse [B, Hq], scores [B, pages] or [B, Hkv, pages])``."""
+    from runtime.kernels.sparse_attention.naive import sparse_decode_attention
+
+    mask = key_mask.bool() if key_mask is not None else None
+    out, lse = sparse_decode_attention(query, key, value, scale=scale, key_mask=mask)
+    probs = attention_probs(query, key, scale, mask)  # [B, Hq, T]
+    b, hq, t = probs.shape
+    hkv = key.shape[1]
+    best = probs.view(b, hkv, hq // hkv, t).amax(2) if per_kv_head else probs.amax(1)
+    return out, lse, pool_pages(best, page_size)

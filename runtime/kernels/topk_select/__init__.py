@@ -1,20 +1,24 @@
 """Top-k selection with a recency window, over tokens or pages.
 
-``topk_with_recent(scores, k, recent, valid=None) -> indices``
+``topk_with_recent(scores, k, recent, valid=None, last=None) -> indices``
 
 =============  ======================  ===============================================================
 argument       shape                   meaning
 =============  ======================  ===============================================================
 ``scores``     ``[..., n]`` float      one score per token or page
 ``k``          int                     how many to keep in all (the recent ones included)
-``recent``     int                     the last ``recent`` entries are always kept (when valid)
+``recent``     int                     the ``recent`` entries ending at ``last`` are always kept
 ``valid``      ``[..., n]`` bool       False = never chosen (padding)
-``indices``    ``[..., min(k, n)]``    ascending ids, -1 padded at the end when fewer are valid
+``last``       ``[...]`` int or int    the last entry that exists (default ``n - 1``); later ones are
+                                       never chosen (a static cache's unwritten slots)
+``indices``    ``[..., min(k, n)]``    ascending ids, -1 padded at the end when fewer can be chosen
 =============  ======================  ===============================================================
 
-``mask_to_indices(mask, width=None)`` turns a boolean selection ``[..., n]`` into the same padded form.
+The one selection rule of calibration (``topk_mask_with_recent``, the same choice as a boolean ``[..., n]``),
+the reference policies and the engine's graph-captured step: no host sync, fixed output width.
+``mask_to_indices(mask, width=None)`` turns a boolean selection ``[..., n]`` into the padded form.
 """
 
-from runtime.kernels.topk_select.naive import mask_to_indices, topk_with_recent
+from runtime.kernels.topk_select.naive import mask_to_indices, topk_mask_with_recent, topk_with_recent
 
-__all__ = ["mask_to_indices", "topk_with_recent"]
+__all__ = ["mask_to_indices", "topk_mask_with_recent", "topk_with_recent"]

@@ -1,0 +1,27 @@
+"""The engine: rolecall's static, graph-captured decoder, what users run on a GPU.
+
+==================  ============================================================================
+``shape.py``        :class:`ModelShape`: sizes and family switches from a config; :func:`unsupported`
+``weights.py``      :class:`Weights`: a model's tensors in the fused layout, RoPE tables
+``cache.py``        :class:`StaticCache`: K/V per layer, sized to the requests, left-padded rows
+``layers.py``       the decoder's arithmetic, shared by prefill and step
+``decoder.py``      :class:`StaticDecoder`: the one-token step (CUDA graph), attention by the policy
+``prefill.py``      chunked SDPA prefill into the cache
+``sampling.py``     greedy / temperature / top-k / top-p choice on the device
+``generate.py``     :func:`generate`: prefill, steps, stopping, streaming
+``crossovers.py``   below which context a sparse policy runs the full step (``crossovers.json``)
+==================  ============================================================================
+
+The policies' static steps live in their own files (``runtime/policies/<name>.py``); the engine calls them.
+"""
+
+from runtime.engine.cache import StaticCache
+from runtime.engine.crossovers import NEVER, default_min_context
+from runtime.engine.decoder import StaticDecoder, pad_left, static_step_of
+from runtime.engine.generate import Generation, generate
+from runtime.engine.sampling import Sampling
+from runtime.engine.shape import SHAPES, ModelShape, unsupported
+from runtime.engine.weights import Weights
+
+__all__ = ["NEVER", "SHAPES", "Generation", "ModelShape", "Sampling", "StaticCache", "StaticDecoder", "Weights",
+           "default_min_context", "generate", "pad_left", "static_step_of", "unsupported"]

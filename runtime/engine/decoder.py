@@ -1,0 +1,259 @@
+"""The static decoder: one decode step over a :class:`StaticCache`, eager or replayed from a CUDA graph.
+
+Weights are plain tensors (:class:`Weights`), the cache is preallocated, the current length is a device
+scalar, the new token's K/V are written with ``index_copy_`` at that length, the next token is chosen on the
+device (greedy, or the sampler's choice) and ``length += 1`` happens on the device. No ``.item()``, no host
+sync and no shape that changes per step, so the step is captured in a CUDA graph (:meth:`capture`) and
+replayed. Attention goes through the policy's static step (``policy.static_step(shape)``, written in the
+policy's own file); sliding-window layers of hybrid models read their window themselves.
+
+Short contexts: a sparse policy reads nothing less than full below its budget and pays for selection, so
+below ``min_context`` tokens :meth:`step` runs the full step instead (two graphs over the same buffers; the
+host knows the length because it issued every step). The default threshold is the measured crossover for
+the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from runtime.engine import layers as L
+from runtime.engine.cache import StaticCache, head_order_of, same_order
+from runtime.engine.crossovers import default_min_context
+from runtime.engine.weights import Weights
+from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
+from runtime.kernels.sparse_attention import naive as naive_attention
+from runtime.kernels.sparse_attention import use_triton
+from runtime.kernels.topk_select import topk_with_recent
+
+WINDOW_BLOCK = 64  # block size of a sliding-window layer's read set
+
+
+def static_step_of(policy: Any, shape: Any) -> Any:
+    """The policy's static step for ``shape``, or a ``NotImplementedError`` saying why it has none."""
+    make = getattr(policy, "static_step", None)
+    if make is None:
+        raise NotImplementedError(f"policy {policy.name!r} has no static step on the engine yet")
+    return make(shape)
+
+
+class StaticDecoder:
+    """``policy``: a bound policy from ``runtime.policies`` (``Full()`` when None). ``kernels``: ``"auto"``
+    (Triton on CUDA), ``"naive"`` (the PyTorch references) or ``"triton"`` (also on the CPU under
+    ``TRITON_INTERPRET=1``). ``cache``: share one cache between decoders (benchmarks). ``sampler``: chooses
+    the next token from the logits inside the step (greedy when None); ``stopper``: bookkeeping of finished
+    rows inside the step (``runtime.engine.generate``)."""
+
+    def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
+                 cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
+                 sampler: Any = None, stopper: Any = None) -> None:
+        from runtime.policies.full import Full
+
+        self.policy = policy if policy is not None else Full()
+        s = weights.shape
+        self.static = static_step_of(self.policy, s)
+        self.full = Full().static_step(s)
+        head_order = head_order_of(self.static.head_order, s)
+        if head_order is not None:
+            weights = weights.permute_kv_heads(self.static.head_order)
+        if max_len > weights.max_positions:
+            raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "
+                             f"{weights.max_positions}; ask for fewer tokens")
+        self.weights, self.shape, self.batch = weights, s, batch
+        device, dtype = weights.device, weights.dtype
+        if cache is None:
+            cache = StaticCache(s, batch, max_len, device, dtype, head_order)
+        elif cache.batch != batch or cache.slots != max_len:
+            raise ValueError(f"the shared cache has {cache.batch} rows × {cache.slots} slots, this decoder needs "
+                             f"{batch} × {max_len}")
+        elif not same_order(cache.head_order, head_order):
+            raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
+                             "(create it with head_order=policy.static_step(shape).head_order)")
+        self.cache, self.max_len = cache, max_len
+        sparse = self.static.sparse
+        if min_context is None:
+            min_context = default_min_context(self.policy.name, batch) if sparse else 0
+        self.min_context = min_context if sparse else 0
+        if kernels not in ("auto", "naive", "triton"):
+            raise ValueError(f"kernels must be auto, naive or triton, not {kernels!r}")
+        self.triton = kernels == "triton" or (kernels == "auto" and use_triton(torch.empty(0, device=device)))
+        if self.triton:
+            from runtime.kernels.page_scores import triton as page_triton
+            from runtime.kernels.sparse_attention import triton as sparse_triton
+
+            self._page_triton, self._sparse_triton = page_triton, sparse_triton
+            for size in self.static.block_sizes:
+                if size & (size - 1):
+                    raise ValueError(f"policy {self.policy.name!r}: block size {size} must be a power of two "
+                                     "for the GPU kernels")
+        self.sampler, self.stopper = sampler, stopper
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # the next step's input
+        self.logits = torch.zeros(batch, s.vocab, dtype=dtype, device=device)  # the last step's output
+        self.position = 0  # host mirror of cache.length: the host issued every step
+        self._arange = torch.arange(max_len, device=device)
+        self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
+        windows = [w for w in s.windows if w is not None]
+        # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
+        # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
+        self.hybrid = bool(windows) and len(windows) < s.layers
+        self.graphs: dict[str, Any] = {}
+
+    # -- host-side control -------------------------------------------------------------------------------------
+    def set_length(self, length: int) -> None:
+        """Declare the first ``length`` slots valid (after filling them by other means)."""
+        self.cache.length.fill_(length)
+        self.position = length
+
+    def uses_full(self) -> bool:
+        """Whether the next step falls back to full attention (a sparse policy below ``min_context``)."""
+        return self.static.sparse and self.position < self.min_context
+
+    def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per row (``tokens`` or the previous step's choice); returns the logits buffer
+        ``[B, vocab]`` (overwritten by the next step)."""
+        if self.position >= self.max_len:
+            raise RuntimeError(f"the cache is full: {self.max_len} tokens")
+        if tokens is not None:
+            self.tokens.copy_(tokens, non_blocking=True)
+        which = "full" if self.uses_full() else "policy"
+        if which in self.graphs:
+            self.graphs[which].replay()
+        else:
+            self._run(self.full if which == "full" else self.static)
+        self.position += 1
+        return self.logits
+
+    def capture(self, warmup: int = 2) -> None:
+        """Capture the step (and the full fallback when the policy can use it) in CUDA graphs.
+
+        Warm-up runs (on a side stream) compile the kernels; afterwards the length, the next tokens, the
+        sampler's and stopper's state and the cache slots they wrote are restored."""
+        kinds = ["policy"] + (["full"] if self.static.sparse and self.min_context > self.position else [])
+        c = self.cache
+        if self.max_len - self.position < warmup:
+            raise RuntimeError(f"capture needs {warmup} free cache slots for its warm-up, "
+                               f"{self.max_len - self.position} left")
+        saved_state = [t.clone() for t in self._state()]
+        written = self.position + torch.arange(warmup, device=c.length.device)
+        saved = [(k.index_select(2, written), v.index_select(2, written)) for k, v in zip(c.k, c.v)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for kind in kinds:
+                for _ in range(warmup):
+                    self._run(self.full if kind == "full" else self.static)
+                for t, s in zip(self._state(), saved_state):  # each kind warms up from the same state
+                    t.copy_(s)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(self._state(), saved_state):
+            t.copy_(s)
+        for k, v, (sk, sv) in zip(c.k, c.v, saved):
+            k.index_copy_(2, written, sk)
+            v.index_copy_(2, written, sv)
+        for kind in kinds:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._run(self.full if kind == "full" else self.static)
+            self.graphs[kind] = graph
+
+    def _state(self) -> list[torch.Tensor]:
+        extra = [t for part in (self.sampler, self.stopper) if part is not None for t in part.state()]
+        return [self.cache.length, self.tokens, self.logits, *extra]
+
+    # -- attention helpers the policies' static steps call -------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               indices: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
+        """``[B, Hq, D]`` float32 attention over ``indices`` (blocks of ``block_size``; None = every slot)."""
+        impl = self._sparse_triton if self.triton else naive_attention
+        out, _ = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
+                                              block_size=block_size, key_mask=mask)
+        return out
+
+    def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         block_size: int, per_kv_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense attention and block scores ``[B, n]`` (max over all heads) or ``[B, Hkv, n]`` (per KV head)."""
+        impl = self._page_triton.decode_and_score if self.triton else naive_decode_and_score
+        out, _, scores = impl(q, k, v, self.shape.attention_scale, block_size, key_mask=mask,
+                              per_kv_head=per_kv_head)
+        return out, scores
+
+    def select(self, scores: torch.Tensor, block_size: int, k: int, recent: int) -> torch.Tensor:
+        """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
+        blocks up to the new token's, then the highest scores among the existing ones. No sync."""
+        last = torch.div(self.cache.length, block_size, rounding_mode="floor")
+        return topk_with_recent(scores, k, recent, last=last).to(torch.int32)
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def _masks(self, length: torch.Tensor) -> dict[Any, Any]:
+        """Key masks ``[B, S]`` for this step: ``None`` → valid slots; a window W → (mask, window blocks)."""
+        ids = self._arange
+        valid = (ids[None, :] >= self.cache.pads[:, None]) & (ids[None, :] <= length)
+        kind = torch.int8 if self.triton else torch.bool
+        masks: dict[Any, Any] = {None: valid.to(kind)}
+        for w in sorted({w for w in self.shape.windows if w is not None}):
+            windowed = (valid & (ids > length - w)).to(kind)
+            if self.hybrid:
+                n = math.ceil(w / WINDOW_BLOCK) + 1
+                first = torch.div((length - w + 1).clamp_min(0), WINDOW_BLOCK, rounding_mode="floor")
+                blocks = first + torch.arange(n, device=ids.device)
+                last = torch.div(length, WINDOW_BLOCK, rounding_mode="floor")
+                blocks = torch.where(blocks <= last, blocks, -1).to(torch.int32)
+                masks[w] = (windowed, blocks[None, None, :].expand(self.batch, self.shape.kv_heads, n))
+            else:
+                masks[w] = windowed
+        return masks
+
+    @torch.no_grad()
+    def _run(self, static: Any) -> None:
+        s, w, c = self.shape, self.weights, self.cache
+        b, hq, d = self.batch, s.heads, s.head_dim
+        length = c.length
+        positions = length - c.pads  # [B]
+        rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
+                for kind, (cos, sin) in self._rope.items()}  # [B, D]
+        masks = self._masks(length)
+        state: dict[str, Any] = {}
+        slot = length.view(1)
+        x = L.embed(w, self.tokens)  # [B, H]
+        for i, lw in enumerate(w.layers):
+            q, k, v = L.qkv(lw, s, x, *rope[s.rope_kinds[i]])  # [B, Hq, D], [B, Hkv, D]
+            c.k[i].index_copy_(2, slot, k[:, :, None])
+            c.v[i].index_copy_(2, slot, v[:, :, None])
+            window = s.windows[i]
+            if self.hybrid and window is not None:
+                mask, blocks = masks[window]
+                o = self.attend(q, c.k[i], c.v[i], mask, blocks, WINDOW_BLOCK)
+            else:
+                o = static.attention(self, i, q, c.k[i], c.v[i], masks[window], state)  # [B, Hq, D] float32
+            x = L.finish_layer(lw, s, x, o.view(b, hq * d))
+        logits = L.logits(w, x)
+        self.logits.copy_(logits)
+        token = self.sampler(logits) if self.sampler is not None else logits.argmax(-1)
+        if self.stopper is not None:
+            token = self.stopper(token)
+        self.tokens.copy_(token)
+        length.add_(1)
+
+    # -- prefill -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: int | None = None) -> torch.Tensor:
+        """Fill an empty cache with ``input_ids [B, P]`` (left-padded: row b's first ``pads[b]`` ids are
+        padding); returns the last position's logits ``[B, vocab]`` and sets the next tokens to the choice
+        made from them. See :func:`runtime.engine.prefill.prefill`."""
+        from runtime.engine.prefill import prefill
+
+        return prefill(self, input_ids, pads, chunk)
+
+
+def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, list[int]]:
+    """Token id lists of any lengths → a left-padded ``[B, P]`` tensor and the pad count of each row."""
+    width = max(len(r) for r in rows)
+    pads = [width - len(r) for r in rows]
+    ids = torch.tensor([[pad_id] * p + list(r) for p, r in zip(pads, rows)], dtype=torch.long, device=device)
+    return ids, pads
+
+
+__all__ = ["StaticDecoder", "pad_left", "static_step_of"]

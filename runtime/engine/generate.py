@@ -1,0 +1,190 @@
+"""Generation on the engine: prefill, then graph-replayed steps, stopping per row, text streamed as it comes.
+
+The step chooses the next token (:mod:`runtime.engine.sampling`) and keeps the books of finished rows on the
+device (:class:`Stopper`): a row finishes on an EOS token or at its ``max_new_tokens``, and from then on emits
+padding. The host looks only every ``check_every`` steps: to stop when every row is done, to stream text and
+to look for stop strings (a row whose text contains one is finished there and cut after it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.engine.decoder import StaticDecoder, pad_left
+from runtime.engine.sampling import Sampler, Sampling
+from runtime.engine.weights import Weights
+
+
+class Stopper:
+    """Device-side bookkeeping, called inside the step with the chosen tokens ``[B]``."""
+
+    def __init__(self, batch: int, limits: list[int], eos: list[int], pad: int, device: Any,
+                 vocab: int | None = None) -> None:
+        width = max(limits)
+        self.out = torch.full((batch, width), pad, dtype=torch.long, device=device)  # generated tokens
+        self.count = torch.zeros((), dtype=torch.long, device=device)  # tokens generated so far
+        self.limits = torch.tensor(limits, dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
+        self.pad, self.width = pad, width
+        self.logits_out = None
+        if vocab is not None:  # per-step logits, for evaluation
+            self.logits_out = torch.zeros(batch, width, vocab, dtype=torch.float32, device=device)
+        self.source: torch.Tensor | None = None  # the decoder's logits buffer, set by generate()
+
+    def state(self) -> list[torch.Tensor]:
+        extra = [self.logits_out] if self.logits_out is not None else []
+        return [self.out, self.count, self.finished, *extra]
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        token = torch.where(self.finished, self.pad, token)
+        at = self.count.clamp_max(self.width - 1).view(1)
+        self.out.index_copy_(1, at, token[:, None])
+        if self.logits_out is not None:
+            self.logits_out.index_copy_(1, at, self.source.float()[:, None])
+        self.count.add_(1)
+        self.finished |= torch.isin(token, self.eos) | (self.count >= self.limits)
+        return token
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns: per row the generated ids (EOS kept, padding dropped, cut after a stop
+    string), why it stopped (``eos``, ``length``, ``stop``), and timings."""
+
+    tokens: list[list[int]]
+    finish: list[str]
+    prompt_lengths: list[int]
+    prefill_s: float
+    decode_s: float
+    steps: int
+    logits: list[torch.Tensor] | None = None  # per row [N, V] float32 when asked for
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(t) for t in self.tokens) / max(self.decode_s + self.prefill_s, 1e-9)
+
+
+def _cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None:
+    """The shortest prefix length of ``ids`` whose text contains a stop string, or None."""
+    def hit(n: int) -> bool:
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    if not stops or not hit(len(ids)):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+    return lo
+
+
+@torch.no_grad()
+def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new_tokens: int | list[int] = 64,
+             sampling: Sampling | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
+             stop_strings: list[str] | tuple[str, ...] = (), tokenizer: Any = None, streamer: Any = None,
+             check_every: int = 8, kernels: str = "auto", min_context: int | None = None,
+             graphs: bool | None = None, prefill_chunk: int | None = None,
+             output_logits: bool = False) -> Generation:
+    """Generate for every prompt (token id lists of any lengths: a ragged batch is left-padded).
+
+    ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
+    (transformers' ``TextStreamer`` works) fed row 0's new tokens at every check. The cache holds
+    ``longest prompt + max(max_new_tokens)`` tokens per row.
+    """
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    b = len(prompts)
+    limits = [max_new_tokens] * b if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != b or any(n < 1 for n in limits):
+        raise ValueError(f"max_new_tokens must be ≥ 1, one value or one per prompt ({b}), got {max_new_tokens}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer (tokenizer=...) to read the text")
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    sampling = sampling or Sampling()
+    device = weights.device
+    ids, pads = pad_left(prompts, pad_token_id, device)
+    slots = ids.shape[1] + max(limits)
+    sampler = Sampler(sampling, device)
+    stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None)
+    dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels, sampler=sampler,
+                        stopper=stopper)
+    stopper.source = dec.logits
+    graphs = device.type == "cuda" if graphs is None else graphs
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    dec.prefill(ids, pads, prefill_chunk)
+    sync()
+    t1 = time.perf_counter()
+    if graphs and max(limits) > 1:
+        dec.capture()
+    sent = 0
+    steps = 0
+    cut: dict[int, int] = {}
+    t2 = time.perf_counter()
+    while steps < max(limits) - 1:
+        dec.step()
+        steps += 1
+        if steps % check_every and steps < max(limits) - 1:
+            continue
+        done = stopper.finished.cpu()  # the one sync every check_every steps
+        if streamer is not None or stop_strings:
+            count = int(stopper.count)
+            out = stopper.out[:, :count].cpu().tolist()
+            if streamer is not None and count > sent:
+                streamer.put(torch.tensor(out[0][sent:count]))
+                sent = count
+            for r in range(b):
+                if stop_strings and r not in cut and not done[r]:
+                    n = _cut_at_stop(tokenizer, out[r], list(stop_strings))
+                    if n is not None:
+                        cut[r] = n
+                        stopper.finished[r] = True
+                        done[r] = True
+        if bool(done.all()):
+            break
+    sync()
+    t3 = time.perf_counter()
+    count = int(stopper.count)
+    out = stopper.out[:, :count].cpu().tolist()
+    if streamer is not None:
+        if count > sent:
+            streamer.put(torch.tensor(out[0][sent:count]))
+        streamer.end()
+    tokens, finish = [], []
+    for r, row in enumerate(out):
+        row = row[:limits[r]]
+        n = cut.get(r) or (_cut_at_stop(tokenizer, row, list(stop_strings)) if stop_strings else None)
+        if n is not None:
+            tokens.append(row[:n])
+            finish.append("stop")
+            continue
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
+        tokens.append(row[:end] if end else row)
+        finish.append("eos" if end else "length")
+    logits = None
+    if output_logits:
+        logits = [stopper.logits_out[r, :len(t)].cpu() for r, t in enumerate(tokens)]
+    return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits,
+                      {"graphs": bool(dec.graphs), "cache_slots": slots, "min_context": dec.min_context,
+                       "kernels": "triton" if dec.triton else "naive",
+                       "attended_fraction": _fraction(dec, ids.shape[1], steps)})
+
+
+def _fraction(dec: StaticDecoder, prompt: int, steps: int) -> float | None:
+    """Mean fraction of the context the decode steps read (from the policy's static step)."""
+    if steps < 1:
+        return None
+    shape = dec.shape
+    total = read = 0.0
+    for t in range(prompt, prompt + steps):
+        use = dec.full if dec.static.sparse and t < dec.min_context else dec.static
+        read += use.reads(shape, t + 1)
+        total += t + 1
+    return read / total

@@ -1,0 +1,155 @@
+"""The engine's weights: a transformers model's tensors in the fused layout the decode step reads.
+
+``Weights.from_model(model)`` takes any model whose config :func:`runtime.engine.shape.unsupported` accepts:
+q, k and v projections stacked into one matrix, gate and up into another (one GEMV each per layer), norms with
+Gemma's ``1 + w`` folded in, and the RoPE cos/sin tables computed once by the model's own rotary module (so
+every static RoPE variant, llama3 and YaRN included, is exactly the model's). ``Weights.random(shape)`` builds
+the same structure for benchmarks. Stacking copies the attention and gate/up matrices once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from runtime.engine.shape import ModelShape
+
+
+@dataclass
+class LayerWeights:
+    norm_attn: torch.Tensor  # [H] input norm of the attention (offset folded in)
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q, k, v projections stacked
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] or None
+    q_norm: torch.Tensor | None  # [D] (Qwen3, Gemma 3) or None
+    k_norm: torch.Tensor | None  # [D]
+    wo: torch.Tensor  # [H, Hq D]
+    bo: torch.Tensor | None  # [H] or None
+    norm_attn_out: torch.Tensor | None  # [H] Gemma 3's norm of the attention output, else None
+    norm_mlp: torch.Tensor  # [H] input norm of the MLP
+    w_gate_up: torch.Tensor  # [2 I, H]: gate, then up
+    w_down: torch.Tensor  # [H, I]
+    norm_mlp_out: torch.Tensor | None  # [H] Gemma 3's norm of the MLP output, else None
+
+
+@dataclass
+class Weights:
+    shape: ModelShape
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # kind -> (cos, sin) [positions, D] in the weights' dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def max_positions(self) -> int:
+        return min(cos.shape[0] for cos, _ in self.rope.values())
+
+    @classmethod
+    def random(cls, shape: ModelShape, device: Any = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+               std: float = 0.02, positions: int = 1 << 17) -> Weights:
+        """Random weights of ``shape`` (speed does not depend on the values; norms are 1 so nothing overflows)."""
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rnd(*size: int) -> torch.Tensor:
+            return torch.randn(*size, generator=g, device=device, dtype=dtype) * std
+
+        h, d = shape.hidden, shape.head_dim
+        qkv = (shape.heads + 2 * shape.kv_heads) * d
+
+        def ones(n: int = h) -> torch.Tensor:
+            return torch.ones(n, device=device, dtype=dtype)
+
+        layers = [LayerWeights(ones(), rnd(qkv, h), rnd(qkv) if shape.qkv_bias else None,
+                               ones(d) if shape.qk_norm else None, ones(d) if shape.qk_norm else None,
+                               rnd(h, shape.heads * d), None, ones() if shape.sandwich else None, ones(),
+                               rnd(2 * shape.intermediate, h), rnd(h, shape.intermediate),
+                               ones() if shape.sandwich else None) for _ in range(shape.layers)]
+        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        tables = {kind: _tables(inv_freq, positions, dtype) for kind in set(shape.rope_kinds)}
+        embed = rnd(shape.vocab, h)
+        return cls(shape, embed, layers, ones(), embed if shape.tied else rnd(shape.vocab, h), tables)
+
+    @classmethod
+    @torch.no_grad()
+    def from_model(cls, model: torch.nn.Module, positions: int | None = None) -> Weights:
+        """The weights of a transformers causal LM of a supported family, with RoPE tables for ``positions``
+        positions (default: the model's ``max_position_embeddings``)."""
+        shape = ModelShape.from_config(model.config)
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        off = shape.norm_offset
+
+        def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
+            if module is None:
+                return None
+            return (module.weight.float() + off).to(module.weight.dtype)
+
+        layers = []
+        for layer in base.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
+            layers.append(LayerWeights(
+                norm(layer.input_layernorm),
+                torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+                torch.cat(biases) if biases[0] is not None else None,
+                norm(getattr(att, "q_norm", None)), norm(getattr(att, "k_norm", None)),
+                att.o_proj.weight.detach(), att.o_proj.bias,
+                norm(layer.post_attention_layernorm) if shape.sandwich else None,
+                norm(layer.pre_feedforward_layernorm if shape.sandwich else layer.post_attention_layernorm),
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.detach(),
+                norm(layer.post_feedforward_layernorm) if shape.sandwich else None))
+        embed = model.get_input_embeddings().weight.detach()
+        head = model.get_output_embeddings().weight.detach()
+        config = getattr(base, "config", model.config)
+        count = positions or int(getattr(config, "max_position_embeddings", 0) or 32768)
+        tables = {kind: _model_tables(base.rotary_emb, kind, count, embed.dtype, embed.device)
+                  for kind in sorted(set(shape.rope_kinds))}
+        return cls(shape, embed, layers, norm(base.norm), head, tables)
+
+    def permute_kv_heads(self, perms: list[torch.Tensor]) -> Weights:
+        """The same model with each layer's KV heads (and their query groups) stored in order ``perms[l]``
+        (position j holds original head ``perms[l][j]``); the cache then follows that order too."""
+        s = self.shape
+        g, d = s.heads // s.kv_heads, s.head_dim
+        layers = []
+        for lw, p in zip(self.layers, perms):
+            p = p.to(lw.wqkv.device)
+            wo = lw.wo.unflatten(1, (s.kv_heads, g * d))[:, p].flatten(1, 2)
+            layers.append(replace(lw, wqkv=_permute_qkv(lw.wqkv, p, s), wo=wo,
+                                  bqkv=None if lw.bqkv is None else _permute_qkv(lw.bqkv, p, s)))
+        return replace(self, layers=layers)
+
+
+def _tables(inv_freq: torch.Tensor, count: int, dtype: torch.dtype, scaling: float = 1.0):
+    """cos, sin ``[count, D]`` as transformers computes them (float32, then cast)."""
+    freqs = torch.arange(count, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _model_tables(rotary: torch.nn.Module, kind: str, count: int, dtype: torch.dtype, device: Any):
+    """cos, sin ``[count, D]`` from the model's own rotary module (``kind`` is Gemma 3's layer type)."""
+    x = torch.zeros(1, dtype=dtype, device=device)
+    positions = torch.arange(count, device=device)[None]
+    try:
+        cos, sin = rotary(x, positions, kind) if kind != "default" else rotary(x, positions)
+    except TypeError:
+        cos, sin = rotary(x, positions)
+    return cos[0].to(dtype), sin[0].to(dtype)
+
+
+def _permute_qkv(w: torch.Tensor, order: torch.Tensor, s: ModelShape) -> torch.Tensor:
+    """Rows (or bias entries) of the stacked q, k, v projections with KV heads in ``order``."""
+    g, d, hkv = s.heads // s.kv_heads, s.head_dim, s.kv_heads
+    q, k, v = w.split([s.heads * d, hkv * d, hkv * d])
+    return torch.cat([q.unflatten(0, (hkv, g * d))[order].flatten(0, 1),
+                      k.unflatten(0, (hkv, d))[order].flatten(0, 1), v.unflatten(0, (hkv, d))[order].flatten(0, 1)])
