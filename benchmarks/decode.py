@@ -5,19 +5,24 @@
 
 Models are DS-Qwen-7B / DS-Qwen-1.5B shaped (random bf16 weights: speed does not depend on the values). For
 each model, context, batch, policy and budget it fills a static cache with random keys and values (the
-prefill is not timed), captures :class:`runtime.fastdecode.StaticDecoder`'s step in a CUDA graph, warms up,
+prefill is not timed), captures :class:`runtime.engine.StaticDecoder`'s step in a CUDA graph, warms up,
 and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s (batch / TPOT)
 and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
 plus the K/V bytes the policy must read, over the device-to-device copy bandwidth measured in the same run
 (bytes read + written per second, as in ``benchmarks/kernels.py``), and the fraction of it achieved. Page
 scores that Δ-layers write and read (4 bytes per head and token) are not counted.
 
-Policies: ``full``; ``delta`` (layers 0–1 full, Δ-layers 2, 14, 22, the rest read ``budget`` tokens of
-16-token pages, 8 of them the most recent); ``lychee`` (``--retrieval-heads`` of the 112 KV heads of 7B read
-everything, scaled for other shapes; the others read ``budget`` tokens of 16-token blocks); ``lethe`` (the
-steady state of eviction: every layer holds and reads ``budget`` tokens). Sparse policies are timed as they
-are (no fallback); the table's ``crossover`` lines give the smallest measured context from which a sparse
-policy stays faster than full — where ``runtime.fastdecode.DEFAULT_MIN_CONTEXT`` belongs.
+Policies are the runtime's own (``runtime.policies``, bound to manifests made for the shape): ``full``;
+``delta`` (layers 0–1 full, Δ-layers 2, 14, 22, the rest read ``budget`` tokens of 16-token pages, 8 of them
+the most recent); ``lychee`` (``--retrieval-heads`` of the 112 KV heads of 7B read everything, scaled for
+other shapes; the others read ``budget`` tokens of 16-token blocks). Sparse policies are timed as they are (no
+fallback); the table's ``crossover`` lines give the smallest measured context from which a sparse policy stays
+faster than full — the data of ``runtime/engine/crossovers.json``.
+
+``--real MODEL`` (e.g. ``smollm2-135m``) also times the path users run on a real model: ``rolecall decode``'s
+``session.generate`` (engine: prefill, CUDA-graph steps) against transformers ``model.generate`` on the same
+prompts, batch 1 and 16, tokens/s over ``--real-new`` generated tokens each; and prefill throughput of the
+engine against one transformers forward (SDPA causal attention) over a ``--real-prefill``-token prompt.
 
 The DELTA setting (``--delta-setting``, DS-Qwen-1.5B, batch 64, 1K budget, decoding from ``--delta-prompt``
 tokens to 18K): TPOT of full and delta at ``--delta-samples`` evenly spaced lengths, each in a cache sized to
@@ -32,7 +37,9 @@ import gc
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -40,36 +47,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
-from runtime.fastdecode import (  # noqa: E402
-    DEFAULT_MIN_CONTEXT,
-    SHAPES,
-    Delta,
-    Full,
-    Lethe,
-    Lychee,
-    ModelShape,
-    StaticCache,
-    StaticDecoder,
-    Weights,
-)
+from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights  # noqa: E402
+from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
+from runtime.policies import get_policy  # noqa: E402
 
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
 GIB = 2**30
+DELTA_MIN_CONTEXT = 4096  # below this the DELTA-setting total runs full (the runtime's fallback)
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
+def _config(shape: ModelShape) -> SimpleNamespace:
+    """What a policy's bind() reads of a config, for random weights."""
+    return SimpleNamespace(num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                           num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden)
+
+
+def spread_heads(layers: int, kv_heads: int, count: int, seed: int = 0) -> torch.Tensor:
+    """``count`` retrieval heads ``[L, Hkv]``: all of layer 0, the rest at random places, each layer's first
+    (a random model's heads have no identity, so the cache keeps the model's head order)."""
+    g = torch.Generator().manual_seed(seed)
+    per_layer = torch.zeros(layers, dtype=torch.long)
+    per_layer[0] = kv_heads
+    rest = torch.randperm((layers - 1) * kv_heads, generator=g)[:max(count - kv_heads, 0)]
+    per_layer[1:] += torch.bincount(rest // kv_heads, minlength=layers - 1)
+    return torch.arange(kv_heads)[None, :] < per_layer[:, None]
+
+
 def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int):
+    """A bound runtime policy on a manifest made for ``shape`` (DELTA's Δ-layers for 7B; spread heads)."""
+    identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
     if name == "full":
-        return Full()
-    if name == "delta":
+        policy, manifest = get_policy("full"), None
+    elif name == "delta":
         selection = (2, 14, 22) if shape.layers > 22 else tuple(range(2, shape.layers, 2))[:3]
-        return Delta.standard(shape.layers, selection=selection, budget=budget)
-    if name == "lychee":
-        return Lychee.spread(shape.layers, shape.kv_heads, retrieval_heads, budget=budget)
-    if name == "lethe":
-        return Lethe(budget=budget)
-    raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, lethe")
+        roles = [0 if i < 2 else 1 if i in selection else 2 for i in range(shape.layers)]
+        policy = get_policy("delta", budget=budget, page_size=16, recent_pages=8)
+        manifest = RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
+    elif name == "lychee":
+        heads = spread_heads(shape.layers, shape.kv_heads, retrieval_heads).to(torch.int8)
+        policy = get_policy("lychee", budget=budget, block_size=16)
+        manifest = RoleManifest(identity, head_role=heads)
+    else:
+        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee")
+    policy.bind(manifest, _config(shape))
+    return policy
 
 
 def scaled_retrieval_heads(shape: ModelShape, count_7b: int) -> int:
@@ -105,7 +128,8 @@ class Bench:
 
     def bound(self, shape: ModelShape, policy, batch: int, context: int) -> float:
         """Bytes one step must read: weights once, and the K/V the policy reads at ``context`` tokens."""
-        return shape.weight_bytes(batch) + shape.kv_bytes(batch, policy.tokens_read(shape, context))
+        reads = policy.static_step(shape).reads(shape, context)
+        return shape.weight_bytes(batch) + shape.kv_bytes(batch, reads)
 
     def row(self, model: str, shape: ModelShape, policy, budget: int | None, batch: int, context: int,
             ms: float) -> dict:
@@ -123,7 +147,7 @@ class Bench:
         rows = []
         for context in a.contexts:
             for batch in a.batches:
-                need = StaticCache.bytes_needed(shape, batch, [context] * shape.layers)
+                need = StaticCache.bytes_needed(shape, batch, context)
                 work = 2 * batch * shape.heads * context * 4 + GIB  # kept logits, partials, activations
                 free = self.free_bytes()
                 if need + work > free:
@@ -131,7 +155,7 @@ class Bench:
                     print(f"skip {model} B={batch} T={context}: {reason}", flush=True)
                     rows.append({"model": model, "batch": batch, "context": context, "skipped": reason})
                     continue
-                cache = StaticCache(shape, batch, [context] * shape.layers, self.device, weights.dtype)
+                cache = StaticCache(shape, batch, context, self.device, weights.dtype)
                 cache.fill_random()
                 start = context - self.margin()
                 full_ms = None
@@ -140,19 +164,12 @@ class Bench:
                         if budget is not None and budget >= context:
                             continue  # reads the whole context anyway
                         policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
-                        if name == "lethe":  # its own compacted cache: budget slots per layer
-                            own = StaticCache(shape, batch, [policy.slots(i, context) for i in range(shape.layers)],
-                                              self.device, weights.dtype)
-                            own.fill_random()
-                            ms = self.measure(weights, policy, batch, context, start, own)
-                            del own
-                        else:
-                            ms = self.measure(weights, policy, batch, context, start, cache)
+                        ms = self.measure(weights, policy, batch, context, start, cache)
                         r = self.row(model, shape, policy, budget, batch, context, ms)
                         if name == "full":
                             full_ms = ms
                         if full_ms is not None:
-                            full_bytes = self.bound(shape, Full(), batch, context)
+                            full_bytes = self.bound(shape, make_policy("full", shape, 0, 0), batch, context)
                             r["speedup_vs_full"] = full_ms / ms
                             r["speedup_limit"] = full_bytes / r["bytes"]
                         rows.append(r)
@@ -169,19 +186,20 @@ class Bench:
         samples = []
         for length in lengths:
             slots = length + self.margin()
-            need = StaticCache.bytes_needed(shape, b, [slots] * shape.layers) + 2 * b * shape.heads * slots * 4 + GIB
+            need = StaticCache.bytes_needed(shape, b, slots) + 2 * b * shape.heads * slots * 4 + GIB
             free = self.free_bytes()
             if need > free:
                 reason = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
                 print(f"skip DELTA setting at {length}: {reason}", flush=True)
                 return {"skipped": reason}
-            cache = StaticCache(shape, b, [slots] * shape.layers, self.device, weights.dtype)
+            cache = StaticCache(shape, b, slots, self.device, weights.dtype)
             cache.fill_random()
-            full_ms = self.measure(weights, Full(), b, slots, length, cache)
+            full = make_policy("full", shape, 0, 0)
+            full_ms = self.measure(weights, full, b, slots, length, cache)
             delta_ms = self.measure(weights, delta, b, slots, length, cache)
             del cache
             samples.append({"length": length, "full_ms": full_ms, "delta_ms": delta_ms,
-                            "full_bytes": self.bound(shape, Full(), b, length),
+                            "full_bytes": self.bound(shape, full, b, length),
                             "delta_bytes": self.bound(shape, delta, b, length)})
             print(f"  DELTA setting, length {length:>6}: full {full_ms:.3f} ms, delta {delta_ms:.3f} ms", flush=True)
 
@@ -206,6 +224,87 @@ class Bench:
                 "speedup_limit": bytes_full / bytes_delta,
                 "byte_limit_fraction_full": bytes_full / self.bandwidth / total_full,
                 "byte_limit_fraction_delta": bytes_delta / self.bandwidth / total_delta}
+
+
+# -- a real model, through the path users run ----------------------------------------------------------------------
+REAL_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works and when it performs badly.",
+    "What are the main causes of the French Revolution?",
+    "Give me a recipe for a vegetarian lasagna, step by step.",
+    "Describe the water cycle to a ten-year-old.",
+    "Summarise the plot of Hamlet in a few paragraphs.",
+    "How do vaccines train the immune system?",
+    "List some tips for writing clear technical documentation.",
+]
+
+
+def wall(fn, reps: int) -> float:
+    """Median wall seconds of ``fn`` after one untimed call (each call synchronised)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def real_model(args: argparse.Namespace) -> dict:
+    from runtime import attach
+    from runtime.engine import Weights as EngineWeights
+    from runtime.models import load_model, load_tokenizer
+
+    model = load_model(args.real, dtype=torch.bfloat16).to("cuda")
+    tok = load_tokenizer(args.real)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             if tok.chat_template else p for p in REAL_PROMPTS]
+    encoded = [tok(c, add_special_tokens=not tok.chat_template)["input_ids"] for c in chats]
+    n = args.real_new
+    rows = []
+    for batch in (1, 16):
+        prompts = [encoded[i % len(encoded)] for i in range(batch)]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
+        hf_s = wall(lambda: model.generate(**common, min_new_tokens=n), args.real_reps)
+        with attach(model, None, "full") as session:
+            ours_s = wall(lambda: session.generate(**common, eos_token_id=-1), args.real_reps)
+            last = session.last
+        row = {"model": args.real, "batch": batch, "new_tokens": n, "prompt_tokens_max": width,
+               "transformers_generate_s": hf_s, "transformers_tokens_per_s": batch * n / hf_s,
+               "rolecall_generate_s": ours_s, "rolecall_tokens_per_s": batch * n / ours_s,
+               "rolecall_decode_only_tokens_per_s": batch * last.steps / last.decode_s,
+               "speedup": hf_s / ours_s, "engine": last.info}
+        rows.append(row)
+        print(f"real {args.real} B={batch}: transformers generate {row['transformers_tokens_per_s']:.0f} tok/s, "
+              f"rolecall {row['rolecall_tokens_per_s']:.0f} tok/s ({row['speedup']:.2f}×; decode steps alone "
+              f"{row['rolecall_decode_only_tokens_per_s']:.0f} tok/s)", flush=True)
+    # prefill: the engine's chunked prefill against one transformers forward (SDPA causal attention)
+    p = args.real_prefill
+    ids = torch.randint(0, model.config.vocab_size, (1, p), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    weights = EngineWeights.from_model(model, positions=p + 8)
+    decoders = []
+
+    def ours() -> None:
+        dec = StaticDecoder(weights, None, 1, p + 8)
+        decoders.append(dec)
+        dec.prefill(ids)
+        decoders.clear()
+
+    with torch.no_grad():
+        hf_s = wall(lambda: model(ids, use_cache=False, logits_to_keep=1), args.real_reps)
+    ours_s = wall(ours, args.real_reps)
+    prefill = {"model": args.real, "prompt_tokens": p, "transformers_sdpa_tokens_per_s": p / hf_s,
+               "rolecall_tokens_per_s": p / ours_s, "ratio": hf_s / ours_s}
+    print(f"prefill {p} tokens: transformers (SDPA) {prefill['transformers_sdpa_tokens_per_s']:.0f} tok/s, "
+          f"rolecall {prefill['rolecall_tokens_per_s']:.0f} tok/s", flush=True)
+    del model, weights
+    return {"generate": rows, "prefill": prefill}
 
 
 # -- reporting -----------------------------------------------------------------------------------------------------
@@ -246,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
     p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8])
-    p.add_argument("--policies", default="full,delta,lychee,lethe")
+    p.add_argument("--policies", default="full,delta,lychee")
     p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")
@@ -259,8 +358,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delta-prompt", type=int, default=512, help="prompt length the decoding starts from")
     p.add_argument("--delta-total", type=int, default=18432, help="length the decoding ends at")
     p.add_argument("--delta-samples", type=int, default=7, help="lengths timed and integrated over")
-    p.add_argument("--min-context", type=int, default=DEFAULT_MIN_CONTEXT,
+    p.add_argument("--min-context", type=int, default=DELTA_MIN_CONTEXT,
                    help="below this length delta runs full in the DELTA-setting total")
+    p.add_argument("--real", default=None, help="also time generate and prefill on this real model (alias)")
+    p.add_argument("--real-new", type=int, default=256, help="tokens generated per prompt in --real")
+    p.add_argument("--real-prefill", type=int, default=4096, help="prompt tokens of the --real prefill timing")
+    p.add_argument("--real-reps", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")
     args = p.parse_args(argv)
@@ -315,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = Weights.random(delta_shape, device, dtype)
         setting = bench.delta_setting(weights, delta_shape)
         del weights
+    real = real_model(args) if args.real and not args.smoke else None
     cross = crossovers(rows)
     for c in cross:
         where = f"from {c['faster_from']} tokens" if c["faster_from"] else "at no measured context"
@@ -330,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
               "copy_bandwidth_Bps": bandwidth, "cuda_graphs": bench.graphs,
               "args": {k: v for k, v in vars(args).items() if k != "out"},
               "shapes": {m: vars(s) for m, s in shapes.items()}, "rows": rows, "crossovers": cross,
-              "delta_setting": setting}
+              "delta_setting": setting, "real": real}
     write_text(out, json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     return 0

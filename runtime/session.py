@@ -1,6 +1,11 @@
 """Attach a role manifest and a decode policy to a model: ``with attach(model, manifest, "delta"): ...``.
 
-Prefill (more than one query token) stays dense through SDPA; each decode step (one query token) of every
+``session.generate(...)`` takes ``model.generate``'s arguments. On a GPU it runs the engine
+(:mod:`runtime.engine`: static cache, chunked prefill, CUDA-graph step, the policy's static step) whenever the
+model's family, the policy and the arguments allow; otherwise it says in one line why and runs the reference
+path below, transformers' own forward with rolecall's attention function (the CPU path, and the truth in tests).
+
+Reference path: prefill (more than one query token) stays dense through SDPA; each decode step (one query token) of every
 non-sliding layer goes through the policy's plan and the sparse-attention kernel. Sliding-window layers of
 hybrid models (``runtime.models.sliding_layers``) always run their own windowed attention and never call the
 policy, so policies see, and hand selections between, the full-attention layers only. Everything runs inside
@@ -10,6 +15,7 @@ policy, so policies see, and hand selections between, the full-attention layers 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,8 +67,14 @@ class Session:
     """What :func:`attach` yields: the bound policy, per-request decode state and statistics."""
 
     def __init__(self, model: torch.nn.Module, manifest: RoleManifest | None, policy: Any,
-                 record_recall: bool = False, record_error: bool = False) -> None:
-        self.model, self.manifest, self.policy = model, manifest, policy
+                 record_recall: bool = False, record_error: bool = False, engine: str = "auto") -> None:
+        if engine not in ENGINE_CHOICES:
+            raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
+        self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
+        self._weights: Any = None
+        self._notice_given = False
+        self.min_context: int | None = None
+        self.last: Any = None  # the engine's Generation of the last call, when the engine ran
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
@@ -81,9 +93,89 @@ class Session:
         return make(self) if make else DynamicCache(config=self.model.config)
 
     def generate(self, *args: Any, **kwargs: Any):
-        """``model.generate`` with a cache from :meth:`cache` (needed for Lethe to free memory)."""
+        """``model.generate``'s arguments and outputs; the engine when :meth:`engine_reason` allows (then also
+        ``seed=`` for sampling), else ``model.generate`` on the reference path with a cache from :meth:`cache`."""
+        why = self.engine_reason(kwargs, args)
+        if why is None:
+            return self._generate_static(**kwargs)
+        if self.engine == "static":
+            raise PolicyError(f"engine='static' cannot run this request: {why}")
+        if self.model.device.type == "cuda" and not self._notice_given:
+            print(f"rolecall: decoding on the transformers path ({why})", file=sys.stderr)
+            self._notice_given = True
+        kwargs.pop("seed", None)
         kwargs.setdefault("past_key_values", self.cache())
         return self.model.generate(*args, **kwargs)
+
+    def engine_reason(self, kwargs: dict[str, Any] | None = None, args: tuple = ()) -> str | None:
+        """Why ``generate(**kwargs)`` cannot run on the engine (one line), or None when it runs there."""
+        from runtime.engine import ModelShape, unsupported
+
+        if self.engine == "reference":
+            return "engine='reference' was asked for"
+        if self.engine == "auto" and self.model.device.type != "cuda":
+            return "the model is not on a CUDA device"
+        if self.record_recall or self.record_error:
+            return "recording recall or error needs the measuring path"
+        why = unsupported(self.model.config)
+        if why:
+            return why
+        make = getattr(self.policy, "static_step", None)
+        if make is None:
+            return f"policy {self.policy.name!r} has no static step on the engine yet"
+        try:
+            make(ModelShape.from_config(self.model.config))
+        except (NotImplementedError, PolicyError) as e:
+            return str(e)
+        extra = sorted(k for k in (kwargs or {}) if k not in ENGINE_KWARGS)
+        if args or extra:
+            return f"the engine does not take {', '.join(extra) or 'positional arguments'}"
+        if (kwargs or {}).get("num_beams", 1) != 1:
+            return "the engine does not beam-search"
+        return None
+
+    def _generate_static(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                         top_p: float | None = None, top_k: int | None = None, seed: int = 0,
+                         eos_token_id: Any = None, pad_token_id: int | None = None, stop_strings: Any = None,
+                         tokenizer: Any = None, streamer: Any = None, output_logits: bool = False,
+                         return_dict_in_generate: bool = False, num_beams: int = 1, use_cache: bool = True):
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        from runtime.engine import Sampling, Weights, generate
+
+        gc = self.model.generation_config
+        ids = input_ids.tolist()
+        if attention_mask is not None:  # left padding: drop the masked ids of each row
+            ids = [[t for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, attention_mask.tolist())]
+        eos = eos_token_id if eos_token_id is not None else gc.eos_token_id
+        pad = pad_token_id if pad_token_id is not None else (gc.pad_token_id if gc.pad_token_id is not None else
+                                                             (eos if isinstance(eos, int) else (eos or [0])[0]))
+        sample = bool(gc.do_sample if do_sample is None else do_sample)
+        sampling = Sampling(sample, float(temperature if temperature is not None else (gc.temperature or 1.0)),
+                            int(top_k if top_k is not None else (gc.top_k or 0)) if sample else 0,
+                            float(top_p if top_p is not None else (gc.top_p or 1.0)) if sample else 1.0, int(seed))
+        new = int(max_new_tokens if max_new_tokens is not None else (gc.max_new_tokens or 20))
+        need = max(len(r) for r in ids) + new
+        if self._weights is None or self._weights.max_positions < need:
+            self._weights = Weights.from_model(self.model, positions=max(need, 1 << (need - 1).bit_length(), 4096))
+        stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
+        out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
+                       pad_token_id=int(pad), stop_strings=stops, tokenizer=tokenizer, streamer=streamer,
+                       output_logits=output_logits, min_context=self.min_context)
+        self.last = out
+        width = max(len(t) for t in out.tokens)
+        rows = [t + [int(pad)] * (width - len(t)) for t in out.tokens]
+        sequences = torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype).to(input_ids.device)], 1)
+        if not return_dict_in_generate:
+            return sequences
+        logits = None
+        if output_logits:
+            stacked = torch.zeros(len(rows), width, self._weights.shape.vocab)
+            for r, lg in enumerate(out.logits):
+                stacked[r, :lg.shape[0]] = lg
+            logits = tuple(stacked[:, i].to(input_ids.device) for i in range(width))
+        return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)
 
     def reset_stats(self) -> None:
         self.stats = LayerStats(self.num_layers)
@@ -145,6 +237,13 @@ class Session:
             st.error[layer].append(err.cpu())
 
 
+ENGINE_CHOICES = ("auto", "static", "reference")
+# model.generate arguments the engine honours (the rest send a request to the reference path)
+ENGINE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
+                 "seed", "eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "streamer", "output_logits",
+                 "return_dict_in_generate", "num_beams", "use_cache"}
+
+
 def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleManifest | None:
     if manifest is None or isinstance(manifest, RoleManifest):
         return manifest
@@ -159,10 +258,16 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
 
     ``params`` go to the policy, except ``record_recall`` / ``record_error`` (bool, default False): also
     measure per layer the true attention mass inside the read set and the relative error of each head's
-    output against dense attention (costs a dense pass per step; for evaluation).
+    output against dense attention (costs a dense pass per step, on the reference path; for evaluation), and
+    ``engine``: ``"auto"`` (the engine on CUDA where it can run, default), ``"static"`` (the engine or an
+    error, also on the CPU) or ``"reference"`` (always the transformers path); ``min_context``: below this
+    many tokens the engine runs a sparse policy's full step (default: the measured crossover for the policy
+    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs).
     """
     record_recall = bool(params.pop("record_recall", False))
     record_error = bool(params.pop("record_error", False))
+    engine = params.pop("engine", "auto")
+    min_context = params.pop("min_context", None)
     manifest = _load_manifest(manifest)
     pol = get_policy(policy, **params)
     if manifest is not None:
@@ -171,7 +276,8 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
         raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
-    session = Session(model, manifest, pol, record_recall, record_error)
+    session = Session(model, manifest, pol, record_recall, record_error, engine)
+    session.min_context = min_context
     with use_attention(model, session.attention, name=f"rolecall_{pol.name}"):
         yield session
 

@@ -1,0 +1,227 @@
+"""The engine's decode step: held against itself (graph replay, Triton vs references, shared caches), the
+byte bounds of the speed targets, the crossover data, the decode benchmark; and real models on a GPU."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from benchmarks import decode as bench
+from runtime.engine import NEVER, SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def policy(name, shape, budget=2048, heads=32):
+    return bench.make_policy(name, shape, budget, heads)
+
+
+def max_diff(got, want):
+    return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+
+
+def test_byte_bounds_of_the_speed_targets():
+    """The byte-bound speed-up limits quoted for the targets (ANCHORS.md) follow from the shapes."""
+    s7, s15 = SHAPES["7b"], SHAPES["1.5b"]
+    assert abs(s7.weight_bytes(8) / 1e9 - 14.1) < 0.1  # the embedding table is not read, only 8 rows of it
+
+    def limit(shape, p, batch, context):
+        full = shape.weight_bytes(batch) + shape.kv_bytes(batch, context)
+        return full / (shape.weight_bytes(batch) + shape.kv_bytes(batch, p.static_step(shape).reads(shape, context)))
+
+    assert 2.8 < limit(s7, policy("delta", s7), 8, 131072) < 3.0
+    assert 2.3 < limit(s7, policy("lychee", s7), 8, 131072) < 2.5
+    assert 1.35 < limit(s7, policy("delta", s7), 1, 131072) < 1.45
+    assert 2.3 < limit(s15, policy("delta", s15, budget=1024), 64, 9216) < 2.7
+    assert StaticCache.bytes_needed(s7, 8, 131072) == 28 * 2 * 8 * 4 * 131072 * 128 * 2
+
+
+def test_default_min_context_follows_the_measured_crossovers():
+    assert [default_min_context("delta", b) for b in (1, 4, 8, 64)] == [32768, 32768, 8192, 8192]
+    assert [default_min_context("lychee", b) for b in (1, 7, 8, 64)] == [NEVER, NEVER, 32768, 32768]
+    assert default_min_context("full", 1) == 0 and NEVER > 131072
+    shape = ModelShape(3, 32, 4, 2, 8, 64, 50)
+    weights = Weights.random(shape, dtype=torch.float32, positions=256)
+    assert StaticDecoder(weights, policy("delta", shape), batch=1, max_len=64).min_context == 32768
+    assert StaticDecoder(weights, policy("delta", shape), batch=8, max_len=64).min_context == 8192
+    assert StaticDecoder(weights, policy("lychee", shape, heads=2), batch=1, max_len=64).uses_full()
+    assert StaticDecoder(weights, policy("delta", shape), max_len=64, min_context=10).min_context == 10
+    assert StaticDecoder(weights, None, batch=8, max_len=64).min_context == 0
+
+
+def test_lychee_with_reordered_heads_reads_a_random_cache_as_full():
+    """A lychee decoder stores a layer's retrieval heads first: a random cache holds the same model state as a
+    full decoder's with the same seed, for the reference kernels and (through the interpreter) the Triton ones."""
+    from runtime.manifest import ModelIdentity, RoleManifest
+    from runtime.policies import get_policy
+
+    shape = ModelShape(layers=4, hidden=64, heads=8, kv_heads=2, head_dim=16, intermediate=128, vocab=100)
+    weights = Weights.random(shape, dtype=torch.float32, std=0.05, positions=256)
+    heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0]], dtype=torch.int8)
+    kernels = ["naive"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+    def lychee(budget):
+        p = get_policy("lychee", budget=budget, block_size=16)
+        p.bind(RoleManifest(ModelIdentity(4, 8, 2, 16), head_role=heads), bench._config(shape))
+        return p
+
+    def run(p, kernels):
+        dec = StaticDecoder(weights, p, batch=2, max_len=80, min_context=0, kernels=kernels)
+        dec.cache.fill_random(seed=1)
+        dec.set_length(60)
+        return [dec.step(torch.full((2,), 7 * i)).clone() for i in range(3)]
+
+    want = run(None, "naive")
+    for k in kernels:  # a budget covering the context: lychee equals full
+        assert max_diff(run(lychee(128), k), want) < 1e-4, k
+    assert max_diff(run(lychee(16), "naive"), want) > 1e-3  # and a small one does not
+    order = lychee(128).static_step(shape).head_order
+    assert torch.equal(StaticDecoder(weights, lychee(128), max_len=80).cache.head_order[1], torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="another order"):  # a cache in the model's order would be misread
+        StaticDecoder(weights, lychee(128), max_len=80, cache=StaticCache(shape, 1, 80, "cpu", torch.float32))
+    shared = StaticCache(shape, 1, 80, "cpu", torch.float32, head_order=order)
+    StaticDecoder(weights, lychee(128), max_len=80, cache=shared)
+    with pytest.raises(ValueError, match="another order"):
+        StaticDecoder(weights, None, max_len=80, cache=shared)
+
+
+def test_triton_calls_in_the_interpreter():
+    """The Triton kernels as the decoder calls them (head-prefix views, int8 masks, int32 block ids, windows)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.manifest import ModelIdentity, RoleManifest
+    from runtime.policies import get_policy
+
+    for family, layers in (("qwen2", 4), ("gemma3", 6)):
+        model = tiny_model(family, layers=layers, heads=4, kv_heads=2, head_dim=16)
+        weights = Weights.from_model(model, positions=128)
+        identity = ModelIdentity.from_config(model.config)
+        roles = [0, 1, 2, 2] if layers == 4 else [0, 0, 1, 0, 0, 2]
+        delta = get_policy("delta", budget=16, recent_pages=1)
+        delta.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
+        heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0], [0, 1], [0, 0]][:layers], dtype=torch.int8)
+        lychee = get_policy("lychee", budget=16, block_size=16)
+        lychee.bind(RoleManifest(identity, head_role=heads), model.config)
+        ids = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(0))
+        for p in (delta, lychee):
+            out = {}
+            for kernels in ("naive", "triton"):
+                dec = StaticDecoder(weights, p, batch=2, max_len=48, min_context=0, kernels=kernels)
+                dec.prefill(ids[:, :40], pads=[0, 5])
+                out[kernels] = [dec.step(ids[:, t]).clone() for t in range(40, 42)]
+            assert max_diff(out["triton"], out["naive"]) < 1e-4, (family, p.name)
+
+
+def test_benchmark_smoke_run(tmp_path):
+    out = tmp_path / "decode.json"
+    assert bench.main(["--smoke", "--contexts", "64", "--batches", "2", "--delta-samples", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {r["policy"] for r in rows} == {"full", "delta", "lychee"}
+    for r in rows:
+        assert r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["byte_limit_fraction"] > 0
+        assert r["speedup_limit"] >= 1.0
+    assert report["delta_setting"]["speedup"] > 0 and len(report["crossovers"]) == 2
+    assert bench.gpu_slug("NVIDIA H200") == "h200" and bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------------------
+GPU_SHAPE = ModelShape(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=128, intermediate=1024, vocab=1000)
+
+
+def gpu_decoders(name, kernels="auto", min_context=0, batch=3, max_len=3000, start=2500, budget=256):
+    """Two decoders with the same weights and equal copies of one random cache."""
+    weights = Weights.random(GPU_SHAPE, "cuda", torch.bfloat16, std=0.05, positions=4096)
+    decs = []
+    for _ in range(2):
+        dec = StaticDecoder(weights, policy(name, GPU_SHAPE, budget, 5), batch, max_len, min_context=min_context,
+                            kernels=kernels)
+        dec.cache.fill_random(seed=1)
+        dec.set_length(start)
+        decs.append(dec)
+    return decs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["full", "delta", "lychee"])
+def test_graph_replay_equals_eager_step_on_gpu(name):
+    eager, graphed = gpu_decoders(name)
+    graphed.capture()
+    tokens = torch.randint(0, GPU_SHAPE.vocab, (6, 3), device="cuda")
+    for t in tokens:
+        torch.testing.assert_close(graphed.step(t).clone(), eager.step(t).clone(), atol=1e-2, rtol=1e-2)
+    assert int(graphed.cache.length) == int(eager.cache.length) == 2506
+    torch.testing.assert_close(graphed.cache.k[3], eager.cache.k[3])
+    for _ in range(3):  # greedy decoding on the device: the replayed graph feeds itself its argmax
+        token = graphed.tokens.clone()
+        assert torch.equal(token, graphed.logits.argmax(-1))
+        torch.testing.assert_close(graphed.step().clone(), eager.step(token).clone(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_fallback_graphs_on_gpu():
+    """Below min_context the full graph runs, above it the policy's; both over the same buffers."""
+    eager, graphed = gpu_decoders("delta", min_context=2503)
+    graphed.capture()
+    assert set(graphed.graphs) == {"policy", "full"}
+    full, _ = gpu_decoders("full")
+    for i in range(6):
+        t = torch.full((3,), i, device="cuda")
+        want, got, dense = eager.step(t).clone(), graphed.step(t).clone(), full.step(t).clone()
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        if i < 3:
+            torch.testing.assert_close(got, dense, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["delta", "lychee"])
+def test_triton_decoder_matches_the_references_on_gpu(name):
+    """With a budget covering the context a sparse policy equals full; Triton against the PyTorch references."""
+    fast, _ = gpu_decoders(name, kernels="triton", budget=4096)
+    ref, _ = gpu_decoders("full", kernels="naive")
+    fast.capture()
+    for i in range(4):
+        t = torch.full((3,), 7 * i, device="cuda")
+        got, want = fast.step(t).float(), ref.step(t).float()
+        assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_embedded_model_generates_as_transformers_on_gpu():
+    """SmolLM2-135M on the engine (CUDA graphs, Triton): greedy 64 tokens equal model.generate in float32, and
+    in bf16 the step logits stay within bf16 tolerance of transformers' on the same tokens."""
+    from runtime import attach
+    from runtime.models import load_model, load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    prompts = ["The history of the printing press", "def fibonacci(n):", "Ten facts about the Moon:"]
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model("smollm2-135m", dtype=dtype).to("cuda")
+        for text in prompts:
+            ids = tok(text, return_tensors="pt")["input_ids"].to("cuda")
+            kw = dict(input_ids=ids, max_new_tokens=64, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+            want = model.generate(**kw)
+            with attach(model, None, "full") as session:
+                got = session.generate(**kw)
+                assert session.last is not None and session.last.info["graphs"]
+            if dtype == torch.float32:
+                assert torch.equal(got.sequences, want.sequences), text
+            else:  # the engine's logits on the engine's tokens, against one transformers forward over them
+                with torch.no_grad():
+                    ref = model(got.sequences).logits[0, ids.shape[1] - 1:-1].float()
+                mine = torch.stack([lg[0] for lg in got.logits]).float()
+                assert float((mine - ref).abs().max()) <= 0.05 * float(ref.abs().max()), text
+
+
+@pytest.mark.gpu
+def test_benchmark_runs_on_gpu(tmp_path):
+    out = tmp_path / "decode.json"
+    assert bench.main(["--models", "1.5b", "--contexts", "8192", "--batches", "1", "--steps", "3", "--warmup", "1",
+                       "--no-delta-setting", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["policy"] for r in rows} == {"full", "delta", "lychee"}
+    assert all(0 < r["byte_limit_fraction"] < 1.2 for r in rows)
