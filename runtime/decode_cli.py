@@ -1,8 +1,9 @@
-"""``rolecall decode``: generate with a manifest and a decode policy; print the text and what was read."""
+"""``rolecall decode``: generate with a manifest and a decode policy; stream the text and say what was read."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from runtime.eval_cli import add_common, parse_params
 
@@ -12,35 +13,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--layers", action="store_true", help="also print the attended fraction of every layer")
+    parser.add_argument("--sample", action="store_true", help="sample (default: greedy)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string, repeatable")
+    parser.add_argument("--layers", action="store_true", help="also print the attended fraction of every layer "
+                        "(measured on the transformers path)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from transformers import TextStreamer
 
-    from runtime.session import attach
     from runtime.models import load_model, load_tokenizer
     from runtime.policies import get_policy
+    from runtime.session import attach
 
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
     params = parse_params(args.param)
     get_policy(args.policy, **params)  # bad names and values fail here, before the model loads
-    model = load_model(args.model, dtype="float32")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    model = load_model(args.model, dtype=getattr(torch, dtype)).to(device)
     tokenizer = load_tokenizer(args.model)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    ids = ids.to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if args.layers:
+        params["record_recall"] = True  # per-layer statistics come from the measuring (transformers) path
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                  do_sample=args.sample, pad_token_id=pad, streamer=streamer)
+    if args.sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.stop:
+        kwargs.update(stop_strings=args.stop, tokenizer=tokenizer)
     with attach(model, args.manifest, args.policy, **params) as session, torch.no_grad():
-        out = session.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                               do_sample=False, pad_token_id=pad)
-    print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        if args.sample and session.engine_reason(dict(kwargs, seed=args.seed)) is None:
+            kwargs["seed"] = args.seed
+        elif args.sample:
+            torch.manual_seed(args.seed)
+        out = session.generate(**kwargs)
+    generated = out.shape[1] - ids.shape[1]
+    last = session.last
+    if last is not None:
+        fraction = last.info["attended_fraction"]
+        fallback = last.info["min_context"]
+        note = f"; full attention below {fallback} tokens" if 0 < fallback < 1 << 40 else (
+            "; full attention at every length (no measured crossover)" if fallback else "")
+        print(f"\n[engine on {device}: {ids.shape[1]} prompt tokens, {sum(map(len, last.tokens))} generated, "
+              f"prefill {last.prefill_s * 1e3:.0f} ms, {last.steps / max(last.decode_s, 1e-9):.1f} tokens/s decoding; "
+              f"policy {args.policy} read {fraction if fraction is not None else 1.0:.3f} of the context{note}]",
+              file=sys.stderr)
+        return 0
     summary = session.summary()
     fraction = summary["attended_fraction"]
-    print(f"\nattended fraction {fraction:.3f} (policy {args.policy}, {ids.shape[1]} prompt tokens, "
-          f"{out.shape[1] - ids.shape[1]} generated)" if fraction is not None else
-          f"\nno decode step ran (policy {args.policy})")
+    print(f"\n[transformers path on {device}: {ids.shape[1]} prompt tokens, {generated} generated; "
+          + (f"attended fraction {fraction:.3f} (policy {args.policy})]" if fraction is not None else
+             f"no decode step ran (policy {args.policy})]"), file=sys.stderr)
     if args.layers:
         for layer in summary["layers"]:
             kept = f"  kept {layer['kept_fraction']:.3f}" if layer["kept_fraction"] is not None else ""

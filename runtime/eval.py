@@ -88,23 +88,35 @@ def step_divergence(full_logits: torch.Tensor, policy_logits: torch.Tensor) -> t
 
 @torch.no_grad()
 def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
-             settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Run the evaluation; returns a JSON-ready dict (see the module docstring)."""
+             settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None,
+             measure: bool | None = None) -> dict[str, Any]:
+    """Run the evaluation; returns a JSON-ready dict (see the module docstring).
+
+    On a GPU the policy decodes on the engine (never falling back to full attention at short contexts:
+    ``min_context=0``) and the attended fraction comes from its static step. ``measure`` (default: only on
+    the CPU, where the transformers path runs anyway) records per-layer recall and keys read on that path."""
     settings = settings or EvalSettings()
     params = dict(params or {})
     if samples is None:
         samples = load_prompts(settings.prompts, tokenizer) if settings.prompts else passkey_prompts(tokenizer, settings)
     eos = tokenizer.eos_token_id
     records, kls, agree = [], [], []
-    with attach(model, manifest, policy, record_recall=True, **params) as session:
+    measure = model.device.type != "cuda" if measure is None else measure
+    fractions = []
+    with attach(model, manifest, policy, record_recall=measure, min_context=0, **params) as session:
         for sample in samples:
             ids = sample["input_ids"][None].to(model.device)
-            # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts
-            # the attention mass that fell on evicted tokens.
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_new_tokens,
-                                 past_key_values=DynamicCache(config=model.config),
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_new_tokens,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+            if session.engine_reason(kwargs) is not None:
+                # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still
+                # counts the attention mass that fell on evicted tokens.
+                kwargs["past_key_values"] = DynamicCache(config=model.config)
+            session.last = None
+            out = session.generate(**kwargs)
+            if session.last is not None and session.last.info["attended_fraction"] is not None:
+                fractions.append(session.last.info["attended_fraction"])
             new = out.sequences[0, ids.shape[1]:]
             policy_logits = torch.cat(out.logits)  # [N, V]; row 0 comes from the dense prefill
             # More than one query token: the engine runs this forward densely (prefill path).
@@ -121,6 +133,8 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
                 "top1_agreement": float(top1.float().mean()) if top1.numel() else None,
             })
         summary = session.summary()
+        if fractions:  # the engine ran: what its static step reads, no per-layer measurement
+            summary["attended_fraction"] = sum(fractions) / len(fractions)
     kl_all, agree_all = torch.cat(kls), torch.cat(agree)
     scored = [r for r in records if r["correct"] is not None]
     cells: dict[str, dict[str, list[bool]]] = {}

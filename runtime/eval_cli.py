@@ -35,6 +35,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="delta", help="full, delta, lychee, lethe, vattention or quest (default delta)")
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
                         help="policy parameter, repeatable (e.g. -p budget=1024, -p ratio=0.1, -p epsilon=0.05)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one); on cuda "
+                        "full, delta and lychee run on the engine (static cache, CUDA graphs)")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} instead of passkeys')
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--json", default=None, help="write the full result here")
+    parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
+                        "read (runs the slower transformers path)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,9 +67,13 @@ def run(args: argparse.Namespace) -> int:
                             max_new_tokens=args.max_new_tokens)
     params = parse_params(args.param)
     get_policy(args.policy, **params)  # bad names and values fail here, before the model loads
-    model = load_model(args.model, dtype="float32")
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    model = load_model(args.model, dtype=getattr(torch, dtype)).to(device)
     tokenizer = load_tokenizer(args.model)
-    result = evaluate(model, tokenizer, args.manifest, args.policy, params, settings)
+    result = evaluate(model, tokenizer, args.manifest, args.policy, params, settings, measure=args.measure)
     result["model"] = args.model
     result["manifest"] = args.manifest
     print(format_table(result))

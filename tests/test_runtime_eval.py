@@ -75,8 +75,8 @@ def test_eval_and_decode_commands(tiny_folder, tmp_path, capsys):
     code = main(["decode", "--model", str(tiny_folder), "--policy", "lethe", "-p", "budget=16", "--prompt",
                  "hello world " * 10, "--max-new-tokens", "5", "--layers"])
     assert code == 0
-    printed = capsys.readouterr().out
-    assert "attended fraction" in printed and "kept" in printed
+    captured = capsys.readouterr()  # the text streams to stdout, the summary goes to stderr
+    assert "attended fraction" in captured.err and "kept" in captured.out
 
 
 def test_bad_policy_on_the_command_line_is_one_line(tiny_folder, capsys):
