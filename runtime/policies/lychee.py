@@ -173,7 +173,9 @@ class LycheeStep:
     def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
         hkv = k.shape[1]
         g = q.shape[1] // hkv
-        orders = self._device_order.setdefault(k.device, [o.to(k.device) for o in self.order])
+        if k.device not in self._device_order:  # once, in the eager warm-up before any graph capture
+            self._device_order[k.device] = [o.to(k.device) for o in self.order]
+        orders = self._device_order[k.device]
         r, order, bs = self.n_retrieval[layer], orders[layer], self.block_size
         outs = []
         if r:
