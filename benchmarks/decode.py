@@ -271,9 +271,9 @@ def real_model(args: argparse.Namespace) -> dict:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
         common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
-        hf_s = wall(lambda: model.generate(**common, min_new_tokens=n), args.real_reps)
+        hf_s = wall(lambda c=common: model.generate(**c, min_new_tokens=n), args.real_reps)
         with attach(model, None, "full") as session:
-            ours_s = wall(lambda: session.generate(**common, eos_token_id=-1), args.real_reps)
+            ours_s = wall(lambda c=common, s=session: s.generate(**c, eos_token_id=-1), args.real_reps)
             last = session.last
         row = {"model": args.real, "batch": batch, "new_tokens": n, "prompt_tokens_max": width,
                "transformers_generate_s": hf_s, "transformers_tokens_per_s": batch * n / hf_s,
@@ -303,7 +303,6 @@ def real_model(args: argparse.Namespace) -> dict:
                "rolecall_tokens_per_s": p / ours_s, "ratio": hf_s / ours_s}
     print(f"prefill {p} tokens: transformers (SDPA) {prefill['transformers_sdpa_tokens_per_s']:.0f} tok/s, "
           f"rolecall {prefill['rolecall_tokens_per_s']:.0f} tok/s", flush=True)
-    del model, weights
     return {"generate": rows, "prefill": prefill}
 
 

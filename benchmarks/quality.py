@@ -229,6 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"subset of {', '.join(POLICIES)} (default: every one whose manifest is given)")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS), help="token budgets")
     parser.add_argument("--delta", default=None, help="DELTA manifest (layers.role), e.g. from calibrate-delta")
+    parser.add_argument("--measure", action="store_true", default=None,
+                        help="also measure per-layer attention recall (the transformers path; on a GPU the policies "
+                        "otherwise decode on the engine)")
     parser.add_argument("--delta-recall", default=None, help="a second DELTA manifest (calibrate-delta --select recall)")
     parser.add_argument("--heads", action="append", metavar="NAME=PATH",
                         help="LycheeDecode heads manifest, repeatable (e.g. hardkuma=..., hardconcrete=..., sigmoid=...)")
@@ -301,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         bar.set_postfix_str(cell.name)
         start = time.perf_counter()
-        result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples)
+        result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples,
+                          measure=args.measure)
         row = row_of(cell, result, time.perf_counter() - start)
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))

@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
     params = parse_params(args.param)
-    get_policy(args.policy, **params)  # bad names and values fail here, before the model loads
+    from runtime.session import SESSION_PARAMS
+
+    # bad names and values fail here, before the model loads
+    get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     model = load_model(args.model, dtype=getattr(torch, dtype)).to(device)

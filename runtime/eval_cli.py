@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
                             passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens)
     params = parse_params(args.param)
-    get_policy(args.policy, **params)  # bad names and values fail here, before the model loads
+    from runtime.session import SESSION_PARAMS
+
+    # bad names and values fail here, before the model loads
+    get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

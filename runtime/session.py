@@ -238,6 +238,8 @@ class Session:
 
 
 ENGINE_CHOICES = ("auto", "static", "reference")
+# attach() keywords that are not the policy's (how to decode, what to record)
+SESSION_PARAMS = ("record_recall", "record_error", "engine", "min_context")
 # model.generate arguments the engine honours (the rest send a request to the reference path)
 ENGINE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                  "seed", "eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "streamer", "output_logits",
