@@ -118,7 +118,8 @@ class Bench:
                 cache: StaticCache | None) -> float:
         """Median ms per step of ``policy`` with ``start`` valid tokens (the length grows by one per step)."""
         a = self.args
-        dec = StaticDecoder(weights, policy, batch, slots, cache=cache, min_context=0)
+        dec = StaticDecoder(weights, policy, batch, slots, cache=cache, min_context=0,
+                            compile=self.args.compile and self.device == "cuda")
         dec.set_length(start)
         if self.graphs:
             dec.capture()
@@ -359,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delta-samples", type=int, default=7, help="lengths timed and integrated over")
     p.add_argument("--min-context", type=int, default=DELTA_MIN_CONTEXT,
                    help="below this length delta runs full in the DELTA-setting total")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="fuse each layer's small ops with torch.compile, as the engine does by default on CUDA")
     p.add_argument("--real", default=None, help="also time generate and prefill on this real model (alias)")
     p.add_argument("--real-new", type=int, default=256, help="tokens generated per prompt in --real")
     p.add_argument("--real-prefill", type=int, default=4096, help="prompt tokens of the --real prefill timing")

@@ -122,11 +122,39 @@ def test_engine_equals_reference(family, policy):
 def test_logits_after_eos_match_transformers():
     model = model_of("llama")
     ids, mask = left_padded(prompts())
-    want = model.generate(input_ids=ids, attention_mask=mask, **WITH_LOGITS)
-    steps = active_steps(want.sequences, ids.shape[1], model.generation_config.eos_token_id)
+    free = model.generate(input_ids=ids, attention_mask=mask, **dict(WITH_LOGITS, eos_token_id=None))
+    eos = int(free.sequences[1, ids.shape[1] + 1])  # row 1 stops after two tokens
+    gen = dict(WITH_LOGITS, eos_token_id=eos)
+    want = model.generate(input_ids=ids, attention_mask=mask, **gen)
+    steps = active_steps(want.sequences, ids.shape[1], eos)
     assert min(steps) < len(want.logits), "no row finished early: the test needs a row that hits EOS"
-    got = run(model, "full", "static", ids, mask)
-    assert max_logit_gap(got.logits, want.logits, [len(want.logits)] * len(steps)) <= 1e-4
+    got = run(model, "full", "static", ids, mask, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max_logit_gap(got.logits, want.logits, steps) <= 1e-4  # up to each row's EOS: equal
+    assert max_logit_gap(got.logits, want.logits, [len(want.logits)] * len(steps)) <= 1e-4  # after it: zeros
+
+
+VARIANTS = {
+    "tied+bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True)),
+    "softcap": ("gemma3", dict(final_logit_softcapping=5.0)),
+    "llama3-rope": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "linear-rope": ("qwen2", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "window-everywhere": ("mistral", dict(sliding_window=16)),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_equals_reference_on_config_variants(variant):
+    family, overrides = VARIANTS[variant]
+    model = tiny_model(family, layers=6 if family == "gemma3" else 4, heads=4, kv_heads=2, head_dim=16, **overrides)
+    ids, mask = left_padded(prompts(seed=2))
+    for policy in POLICIES:
+        got = run(model, policy, "static", ids, mask)
+        want = run(model, policy, "reference", ids, mask)
+        assert torch.equal(got.sequences, want.sequences), policy
+        steps = active_steps(want.sequences, ids.shape[1], model.generation_config.eos_token_id)
+        assert max_logit_gap(got.logits, want.logits, steps) <= 1e-4, policy
 
 
 # -- 2. full attention on the engine equals plain model.generate -----------------------------------------------
@@ -167,6 +195,19 @@ def test_sampling_is_seeded_and_stays_inside_the_filter():
             assert torch.isfinite(kept[new[row, i]]), f"row {row} step {i}: token outside the filter"
 
 
+def test_engine_samples_what_the_sampler_draws_from_its_logits():
+    # the step's choice is the Sampler's (counter step 0 at the prefill, then one per step) on the step's logits
+    model = model_of("gemma3")
+    rows = prompts()
+    sampling = Sampling(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    w = Weights.from_model(model, positions=256)
+    out = engine.generate(w, get_policy("full"), rows, max_new_tokens=NEW, sampling=sampling, pad_token_id=PAD,
+                          eos_token_id=[], output_logits=True, kernels="naive")
+    sampler = Sampler(sampling, "cpu")
+    drawn = torch.stack([sampler(torch.stack([lg[i] for lg in out.logits])) for i in range(NEW)], 1)
+    assert drawn.tolist() == out.tokens
+
+
 def test_sampling_with_top_k_1_is_greedy():
     model = model_of("llama")
     ids, mask = left_padded(prompts())
@@ -186,6 +227,9 @@ def test_filtered_logits_by_hand():
     assert torch.isfinite(filtered_logits(p, 0, 0.7)).tolist() == [[True, True, False, False, False]]
     assert torch.isfinite(filtered_logits(p, 0, 0.85)).tolist() == [[True, True, True, False, False]]
     assert torch.isfinite(filtered_logits(p, 0, 0.01)).tolist() == [[True, False, False, False, False]]  # top stays
+    # exact boundary: four equal tokens, the mass before the third is exactly 0.5, so top_p 0.5 keeps two (as
+    # transformers does)
+    assert int(torch.isfinite(filtered_logits(torch.zeros(1, 4), 0, 0.5)).sum()) == 2
     kept = filtered_logits(p, 0, 0.7)
     assert torch.equal(kept[0, :2], p[0, :2])  # kept logits are untouched
 
@@ -327,17 +371,35 @@ def test_stop_strings_cut_after_the_string():
         engine.generate(w, get_policy("full"), rows, max_new_tokens=4, stop_strings=[stop])
 
 
+def test_stop_strings_on_every_row_end_the_batch():
+    tok = tiny_tokenizer()
+    model = model_of("llama")
+    rows = prompts(seed=1)
+    w = Weights.from_model(model, positions=256)
+    free = engine.generate(w, get_policy("full"), rows, max_new_tokens=24, pad_token_id=PAD, kernels="naive")
+    # per row the first printable byte token within its first 8 tokens, as a one-character stop string
+    stops = [tok.decode([t]) for out in free.tokens for t in [next(t for t in out[:8] if t < 94)]]
+    out = engine.generate(w, get_policy("full"), rows, max_new_tokens=24, pad_token_id=PAD, stop_strings=stops,
+                          tokenizer=tok, check_every=8, kernels="naive")
+    assert out.finish == ["stop"] * 3
+    assert all(len(t) <= 8 for t in out.tokens)
+    assert out.steps == 8  # the first check saw every row stopped
+
+
+class Collect:
+    """A streamer that keeps the ids it is given."""
+
+    def __init__(self):
+        self.ids, self.ended = [], 0
+
+    def put(self, ids):
+        self.ids += torch.as_tensor(ids).flatten().tolist()
+
+    def end(self):
+        self.ended += 1
+
+
 def test_streamer_gets_row_0():
-    class Collect:
-        def __init__(self):
-            self.ids, self.ended = [], 0
-
-        def put(self, ids):
-            self.ids += torch.as_tensor(ids).flatten().tolist()
-
-        def end(self):
-            self.ended += 1
-
     model = model_of("qwen3")
     rows = prompts()
     w = Weights.from_model(model, positions=256)
@@ -345,7 +407,43 @@ def test_streamer_gets_row_0():
     out = engine.generate(w, get_policy("full"), rows, max_new_tokens=20, pad_token_id=PAD, streamer=streamer,
                           check_every=3, kernels="naive")
     assert streamer.ended == 1
-    assert streamer.ids[:len(out.tokens[0])] == out.tokens[0]
+    assert streamer.ids == out.tokens[0]  # no stop: every token, streamed in pieces of 3
+
+
+STREAM_BUG = ("runtime/engine/generate.py generate(): the streamer is fed row 0's tokens up to the check point "
+              "before the stop-string scan and the EOS bookkeeping, so it receives tokens after a stop string and "
+              "padding after EOS that the returned Generation does not hold")
+
+
+@pytest.mark.xfail(strict=True, reason=STREAM_BUG)
+def test_streamer_stops_at_the_stop_string():
+    tok = tiny_tokenizer()
+    model = model_of("llama")
+    row = prompts(seed=1)[1]
+    w = Weights.from_model(model, positions=256)
+    free = engine.generate(w, get_policy("full"), [row], max_new_tokens=24, pad_token_id=PAD, kernels="naive")
+    stop = tok.decode(free.tokens[0][2:4])
+    assert stop not in tok.decode(free.tokens[0][:3])
+    streamer = Collect()
+    out = engine.generate(w, get_policy("full"), [row], max_new_tokens=24, pad_token_id=PAD, stop_strings=[stop],
+                          tokenizer=tok, streamer=streamer, kernels="naive")
+    assert out.finish == ["stop"] and out.tokens[0] == free.tokens[0][:4]
+    assert streamer.ids == out.tokens[0]
+
+
+@pytest.mark.xfail(strict=True, reason=STREAM_BUG)
+def test_streamer_stops_at_eos():
+    model = model_of("llama")
+    row = prompts(seed=1)[1]
+    w = Weights.from_model(model, positions=256)
+    free = engine.generate(w, get_policy("full"), [row], max_new_tokens=24, pad_token_id=PAD, kernels="naive")
+    eos = free.tokens[0][2]
+    assert eos not in free.tokens[0][:2]
+    streamer = Collect()
+    out = engine.generate(w, get_policy("full"), [row], max_new_tokens=24, pad_token_id=PAD, eos_token_id=eos,
+                          streamer=streamer, kernels="naive")
+    assert out.finish == ["eos"] and out.tokens[0] == free.tokens[0][:3]
+    assert streamer.ids == out.tokens[0]
 
 
 # -- 5. the short-context fallback ---------------------------------------------------------------------------
@@ -375,9 +473,9 @@ def test_min_context_switches_to_the_sparse_step_mid_generation():
     full = run(model, "full", "static", x)
     mixed = run(model, "delta", "static", x, min_context=95)
     sparse = run(model, "delta", "static", x)
-    switch = 95 - 90 + 1  # logits 0 (prefill) … 5 come from full steps
+    switch = 95 - 90 + 1  # logits 0 (prefill) … 5 come from full steps, 6 (cache length 95) on from sparse ones
     assert all(torch.equal(a, b) for a, b in zip(mixed.logits[:switch], full.logits[:switch]))
-    assert max(float((a - b).abs().max()) for a, b in zip(mixed.logits[switch:], full.logits[switch:])) > 1e-2
+    assert all(float((a - b).abs().max()) > 1e-3 for a, b in zip(mixed.logits[switch:], full.logits[switch:]))
     assert not all(torch.equal(a, b) for a, b in zip(mixed.logits, sparse.logits))
 
 
@@ -397,10 +495,11 @@ def test_attach_restores_the_model(family, policy):
         assert model.config._attn_implementation == before_impl
         with torch.no_grad():
             assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
-    with pytest.raises(RuntimeError, match="boom"):
-        with attach(model, manifest_of(model, policy), policy, engine="static", **PARAMS[policy]) as s:
-            s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-            raise RuntimeError("boom")
+    manifest = manifest_of(model, policy)
+    with pytest.raises(RuntimeError, match="boom"), attach(model, manifest, policy, engine="static",
+                                                           **PARAMS[policy]) as s:
+        s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+        raise RuntimeError("boom")
     assert model.config._attn_implementation == before_impl
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
     with torch.no_grad():
@@ -444,12 +543,11 @@ def test_auto_runs_the_reference_path_on_cpu_and_static_the_engine():
         with pytest.raises(PolicyError, match="repetition_penalty"):
             s.generate(input_ids=ids, attention_mask=mask, repetition_penalty=1.3, **GREEDY)
     assert torch.equal(auto, static)
-    with attach(model, manifest_of(model, "lychee"), "lychee", engine="static", ratio=0.5) as s:
-        with pytest.raises(PolicyError, match="ratio"):
-            s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-    with attach(model, None, "quest", engine="static") as s:
-        with pytest.raises(PolicyError, match="no static step"):
-            s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    lychee = manifest_of(model, "lychee")
+    with attach(model, lychee, "lychee", engine="static", ratio=0.5) as s, pytest.raises(PolicyError, match="ratio"):
+        s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    with attach(model, None, "quest", engine="static") as s, pytest.raises(PolicyError, match="no static step"):
+        s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     with attach(model, None, "quest", engine="auto") as s:  # auto falls back instead
         s.generate(input_ids=ids, attention_mask=mask, **dict(GREEDY, max_new_tokens=2))
         assert s.last is None

@@ -15,7 +15,9 @@ the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -45,11 +47,13 @@ class StaticDecoder:
     (Triton on CUDA), ``"naive"`` (the PyTorch references) or ``"triton"`` (also on the CPU under
     ``TRITON_INTERPRET=1``). ``cache``: share one cache between decoders (benchmarks). ``sampler``: chooses
     the next token from the logits inside the step (greedy when None); ``stopper``: bookkeeping of finished
-    rows inside the step (``runtime.engine.generate``)."""
+    rows inside the step (``runtime.engine.generate``). ``compile``: fuse each layer's small ops around its GEMMs
+    with ``torch.compile`` (default: on CUDA, unless ``ROLECALL_COMPILE=0``; the first step of each batch size
+    compiles)."""
 
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
                  cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
-                 sampler: Any = None, stopper: Any = None) -> None:
+                 sampler: Any = None, stopper: Any = None, compile: bool | None = None) -> None:
         from runtime.policies.full import Full
 
         self.policy = policy if policy is not None else Full()
@@ -100,6 +104,11 @@ class StaticDecoder:
         # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
         self.hybrid = bool(windows) and len(windows) < s.layers
         self.graphs: dict[str, Any] = {}
+        if compile is None:
+            compile = device.type == "cuda" and os.environ.get("ROLECALL_COMPILE", "1") != "0"
+        self.compiled = bool(compile)
+        self._pre, self._post = L.compiled_layers(s) if compile else (
+            functools.partial(L.qkv_tensors, s), functools.partial(L.finish_tensors, s))
 
     # -- host-side control -------------------------------------------------------------------------------------
     def set_length(self, length: int) -> None:
@@ -219,7 +228,8 @@ class StaticDecoder:
         slot = length.view(1)
         x = L.embed(w, self.tokens)  # [B, H]
         for i, lw in enumerate(w.layers):
-            q, k, v = L.qkv(lw, s, x, *rope[s.rope_kinds[i]])  # [B, Hq, D], [B, Hkv, D]
+            q, k, v = self._pre(x, lw.norm_attn, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm,
+                                *rope[s.rope_kinds[i]])  # [B, Hq, D], [B, Hkv, D]
             c.k[i].index_copy_(2, slot, k[:, :, None])
             c.v[i].index_copy_(2, slot, v[:, :, None])
             window = s.windows[i]
@@ -228,7 +238,8 @@ class StaticDecoder:
                 o = self.attend(q, c.k[i], c.v[i], mask, blocks, WINDOW_BLOCK)
             else:
                 o = static.attention(self, i, q, c.k[i], c.v[i], masks[window], state)  # [B, Hq, D] float32
-            x = L.finish_layer(lw, s, x, o.view(b, hq * d))
+            x = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
+                           lw.w_down, lw.norm_mlp_out)
         logits = L.logits(w, x)
         self.logits.copy_(logits)
         token = self.sampler(logits) if self.sampler is not None else logits.argmax(-1)
