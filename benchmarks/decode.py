@@ -124,8 +124,22 @@ class Bench:
         if self.graphs:
             dec.capture()
         ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))
+        if a.profile and self.graphs:
+            self.profile(dec, f"{policy.name} B={batch} T={start}")
         del dec
         return ms
+
+    def profile(self, dec: StaticDecoder, label: str) -> None:
+        """Append the step's kernels, sorted by GPU time, to ``--profile`` (5 replays)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                dec.step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        with open(self.args.profile, "a") as f:
+            f.write(f"== {label} (5 steps)\n{table}\n")
 
     def bound(self, shape: ModelShape, policy, batch: int, context: int) -> float:
         """Bytes one step must read: weights once, and the K/V the policy reads at ``context`` tokens."""
@@ -141,7 +155,7 @@ class Bench:
                 "byte_limit_fraction": limit_ms / ms}
 
     def margin(self) -> int:
-        return self.args.warmup + self.args.steps + 4
+        return self.args.warmup + self.args.steps + 4 + (5 if self.args.profile else 0)
 
     def grid(self, model: str, shape: ModelShape, weights: Weights) -> list[dict]:
         a = self.args
@@ -362,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="below this length delta runs full in the DELTA-setting total")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="fuse each layer's small ops with torch.compile, as the engine does by default on CUDA")
+    p.add_argument("--profile", default=None, help="append each configuration's kernel table to this file")
     p.add_argument("--real", default=None, help="also time generate and prefill on this real model (alias)")
     p.add_argument("--real-new", type=int, default=256, help="tokens generated per prompt in --real")
     p.add_argument("--real-prefill", type=int, default=4096, help="prompt tokens of the --real prefill timing")

@@ -13,6 +13,8 @@ Every call is captured in a CUDA graph, as a decode step runs, so launch overhea
   everything, in one launch (LycheeDecode's mixed retrieval/sparse layer; r = 8 is a fully sparse layer);
 * ``gather_sdpa``: the naive route, gathering 10 % of the blocks of every head and running SDPA on them;
 * ``page_scores``: a second pass over K that scores pages from the attention pass's log-sum-exp;
+* ``flashinfer_dense`` / ``flashinfer_sparse`` (when ``flashinfer`` imports): the peer, FlashInfer's paged
+  decode over the same cache, dense and through a page table listing only the chosen pages per KV head;
 * ``decode_and_score``: the fused Δ-layer path (attention that keeps its logits, then a pass over the logits):
   its time over ``ours_dense`` is the selection overhead DELTA reports (154 % at 1K, 25 % at 32K).
 
@@ -157,9 +159,52 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     row["selection_overhead_fused"] = row["decode_and_score_ms"] / row["ours_dense_ms"] - 1.0
     row["sdpa_bandwidth_fraction"] = dense_bytes / (row["sdpa_ms"] / 1e3) / copy_bw
     row["ours_dense_bandwidth_fraction"] = dense_bytes / (row["ours_dense_ms"] / 1e3) / copy_bw
+    if flashinfer_available():
+        row.update(flashinfer_peer(b, t, q, kv, idx))
+        row["flashinfer_sparse_vs_ours"] = row["flashinfer_sparse_ms"] / row["sparse_8_ms"]
     kv.sets.clear()
     torch.cuda.empty_cache()
     return row
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flashinfer_peer(b: int, t: int, q: torch.Tensor, kv: Rotating, idx: torch.Tensor) -> dict:
+    """FlashInfer's paged decode on the same cache: each (sequence, KV head) is one request whose pages are
+    64-token slices of ``[B, Hkv, T, D]`` (HND, one KV head), so dense reads every page and sparse lists only
+    the chosen pages per KV head in its page table, as DELTA's and Quest's engines do. Tensor cores on (GQA)."""
+    import flashinfer
+
+    pages = t // BLOCK
+    g = HQ // HKV
+    rows = b * HKV
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    last = torch.full((rows,), BLOCK, dtype=torch.int32, device="cuda")
+    qh = q.view(rows, g, D)
+    out = {"flashinfer_version": flashinfer.__version__}
+    base = (torch.arange(rows, device="cuda", dtype=torch.int32) * pages)[:, None]
+    tables = {"dense": base + torch.arange(pages, device="cuda", dtype=torch.int32)[None, :],
+              "sparse": base + idx.view(rows, -1)}
+    for name, table in tables.items():
+        n = table.shape[1]
+        indptr = torch.arange(rows + 1, device="cuda", dtype=torch.int32) * n
+        indices = table.flatten().contiguous()
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "HND", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        wrapper.plan(indptr, indices, last, g, 1, D, BLOCK, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+        def run(k, v, w=wrapper):
+            return w.run(qh, (k.view(rows * pages, 1, BLOCK, D), v.view(rows * pages, 1, BLOCK, D)))
+
+        out[f"flashinfer_{name}_ms"] = graph_ms(run, kv)
+    return out
 
 
 def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
@@ -201,13 +246,14 @@ def main() -> int:
     print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
           f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
     head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%",
-            "fused", "fsel%")
+            "fused", "fsel%", "FI dense", "FI sp8")
     print(" ".join(f"{h:>8}" for h in head))
     for r in rows:
         vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["sparse_0_ms"], r["sparse_4_ms"],
                 r["sparse_8_ms"], r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
                 r["sparse_8_bandwidth_fraction"], r["gather_sdpa_ms"], r["page_scores_ms"],
-                100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"])
+                100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"],
+                r.get("flashinfer_dense_ms", float("nan")), r.get("flashinfer_sparse_ms", float("nan")))
         print(" ".join(f"{v:>8}" if isinstance(v, int) else f"{v:>8.3f}" for v in vals))
     return 0
 
