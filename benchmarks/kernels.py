@@ -131,7 +131,8 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
         q, k, v, scale=scale, num_warps=warps, num_stages=stages), kv)
     for r in (0, 4, 8):
-        full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous()
+        # r = 8 is a fully sparse layer, called as the engine calls it (no full_rows)
+        full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous() if r < HKV else None
         row[f"sparse_{r}_ms"] = graph_ms(lambda k, v, full=full: tri.sparse_decode_attention(
             q, k, v, idx, scale=scale, block_size=BLOCK, full_rows=full, num_warps=warps, num_stages=stages), kv)
         read = b * ((HKV - r) * kv_bytes_row + r * sparse_bytes_row)
@@ -208,7 +209,8 @@ def flashinfer_peer(b: int, t: int, q: torch.Tensor, kv: Rotating, idx: torch.Te
 
 
 def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
-    """Pick num_warps / num_stages on the headline case (128K, batch 8, all heads sparse)."""
+    """Pick num_warps / num_stages on the headline case (128K, batch 8, all heads sparse); also time tile and
+    chunk sizes for every context and batch asked for (reported, not used)."""
     b, t = 8, 131072
     kv = Rotating(b, t, copies=1)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -223,11 +225,31 @@ def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
     return warps, stages, results
 
 
+def sweep(b: int, t: int, g: torch.Generator) -> dict:
+    """Sparse (all heads, 10 %) time per tile / chunk / warps / stages at one shape."""
+    kv = Rotating(b, t)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    idx = sparse_indices(b, t, g)
+    out = {}
+    for tile in (32, 64, 128):
+        for chunk in (None, 512, 1024, 2048):
+            for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                if chunk is not None and chunk < tile:
+                    continue
+                out[f"t{tile}c{chunk}w{warps}s{stages}"] = graph_ms(
+                    lambda k, v, a=(tile, chunk, warps, stages): tri.sparse_decode_attention(
+                        q, k, v, idx, scale=D**-0.5, block_size=BLOCK, tile=a[0], chunk=a[1], num_warps=a[2],
+                        num_stages=a[3]), kv)
+    kv.sets.clear()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--contexts", default="16384,32768,65536,131072")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--sweep", action="store_true", help="also time tile / chunk / warps / stages per shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -241,7 +263,13 @@ def main() -> int:
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
               "num_stages": stages, "tuning_ms": tuning, "rows": rows}
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.sweep:
+        report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
+                           for b in map(int, args.batches.split(","))}
+        for shape, times in report["sweep"].items():
+            best = sorted(times, key=times.get)[:3]
+            print(f"sweep {shape}: " + ", ".join(f"{k} {times[k]:.4f} ms" for k in best)
+                  + f" (default t64cNonew{warps}s{stages}: {times.get(f't64cNonew{warps}s{stages}', float('nan')):.4f})")
 
     print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
           f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
@@ -255,6 +283,7 @@ def main() -> int:
                 100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"],
                 r.get("flashinfer_dense_ms", float("nan")), r.get("flashinfer_sparse_ms", float("nan")))
         print(" ".join(f"{v:>8}" if isinstance(v, int) else f"{v:>8.3f}" for v in vals))
+    Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -173,7 +173,8 @@ class Session:
         if output_logits:
             stacked = torch.zeros(len(rows), width, self._weights.shape.vocab)
             for r, lg in enumerate(out.logits):
-                stacked[r, :lg.shape[0]] = lg
+                n = min(width, lg.shape[0])
+                stacked[r, :n] = lg[:n]
             logits = tuple(stacked[:, i].to(input_ids.device) for i in range(width))
         return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)
 

@@ -117,8 +117,6 @@ def test_engine_equals_reference(family, policy):
                 f"{family}/{policy}/{name}: the sparse policy read everything"
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/session.py Session._generate_static zero-fills the logits of a row "
-                   "after its EOS; transformers reports the model's logits on the padding it feeds there")
 def test_logits_after_eos_match_transformers():
     model = model_of("llama")
     ids, mask = left_padded(prompts())
@@ -410,12 +408,6 @@ def test_streamer_gets_row_0():
     assert streamer.ids == out.tokens[0]  # no stop: every token, streamed in pieces of 3
 
 
-STREAM_BUG = ("runtime/engine/generate.py generate(): the streamer is fed row 0's tokens up to the check point "
-              "before the stop-string scan and the EOS bookkeeping, so it receives tokens after a stop string and "
-              "padding after EOS that the returned Generation does not hold")
-
-
-@pytest.mark.xfail(strict=True, reason=STREAM_BUG)
 def test_streamer_stops_at_the_stop_string():
     tok = tiny_tokenizer()
     model = model_of("llama")
@@ -431,7 +423,6 @@ def test_streamer_stops_at_the_stop_string():
     assert streamer.ids == out.tokens[0]
 
 
-@pytest.mark.xfail(strict=True, reason=STREAM_BUG)
 def test_streamer_stops_at_eos():
     model = model_of("llama")
     row = prompts(seed=1)[1]

@@ -193,7 +193,7 @@ class StaticDecoder:
         """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
         blocks up to the new token's, then the highest scores among the existing ones. No sync."""
         last = torch.div(self.cache.length, block_size, rounding_mode="floor")
-        return topk_with_recent(scores, k, recent, last=last).to(torch.int32)
+        return topk_with_recent(scores, k, recent, last=last, ascending=False).to(torch.int32)
 
     # -- one step ----------------------------------------------------------------------------------------------
     def _masks(self, length: torch.Tensor) -> dict[Any, Any]:

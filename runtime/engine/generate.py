@@ -62,12 +62,22 @@ class Generation:
     prefill_s: float
     decode_s: float
     steps: int
-    logits: list[torch.Tensor] | None = None  # per row [N, V] float32 when asked for
+    logits: list[torch.Tensor] | None = None  # per row [steps + 1, V] float32 when asked for
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         return sum(len(t) for t in self.tokens) / max(self.decode_s + self.prefill_s, 1e-9)
+
+
+def _stream(streamer: Any, row: list[int], sent: int, cut: int | None, eos: list[int]) -> int:
+    """Hand the streamer row 0's tokens from ``sent`` up to its end (its stop string or EOS, inclusive)."""
+    end = len(row) if cut is None else cut
+    stop = next((i + 1 for i, t in enumerate(row[:end]) if t in eos), None)
+    end = stop if stop is not None else end
+    if end > sent:
+        streamer.put(torch.tensor(row[sent:end]))
+    return max(sent, end)
 
 
 def _cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None:
@@ -137,16 +147,15 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         if streamer is not None or stop_strings:
             count = int(stopper.count)
             out = stopper.out[:, :count].cpu().tolist()
-            if streamer is not None and count > sent:
-                streamer.put(torch.tensor(out[0][sent:count]))
-                sent = count
-            for r in range(b):
+            for r in range(b):  # stop strings first, so that nothing past one is streamed
                 if stop_strings and r not in cut and not done[r]:
                     n = _cut_at_stop(tokenizer, out[r], list(stop_strings))
                     if n is not None:
                         cut[r] = n
                         stopper.finished[r] = True
                         done[r] = True
+            if streamer is not None:
+                sent = _stream(streamer, out[0], sent, cut.get(0), eos)
         if bool(done.all()):
             break
     sync()
@@ -154,8 +163,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     count = int(stopper.count)
     out = stopper.out[:, :count].cpu().tolist()
     if streamer is not None:
-        if count > sent:
-            streamer.put(torch.tensor(out[0][sent:count]))
+        _stream(streamer, out[0][:limits[0]], sent, cut.get(0), eos)
         streamer.end()
     tokens, finish = [], []
     for r, row in enumerate(out):
@@ -169,8 +177,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         tokens.append(row[:end] if end else row)
         finish.append("eos" if end else "length")
     logits = None
-    if output_logits:
-        logits = [stopper.logits_out[r, :len(t)].cpu() for r, t in enumerate(tokens)]
+    if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers)
+        logits = [stopper.logits_out[r, :count].cpu() for r in range(b)]
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",

@@ -43,11 +43,13 @@ def finish_layer(lw: LayerWeights, s: ModelShape, x: torch.Tensor, attn: torch.T
                           lw.norm_mlp_out)
 
 
+@functools.cache
 def compiled_layers(s: ModelShape):
     """:func:`qkv_tensors` and :func:`finish_tensors` for ``s`` through ``torch.compile``: the norms, RoPE,
     activation and residual adds of a decode step fuse into a few kernels around the GEMMs (a batch-1 step is
     otherwise bound by the launch latency of about twenty small kernels per layer). Compiled once per shape
-    and batch, in the engine's eager warm-up, before its CUDA-graph capture."""
+    and batch, in the engine's eager warm-up, before its CUDA-graph capture; kept per shape, so later decoders
+    of the same model reuse the compiled code."""
     opts = dict(dynamic=False, fullgraph=True)
     return (torch.compile(functools.partial(qkv_tensors, s), **opts),
             torch.compile(functools.partial(finish_tensors, s), **opts))

@@ -120,7 +120,7 @@ class DeltaStep:
         if role == LAYER_ROLE_SELECT:
             out, scores = dec.attend_and_score(q, k, v, mask, self.page_size, per_kv_head=False)
             pages = dec.select(scores, self.page_size, self.num_pages, self.recent_pages)  # [B, N]
-            state["delta.pages"] = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1]).contiguous()
+            state["delta.pages"] = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
             return out
         if role == LAYER_ROLE_SPARSE:
             return dec.attend(q, k, v, mask, state["delta.pages"], self.page_size)

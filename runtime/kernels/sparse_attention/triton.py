@@ -187,7 +187,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
     lse_p = torch.empty(b, hkv, splits, g, device=query.device, dtype=torch.float32)
     dummy = query  # stands in for absent optional tensors (never read)
-    idx = indices.to(torch.int32).contiguous() if indices is not None else None
+    idx = None
+    if indices is not None:  # any strides over (B, Hkv): a set shared by every head stays an expanded view
+        shared_strides = log_weights is None and indices.dtype == torch.int32 and indices.stride(-1) == 1
+        idx = indices if shared_strides else indices.to(torch.int32).contiguous()  # log-weights share idx's strides
     logw = log_weights.float().contiguous() if log_weights is not None else None
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     fr = full_rows.to(torch.int8).contiguous() if full_rows is not None else None

@@ -1,6 +1,6 @@
 """Top-k selection with a recency window, over tokens or pages.
 
-``topk_with_recent(scores, k, recent, valid=None, last=None) -> indices``
+``topk_with_recent(scores, k, recent, valid=None, last=None, ascending=True) -> indices``
 
 =============  ======================  ===============================================================
 argument       shape                   meaning
@@ -11,6 +11,8 @@ argument       shape                   meaning
 ``valid``      ``[..., n]`` bool       False = never chosen (padding)
 ``last``       ``[...]`` int or int    the last entry that exists (default ``n - 1``); later ones are
                                        never chosen (a static cache's unwritten slots)
+``ascending``  bool                    False: the chosen ids in any order, -1 anywhere (no sort; the
+                                       attention kernels do not care, the engine uses it)
 ``indices``    ``[..., min(k, n)]``    ascending ids, -1 padded at the end when fewer can be chosen
 =============  ======================  ===============================================================
 

@@ -41,10 +41,12 @@ def _ranked(scores: torch.Tensor, recent: int, last: torch.Tensor | int | None,
 
 
 def topk_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Tensor | None = None,
-                     last: torch.Tensor | int | None = None) -> torch.Tensor:
+                     last: torch.Tensor | int | None = None, ascending: bool = True) -> torch.Tensor:
     """See :func:`runtime.kernels.topk_select.topk_with_recent`."""
     n = scores.shape[-1]
     top = _ranked(scores, recent, last, valid).topk(min(k, n), dim=-1, sorted=False)
+    if not ascending:  # the kernels read a set in any order: skip the sort
+        return torch.where(top.values > float("-inf"), top.indices, -1)
     ids = torch.where(top.values > float("-inf"), top.indices, n)
     ids = ids.sort(dim=-1).values  # ascending, unchosen (n) at the end
     return torch.where(ids < n, ids, -1)
