@@ -50,7 +50,9 @@ def compiled_layers(s: ModelShape):
     otherwise bound by the launch latency of about twenty small kernels per layer). Compiled once per shape
     and batch, in the engine's eager warm-up, before its CUDA-graph capture; kept per shape, so later decoders
     of the same model reuse the compiled code."""
-    opts = dict(dynamic=False, fullgraph=True)
+    # dynamic=None: the first batch size compiles static code; a second one recompiles with the batch symbolic,
+    # which then serves every batch size (a serving process sees many; the recompile limit is never reached)
+    opts = dict(dynamic=None, fullgraph=True)
     return (torch.compile(functools.partial(qkv_tensors, s), **opts),
             torch.compile(functools.partial(finish_tensors, s), **opts))
 
