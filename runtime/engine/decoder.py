@@ -240,13 +240,16 @@ class StaticDecoder:
                 o = static.attention(self, i, q, c.k[i], c.v[i], masks[window], state)  # [B, Hq, D] float32
             x = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
                            lw.w_down, lw.norm_mlp_out)
-        logits = L.logits(w, x)
+        self.choose(L.logits(w, x))
+        length.add_(1)
+
+    def choose(self, logits: torch.Tensor) -> None:
+        """Keep ``logits [B, V]`` and choose the next tokens from them (sampler, then the stopper's books)."""
         self.logits.copy_(logits)
         token = self.sampler(logits) if self.sampler is not None else logits.argmax(-1)
         if self.stopper is not None:
             token = self.stopper(token)
         self.tokens.copy_(token)
-        length.add_(1)
 
     # -- prefill -----------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -68,11 +68,6 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
                                                    scale=s.attention_scale)
             x = L.finish_layer(lw, s, x, o.transpose(1, 2).flatten(2))
         x_last = x[:, -1]
-    logits = L.logits(w, x_last)
-    dec.logits.copy_(logits)
-    token = dec.sampler(logits) if dec.sampler is not None else logits.argmax(-1)
-    if dec.stopper is not None:
-        token = dec.stopper(token)
-    dec.tokens.copy_(token)
+    dec.choose(L.logits(w, x_last))
     dec.set_length(p)
     return dec.logits
