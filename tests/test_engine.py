@@ -385,12 +385,15 @@ def test_stop_strings_on_every_row_end_the_batch():
 
 
 class Collect:
-    """A streamer that keeps the ids it is given."""
+    """A streamer that keeps the ids it is given after the prompt (the first call, as transformers makes it)."""
 
     def __init__(self):
-        self.ids, self.ended = [], 0
+        self.ids, self.ended, self.prompt = [], 0, None
 
     def put(self, ids):
+        if self.prompt is None:
+            self.prompt = torch.as_tensor(ids).flatten().tolist()
+            return
         self.ids += torch.as_tensor(ids).flatten().tolist()
 
     def end(self):
@@ -406,6 +409,23 @@ def test_streamer_gets_row_0():
                           check_every=3, kernels="naive")
     assert streamer.ended == 1
     assert streamer.ids == out.tokens[0]  # no stop: every token, streamed in pieces of 3
+
+
+def test_text_streamer_prints_what_transformers_prints(capsys):
+    """transformers' TextStreamer (skip_prompt=True, as rolecall decode uses it) prints the same text for the
+    engine as for model.generate: the prompt goes first and is skipped, then the generated text."""
+    from transformers import TextStreamer
+
+    tok = tiny_tokenizer()
+    model = model_of("llama")
+    ids = torch.tensor([prompts(seed=1)[1]])
+    kw = dict(input_ids=ids, max_new_tokens=16, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    model.generate(**kw, streamer=TextStreamer(tok, skip_prompt=True))
+    want = capsys.readouterr().out
+    with attach(model, None, "full", engine="static") as session:
+        out = session.generate(**kw, streamer=TextStreamer(tok, skip_prompt=True))
+    got = capsys.readouterr().out
+    assert got == want and got.strip() == tok.decode(out[0, ids.shape[1]:]).strip() and len(got.strip()) > 0
 
 
 def test_streamer_stops_at_the_stop_string():

@@ -105,7 +105,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     """Generate for every prompt (token id lists of any lengths: a ragged batch is left-padded).
 
     ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
-    (transformers' ``TextStreamer`` works) fed row 0's new tokens at every check. The cache holds
+    (transformers' ``TextStreamer`` works), fed row 0's prompt first, as ``model.generate`` does, then its new
+    tokens at every check. The cache holds
     ``longest prompt + max(max_new_tokens)`` tokens per row.
     """
     if not prompts or any(not p for p in prompts):
@@ -134,6 +135,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     t1 = time.perf_counter()
     if graphs and max(limits) > 1:
         dec.capture()
+    if streamer is not None:  # as transformers does: the prompt first (TextStreamer(skip_prompt=True) drops it)
+        streamer.put(torch.tensor(prompts[0]))
     sent = 0
     steps = 0
     cut: dict[int, int] = {}
