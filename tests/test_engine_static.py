@@ -226,3 +226,30 @@ def test_benchmark_runs_on_gpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["policy"] for r in rows} == {"full", "delta", "lychee"}
     assert all(0 < r["byte_limit_fraction"] < 1.2 for r in rows)
+
+
+def test_mixed_launch_scores_its_full_heads_as_the_dense_reference():
+    """One launch where the first KV heads read everything and score blocks while the rest read their blocks:
+    outputs and the full heads' block scores equal the references (odd length, GQA 3, a masked prefix)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.page_scores import naive as page_naive
+    from runtime.kernels.page_scores import triton as page_triton
+    from runtime.kernels.sparse_attention import naive as attention_naive
+
+    g = torch.Generator().manual_seed(3)
+    b, hkv, groups, t, d, bs = 2, 4, 3, 77, 16, 16
+    q = torch.randn(b, hkv * groups, d, generator=g)
+    k, v = torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g)
+    mask = torch.arange(t)[None, :] >= torch.tensor([[0], [5]])  # row 1 left-padded by 5
+    idx = torch.tensor([[0, 3, -1], [4, 1, 2]], dtype=torch.int32)[:, None].expand(b, hkv, 3).contiguous()
+    for r in (1, 3):
+        out, _, scores = page_triton.mixed_decode_and_score(q, k, v, idx, 0.25, bs, r, key_mask=mask, chunk=32,
+                                                            tile=16)
+        want_full, _, want_scores = page_naive.decode_and_score(q[:, :r * groups], k[:, :r], v[:, :r], 0.25, bs,
+                                                                key_mask=mask, per_kv_head=True)
+        want_rest, _ = attention_naive.sparse_decode_attention(q[:, r * groups:], k[:, r:], v[:, r:], idx[:, r:],
+                                                              scale=0.25, block_size=bs, key_mask=mask)
+        torch.testing.assert_close(out, torch.cat([want_full, want_rest], 1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-4)
+        assert scores.shape == (b, r, 5)

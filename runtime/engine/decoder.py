@@ -189,6 +189,21 @@ class StaticDecoder:
                               per_kv_head=per_kv_head)
         return out, scores
 
+    def attend_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     indices: torch.Tensor, block_size: int, full_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``full_heads`` KV heads read everything and score blocks per KV head, the others read
+        ``indices``: ``(out [B, Hq, D], scores [B, full_heads, n])``. One launch on the GPU; the references in
+        two calls."""
+        if self.triton:
+            out, _, scores = self._page_triton.mixed_decode_and_score(
+                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, key_mask=mask)
+            return out, scores
+        g = q.shape[1] // k.shape[1]
+        r = full_heads
+        out, scores = self.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], mask, block_size, per_kv_head=True)
+        rest = self.attend(q[:, r * g:], k[:, r:], v[:, r:], mask, indices[:, r:], block_size)
+        return torch.cat([out, rest], 1), scores
+
     def select(self, scores: torch.Tensor, block_size: int, k: int, recent: int) -> torch.Tensor:
         """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
         blocks up to the new token's, then the highest scores among the existing ones. No sync."""

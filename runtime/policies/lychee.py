@@ -139,10 +139,11 @@ class Lychee:
 @dataclass
 class LycheeStep:
     """The engine's step. A layer's retrieval heads are stored first (``head_order``: the engine permutes the
-    weights once and the cache keeps that order), so they are one dense ``decode_and_score`` launch over a
-    head-prefix view of the cache, scoring blocks per KV head, and the sparse heads one block-sparse launch over
-    what they inherit. ``state["lychee.sets"] [B, Hkv, N]`` holds the blocks per *original* head index, as the
-    next layer's same head index inherits them."""
+    weights once and the cache keeps that order), so they are a head prefix that reads the whole cache and
+    scores blocks per KV head while the sparse heads read what they inherit, in one launch that keeps only the
+    retrieval heads' logits for their block scores.
+    ``state["lychee.sets"] [B, Hkv, N]`` holds the blocks per *original* head index, as the next layer's same
+    head index inherits them."""
 
     retrieval: torch.Tensor  # [L, Hkv] bool
     block_size: int
@@ -172,24 +173,22 @@ class LycheeStep:
 
     def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
         hkv = k.shape[1]
-        g = q.shape[1] // hkv
         if k.device not in self._device_order:  # once, in the eager warm-up before any graph capture
             self._device_order[k.device] = [o.to(k.device) for o in self.order]
         orders = self._device_order[k.device]
         r, order, bs = self.n_retrieval[layer], orders[layer], self.block_size
-        outs = []
-        if r:
-            out, scores = dec.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], mask, bs, per_kv_head=True)
-            chosen = dec.select(scores, bs, self.num_blocks, self.recent_blocks)  # [B, r, N]
-            outs.append(out)
-        if r < hkv:
-            inherited = state["lychee.sets"].index_select(1, order[r:])
-            outs.append(dec.attend(q[:, r * g:], k[:, r:], v[:, r:], mask, inherited, bs))
-        if r:
-            sets = state.get("lychee.sets")
-            sets = torch.empty_like(chosen) if sets is None else sets  # the first layer chooses for every head
-            state["lychee.sets"] = sets.index_copy(1, order[:r], chosen)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        sets = state.get("lychee.sets")  # [B, Hkv, N] by original head index
+        if r == hkv or sets is None:  # every head chooses (the first layer): one dense launch
+            out, chosen = dec.attend_and_score(q, k, v, mask, bs, per_kv_head=True)
+            r = hkv
+        elif r == 0:  # every head reads what it inherits
+            return dec.attend(q, k, v, mask, sets.index_select(1, order), bs)
+        else:  # one launch: retrieval heads (stored first) read all and score, sparse heads read their sets
+            out, chosen = dec.attend_mixed(q, k, v, mask, sets.index_select(1, order), bs, r)
+        chosen = dec.select(chosen, bs, self.num_blocks, self.recent_blocks)  # [B, r, N]
+        sets = torch.empty_like(chosen) if sets is None else sets  # the first layer overwrites every head
+        state["lychee.sets"] = sets.index_copy(1, order[:r], chosen)
+        return out
 
 
 def _pad(indices: torch.Tensor, width: int) -> torch.Tensor:

@@ -137,6 +137,27 @@ def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: 
     return out if per_kv_head else out[:, 0]
 
 
+def mixed_decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
+                           scale: float, block_size: int, full_heads: int, key_mask: torch.Tensor | None = None,
+                           **kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch for a layer whose first ``full_heads`` KV heads read every token (LycheeDecode's retrieval
+    heads, stored first) and whose others read ``indices`` ``[B, Hkv, N]`` (blocks of ``block_size``):
+    ``(out [B, Hq, D], lse [B, Hq], scores [B, full_heads, pages])``, the block scores of the full heads per KV
+    head, from the logits that only they keep."""
+    from runtime.kernels.sparse_attention import triton as attention
+
+    b, hq, _ = query.shape
+    hkv, t = key.shape[1], key.shape[2]
+    g = hq // hkv
+    full = (torch.arange(hkv, device=query.device) < full_heads).expand(b, hkv)
+    logits = torch.empty(b, hq, t, device=query.device, dtype=torch.float32)
+    out, lse = attention.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
+                                                 key_mask=key_mask, full_rows=full, logits_out=logits, **kernel)
+    scores = page_scores_from_logits(logits[:, :full_heads * g], lse[:, :full_heads * g], block_size, full_heads,
+                                     per_kv_head=True)
+    return out, lse, scores
+
+
 def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, page_size: int,
                      key_mask: torch.Tensor | None = None, per_kv_head: bool = False,
                      **kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

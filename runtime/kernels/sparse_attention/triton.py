@@ -63,7 +63,10 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
     s = tl.where(valid[None, :], s, float("-inf"))
     if WRITE_LOGITS:  # a selection layer keeps its logits (4 bytes per head and token, vs 2·D·2 of K/V)
         g = tl.arange(0, G_PAD)
-        tl.store(lg_base + g[:, None] * s_gh + tok[None, :], s, mask=(g < G)[:, None] & live[None, :])
+        keep = live
+        if HAS_IDX:  # a mixed launch: only the rows that read everything keep theirs
+            keep = keep & is_full
+        tl.store(lg_base + g[:, None] * s_gh + tok[None, :], s, mask=(g < G)[:, None] & keep[None, :])
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing valid keeps the state
     alpha = tl.exp(m_i - m_safe)
@@ -159,8 +162,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
-    ``logits_out``: a float32 ``[B, Hq, T]`` buffer that, for dense calls (no indices), receives every scaled
-    logit (−inf where masked), so a selection layer can score pages without reading K again.
+    ``logits_out``: a float32 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where masked) of
+    the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query heads, the
+    others' entries are left as they are), so a selection layer or a retrieval head scores pages without
+    reading K again.
     """
     b, hq, d = query.shape
     _, hkv, t, dk = key.shape
@@ -168,9 +173,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         raise ValueError(f"query [B, {hq}, {d}] does not fit key [B, {hkv}, T, {dk}]")
     if indices is None and (log_weights is not None or full_rows is not None):
         raise ValueError("log_weights and full_rows need indices (without indices every row reads every token)")
-    if logits_out is not None and (indices is not None or logits_out.shape != (b, hq, t)
+    if logits_out is not None and ((indices is not None and full_rows is None) or logits_out.shape != (b, hq, t)
                                    or logits_out.dtype != torch.float32 or logits_out.stride(-1) != 1):
-        raise ValueError(f"logits_out must be a float32 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call")
+        raise ValueError(f"logits_out must be a float32 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call or "
+                         "a call with full_rows")
     g = hq // hkv
     query = query if query.stride(-1) == 1 else query.contiguous()
     key = key if key.stride(-1) == 1 else key.contiguous()
