@@ -19,6 +19,8 @@ layer's K/V bytes, paid on the few Δ-layers (or retrieval heads) only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -151,6 +153,11 @@ def mixed_decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.
     g = hq // hkv
     full = (torch.arange(hkv, device=query.device) < full_heads).expand(b, hkv)
     logits = torch.empty(b, hq, t, device=query.device, dtype=torch.float32)
+    if "chunk" not in kernel:  # size chunks by the mean row (the kernel's default sizes them by the sparse rows,
+        # which splits the full rows into so many chunks that their partial results outweigh the saved launch)
+        mean = (full_heads * t + (hkv - full_heads) * indices.shape[-1] * block_size) / hkv
+        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+        kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sms)
     out, lse = attention.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
                                                  key_mask=key_mask, full_rows=full, logits_out=logits, **kernel)
     scores = page_scores_from_logits(logits[:, :full_heads * g], lse[:, :full_heads * g], block_size, full_heads,
