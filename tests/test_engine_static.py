@@ -104,14 +104,21 @@ def test_triton_calls_in_the_interpreter():
         heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0], [0, 1], [0, 0]][:layers], dtype=torch.int8)
         lychee = get_policy("lychee", budget=16, block_size=16)
         lychee.bind(RoleManifest(identity, head_role=heads), model.config)
-        ids = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(0))
-        for p in (delta, lychee):
-            out = {}
-            for kernels in ("naive", "triton"):
-                dec = StaticDecoder(weights, p, batch=2, max_len=48, min_context=0, kernels=kernels)
-                dec.prefill(ids[:, :40], pads=[0, 5])
-                out[kernels] = [dec.step(ids[:, t]).clone() for t in range(40, 42)]
-            assert max_diff(out["triton"], out["naive"]) < 1e-4, (family, p.name)
+        # batch 8: a mixed retrieval/sparse layer takes two launches there, one below (runtime.engine.decoder)
+        for batch in (2, 8):
+            ids = torch.randint(0, 256, (batch, 42), generator=torch.Generator().manual_seed(0))
+            pads = [0, 5] + [3] * (batch - 2)
+            for p in (delta, lychee):
+                check_kernels(weights, p, ids, pads, family)
+
+
+def check_kernels(weights, p, ids, pads, family):
+    out = {}
+    for kernels in ("naive", "triton"):
+        dec = StaticDecoder(weights, p, batch=ids.shape[0], max_len=48, min_context=0, kernels=kernels)
+        dec.prefill(ids[:, :40], pads=pads)
+        out[kernels] = [dec.step(ids[:, t]).clone() for t in range(40, 42)]
+    assert max_diff(out["triton"], out["naive"]) < 1e-4, (family, p.name, ids.shape[0])
 
 
 def test_benchmark_smoke_run(tmp_path):
