@@ -109,7 +109,7 @@ class Session:
 
     def engine_reason(self, kwargs: dict[str, Any] | None = None, args: tuple = ()) -> str | None:
         """Why ``generate(**kwargs)`` cannot run on the engine (one line), or None when it runs there."""
-        from runtime.engine import ModelShape, unsupported
+        from runtime.engine import ModelShape, static_step_of, unsupported
 
         if self.engine == "reference":
             return "engine='reference' was asked for"
@@ -120,11 +120,8 @@ class Session:
         why = unsupported(self.model.config)
         if why:
             return why
-        make = getattr(self.policy, "static_step", None)
-        if make is None:
-            return f"policy {self.policy.name!r} has no static step on the engine yet"
         try:
-            make(ModelShape.from_config(self.model.config))
+            static_step_of(self.policy, ModelShape.from_config(self.model.config))
         except (NotImplementedError, PolicyError) as e:
             return str(e)
         extra = sorted(k for k in (kwargs or {}) if k not in ENGINE_KWARGS)
