@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from runtime.manifest import CONTENT_HASH_KEY, LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest, read_metadata
+from runtime.manifest import (
+    CONTENT_HASH_KEY,
+    LAYER_ROLE_FULL,
+    LAYER_ROLE_SELECT,
+    ManifestError,
+    RoleManifest,
+    read_metadata,
+)
 
 LAYER_GLYPHS = {LAYER_ROLE_FULL: "F", LAYER_ROLE_SELECT: "Δ", 2: "·"}
 HEAD_GLYPHS = {1: "R", 0: "·"}
@@ -79,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the metadata as JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="also draw the role map and the present sections into PNG")
     parser.add_argument("--verify", action="store_true",
-                        help="check the content hash and that the file is in canonical form; exit 1 if not")
+                        help="check the content hash and that the file is in canonical form; exit 1 if the file "
+                        "is corrupted, has no content hash to check, or is not canonical")
 
 
 def verify(path: str) -> tuple[bool, str]:
@@ -89,20 +98,25 @@ def verify(path: str) -> tuple[bool, str]:
     raw = Path(path).read_bytes()
     manifest = RoleManifest.from_bytes(raw, source=path)  # raises ManifestError on any corruption
     digest = read_metadata(raw).get(CONTENT_HASH_KEY)
-    if digest is None:
-        return True, "verified: loads and validates (no content hash to check: written by another tool)"
+    if digest is None:  # nothing was checked: an edited file whose hash was removed passes no verification
+        return False, ("not verified: the file has no content hash to check (written by another tool, or edited "
+                       "and its hash removed); if its content is right, re-save it with rolecall "
+                       "(RoleManifest.load(path).save(path)) to add one")
     if manifest.to_bytes() != raw:
         return False, "content hash matches but the file is not in canonical form; re-save it with rolecall"
     return True, f"verified: content hash {digest} matches and the file is canonical"
 
 
 def run(args: argparse.Namespace) -> int:
-    manifest = RoleManifest.load(args.manifest)
     if args.verify:
-        ok, message = verify(args.manifest)
-        print(message)
+        try:
+            ok, message = verify(args.manifest)
+        except ManifestError as e:  # corrupted or foreign: a failed verification (exit 1, as --help says)
+            ok, message = False, f"not verified: {e}"
+        print(message, file=sys.stdout if ok else sys.stderr)
         if not ok:
             return 1
+    manifest = RoleManifest.load(args.manifest)
     if args.json:
         print(json.dumps(manifest.metadata(), indent=2, sort_keys=True))
     else:

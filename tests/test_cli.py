@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -38,8 +40,10 @@ def test_inspect_reports_corruption_and_mismatch(manifest_path, tmp_path, capsys
     raw = bytearray(manifest_path.read_bytes())
     raw[-3] ^= 0x10
     (tmp_path / "bad.safetensors").write_bytes(bytes(raw))
-    assert main(["inspect", str(tmp_path / "bad.safetensors"), "--verify"]) == 2
+    assert main(["inspect", str(tmp_path / "bad.safetensors"), "--verify"]) == 1  # as --help says
     assert "corrupted" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "bad.safetensors")]) == 2  # not verifying: an error like any other
+    capsys.readouterr()
 
     folder = tmp_path / "model6"
     tiny_model("qwen2", layers=6, heads=4, kv_heads=2).save_pretrained(folder)
@@ -47,6 +51,42 @@ def test_inspect_reports_corruption_and_mismatch(manifest_path, tmp_path, capsys
     assert main(["inspect", str(manifest_path), "--model", str(folder)]) == 2
     err = capsys.readouterr().err
     assert "model.num_layers is 4 in the manifest" in err and "but 6 in the model" in err
+
+
+def _without_keys(raw: bytes, keys: tuple[str, ...]) -> bytes:
+    """A safetensors file with ``keys`` removed from its metadata (what an editing tool might leave)."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    for key in keys:
+        header["__metadata__"].pop(key)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
+
+
+def test_verify_needs_a_checked_content_hash(manifest_path, tmp_path, capsys):
+    """An edited manifest whose hash and version keys were removed loads, but --verify checked nothing: exit 1."""
+    edited = tmp_path / "edited.safetensors"
+    raw = manifest_path.read_bytes()
+    edited.write_bytes(_without_keys(raw, ("content_sha256", "rolecall_version")))
+    assert main(["inspect", str(edited)]) == 0  # it still loads and describes itself
+    capsys.readouterr()
+    assert main(["inspect", str(edited), "--verify"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("not verified: the file has no content hash") and "\n" not in err
+    RoleManifest.load(edited).save(tmp_path / "resaved.safetensors")
+    assert main(["inspect", str(tmp_path / "resaved.safetensors"), "--verify"]) == 0
+
+
+def test_unknown_policy_parameter_is_one_plain_line(capsys):
+    from runtime.policies import PolicyError, get_policy
+
+    with pytest.raises(PolicyError) as info:
+        get_policy("delta", bogus=3)
+    message = str(info.value)
+    assert message == ("policy 'delta' has no parameter 'bogus'; its parameters are: num_pages, recent_pages, "
+                       "page_size, budget")
+    assert "__init__" not in message and "keyword argument" not in message
 
 
 def test_export_import_merge_commands(manifest_path, tmp_path):

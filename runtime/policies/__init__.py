@@ -11,6 +11,7 @@ statistics. ``get_policy("delta", budget=1024)`` builds one from a name and keyw
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,11 +76,14 @@ def get_policy(name: str | Any, **params: Any):
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
     module, cls = POLICIES[name]
     kind = getattr(importlib.import_module(module), cls)
-    try:
-        return kind(**params)
-    except TypeError as e:  # an unknown keyword: name the ones that exist
-        known = ", ".join(f for f in kind.__dataclass_fields__ if not f.startswith("_"))
-        raise PolicyError(f"policy {name!r}: {e}; its parameters are: {known}") from None
+    fields = [f.name for f in dataclasses.fields(kind) if f.init and not f.name.startswith("_")]
+    unknown = [k for k in params if k not in fields]
+    if unknown:
+        known = ", ".join(fields) or "none"
+        noun = "parameter" if len(unknown) == 1 else "parameters"
+        raise PolicyError(f"policy {name!r} has no {noun} {', '.join(map(repr, unknown))}; its parameters are: "
+                          f"{known}")
+    return kind(**params)
 
 
 def positive(name: str, value: Any, allow_zero: bool = False, policy: str = "") -> None:
