@@ -34,7 +34,7 @@ calibrate: install
 	$(VENV)/bin/rolecall inspect artifacts/smollm2-135m.delta.safetensors
 
 train: install
-	$(VENV)/bin/train-heads --target 8 --steps 20
+	$(VENV)/bin/train-heads --target 8 --steps 20 --overwrite
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -33,6 +33,9 @@ from calibrate.traces import traces_sha256
 from runtime.atomic import write_text
 from runtime.manifest import ModelIdentity, RoleManifest
 from runtime.models import sliding_layers
+from train.outputs import portable_name
+
+_SIDECAR = "_calibrate_config"  # attribute of a manifest from decide(): its config with the paths as given
 
 
 def _text_config(model):
@@ -127,13 +130,18 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
     }
     if sliding:
         metrics["sliding_layers"] = sliding
-    return RoleManifest(
+    # where the manifest is written is not part of what it says: leave it out, and name input files by their file
+    # name alone (their content hash is data.sha256), so reruns anywhere are byte-identical
+    recorded = {k: v for k, v in config.to_dict().items() if k != "output"}
+    recorded.update({k: portable_name(recorded[k]) for k in ("traces", "prompts") if recorded.get(k)})
+    manifest = RoleManifest(
         model=ModelIdentity.from_config(model.config, name=model_name(model)),
         layer_role=layer_roles(num_layers, delta, config.warmup, sliding),
         layer_shift=m["shift"], layer_sparsity=m["sparsity"], layer_budget=budget,
-        # where the manifest is written is not part of what it says: leave it out, so reruns are byte-identical
-        config={k: v for k, v in config.to_dict().items() if k != "output"}, data=data, metrics=metrics,
+        config=recorded, data=data, metrics=metrics,
     )
+    setattr(manifest, _SIDECAR, config.to_dict())  # the sidecar config keeps the paths, to re-run from it
+    return manifest
 
 
 def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | None = None, *,
@@ -155,17 +163,21 @@ def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | Non
         raise ValueError("no calibration traces; pass prompts to generate from or a --traces file")
     provenance = {"traces": len(traces), "tokens": sum(map(len, traces)), "longest": max(map(len, traces)),
                   "sha256": traces_sha256(traces), **(data or {})}
+    if isinstance(provenance.get("source"), str):  # e.g. file:/home/me/t.jsonl -> file:t.jsonl
+        provenance["source"] = portable_name(provenance["source"])
     totals = record(model, traces, config, progress=progress)
     return decide(model, totals, config, provenance)
 
 
 def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) -> list[Path]:
-    """Write the manifest, its resolved config (``<stem>.config.json``) and, with ``plots``, the PNGs beside it."""
+    """Write the manifest, then its resolved config (``<stem>.config.json``) and, with ``plots``, the PNGs beside it,
+    each atomically. The config file holds the paths as they were given (the manifest only their file names)."""
     output = Path(output)
     written = [manifest.save(output)]
     stem = output.name.removesuffix(".safetensors")
     config_path = output.with_name(f"{stem}.config.json")
-    write_text(config_path, dumps(resolve(manifest.config, {"output": str(output)})))
+    given = {**manifest.config, **getattr(manifest, _SIDECAR, {})}
+    write_text(config_path, dumps(resolve(given, {"output": str(output)})))
     written.append(config_path)
     if plots:
         from calibrate.plots import plot_all

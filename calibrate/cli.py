@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-sliding", dest="include_sliding", action="store_const", const=True, default=None,
                         help="hybrid models: let sliding-window layers be recorded and chosen as Δ-layers")
     parser.add_argument("--no-cache", action="store_true", help="regenerate traces even when cached")
+    parser.add_argument("--allow-long-context", action="store_true",
+                        help="accept traces longer than the model's context (max_position_embeddings) with only a "
+                        "warning: for a model whose RoPE you extended on purpose")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model folder's own Python code (auto_map in config.json); off by default")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -98,12 +103,14 @@ def run(args: argparse.Namespace) -> int:
         rank, device = state.process_index, state.device
     else:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(config.model)
+    trust = args.trust_remote_code
+    tokenizer = load_tokenizer(config.model, trust_remote_code=trust)
     data = {}
     if config.traces:  # read before loading the model, so a bad file fails fast
         traces = read_traces(config.traces, tokenizer)
         data["source"] = f"file:{config.traces}"
-    model = load_model(config.model, dtype=config.dtype, device_map=config.device_map)
+        check_traces(traces[: config.max_traces], config, args.allow_long_context, trust)
+    model = load_model(config.model, dtype=config.dtype, device_map=config.device_map, trust_remote_code=trust)
     if config.device_map is None:
         model.to(device)
     if not config.traces:
@@ -127,6 +134,23 @@ def run(args: argparse.Namespace) -> int:
               f"{m['recall_mean']:.4f} at K={config.top_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
     return 0
+
+
+def check_traces(traces: list[list[int]], config, allow_long: bool = False, trust_remote_code: bool = False) -> None:
+    """Refuse, in one line and before the model loads, a trace with a token id the model has no embedding for
+    or one longer than its context (only a warning with ``allow_long``)."""
+    from data.tokens import check_token_ids, vocab_size
+    from runtime.eval import check_context, context_limit
+    from runtime.models import load_config
+
+    if not traces:
+        return
+    model_config = load_config(config.model, trust_remote_code=trust_remote_code)
+    check_token_ids(traces, vocab_size(model_config), f"trace {{n}} of {config.traces}")
+    longest = max(range(len(traces)), key=lambda i: len(traces[i]))
+    check_context(len(traces[longest]), context_limit(model_config, config.model),
+                  f"trace {longest + 1} of {config.traces}", "cut it or pass shorter traces", allow_long,
+                  "calibrate-delta")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from data.jsonl import iter_jsonl
+from data.tokens import check_token_ids
 from runtime.atomic import write_text
 
 
@@ -47,12 +48,13 @@ def read_traces(path: str | os.PathLike, tokenizer: Any = None) -> list[list[int
             if tokenizer is None:
                 raise TraceError(f"{path}:{number}: a text trace needs a tokenizer")
             doc = tokenizer(doc, add_special_tokens=False)["input_ids"]
-        if not (isinstance(doc, list) and doc and all(isinstance(t, int) and t >= 0 for t in doc)):
+        if not (isinstance(doc, list) and doc and all(isinstance(t, int) for t in doc)):
             raise TraceError(f"{path}:{number}: expected a non-empty text or list of token ids, "
                              "e.g. {\"ids\": [1, 2, 3]}")
         out.append(doc)
     if not out:
         raise TraceError(f"traces file {path} holds no traces; add one JSON object per line")
+    check_token_ids(out, None, f"trace {{n}} of {path}")  # a negative id; the CLI checks the model's vocabulary
     return out
 
 

@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    model = load_model(args.model, dtype=getattr(torch, dtype)).to(device)
-    tokenizer = load_tokenizer(args.model)
+    trust = args.trust_remote_code
+    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]

@@ -160,7 +160,8 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
 
 
 def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, random_weights: bool = False,
-                      deepspeed: str | dict[str, Any] | None = None, device: torch.device | str | None = None):
+                      deepspeed: str | dict[str, Any] | None = None, device: torch.device | str | None = None,
+                      trust_remote_code: bool = False):
     """The model of ``name``, placed for this process: replicated on its device, or sharded by ZeRO-3.
 
     ``random_weights``: build the architecture of ``name`` (an alias, id, folder or ``config.json``) with
@@ -188,16 +189,17 @@ def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, rand
     if random_weights:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = (AutoConfig.from_pretrained(str(Path(name).parent)) if str(name).endswith("config.json")
-                  else load_config(name))
+        config = (AutoConfig.from_pretrained(str(Path(name).parent), trust_remote_code=False)
+                  if str(name).endswith("config.json") else load_config(name))
         torch.manual_seed(0)
         # drawn where the model will live (fast on a GPU); under ZeRO-3 each layer is drawn and split as it is built
         where = torch.device(device) if ds is None and device_map is None and device is not None else None
         with where or contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or torch.float32,
+                                                     trust_remote_code=False)
         model.eval()
     else:
-        model = load_model(name, dtype=dtype, device_map=device_map)
+        model = load_model(name, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
     if ds is None:
         if device_map is None and device is not None:
             model.to(device)

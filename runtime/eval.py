@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,39 @@ class EvalSettings:
             raise ValueError(f"max_new_tokens must be ≥ 2 (the first token comes from the dense prefill), got {self.max_new_tokens}")
         if self.prompts is None and (not self.lengths or not self.depths):
             raise ValueError("give at least one context length and one depth, or --prompts FILE.jsonl")
+
+
+class ContextLengthError(ValueError):
+    """Input longer than the model's context (the message names the length, the limit and the fix)."""
+
+
+def context_limit(config: Any, name: str | None = None) -> int | None:
+    """The model's context in tokens: its (text) config's ``max_position_embeddings``, else the ``context`` of
+    the alias ``name`` (configs/models/); None when neither says."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not limit and name:
+        from runtime.models import ModelNotFoundError, resolve_model
+
+        try:
+            limit = resolve_model(name).context
+        except ModelNotFoundError:
+            limit = None
+    return int(limit) if limit else None
+
+
+def check_context(tokens: int, limit: int | None, what: str, fix: str, allow_long: bool = False,
+                  prog: str = "rolecall") -> None:
+    """Refuse ``tokens`` beyond the model's context ``limit`` in one line (``what`` names the input, ``fix`` the
+    remedy); with ``allow_long`` (``--allow-long-context``: RoPE extended on purpose) print a one-line warning
+    to stderr instead. The one check calibrate-delta, train-heads and eval share."""
+    if limit is None or tokens <= limit:
+        return
+    said = f"{what} is {tokens} tokens, more than the model's context of {limit} (max_position_embeddings)"
+    if allow_long:
+        print(f"{prog}: warning: {said}; going on because of --allow-long-context", file=sys.stderr)
+        return
+    raise ContextLengthError(f"{said}; {fix}, or pass --allow-long-context if you extended RoPE on purpose")
 
 
 def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:

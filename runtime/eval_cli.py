@@ -30,6 +30,8 @@ def parse_params(pairs: list[str] | None) -> dict[str, Any]:
 
 def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default {DEFAULT_MODEL})")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model folder's own Python code (auto_map in config.json); off by default")
     parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
                         "lethe layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
     parser.add_argument("--policy", default="delta", help="full, delta, lychee, lethe, vattention or quest (default delta)")
@@ -55,11 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the full result here")
     parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
                         "read (runs the slower transformers path)")
+    parser.add_argument("--allow-long-context", action="store_true",
+                        help="run prompts longer than the model's context (max_position_embeddings) with only a "
+                        "warning: for a model whose RoPE you extended on purpose")
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.eval import EvalSettings, evaluate, format_table
-    from runtime.models import load_model, load_tokenizer
+    from runtime.eval import (
+        EvalSettings,
+        check_context,
+        context_limit,
+        evaluate,
+        format_table,
+        load_prompts,
+        passkey_prompts,
+    )
+    from runtime.models import load_config, load_model, load_tokenizer
     from runtime.policies import get_policy
 
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
@@ -70,13 +83,26 @@ def run(args: argparse.Namespace) -> int:
 
     # bad names and values fail here, before the model loads
     get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
+    # prompts longer than the model's context fail here too, before the haystacks are built or the model loads
+    trust = args.trust_remote_code
+    limit, new = context_limit(load_config(args.model, trust_remote_code=trust), args.model), args.max_new_tokens
+    fit = dict(limit=limit, allow_long=args.allow_long_context, prog="rolecall eval")
+    if not args.prompts:
+        check_context(max(args.lengths) + new, **fit, what=f"--lengths {max(args.lengths)} plus --max-new-tokens {new}",
+                      fix=f"pass --lengths of at most {limit - new if limit else 0} tokens")
+    tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
+    samples = load_prompts(args.prompts, tokenizer) if args.prompts else passkey_prompts(tokenizer, settings)
+    if args.prompts:  # a passkey prompt is exactly its length, checked above
+        longest = max(len(s["input_ids"]) for s in samples)
+        check_context(longest + new, **fit, what=f"the longest prompt of {args.prompts} ({longest} tokens) plus "
+                      f"--max-new-tokens {new}", fix="shorten the prompts or lower --max-new-tokens")
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    model = load_model(args.model, dtype=getattr(torch, dtype)).to(device)
-    tokenizer = load_tokenizer(args.model)
-    result = evaluate(model, tokenizer, args.manifest, args.policy, params, settings, measure=args.measure)
+    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
+    result = evaluate(model, tokenizer, args.manifest, args.policy, params, settings, samples=samples,
+                      measure=args.measure)
     result["model"] = args.model
     result["manifest"] = args.manifest
     print(format_table(result))

@@ -143,6 +143,8 @@ class RoleManifest:
     config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    # wall-clock time of older files' runs, read and written back unchanged; rolecall no longer sets it, so that
+    # two identical runs write identical bytes
     created: str | None = None
     rolecall_version: str | None = None
     extra: dict[str, str] = field(default_factory=dict)  # unknown metadata keys, kept as they came
@@ -263,7 +265,7 @@ class RoleManifest:
             value = getattr(self, key)
             if value:
                 meta[key] = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-        for key in ("created", "rolecall_version"):
+        for key in ("created", "rolecall_version"):  # created: only an older file's, kept for a byte-exact round trip
             if getattr(self, key):
                 meta[key] = getattr(self, key)
         return meta

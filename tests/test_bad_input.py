@@ -1,0 +1,243 @@
+"""Bad input is refused before any work starts, in one line naming the value, the limit and the fix.
+
+Token ids outside the vocabulary, inputs longer than the model's context and impossible ``--target`` values,
+through the real ``calibrate-delta``, ``train-heads`` and ``rolecall eval`` on a tiny model folder whose
+context (``max_position_embeddings``) is 64 tokens. The model must never load for refused input: loading it
+is patched to fail the test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import runtime.distributed
+import runtime.models
+from calibrate import cli as calibrate_cli
+from data.tokens import TokenIdError, check_token_ids
+from runtime.cli import main as rolecall_main
+from runtime.eval import ContextLengthError, check_context, context_limit
+from tests.tiny import VOCAB_SIZE, tiny_model, tiny_tokenizer
+from train import cli as train_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-64")
+    tiny_model("llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=CONTEXT).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading weights fails the test: refused input must be refused before that."""
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded for input that should have been refused")
+
+    monkeypatch.setattr(runtime.models, "load_model", refuse)
+    monkeypatch.setattr(runtime.distributed, "load_frozen_model", refuse)
+
+
+def one_line(capsys, prog: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{prog}: error: ")
+    return err
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# ---- the shared checks ----------------------------------------------------------------------------------------
+
+def test_check_token_ids_names_the_sequence_the_id_and_the_range():
+    check_token_ids([[0, 5], torch.tensor([VOCAB_SIZE - 1]), []], VOCAB_SIZE, "trace {n} of t.jsonl")
+    with pytest.raises(TokenIdError, match=r"^trace 2 of t\.jsonl has token id 50000, the model's vocabulary has "
+                       r"49152 ids \(0-49151\); re-tokenize it with this model's tokenizer$"):
+        check_token_ids([[1, 2], [3, 50000, 4]], 49152, "trace {n} of t.jsonl")
+    with pytest.raises(TokenIdError, match=r"sample 1 of \{odd\}\.jsonl has token id -1"):
+        check_token_ids([torch.tensor([4, -1])], 49152, "sample {n} of {odd}.jsonl")
+    with pytest.raises(TokenIdError, match="token id -7, but token ids are never negative"):
+        check_token_ids([[3, -7]], None, "trace {n}")
+    check_token_ids([[10**30]], None, "trace {n}")  # without a vocabulary only the sign is known
+    with pytest.raises(TokenIdError, match=f"token id {10**30}"):
+        check_token_ids([[10**30]], 100, "trace {n}")
+
+
+def test_check_context_refuses_or_warns(capsys):
+    config = tiny_model("llama", layers=2, max_position_embeddings=CONTEXT).config
+    assert context_limit(config) == CONTEXT
+    check_context(CONTEXT, CONTEXT, "x", "fix it")  # exactly the context fits
+    with pytest.raises(ContextLengthError, match=r"^trace 1 is 65 tokens, more than the model's context of 64 "
+                       r"\(max_position_embeddings\); cut it, or pass --allow-long-context"):
+        check_context(CONTEXT + 1, CONTEXT, "trace 1", "cut it")
+    check_context(CONTEXT + 1, CONTEXT, "trace 1", "cut it", allow_long=True, prog="p")
+    assert capsys.readouterr().err.strip() == ("p: warning: trace 1 is 65 tokens, more than the model's context of 64 "
+                                               "(max_position_embeddings); going on because of --allow-long-context")
+
+
+def test_embedded_model_context_is_8192():
+    # the alias's declared context, used when a config does not say (the embedded model's config says 8192 too)
+    assert runtime.models.resolve_model("smollm2-135m").context == 8192
+    assert context_limit(object(), "smollm2-135m") == 8192
+
+
+# ---- calibrate-delta ------------------------------------------------------------------------------------------
+
+CALIBRATE = ["--stride", "4", "--min-context", "8", "--page-size", "4", "--top-pages", "2", "--recent-pages", "1",
+             "--warmup", "1", "--num-delta", "1", "--min-gap", "1", "--bins", "2", "--device", "cpu", "--quiet",
+             "--no-plots"]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (VOCAB_SIZE + 40, f"token id {VOCAB_SIZE + 40}, the model's vocabulary has {VOCAB_SIZE} ids (0-{VOCAB_SIZE - 1})"),
+    (-3, "token id -3, but token ids are never negative"),
+])
+def test_calibrate_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, capsys, no_model, bad, message):
+    traces = write_jsonl(tmp_path / "traces.jsonl", [{"ids": list(range(30))}, {"ids": [1, 2, bad, 4]}])
+    out = tmp_path / "m.delta.safetensors"
+    assert calibrate_cli.main(["--model", str(model_dir), "--traces", traces, "--output", str(out), *CALIBRATE]) == 2
+    err = one_line(capsys, "calibrate-delta")
+    assert f"trace 2 of {traces}" in err and message in err and "re-tokenize" in err
+    assert not out.exists()
+
+
+def test_calibrate_refuses_a_trace_beyond_the_context_unless_allowed(model_dir, tmp_path, capsys, monkeypatch,
+                                                                     cache_dir):
+    traces = write_jsonl(tmp_path / "traces.jsonl", [{"ids": list(range(40))}, {"ids": [i % 200 for i in range(80)]}])
+    out = tmp_path / "m.delta.safetensors"
+    argv = ["--model", str(model_dir), "--traces", traces, "--output", str(out), *CALIBRATE]
+    with monkeypatch.context() as m:
+        m.setattr(runtime.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+        assert calibrate_cli.main(argv) == 2
+    err = one_line(capsys, "calibrate-delta")
+    assert f"trace 2 of {traces} is 80 tokens, more than the model's context of {CONTEXT}" in err
+    assert "--allow-long-context" in err and not out.exists()
+    # the override: one warning line, then the run goes on and writes the manifest
+    assert calibrate_cli.main([*argv, "--allow-long-context"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if "warning" in line] == [
+        f"calibrate-delta: warning: trace 2 of {traces} is 80 tokens, more than the model's context of {CONTEXT} "
+        "(max_position_embeddings); going on because of --allow-long-context"]
+    assert out.is_file()
+
+
+# ---- train-heads ----------------------------------------------------------------------------------------------
+
+def train_args(model_dir, out, *extra):
+    return ["--model", str(model_dir), "--output", str(out), "--target", "1", "--steps", "1", "--prefill-chunk",
+            "16", "--device", "cpu", "--no-plots", *extra]
+
+
+def sample(n: int, bad: int | None = None) -> dict:
+    ids = [i % 250 for i in range(n)]
+    if bad is not None:
+        ids[n // 2] = bad
+    return {"input_ids": ids, "labels": [-100] * (n - 4) + ids[n - 4:]}
+
+
+@pytest.mark.parametrize("bad", [VOCAB_SIZE, 50000, -2])
+def test_train_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, capsys, no_model, bad):
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(24), sample(24, bad)])
+    out = tmp_path / "heads.safetensors"
+    assert train_cli.main(train_args(model_dir, out, "--dataset", data)) == 2
+    err = one_line(capsys, "train-heads")
+    assert f"sample 2 of {data} has token id {bad}, the model's vocabulary has {VOCAB_SIZE} ids " \
+           f"(0-{VOCAB_SIZE - 1}); re-tokenize it with this model's tokenizer" in err
+    assert not out.exists() and not out.with_name("heads.config.json").exists()
+
+
+@pytest.mark.parametrize("target,message", [
+    ("0", "target 0 asks for no retrieval heads"),
+    ("-1", "target -1 asks for no retrieval heads"),
+    # 2 layers × 2 KV heads: layer 0 is always retrieval, so 1 × 2 = 2 gates are learned
+    ("3", "target 3 is more than the 2 gated heads"),
+])
+def test_train_refuses_an_impossible_target(model_dir, tmp_path, capsys, no_model, target, message):
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(24)])
+    out = tmp_path / "heads.safetensors"
+    assert train_cli.main(train_args(model_dir, out, "--dataset", data, "--target", target)) == 2
+    err = one_line(capsys, "train-heads")
+    assert message in err and "--target N" in err and not out.exists()
+    if target == "3":
+        assert "1 <= N <= 2" in err
+
+
+def test_train_refuses_passkey_lengths_beyond_the_context(model_dir, tmp_path, capsys, no_model, monkeypatch):
+    import data.passkey
+
+    monkeypatch.setattr(data.passkey, "build_passkey_dataset", lambda *a, **k: pytest.fail("data was built"))
+    out = tmp_path / "heads.safetensors"
+    assert train_cli.main(train_args(model_dir, out, "--lengths", "20000,30000")) == 2
+    err = one_line(capsys, "train-heads")
+    assert (f"the longest haystack of --lengths 20000,30000 is 30000 tokens, more than the model's context of "
+            f"{CONTEXT}" in err) and f"pass --lengths within {CONTEXT}" in err and "--allow-long-context" in err
+    assert not out.exists()
+
+
+def test_train_refuses_a_long_sample_unless_allowed(model_dir, tmp_path, capsys, monkeypatch):
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(24), sample(CONTEXT + 16)])
+    out = tmp_path / "heads.safetensors"
+    with monkeypatch.context() as m:
+        m.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+        assert train_cli.main(train_args(model_dir, out, "--dataset", data)) == 2
+    err = one_line(capsys, "train-heads")
+    assert f"sample 2 of {data} is {CONTEXT + 16} tokens, more than the model's context of {CONTEXT}" in err
+    assert not out.exists()
+    assert train_cli.main(train_args(model_dir, out, "--dataset", data, "--allow-long-context")) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("train-heads: warning: sample 2 of")
+    assert out.is_file()
+
+
+# ---- rolecall eval --------------------------------------------------------------------------------------------
+
+def test_eval_refuses_lengths_beyond_the_context(model_dir, tmp_path, capsys, no_model, monkeypatch):
+    import data.passkey
+
+    monkeypatch.setattr(data.passkey, "build_niah_dataset", lambda *a, **k: pytest.fail("prompts were built"))
+    out = tmp_path / "eval.json"
+    code = rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", "--lengths", "32", "20000",
+                          "--max-new-tokens", "4", "--json", str(out)])
+    assert code == 2
+    err = one_line(capsys, "rolecall eval")
+    assert f"--lengths 20000 plus --max-new-tokens 4 is 20004 tokens, more than the model's context of {CONTEXT}" in err
+    assert f"pass --lengths of at most {CONTEXT - 4} tokens" in err and "--allow-long-context" in err
+    assert not out.exists()
+
+
+def test_eval_refuses_a_long_prompt_file_unless_allowed(model_dir, tmp_path, capsys, monkeypatch):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a" * 20, "answer": "b"}, {"prompt": "c" * 70}])
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(model_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
+            "--device", "cpu", "--json", str(out)]
+    with monkeypatch.context() as m:
+        m.setattr(runtime.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+        assert rolecall_main(argv) == 2
+    err = one_line(capsys, "rolecall eval")
+    assert f"the longest prompt of {prompts} (70 tokens) plus --max-new-tokens 3 is 73 tokens" in err
+    assert not out.exists()
+    assert rolecall_main([*argv, "--allow-long-context"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("rolecall eval: warning: the longest prompt")
+    assert out.is_file()
+
+
+def test_target_counts_only_the_learned_gates_of_a_hybrid_model():
+    from tests.tiny import tiny_config
+    from train.config import TrainConfig, check_settings
+
+    config = tiny_config("gemma3", layers=6, kv_heads=1)  # sliding 0, 1, 3, 4; layer 2 is the first full one
+    check_settings(TrainConfig(target=1, dataset="data.jsonl"), config)  # layer 5 alone is learned
+    with pytest.raises(ValueError, match=r"target 2 is more than the 1 gated heads .*less 4 held-open layer\(s\).*"
+                                         r"1 <= N <= 1"):
+        check_settings(TrainConfig(target=2, dataset="data.jsonl"), config)
+    check_settings(TrainConfig(target=5, dataset="data.jsonl", include_sliding=True), config)  # 5 layers × 1
