@@ -31,9 +31,8 @@ from calibrate.recorder import AttentionRecorder, record_traces
 from calibrate.totals import CalibrationTotals
 from calibrate.traces import traces_sha256
 from runtime.atomic import write_text
-from runtime.manifest import ModelIdentity, RoleManifest
+from runtime.manifest import ModelIdentity, RoleManifest, portable_name
 from runtime.models import sliding_layers
-from train.outputs import portable_name
 
 _SIDECAR = "_calibrate_config"  # attribute of a manifest from decide(): its config with the paths as given
 
@@ -133,9 +132,9 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
     # where the manifest is written is not part of what it says: leave it out, and name input files by their file
     # name alone (their content hash is data.sha256), so reruns anywhere are byte-identical
     recorded = {k: v for k, v in config.to_dict().items() if k != "output"}
-    recorded.update({k: portable_name(recorded[k]) for k in ("traces", "prompts") if recorded.get(k)})
+    recorded.update({k: portable_name(recorded[k]) for k in ("traces", "prompts", "model") if recorded.get(k)})
     manifest = RoleManifest(
-        model=ModelIdentity.from_config(model.config, name=model_name(model)),
+        model=ModelIdentity.from_config(model.config, name=portable_name(model_name(model))),
         layer_role=layer_roles(num_layers, delta, config.warmup, sliding),
         layer_shift=m["shift"], layer_sparsity=m["sparsity"], layer_budget=budget,
         config=recorded, data=data, metrics=metrics,

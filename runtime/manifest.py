@@ -385,6 +385,21 @@ def _canonical(header: Mapping[str, Any]) -> bytes:
     return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def portable_name(value: str | None) -> str | None:
+    """A path as its file name, so that a manifest does not depend on where its inputs lie.
+
+    Also the path in a ``kind:PATH`` source (``text:/data/a.txt`` → ``text:a.txt``). Values that are not local
+    paths (aliases such as ``pg-essays``, Hugging Face ids such as ``org/name``) stay as they are.
+    """
+    if not value:
+        return value
+    head, sep, tail = value.rpartition(":")
+    path = os.path.expanduser(tail)
+    if os.path.isabs(path) or os.path.exists(path):
+        return f"{head}{sep}{Path(path).name}"
+    return value
+
+
 def content_sha256(header: Mapping[str, Any], data: bytes | memoryview) -> str:
     """SHA-256 of the canonical header JSON (sorted keys, no spaces, without this hash) and the tensor bytes."""
     meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != CONTENT_HASH_KEY}

@@ -44,9 +44,9 @@ def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_pat
     assert m.data["traces"] == 3 and m.data["source"] == "generated:arithmetic:3" and len(m.data["sha256"]) == 64
     assert m.data["sha256"] == calibrate.traces.traces_sha256(read_traces(cached[0]))
     assert 0.0 < m.metrics["recall_mean"] <= 1.0 and m.metrics["sampled_queries"] > 10
-    assert m.config["top_pages"] == 3 and m.config["model"] == str(model_dir)
+    assert m.config["top_pages"] == 3 and m.config["model"] == model_dir.name  # a local folder by its name
     saved = json.loads((out1.parent / "m.delta.config.json").read_text())
-    assert saved == {**m.config, "output": str(out1)}
+    assert saved == {**m.config, "model": str(model_dir), "output": str(out1)}  # the sidecar keeps the paths as given
     for kind in ("shift", "sparsity", "recall"):
         assert (out1.parent / f"m.delta.{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,14 +183,17 @@ def test_two_calibrations_from_trace_files_elsewhere_write_identical_bytes(tmp_p
         traces = tmp_path / where / "traces" / "t.jsonl"
         traces.parent.mkdir(parents=True)
         traces.write_text(text)
+        model = tmp_path / where / "models" / "qwen2"  # the same model folder, elsewhere on each machine
+        shutil.copytree(folder, model)
         out = tmp_path / where / "out" / "m.delta.safetensors"
-        assert calibrate_cli.main(["--model", str(folder), "--traces", str(traces), "--output", str(out), *CAL]) == 0
+        assert calibrate_cli.main(["--model", str(model), "--traces", str(traces), "--output", str(out), *CAL]) == 0
         outs.append((out, traces))
     (a, traces_a), (b, _) = outs
     assert a.read_bytes() == b.read_bytes()
     meta = read_metadata(a.read_bytes())
-    assert "created" not in meta and str(tmp_path / "a") not in json.dumps(meta)
+    assert "created" not in meta and str(tmp_path) not in json.dumps(meta)
     m = RoleManifest.load(a)
+    assert m.model.name == "qwen2" and m.config["model"] == "qwen2"  # a local folder by its name
     assert m.config["traces"] == "t.jsonl" and m.data["source"] == "file:t.jsonl" and len(m.data["sha256"]) == 64
     saved = json.loads((a.parent / "m.delta.config.json").read_text())
     assert saved["traces"] == str(traces_a) and saved["output"] == str(a)  # the sidecar re-runs from here

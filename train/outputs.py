@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 
 from runtime.atomic import atomic_path
-from runtime.manifest import ModelIdentity, RoleManifest
+from runtime.manifest import ModelIdentity, RoleManifest, portable_name
 
 UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
 
@@ -31,21 +30,6 @@ def head_roles(expected: torch.Tensor, target: int, exact: bool, held: torch.Ten
     return flat.view_as(expected)
 
 
-def portable_name(value: str | None) -> str | None:
-    """A path as its file name, so that a manifest does not depend on where its inputs lie.
-
-    Also the path in a ``kind:PATH`` source (``text:/data/a.txt`` → ``text:a.txt``). Values that are not local
-    paths (aliases such as ``pg-essays``, Hugging Face ids such as ``org/name``) stay as they are.
-    """
-    if not value:
-        return value
-    head, sep, tail = value.rpartition(":")
-    path = os.path.expanduser(tail)
-    if os.path.isabs(path) or os.path.exists(path):
-        return f"{head}{sep}{Path(path).name}"
-    return value
-
-
 def portable_config(config: dict[str, Any]) -> dict[str, Any]:
     """A config dict as the manifest records it: the output, a JSONL dataset and a local passkey corpus by file
     name (the data's content hash is in ``data.sha256``)."""
@@ -56,6 +40,8 @@ def portable_config(config: dict[str, Any]) -> dict[str, Any]:
         out["dataset"] = Path(out["dataset"]).name
     if out.get("data_source"):
         out["data_source"] = portable_name(out["data_source"])
+    if out.get("model"):  # a local model folder by its name (aliases and hub ids stay as they are)
+        out["model"] = portable_name(out["model"])
     return out
 
 
@@ -73,7 +59,7 @@ def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dic
     hkv = expected.shape[1]
     ones = torch.ones(1, hkv)
     spec = getattr(model, "rolecall_spec", None)
-    name = config.model_name or getattr(spec, "name", None) or config.model
+    name = portable_name(config.model_name or getattr(spec, "name", None) or config.model)
     layout = GateLayout.of(model, getattr(config, "include_sliding", False))
     held = layout.fixed_open(hkv)
     role = torch.cat([ones.to(torch.int8), head_roles(expected, config.target, config.exact_target, held)])
