@@ -173,8 +173,8 @@ def part_ddp(args, out: Path) -> dict[str, Any]:
               "--lengths", "1000,4000", "--no-plots", "--checkpoint-every", str(half)]
     if args.model_name:
         common += ["--model-name", args.model_name]
-    runs = [launch("ddp-1", "train", [*common, "--output", str(out / "ddp1" / "heads.safetensors")], out, gpus="0"),
-            launch("ddp-2", "train", [*common, "--output", str(out / "ddp2" / "heads.safetensors")], out, 2, "multi_gpu")]
+    runs = [launch("ddp-1", "train", [*common, "--output", str(out / "ddp1" / "heads.safetensors"), "--overwrite"], out, gpus="0"),
+            launch("ddp-2", "train", [*common, "--output", str(out / "ddp2" / "heads.safetensors"), "--overwrite"], out, 2, "multi_gpu")]
     # the 2-GPU run's half-way checkpoint, finished on 1 GPU
     ckpt = out / "ddp2" / "heads.ckpt" / f"step-{half:07d}.pt"
     (out / "ddp-resume-1").mkdir(exist_ok=True)
@@ -205,13 +205,13 @@ def part_zero3(args, out: Path) -> dict[str, Any]:
                 "--batch-size", "2", "--prefill-chunk", "4096", "--no-plots", "--checkpoint-every", "2"]
 
     steps = ["--steps", str(args.zero3_steps)]
-    runs = [launch("zero3-2", "train", [*common(data), *steps, "--output", str(out / "z2" / "heads.safetensors")],
+    runs = [launch("zero3-2", "train", [*common(data), *steps, "--output", str(out / "z2" / "heads.safetensors"), "--overwrite"],
                    out, 2, "zero3")]
     ckpt = out / "z2" / "heads.ckpt" / "step-0000002.pt"
     (out / "z2-resume").mkdir(exist_ok=True)
     runs.append(launch("zero3-resume-2", "train", [*common(data), *steps, "--output", str(out / "z2-resume" / "heads.safetensors"),
                                                    "--resume", str(ckpt)], out, 2, "zero3"))
-    runs.append(launch("plain-1", "train", [*common(data), *steps, "--output", str(out / "plain1" / "heads.safetensors")],
+    runs.append(launch("plain-1", "train", [*common(data), *steps, "--output", str(out / "plain1" / "heads.safetensors"), "--overwrite"],
                        out, gpus="0"))
     full, resumed, plain = (_log(out / d / "heads.log.jsonl") for d in ("z2", "z2-resume", "plain1"))
     result: dict[str, Any] = {
@@ -229,7 +229,7 @@ def part_zero3(args, out: Path) -> dict[str, Any]:
     for length in args.prompt_lengths:
         data_n = random_dataset(out / f"len{length}.jsonl", 2, length, QWEN_14B["vocab_size"], seed=length)
         dest = out / f"len{length}" / "heads.safetensors"
-        run = launch(f"zero3-len{length}", "train", [*common(data_n), "--steps", "2", "--output", str(dest)], out, 2, "zero3")
+        run = launch(f"zero3-len{length}", "train", [*common(data_n), "--steps", "2", "--output", str(dest), "--overwrite"], out, 2, "zero3")
         log = _log(dest.with_name("heads.log.jsonl"))
         memory.append({"prompt_tokens": length, "ok": run["exit"] == 0 and len(log) == 2,
                        "step_seconds": _median_step(log, 1),
