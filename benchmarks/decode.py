@@ -89,8 +89,10 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
         heads = spread_heads(shape.layers, shape.kv_heads, retrieval_heads).to(torch.int8)
         policy = get_policy("lychee", budget=budget, block_size=16)
         manifest = RoleManifest(identity, head_role=heads)
+    elif name == "quest":  # the baseline: per-page key bounds, selection in every layer from the third
+        policy, manifest = get_policy("quest", budget=budget, page_size=16), None
     else:
-        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee")
+        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, quest")
     policy.bind(manifest, _config(shape))
     return policy
 
@@ -121,6 +123,9 @@ class Bench:
         dec = StaticDecoder(weights, policy, batch, slots, cache=cache, min_context=0,
                             compile=self.args.compile and self.device == "cuda")
         dec.set_length(start)
+        after = getattr(dec.static, "after_prefill", None)  # state a prefill would leave (quest's page bounds)
+        if after is not None:
+            after(dec)
         if self.graphs:
             dec.capture()
         ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))
@@ -359,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
     p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8])
-    p.add_argument("--policies", default="full,delta,lychee")
+    p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, lychee, quest")
     p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")

@@ -20,9 +20,10 @@ from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
-POLICIES = ["full", "delta", "lychee"]
+POLICIES = ["full", "delta", "lychee", "quest"]
 # Parameters with which the sparse policies really drop tokens at ~90-token contexts.
-PARAMS = {"full": {}, "delta": {"budget": 32, "recent_pages": 1}, "lychee": {"budget": 32, "block_size": 16}}
+PARAMS = {"full": {}, "delta": {"budget": 32, "recent_pages": 1}, "lychee": {"budget": 32, "block_size": 16},
+          "quest": {"budget": 32, "page_size": 16, "dense_layers": 1}}
 PAD = 259
 NEW = 12
 LENGTHS = (90, 70, 81)
@@ -557,9 +558,9 @@ def test_auto_runs_the_reference_path_on_cpu_and_static_the_engine():
     lychee = manifest_of(model, "lychee")
     with attach(model, lychee, "lychee", engine="static", ratio=0.5) as s, pytest.raises(PolicyError, match="ratio"):
         s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-    with attach(model, None, "quest", engine="static") as s, pytest.raises(PolicyError, match="no static step"):
+    with attach(model, None, "vattention", engine="static") as s, pytest.raises(PolicyError, match="no static step"):
         s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-    with attach(model, None, "quest", engine="auto") as s:  # auto falls back instead
+    with attach(model, None, "vattention", engine="auto") as s:  # auto falls back instead
         s.generate(input_ids=ids, attention_mask=mask, **dict(GREEDY, max_new_tokens=2))
         assert s.last is None
 

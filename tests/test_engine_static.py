@@ -108,7 +108,8 @@ def test_triton_calls_in_the_interpreter():
         for batch in (2, 8):
             ids = torch.randint(0, 256, (batch, 42), generator=torch.Generator().manual_seed(0))
             pads = [0, 5] + [3] * (batch - 2)
-            for p in (delta, lychee):
+            quest = get_policy("quest", budget=16, page_size=16, dense_layers=1)
+            for p in (delta, lychee, quest):
                 check_kernels(weights, p, ids, pads, family)
 
 
@@ -147,12 +148,14 @@ def gpu_decoders(name, kernels="auto", min_context=0, batch=3, max_len=3000, sta
                             kernels=kernels)
         dec.cache.fill_random(seed=1)
         dec.set_length(start)
+        if hasattr(dec.static, "after_prefill"):  # what a prefill leaves (quest's page bounds)
+            dec.static.after_prefill(dec)
         decs.append(dec)
     return decs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["full", "delta", "lychee"])
+@pytest.mark.parametrize("name", ["full", "delta", "lychee", "quest"])
 def test_graph_replay_equals_eager_step_on_gpu(name):
     eager, graphed = gpu_decoders(name)
     graphed.capture()

@@ -78,6 +78,9 @@ class StaticDecoder:
             raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
                              "(create it with head_order=policy.static_step(shape).head_order)")
         self.cache, self.max_len = cache, max_len
+        prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
+        if prepare is not None:
+            prepare(self)
         sparse = self.static.sparse
         if min_context is None:
             min_context = default_min_context(self.policy.name, batch) if sparse else 0

@@ -70,4 +70,7 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
         x_last = x[:, -1]
     dec.choose(L.logits(w, x_last))
     dec.set_length(p)
+    after = getattr(dec.static, "after_prefill", None)  # a policy's state from the prompt (quest's pages)
+    if after is not None:
+        after(dec)
     return dec.logits

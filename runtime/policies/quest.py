@@ -122,3 +122,71 @@ class Quest:
         valid = pool_pages(step.keep.float(), self.page_size)[:, None, :].expand_as(scores) > 0
         pages = topk_with_recent(scores, self.num_pages, 1, valid)  # [B, Hkv, min(K, n)]
         return Plan(indices=pages, block_size=self.page_size)
+
+    def static_step(self, shape: Any) -> QuestStep:
+        return QuestStep(self.page_size, self.num_pages, self.dense_layers, self.group)
+
+
+@dataclass
+class QuestStep:
+    """The engine's step. Page minima and maxima live in buffers beside the cache (``prepare``), filled from
+    the prompt (``after_prefill``); each step recomputes only the page its new token falls in, from the cache
+    itself, so the metadata is a function of the cache (a CUDA-graph warm-up that writes and restores slots
+    leaves nothing stale). It never falls back to the full step: the steps it skipped would leave pages
+    without metadata."""
+
+    page_size: int
+    num_pages: int
+    dense_layers: int
+    group: str
+    head_order: ClassVar[None] = None
+    sparse: ClassVar[bool] = False
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return (self.page_size,)
+
+    def reads(self, shape: Any, context: int) -> float:
+        budget = min(context, self.num_pages * self.page_size)
+        per_layer = [min(context, w) if w is not None else context if i < self.dense_layers else budget
+                     for i, w in enumerate(shape.windows)]
+        return sum(per_layer) / len(per_layer)
+
+    def prepare(self, dec: Any) -> None:
+        c, n = dec.cache, math.ceil(dec.cache.slots / self.page_size)
+        shape = (c.batch, c.shape.kv_heads, n, c.shape.head_dim)
+        self.kmin = {i: torch.full(shape, math.inf, dtype=c.k[i].dtype, device=c.k[i].device)
+                     for i in range(self.dense_layers, c.shape.layers)}
+        self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
+        self._offsets = torch.arange(self.page_size, device=c.length.device)
+
+    def after_prefill(self, dec: Any) -> None:
+        c, p = dec.cache, self.page_size
+        length = dec.position
+        keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[:, None]  # [B, T]
+        for i in self.kmin:
+            lo, hi = page_minmax(c.k[i][:, :, :length], keep, p)
+            self.kmin[i][:, :, :lo.shape[2]] = lo
+            self.kmax[i][:, :, :hi.shape[2]] = hi
+
+    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+        if layer < self.dense_layers or layer not in self.kmin:
+            return dec.attend(q, k, v, mask)
+        p = self.page_size
+        page = torch.div(dec.cache.length, p, rounding_mode="floor").view(1)
+        raw = page * p + self._offsets  # [P]: the new token's page, recomputed from the cache
+        slots = raw.clamp_max(k.shape[2] - 1)  # the cache may end inside its last page
+        ok = (mask.bool().index_select(1, slots) & (raw < k.shape[2]))[:, None, :, None]  # [B, 1, P, 1]
+        keys = k.index_select(2, slots)  # [B, Hkv, P, D]
+        self.kmin[layer].index_copy_(2, page, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True))
+        self.kmax[layer].index_copy_(2, page, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True))
+        b, hkv = k.shape[:2]
+        bounds = page_bounds(q, self.kmin[layer], self.kmax[layer], dec.shape.attention_scale)
+        bounds = bounds.view(b, hkv, q.shape[1] // hkv, -1)
+        scores = bounds.amax(2) if self.group == "max" else bounds.sum(2)  # [B, Hkv, n]; -inf for empty pages
+        if dec.shape.windows[layer] is not None:  # a window on every layer (Mistral): pages it left are not read
+            n = scores.shape[-1]
+            readable = torch.nn.functional.pad(mask.bool(), (0, n * p - mask.shape[1])).view(b, n, p).any(-1)
+            scores = scores.masked_fill(~readable[:, None, :], -math.inf)
+        pages = dec.select(scores, p, self.num_pages, 1)
+        return dec.attend(q, k, v, mask, pages, p)
