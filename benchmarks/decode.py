@@ -123,9 +123,6 @@ class Bench:
         dec = StaticDecoder(weights, policy, batch, slots, cache=cache, min_context=0,
                             compile=self.args.compile and self.device == "cuda")
         dec.set_length(start)
-        after = getattr(dec.static, "after_prefill", None)  # state a prefill would leave (quest's page bounds)
-        if after is not None:
-            after(dec)
         if self.graphs:
             dec.capture()
         ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))

@@ -148,8 +148,6 @@ def gpu_decoders(name, kernels="auto", min_context=0, batch=3, max_len=3000, sta
                             kernels=kernels)
         dec.cache.fill_random(seed=1)
         dec.set_length(start)
-        if hasattr(dec.static, "after_prefill"):  # what a prefill leaves (quest's page bounds)
-            dec.static.after_prefill(dec)
         decs.append(dec)
     return decs
 

@@ -110,15 +110,18 @@ class StaticDecoder:
         self.graphs: dict[str, Any] = {}
         if compile is None:
             compile = device.type == "cuda" and os.environ.get("ROLECALL_COMPILE", "1") != "0"
-        self.compiled = bool(compile)
         self._pre, self._post = L.compiled_layers(s) if compile else (
             functools.partial(L.qkv_tensors, s), functools.partial(L.finish_tensors, s))
 
     # -- host-side control -------------------------------------------------------------------------------------
     def set_length(self, length: int) -> None:
-        """Declare the first ``length`` slots valid (after filling them by other means)."""
+        """Declare the first ``length`` slots valid (after a prefill or filling them by other means); a policy
+        whose step keeps state derived from the cache (quest's page bounds) rebuilds it here."""
         self.cache.length.fill_(length)
         self.position = length
+        after_fill = getattr(self.static, "after_fill", None)
+        if after_fill is not None:
+            after_fill(self)
 
     def uses_full(self) -> bool:
         """Whether the next step falls back to full attention (a sparse policy below ``min_context``)."""

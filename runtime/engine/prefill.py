@@ -50,10 +50,10 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
             # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
             m = m | (k_slots[None, None, :] == q_slots[None, :, None])
             masks[window] = m[:, None]  # [B, 1, C, T]
+        rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
         x = L.embed(w, input_ids[:, start:end])  # [B, C, H]
         for i, lw in enumerate(w.layers):
-            cos, sin = dec._rope[s.rope_kinds[i]]
-            q, k, v = L.qkv(lw, s, x, cos[positions], sin[positions])  # [B, C, H*, D]
+            q, k, v = L.qkv(lw, s, x, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
             c.k[i][:, :, start:end] = k.transpose(1, 2)
             c.v[i][:, :, start:end] = v.transpose(1, 2)
             keys, values = c.k[i][:, :, :end], c.v[i][:, :, :end]
@@ -70,7 +70,4 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
         x_last = x[:, -1]
     dec.choose(L.logits(w, x_last))
     dec.set_length(p)
-    after = getattr(dec.static, "after_prefill", None)  # a policy's state from the prompt (quest's pages)
-    if after is not None:
-        after(dec)
     return dec.logits

@@ -86,6 +86,16 @@ def get_policy(name: str | Any, **params: Any):
     return kind(**params)
 
 
+def mean_tokens_read(shape: Any, context: int, budget: int, full_share: list[float]) -> float:
+    """Mean tokens a static step reads per (layer, KV head) at ``context`` tokens (its byte bound): in layer l
+    a share ``full_share[l]`` of the KV heads reads everything and the others ``budget`` tokens; a layer with
+    a sliding window reads its window."""
+    sparse = min(context, budget)
+    per_layer = [min(context, w) if w is not None else f * context + (1 - f) * sparse
+                 for f, w in zip(full_share, shape.windows)]
+    return sum(per_layer) / len(per_layer)
+
+
 def positive(name: str, value: Any, allow_zero: bool = False, policy: str = "") -> None:
     """Shared parameter check: a number > 0 (or ≥ 0)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)

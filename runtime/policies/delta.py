@@ -21,7 +21,7 @@ from runtime.kernels.page_scores import head_max_probs, pool_pages
 from runtime.kernels.topk_select import topk_with_recent
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from runtime.models import sliding_layers
-from runtime.policies import Plan, PolicyError, Step, positive
+from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 
 def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, recent_pages: int) -> torch.Tensor:
@@ -110,10 +110,8 @@ class DeltaStep:
 
     def reads(self, shape: Any, context: int) -> float:
         """Mean tokens read per (layer, KV head) at ``context`` tokens (windowed layers read their window)."""
-        budget = min(context, self.num_pages * self.page_size)
-        per_layer = [min(context, w) if w is not None else budget if r == LAYER_ROLE_SPARSE else context
-                     for r, w in zip(self.roles, shape.windows)]
-        return sum(per_layer) / len(per_layer)
+        full = [0.0 if r == LAYER_ROLE_SPARSE else 1.0 for r in self.roles]
+        return mean_tokens_read(shape, context, self.num_pages * self.page_size, full)
 
     def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
         role = self.roles[layer]

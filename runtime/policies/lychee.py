@@ -27,7 +27,7 @@ from runtime.kernels.page_scores import attention_probs, pool_pages
 from runtime.kernels.topk_select import mask_to_indices
 from runtime.manifest import HEAD_ROLE_RETRIEVAL
 from runtime.models import sliding_layers
-from runtime.policies import Plan, PolicyError, Step, positive
+from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 DEFAULT_BUDGET = 1024
 
@@ -166,10 +166,8 @@ class LycheeStep:
         return (self.block_size,)
 
     def reads(self, shape: Any, context: int) -> float:
-        budget = min(context, self.num_blocks * self.block_size)
-        per_head = [min(context, w) if w is not None else (context if r else budget)
-                    for row, w in zip(self.retrieval.tolist(), shape.windows) for r in row]
-        return sum(per_head) / len(per_head)
+        full = self.retrieval.float().mean(1).tolist()  # the share of each layer's KV heads that retrieve
+        return mean_tokens_read(shape, context, self.num_blocks * self.block_size, full)
 
     def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
         hkv = k.shape[1]

@@ -32,7 +32,7 @@ import torch
 
 from runtime.kernels.page_scores import pool_pages
 from runtime.kernels.topk_select import topk_with_recent
-from runtime.policies import Plan, PolicyError, Step, positive
+from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 GROUPS = ("max", "sum")
 
@@ -130,7 +130,8 @@ class Quest:
 @dataclass
 class QuestStep:
     """The engine's step. Page minima and maxima live in buffers beside the cache (``prepare``), filled from
-    the prompt (``after_prefill``); each step recomputes only the page its new token falls in, from the cache
+    its valid slots whenever the engine sets its length (``after_fill``: after a prefill); each step
+    recomputes only the page its new token falls in, from the cache
     itself, so the metadata is a function of the cache (a CUDA-graph warm-up that writes and restores slots
     leaves nothing stale). It never falls back to the full step: the steps it skipped would leave pages
     without metadata."""
@@ -147,10 +148,8 @@ class QuestStep:
         return (self.page_size,)
 
     def reads(self, shape: Any, context: int) -> float:
-        budget = min(context, self.num_pages * self.page_size)
-        per_layer = [min(context, w) if w is not None else context if i < self.dense_layers else budget
-                     for i, w in enumerate(shape.windows)]
-        return sum(per_layer) / len(per_layer)
+        full = [1.0 if i < self.dense_layers else 0.0 for i in range(shape.layers)]
+        return mean_tokens_read(shape, context, self.num_pages * self.page_size, full)
 
     def prepare(self, dec: Any) -> None:
         c, n = dec.cache, math.ceil(dec.cache.slots / self.page_size)
@@ -160,7 +159,7 @@ class QuestStep:
         self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
         self._offsets = torch.arange(self.page_size, device=c.length.device)
 
-    def after_prefill(self, dec: Any) -> None:
+    def after_fill(self, dec: Any) -> None:
         c, p = dec.cache, self.page_size
         length = dec.position
         keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[:, None]  # [B, T]
