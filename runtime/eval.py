@@ -147,7 +147,6 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
                 # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still
                 # counts the attention mass that fell on evicted tokens.
                 kwargs["past_key_values"] = DynamicCache(config=model.config)
-            session.last = None
             out = session.generate(**kwargs)
             if session.last is not None and session.last.info["attended_fraction"] is not None:
                 fractions.append(session.last.info["attended_fraction"])

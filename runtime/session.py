@@ -14,6 +14,7 @@ policy, so policies see, and hand selections between, the full-attention layers 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -67,13 +68,14 @@ class Session:
     """What :func:`attach` yields: the bound policy, per-request decode state and statistics."""
 
     def __init__(self, model: torch.nn.Module, manifest: RoleManifest | None, policy: Any,
-                 record_recall: bool = False, record_error: bool = False, engine: str = "auto") -> None:
+                 record_recall: bool = False, record_error: bool = False, engine: str = "auto",
+                 min_context: int | None = None) -> None:
         if engine not in ENGINE_CHOICES:
             raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
         self._weights: Any = None
         self._notice_given = False
-        self.min_context: int | None = None
+        self.min_context = min_context
         self.last: Any = None  # the engine's Generation of the last call, when the engine ran
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
@@ -100,6 +102,7 @@ class Session:
             return self._generate_static(**kwargs)
         if self.engine == "static":
             raise PolicyError(f"engine='static' cannot run this request: {why}")
+        self.last = None  # this request is not the engine's
         if self.model.device.type == "cuda" and not self._notice_given:
             print(f"rolecall: decoding on the transformers path ({why})", file=sys.stderr)
             self._notice_given = True
@@ -109,14 +112,26 @@ class Session:
 
     def engine_reason(self, kwargs: dict[str, Any] | None = None, args: tuple = ()) -> str | None:
         """Why ``generate(**kwargs)`` cannot run on the engine (one line), or None when it runs there."""
-        from runtime.engine import ModelShape, static_step_of, unsupported
-
         if self.engine == "reference":
             return "engine='reference' was asked for"
         if self.engine == "auto" and self.model.device.type != "cuda":
             return "the model is not on a CUDA device"
         if self.record_recall or self.record_error:
             return "recording recall or error needs the measuring path"
+        if self._engine_misfit:
+            return self._engine_misfit
+        extra = sorted(k for k in (kwargs or {}) if k not in ENGINE_KWARGS)
+        if args or extra:
+            return f"the engine does not take {', '.join(extra) or 'positional arguments'}"
+        if (kwargs or {}).get("num_beams", 1) != 1:
+            return "the engine does not beam-search"
+        return None
+
+    @functools.cached_property
+    def _engine_misfit(self) -> str | None:
+        """Why the model's family or the policy keeps every request off the engine, or None (checked once)."""
+        from runtime.engine import ModelShape, static_step_of, unsupported
+
         why = unsupported(self.model.config)
         if why:
             return why
@@ -124,11 +139,6 @@ class Session:
             static_step_of(self.policy, ModelShape.from_config(self.model.config))
         except (NotImplementedError, PolicyError) as e:
             return str(e)
-        extra = sorted(k for k in (kwargs or {}) if k not in ENGINE_KWARGS)
-        if args or extra:
-            return f"the engine does not take {', '.join(extra) or 'positional arguments'}"
-        if (kwargs or {}).get("num_beams", 1) != 1:
-            return "the engine does not beam-search"
         return None
 
     def _generate_static(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -276,8 +286,7 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
         raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
-    session = Session(model, manifest, pol, record_recall, record_error, engine)
-    session.min_context = min_context
+    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context)
     with use_attention(model, session.attention, name=f"rolecall_{pol.name}"):
         yield session
 
