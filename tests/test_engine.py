@@ -458,6 +458,23 @@ def test_streamer_stops_at_eos():
     assert streamer.ids == out.tokens[0]
 
 
+def test_streamer_stops_at_a_stop_string_just_before_eos():
+    """A stop string and an EOS inside the same check window: the answer and the stream both end after the
+    stop string (the row was already finished by EOS when the host looked)."""
+    tok = tiny_tokenizer()
+    model = model_of("llama")
+    row = prompts(seed=1)[1]
+    w = Weights.from_model(model, positions=256)
+    free = engine.generate(w, get_policy("full"), [row], max_new_tokens=24, pad_token_id=PAD, kernels="naive")
+    eos, stop = free.tokens[0][4], tok.decode(free.tokens[0][1:3])
+    assert eos not in free.tokens[0][:4] and stop not in tok.decode(free.tokens[0][:2])
+    streamer = Collect()
+    out = engine.generate(w, get_policy("full"), [row], max_new_tokens=24, pad_token_id=PAD, eos_token_id=eos,
+                          stop_strings=[stop], tokenizer=tok, streamer=streamer, check_every=16, kernels="naive")
+    assert out.finish == ["stop"] and out.tokens[0] == free.tokens[0][:3]
+    assert streamer.ids == out.tokens[0]
+
+
 # -- 5. the short-context fallback ---------------------------------------------------------------------------
 def test_default_min_context_falls_back_to_full():
     assert default_min_context("delta", 1) == 32768

@@ -70,11 +70,18 @@ class Generation:
         return sum(len(t) for t in self.tokens) / max(self.decode_s + self.prefill_s, 1e-9)
 
 
+def _row_end(row: list[int], cut: int | None, eos: list[int]) -> tuple[int, str]:
+    """Where a row's answer ends and why: after its stop string (``cut``), else after its first EOS, else at
+    its last token (``stop``, ``eos``, ``length``)."""
+    if cut is not None:
+        return cut, "stop"
+    end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
+    return (end, "eos") if end is not None else (len(row), "length")
+
+
 def _stream(streamer: Any, row: list[int], sent: int, cut: int | None, eos: list[int]) -> int:
     """Hand the streamer row 0's tokens from ``sent`` up to its end (its stop string or EOS, inclusive)."""
-    end = len(row) if cut is None else cut
-    stop = next((i + 1 for i, t in enumerate(row[:end]) if t in eos), None)
-    end = stop if stop is not None else end
+    end = _row_end(row, cut, eos)[0]
     if end > sent:
         streamer.put(torch.tensor(row[sent:end]))
     return max(sent, end)
@@ -151,10 +158,11 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
             count = int(stopper.count)
             out = stopper.out[:, :count].cpu().tolist()
             for r in range(b):  # stop strings first, so that nothing past one is streamed
-                if stop_strings and r not in cut and not done[r]:
+                if stop_strings and r not in cut:
                     n = _cut_at_stop(tokenizer, out[r], list(stop_strings))
-                    if n is not None:
+                    if n is not None or done[r]:  # a row finished by EOS is scanned once, then never again
                         cut[r] = n
+                    if n is not None:
                         stopper.finished[r] = True
                         done[r] = True
             if streamer is not None:
@@ -165,20 +173,17 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     t3 = time.perf_counter()
     count = int(stopper.count)
     out = stopper.out[:, :count].cpu().tolist()
-    if streamer is not None:
-        _stream(streamer, out[0][:limits[0]], sent, cut.get(0), eos)
-        streamer.end()
     tokens, finish = [], []
     for r, row in enumerate(out):
         row = row[:limits[r]]
-        n = cut.get(r) or (_cut_at_stop(tokenizer, row, list(stop_strings)) if stop_strings else None)
-        if n is not None:
-            tokens.append(row[:n])
-            finish.append("stop")
-            continue
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
-        tokens.append(row[:end] if end else row)
-        finish.append("eos" if end else "length")
+        if r not in cut and stop_strings:  # the steps since the last check
+            cut[r] = _cut_at_stop(tokenizer, row, list(stop_strings))
+        end, why = _row_end(row, cut.get(r), eos)
+        tokens.append(row[:end])
+        finish.append(why)
+    if streamer is not None:
+        _stream(streamer, out[0][:limits[0]], sent, cut.get(0), eos)
+        streamer.end()
     logits = None
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers)
         logits = [stopper.logits_out[r, :count].cpu() for r in range(b)]
