@@ -19,7 +19,7 @@ from calibrate import cli as calibrate_cli
 from data.tokens import TokenIdError, check_token_ids
 from runtime.cli import main as rolecall_main
 from runtime.eval import ContextLengthError, check_context, context_limit
-from tests.tiny import VOCAB_SIZE, tiny_model, tiny_tokenizer
+from tests.tiny import VOCAB_SIZE, tiny_folder, tiny_model
 from train import cli as train_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,10 +28,8 @@ CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-64")
-    tiny_model("llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=CONTEXT).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return tiny_folder(tmp_path_factory.mktemp("tiny-64"), "llama", layers=2, heads=4, kv_heads=2,
+                       max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture

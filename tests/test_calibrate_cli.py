@@ -13,7 +13,7 @@ from calibrate import cli
 from calibrate.config import ConfigError, read_yaml, resolve
 from calibrate.traces import read_traces
 from runtime.manifest import RoleManifest
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 
 FLAGS = ["--prompts", "arithmetic:3", "--max-new-tokens", "48", "--stride", "6", "--min-context", "40",
          "--page-size", "4", "--top-pages", "3", "--recent-pages", "2", "--warmup", "1", "--num-delta", "2",
@@ -22,10 +22,7 @@ FLAGS = ["--prompts", "arithmetic:3", "--max-new-tokens", "48", "--stride", "6",
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    tiny_model("qwen2", layers=4, heads=4, kv_heads=2, seed=7).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return tiny_folder(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", layers=4, heads=4, kv_heads=2, seed=7)
 
 
 def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_path, cache_dir):

@@ -19,7 +19,7 @@ import torch
 
 from calibrate import cli as calibrate_cli
 from runtime.manifest import ModelIdentity, RoleManifest, read_metadata
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 from train import checkpoint as ckpt
 from train.cli import main as train_main
 
@@ -28,10 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", layers=2, heads=4, kv_heads=2).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return tiny_folder(tmp_path_factory.mktemp("tiny-llama"), "llama", layers=2, heads=4, kv_heads=2)
 
 
 def _write_data(path: Path) -> Path:

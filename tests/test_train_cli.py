@@ -7,16 +7,13 @@ import torch
 
 from runtime.cli import main as rolecall_main
 from runtime.manifest import RoleManifest
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.tiny import tiny_folder
 from train.cli import main
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", layers=2, heads=4, kv_heads=2).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return tiny_folder(tmp_path_factory.mktemp("tiny-model"), "llama", layers=2, heads=4, kv_heads=2)
 
 
 @pytest.fixture

@@ -68,3 +68,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<|endoftext|>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def tiny_folder(folder, family: str = "llama", **kw):
+    """A tiny model of ``family`` and the byte tokenizer saved as a model folder (what ``--model`` takes)."""
+    tiny_model(family, **kw).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
