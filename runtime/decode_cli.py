@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.eval_cli import add_common, parse_params
+from runtime.eval_cli import add_common, policy_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,16 +28,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from runtime.models import load_model, load_tokenizer
-    from runtime.policies import get_policy
     from runtime.session import attach
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
-    params = parse_params(args.param)
-    from runtime.session import SESSION_PARAMS
-
-    # bad names and values fail here, before the model loads
-    get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
+    params, manifest = policy_inputs(args)  # bad policies, parameters and manifests fail before the model loads
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     trust = args.trust_remote_code
@@ -59,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.stop:
         kwargs.update(stop_strings=args.stop, tokenizer=tokenizer)
-    with attach(model, args.manifest, args.policy, **params) as session, torch.no_grad():
+    with attach(model, manifest, args.policy, **params) as session, torch.no_grad():
         if args.sample and session.engine_reason(dict(kwargs, seed=args.seed)) is None:
             kwargs["seed"] = args.seed
         elif args.sample:

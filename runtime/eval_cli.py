@@ -28,6 +28,18 @@ def parse_params(pairs: list[str] | None) -> dict[str, Any]:
     return params
 
 
+def policy_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``, checked before the model loads: a bad
+    policy name or parameter, or a bad manifest file, fails here in one line."""
+    from runtime.manifest import RoleManifest
+    from runtime.policies import get_policy
+    from runtime.session import SESSION_PARAMS
+
+    params = parse_params(args.param)
+    get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
+    return params, (RoleManifest.load(args.manifest) if args.manifest else None)
+
+
 def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default {DEFAULT_MODEL})")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -73,16 +85,11 @@ def run(args: argparse.Namespace) -> int:
         passkey_prompts,
     )
     from runtime.models import load_config, load_model, load_tokenizer
-    from runtime.policies import get_policy
 
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                             passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens)
-    params = parse_params(args.param)
-    from runtime.session import SESSION_PARAMS
-
-    # bad names and values fail here, before the model loads
-    get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
+    params, manifest = policy_inputs(args)
     # prompts longer than the model's context fail here too, before the haystacks are built or the model loads
     trust = args.trust_remote_code
     limit, new = context_limit(load_config(args.model, trust_remote_code=trust), args.model), args.max_new_tokens
@@ -101,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
-    result = evaluate(model, tokenizer, args.manifest, args.policy, params, settings, samples=samples,
+    result = evaluate(model, tokenizer, manifest, args.policy, params, settings, samples=samples,
                       measure=args.measure)
     result["model"] = args.model
     result["manifest"] = args.manifest

@@ -239,3 +239,12 @@ def test_target_counts_only_the_learned_gates_of_a_hybrid_model():
                                          r"1 <= N <= 1"):
         check_settings(TrainConfig(target=2, dataset="data.jsonl"), config)
     check_settings(TrainConfig(target=5, dataset="data.jsonl", include_sliding=True), config)  # 5 layers × 1
+
+
+@pytest.mark.parametrize("command", ["decode", "eval"])
+def test_a_bad_manifest_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model, command):
+    extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
+    missing = tmp_path / "nope.safetensors"
+    assert rolecall_main([command, "--model", str(model_dir), "--policy", "delta", "--manifest", str(missing),
+                          *extra]) == 2
+    assert one_line(capsys, f"rolecall {command}").endswith(f"{missing}: no such manifest file")
