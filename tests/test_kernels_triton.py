@@ -179,3 +179,38 @@ def test_decode_and_score_in_interpreter(per_kv):
 @pytest.mark.parametrize("per_kv", [False, True])
 def test_decode_and_score_on_gpu(b, hq, hkv, t, d, per_kv):
     _check_decode_and_score(b, hq, hkv, t, d, 16, torch.bfloat16, "cuda", per_kv)
+
+
+def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol):
+    from runtime.kernels.rope_cache import naive as rope_naive
+    from runtime.kernels.rope_cache import triton as rope_tri
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    y = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
+    cos, sin = torch.randn(2, b, d, generator=g).to(device, dtype)
+    qn, kn = (1 + 0.1 * torch.randn(2, d, generator=g)).to(device, dtype) if norms else (None, None)
+    slot = torch.tensor(5, device=device)
+    caches = {}
+    for name, impl in (("naive", rope_naive), ("triton", rope_tri)):
+        kc, vc = torch.zeros(2, b, hkv, 9, d, device=device, dtype=dtype)
+        q = impl.rope_and_store(y, hq, hkv, cos, sin, kc, vc, slot, qn, kn, 1e-6)
+        caches[name] = (q.float(), kc.float(), vc.float())
+    (q0, k0, v0), (q1, k1, v1) = caches["naive"], caches["triton"]
+    assert torch.equal(v0, v1)  # values are copied as they are
+    assert k1[:, :, 5].abs().sum() > 0 and k1[:, :, :5].abs().sum() == 0 and k1[:, :, 6:].abs().sum() == 0
+    assert (q0 - q1).abs().max() < tol * q0.abs().max() and (k0 - k1).abs().max() < tol * k0.abs().max()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("b, hq, hkv, d, norms", [(2, 4, 2, 16, False), (1, 6, 3, 24, True), (3, 2, 1, 32, True)])
+def test_rope_cache_matches_reference_in_interpreter(b, hq, hkv, d, norms):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_rope_cache(b, hq, hkv, d, norms, torch.float32, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, hkv, d, norms", [(1, 28, 4, 128, False), (8, 32, 8, 128, True), (4, 9, 3, 64, False),
+                                                  (2, 4, 1, 256, True)])
+def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms):
+    _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2)

@@ -1,8 +1,8 @@
 """The static decoder: one decode step over a :class:`StaticCache`, eager or replayed from a CUDA graph.
 
 Weights are plain tensors (:class:`Weights`), the cache is preallocated, the current length is a device
-scalar, the new token's K/V are written with ``index_copy_`` at that length, the next token is chosen on the
-device (greedy, or the sampler's choice) and ``length += 1`` happens on the device. No ``.item()``, no host
+scalar, the new token's K/V are written at that length (with its RoPE: one kernel on the GPU), the next token
+is chosen on the device (greedy, or the sampler's choice) and ``length += 1`` happens on the device. No ``.item()``, no host
 sync and no shape that changes per step, so the step is captured in a CUDA graph (:meth:`capture`) and
 replayed. Attention goes through the policy's static step (``policy.static_step(shape)``, written in the
 policy's own file); sliding-window layers of hybrid models read their window themselves.
@@ -21,12 +21,14 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from runtime.engine import layers as L
 from runtime.engine.cache import StaticCache, head_order_of, same_order
 from runtime.engine.crossovers import default_min_context
 from runtime.engine.weights import Weights
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
+from runtime.kernels.rope_cache import rope_and_store as naive_rope_and_store
 from runtime.kernels.sparse_attention import naive as naive_attention
 from runtime.kernels.sparse_attention import use_triton
 from runtime.kernels.topk_select import topk_with_recent
@@ -90,9 +92,10 @@ class StaticDecoder:
         self.triton = kernels == "triton" or (kernels == "auto" and use_triton(torch.empty(0, device=device)))
         if self.triton:
             from runtime.kernels.page_scores import triton as page_triton
+            from runtime.kernels.rope_cache import triton as rope_triton
             from runtime.kernels.sparse_attention import triton as sparse_triton
 
-            self._page_triton, self._sparse_triton = page_triton, sparse_triton
+            self._page_triton, self._sparse_triton, self._rope_triton = page_triton, sparse_triton, rope_triton
             for size in self.static.block_sizes:
                 if size & (size - 1):
                     raise ValueError(f"policy {self.policy.name!r}: block size {size} must be a power of two "
@@ -110,8 +113,8 @@ class StaticDecoder:
         self.graphs: dict[str, Any] = {}
         if compile is None:
             compile = device.type == "cuda" and os.environ.get("ROLECALL_COMPILE", "1") != "0"
-        self._pre, self._post = L.compiled_layers(s) if compile else (
-            functools.partial(L.qkv_tensors, s), functools.partial(L.finish_tensors, s))
+        self._post = L.compiled_finish(s) if compile else functools.partial(L.finish_tensors, s)
+        self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
 
     # -- host-side control -------------------------------------------------------------------------------------
     def set_length(self, length: int) -> None:
@@ -182,10 +185,11 @@ class StaticDecoder:
     # -- attention helpers the policies' static steps call -------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                indices: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
-        """``[B, Hq, D]`` float32 attention over ``indices`` (blocks of ``block_size``; None = every slot)."""
+        """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot), float32 from
+        the references, the model's dtype from the GPU kernels."""
         impl = self._sparse_triton if self.triton else naive_attention
         out, _ = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
-                                              block_size=block_size, key_mask=mask)
+                                              block_size=block_size, key_mask=mask, **self._out)
         return out
 
     def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -193,7 +197,7 @@ class StaticDecoder:
         """Dense attention and block scores ``[B, n]`` (max over all heads) or ``[B, Hkv, n]`` (per KV head)."""
         impl = self._page_triton.decode_and_score if self.triton else naive_decode_and_score
         out, _, scores = impl(q, k, v, self.shape.attention_scale, block_size, key_mask=mask,
-                              per_kv_head=per_kv_head)
+                              per_kv_head=per_kv_head, **self._out)
         return out, scores
 
     def attend_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -208,7 +212,7 @@ class StaticDecoder:
         The references always take the two calls."""
         if self.triton and self.batch < MIXED_MAX_BATCH:
             out, _, scores = self._page_triton.mixed_decode_and_score(
-                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, key_mask=mask)
+                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, key_mask=mask, **self._out)
             return out, scores
         g = q.shape[1] // k.shape[1]
         r = full_heads
@@ -252,22 +256,20 @@ class StaticDecoder:
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
         masks = self._masks(length)
         state: dict[str, Any] = {}
-        slot = length.view(1)
-        x = L.embed(w, self.tokens)  # [B, H]
+        rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
+        x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
         for i, lw in enumerate(w.layers):
-            q, k, v = self._pre(x, lw.norm_attn, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm,
-                                *rope[s.rope_kinds[i]])  # [B, Hq, D], [B, Hkv, D]
-            c.k[i].index_copy_(2, slot, k[:, :, None])
-            c.v[i].index_copy_(2, slot, v[:, :, None])
+            q = rope_store(F.linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
+                           length, lw.q_norm, lw.k_norm, s.eps)  # [B, Hq, D]; the new K/V are in the cache
             window = s.windows[i]
             if self.hybrid and window is not None:
                 mask, blocks = masks[window]
                 o = self.attend(q, c.k[i], c.v[i], mask, blocks, WINDOW_BLOCK)
             else:
-                o = static.attention(self, i, q, c.k[i], c.v[i], masks[window], state)  # [B, Hq, D] float32
-            x = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
-                           lw.w_down, lw.norm_mlp_out)
-        self.choose(L.logits(w, x))
+                o = static.attention(self, i, q, c.k[i], c.v[i], masks[window], state)  # [B, Hq, D]
+            x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
+                              lw.w_down, lw.norm_mlp_out, L.next_norm(w, i))
+        self.choose(L.logits(w, h))
         length.add_(1)
 
     def choose(self, logits: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from runtime.engine.shape import ModelShape
 from runtime.engine.weights import LayerWeights, Weights
+from runtime.kernels.rope_cache import split_rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,48 +33,51 @@ def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
     return x * float(torch.tensor(s, dtype=x.dtype)) if s != 1.0 else x
 
 
-def qkv(lw: LayerWeights, s: ModelShape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def qkv(lw: LayerWeights, s: ModelShape, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """See :func:`qkv_tensors`."""
-    return qkv_tensors(s, x, lw.norm_attn, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin)
+    return qkv_tensors(s, h, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin)
 
 
-def finish_layer(lw: LayerWeights, s: ModelShape, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """See :func:`finish_tensors`."""
-    return finish_tensors(s, x, attn, lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up, lw.w_down,
-                          lw.norm_mlp_out)
+def finish_layer(w: Weights, i: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`finish_tensors`; layer ``i`` of ``w``."""
+    lw = w.layers[i]
+    return finish_tensors(w.shape, x, attn, lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up, lw.w_down,
+                          lw.norm_mlp_out, next_norm(w, i))
+
+
+def next_norm(w: Weights, i: int) -> torch.Tensor:
+    """The norm applied to layer ``i``'s output: the next layer's input norm, or the final norm."""
+    return w.layers[i + 1].norm_attn if i + 1 < len(w.layers) else w.norm
+
+
+def first_input(w: Weights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids → the residual stream ``x`` and the first layer's normed input ``h``."""
+    x = embed(w, ids)
+    return x, rms_norm(x, w.layers[0].norm_attn, w.shape.eps)
 
 
 @functools.cache
-def compiled_layers(s: ModelShape):
-    """:func:`qkv_tensors` and :func:`finish_tensors` for ``s`` through ``torch.compile``: the norms, RoPE,
-    activation and residual adds of a decode step fuse into a few kernels around the GEMMs (a batch-1 step is
-    otherwise bound by the launch latency of about twenty small kernels per layer). Compiled once per shape
-    and batch, in the engine's eager warm-up, before its CUDA-graph capture; kept per shape, so later decoders
-    of the same model reuse the compiled code."""
+def compiled_finish(s: ModelShape):
+    """:func:`finish_tensors` for ``s`` through ``torch.compile``: the norms, activation and residual adds of a
+    decode step fuse into three kernels around the GEMMs (a batch-1 step is otherwise bound by the launch
+    latency of a dozen small kernels per layer). Compiled once per shape and batch, in the engine's eager
+    warm-up, before its CUDA-graph capture; kept per shape, so later decoders of the same model reuse it.
+
+    Inductor's pattern matcher is off: it would fold each residual add into its GEMM as an ``addmm``, which
+    first copies the residual into the output (one more kernel) instead of adding it inside the next norm."""
     # dynamic=None: the first batch size compiles static code; a second one recompiles with the batch symbolic,
     # which then serves every batch size (a serving process sees many; the recompile limit is never reached)
-    opts = dict(dynamic=None, fullgraph=True)
-    return (torch.compile(functools.partial(qkv_tensors, s), **opts),
-            torch.compile(functools.partial(finish_tensors, s), **opts))
+    return torch.compile(functools.partial(finish_tensors, s), dynamic=None, fullgraph=True,
+                         options={"pattern_matcher": False})
 
 
-def qkv_tensors(s: ModelShape, x, norm_attn, wqkv, bqkv, q_norm, k_norm, cos, sin):
-    """Normed hidden ``x [..., H]`` → ``q [..., Hq, D]``, ``k``, ``v [..., Hkv, D]`` with RoPE applied.
+def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin):
+    """Normed hidden ``h [..., H]`` → ``q [..., Hq, D]``, ``k``, ``v [..., Hkv, D]`` with RoPE applied
+    (:func:`runtime.kernels.rope_cache.split_rope`).
 
     ``cos``/``sin`` broadcast against ``[..., 1, D]`` (one row per position); ``sin`` is signed
     (:func:`signed_sin`) so that rotating half of a head is one ``roll``."""
-    hq, hkv, d = s.heads, s.kv_heads, s.head_dim
-    h = rms_norm(x, norm_attn, s.eps)
-    y = F.linear(h, wqkv, bqkv)
-    q = y[..., : hq * d].unflatten(-1, (hq, d))
-    k = y[..., hq * d:(hq + hkv) * d].unflatten(-1, (hkv, d))
-    v = y[..., (hq + hkv) * d:].unflatten(-1, (hkv, d))
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, s.eps), rms_norm(k, k_norm, s.eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    q = q * cos + q.roll(d // 2, -1) * sin
-    k = k * cos + k.roll(d // 2, -1) * sin
-    return q, k, v
+    return split_rope(F.linear(h, wqkv, bqkv), s.heads, s.kv_heads, cos, sin, q_norm, k_norm, s.eps)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -82,8 +86,10 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([-sin[..., :half], sin[..., half:]], -1)
 
 
-def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_gate_up, w_down, norm_mlp_out):
-    """Residual stream after the attention output ``attn [..., Hq D]`` and the MLP."""
+def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_gate_up, w_down, norm_mlp_out,
+                   norm_next):
+    """Residual stream after the attention output ``attn [..., Hq D]`` and the MLP, and that stream normed by
+    ``norm_next`` (the next layer's input norm or the final norm), so the norm fuses with the residual add."""
     o = F.linear(attn.to(x.dtype), wo, bo)
     if norm_attn_out is not None:
         o = rms_norm(o, norm_attn_out, s.eps)
@@ -93,10 +99,12 @@ def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_ga
     m = F.linear(activation(gate, s.activation) * up, w_down)
     if norm_mlp_out is not None:
         m = rms_norm(m, norm_mlp_out, s.eps)
-    return x + m
+    x = x + m
+    return x, rms_norm(x, norm_next, s.eps)
 
 
-def logits(w: Weights, x: torch.Tensor) -> torch.Tensor:
-    out = F.linear(rms_norm(x, w.norm, w.shape.eps), w.lm_head)
+def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:
+    """Logits from the last layer's output after the final norm."""
+    out = F.linear(h, w.lm_head)
     cap = w.shape.final_softcap
     return torch.tanh(out / cap) * cap if cap else out

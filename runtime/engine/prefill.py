@@ -32,7 +32,7 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
     chunk = chunk or DEFAULT_CHUNK
     pad_t = c.pads[:, None]  # [B, 1]
     g = s.heads // s.kv_heads
-    x_last = None
+    h_last = None
     for start in range(0, p, chunk):
         end = min(start + chunk, p)
         q_slots = torch.arange(start, end, device=device)  # [C]
@@ -51,9 +51,9 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
             m = m | (k_slots[None, None, :] == q_slots[None, :, None])
             masks[window] = m[:, None]  # [B, 1, C, T]
         rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
-        x = L.embed(w, input_ids[:, start:end])  # [B, C, H]
+        x, h = L.first_input(w, input_ids[:, start:end])  # [B, C, H]
         for i, lw in enumerate(w.layers):
-            q, k, v = L.qkv(lw, s, x, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
+            q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
             c.k[i][:, :, start:end] = k.transpose(1, 2)
             c.v[i][:, :, start:end] = v.transpose(1, 2)
             keys, values = c.k[i][:, :, :end], c.v[i][:, :, :end]
@@ -66,8 +66,8 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
                     keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                    scale=s.attention_scale)
-            x = L.finish_layer(lw, s, x, o.transpose(1, 2).flatten(2))
-        x_last = x[:, -1]
-    dec.choose(L.logits(w, x_last))
+            x, h = L.finish_layer(w, i, x, o.transpose(1, 2).flatten(2))
+        h_last = h[:, -1]
+    dec.choose(L.logits(w, h_last))
     dec.set_length(p)
     return dec.logits

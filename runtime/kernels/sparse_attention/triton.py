@@ -159,7 +159,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
                             tile: int = 64, num_warps: int = 4, num_stages: int = 2,
-                            logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            logits_out: torch.Tensor | None = None,
+                            out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
     ``logits_out``: a float32 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where masked) of
@@ -218,7 +219,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None, HAS_FULL=fr is not None,
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
     )
-    return combine_partials(out_p, lse_p)
+    return combine_partials(out_p, lse_p, out_dtype)
 
 
 @triton.jit
@@ -251,10 +252,12 @@ def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, H
     tl.store(LSE + pid, tl.where(t > 0, m_safe + tl.log(tl.where(t > 0, t, 1.0)), float("-inf")))
 
 
-def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` / ``[B, Hq]``."""
+def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor,
+                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``) /
+    ``[B, Hq]`` (float32)."""
     b, hkv, splits, g, d = out_p.shape
-    out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=torch.float32)
+    out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
     _combine[(b * hkv * g,)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
                              out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,

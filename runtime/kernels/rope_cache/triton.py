@@ -1,0 +1,73 @@
+"""Triton kernel of :mod:`runtime.kernels.rope_cache`: one program per (row, head of q, k or v)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normed(y_row, d, ok, NORM, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One head of ``y`` in float32, and the same head rolled by D/2, each RMS-normed (rounded to ``y``'s
+    dtype, as the reference's norm returns it) when the layer has per-head norms."""
+    half = (d + D // 2) % D
+    x = tl.load(y_row + d, mask=ok, other=0.0)
+    rolled = tl.load(y_row + half, mask=ok, other=0.0)
+    dtype = x.dtype
+    x, rolled = x.to(tl.float32), rolled.to(tl.float32)
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+        x = (x * r * tl.load(NORM + d, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        rolled = (rolled * r * tl.load(NORM + half, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    return x, rolled
+
+
+@triton.jit
+def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT,
+                s_yb, s_cb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, eps,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                HAS_NORM: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # [0, HQ): query heads, [HQ, HQ + HKV): keys, then values
+    d = tl.arange(0, D_PAD)
+    ok = d < D
+    slot = tl.load(SLOT)
+    y_row = Y + b * s_yb + h * D
+    if h >= HQ + HKV:
+        v = tl.load(y_row + d, mask=ok, other=0.0)
+        tl.store(VC + b * s_vb + (h - HQ - HKV) * s_vh + slot * s_vt + d, v.to(VC.dtype.element_ty), mask=ok)
+    else:
+        c = tl.load(COS + b * s_cb + d, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(SIN + b * s_cb + d, mask=ok, other=0.0).to(tl.float32)
+        if h < HQ:
+            x, rolled = _normed(y_row, d, ok, QN, eps, D, HAS_NORM)
+            tl.store(Q + b * s_qb + h * s_qh + d, (x * c + rolled * s).to(Q.dtype.element_ty), mask=ok)
+        else:
+            x, rolled = _normed(y_row, d, ok, KN, eps, D, HAS_NORM)
+            tl.store(KC + b * s_kb + (h - HQ) * s_kh + slot * s_kt + d, (x * c + rolled * s).to(KC.dtype.element_ty),
+                     mask=ok)
+
+
+def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """See :mod:`runtime.kernels.rope_cache`."""
+    b, width = y.shape
+    d = k_cache.shape[-1]
+    if width != (heads + 2 * kv_heads) * d or y.stride(-1) != 1 or (q_norm is None) != (k_norm is None):
+        raise ValueError(f"y [B, {width}] does not hold {heads} + 2 × {kv_heads} heads of {d}, is not contiguous "
+                         "in its last dimension, or only one of q_norm / k_norm was given")
+    if any(t.stride(-1) != 1 for t in (cos, sin, k_cache, v_cache)) or cos.stride() != sin.stride():
+        raise ValueError("cos, sin and the caches need a unit last stride, and cos and sin the same strides")
+    q = torch.empty(b, heads, d, device=y.device, dtype=y.dtype)
+    norm = q_norm is not None
+    _rope_store[(b, heads + 2 * kv_heads)](
+        y, cos, sin, q_norm if norm else y, k_norm if norm else y, q, k_cache, v_cache, slot,
+        y.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
+        HQ=heads, HKV=kv_heads, D=d, D_PAD=triton.next_power_of_2(d), HAS_NORM=norm, num_warps=1,
+    )
+    return q
