@@ -214,3 +214,65 @@ def test_rope_cache_matches_reference_in_interpreter(b, hq, hkv, d, norms):
                                                   (2, 4, 1, 256, True)])
 def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms):
     _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2)
+
+
+def _check_combine(splits, device):
+    from runtime.kernels.sparse_attention import triton as tri
+
+    g = torch.Generator(device="cpu").manual_seed(4)
+    b, hkv, grp, d = 2, 3, 2, 16
+    out_p = torch.randn(b, hkv, splits, grp, d, generator=g)
+    lse_p = torch.randn(b, hkv, splits, grp, generator=g) * 3
+    lse_p[0, 0, : splits // 2] = float("-inf")  # empty partials (idle programs)
+    lse_p[1, 2] = float("-inf")  # a row that read nothing
+    out, lse = tri.combine_partials(out_p.to(device), lse_p.to(device))
+    w = torch.softmax(lse_p, dim=2).nan_to_num(0.0)
+    want = (w[..., None] * out_p).sum(2).reshape(b, hkv * grp, d)
+    want_lse = torch.logsumexp(lse_p, 2).reshape(b, hkv * grp)
+    assert torch.allclose(out.cpu(), want, atol=1e-5)
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(want_lse))
+    assert torch.allclose(lse.cpu()[~torch.isinf(want_lse)], want_lse[~torch.isinf(want_lse)], atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("splits", [1, 5, 128, 300])  # 300: three blocks of 128, merged online
+def test_combine_matches_logsumexp_in_interpreter(splits):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_combine(splits, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 5, 128, 300])
+def test_combine_matches_logsumexp_on_gpu(splits):
+    _check_combine(splits, "cuda")
+
+
+def _check_topk(shape, k, recent, last, device):
+    from runtime.kernels.topk_select import naive as topk_naive
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    scores = torch.rand(*shape, generator=g)
+    scores[..., 3] = float("-inf")  # a block with no valid token
+    last_t = torch.as_tensor(last)
+    want = topk_naive.topk_with_recent(scores, k, recent, last=last_t)
+    got = topk_tri.topk_with_recent(scores.to(device), k, recent, last=last_t.to(device)).cpu()
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(got.long(), want)  # both ascending, -1 padded
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("shape, k, recent, last", [((2, 3, 50), 8, 2, 40), ((4, 20), 30, 0, 19), ((1, 2, 9), 4, 4, 6),
+                                                    ((3, 100), 100, 1, 99)])
+def test_topk_matches_reference_in_interpreter(shape, k, recent, last):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_topk(shape, k, recent, last, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, k, recent, last", [((8, 4, 8192), 128, 4, 8100), ((8, 8192), 64, 8, 8191),
+                                                    ((1, 3, 1000), 128, 1, 999), ((2, 16384), 2048, 0, 16000)])
+def test_topk_matches_reference_on_gpu(shape, k, recent, last):
+    _check_topk(shape, k, recent, last, "cuda")

@@ -94,8 +94,10 @@ class StaticDecoder:
             from runtime.kernels.page_scores import triton as page_triton
             from runtime.kernels.rope_cache import triton as rope_triton
             from runtime.kernels.sparse_attention import triton as sparse_triton
+            from runtime.kernels.topk_select import triton as topk_triton
 
             self._page_triton, self._sparse_triton, self._rope_triton = page_triton, sparse_triton, rope_triton
+            self._topk_triton = topk_triton
             for size in self.static.block_sizes:
                 if size & (size - 1):
                     raise ValueError(f"policy {self.policy.name!r}: block size {size} must be a power of two "
@@ -224,6 +226,8 @@ class StaticDecoder:
         """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
         blocks up to the new token's, then the highest scores among the existing ones. No sync."""
         last = torch.div(self.cache.length, block_size, rounding_mode="floor")
+        if self.triton and scores.shape[-1] <= self._topk_triton.MAX_N:
+            return self._topk_triton.topk_with_recent(scores, k, recent, last=last)
         return topk_with_recent(scores, k, recent, last=last, ascending=False).to(torch.int32)
 
     # -- one step ----------------------------------------------------------------------------------------------

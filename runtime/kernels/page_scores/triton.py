@@ -157,7 +157,7 @@ def mixed_decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.
         # which splits the full rows into so many chunks that their partial results outweigh the saved launch)
         mean = (full_heads * t + (hkv - full_heads) * indices.shape[-1] * block_size) / hkv
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sms)
+        kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sms, dense=False)
     out, lse = attention.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
                                                  key_mask=key_mask, full_rows=full, logits_out=logits, **kernel)
     scores = page_scores_from_logits(logits[:, :full_heads * g], lse[:, :full_heads * g], block_size, full_heads,

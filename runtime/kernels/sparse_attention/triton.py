@@ -147,10 +147,15 @@ def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << (x - 1).bit_length())
 
 
-def choose_chunk(tokens: int, rows: int, sms: int) -> int:
-    """Tokens per program: enough programs to fill the GPU about four times over, at least 256 tokens each."""
-    target_splits = max(1, (4 * sms) // max(rows, 1))
-    chunk = max(256, math.ceil(tokens / target_splits))
+def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True) -> int:
+    """Tokens per program (a power of two, at least 128). Rows that stream the whole cache take about one
+    program per SM in all: fewer, longer programs pipeline their loads best and leave few partials to merge.
+    Gathered reads (blocks or tokens of a set) take four waves of programs: each gather waits on its block
+    ids, so more programs in flight hide that latency. Measured on an H200 (DS-Qwen-7B heads, bf16): dense
+    32K × 1 22.8 µs a layer at 1024 tokens a program vs 26.4 at 256; a 2K-token set read at 128 K × 8 12.5
+    µs at 128 vs 14.2 at 256."""
+    waves = 1 if dense else 4
+    chunk = max(128, math.ceil(tokens * max(rows, 1) / (waves * sms)))
     return 1 << (chunk - 1).bit_length()
 
 
@@ -158,7 +163,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
-                            tile: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            tile: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             logits_out: torch.Tensor | None = None,
                             out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
@@ -185,10 +190,13 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     n = 0 if indices is None else indices.shape[-1]
     sparse_read = t if indices is None else n * block_size  # tokens a sparse row reads
     max_read = t if (indices is None or full_rows is not None) else sparse_read
+    dense = indices is None
     if chunk is None:
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        chunk = choose_chunk(sparse_read, b * hkv, sms)
+        chunk = choose_chunk(sparse_read, b * hkv, sms, dense)
+    tile = tile or (128 if dense and chunk >= 1024 else 64)  # long streams: bigger tiles, one more stage
+    num_stages = num_stages or (3 if dense else 2)
     chunk = max(chunk, tile)
     splits = max(1, triton.cdiv(max_read, chunk))
     out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
@@ -224,32 +232,34 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 @triton.jit
 def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, HKV, G, S,
-             S_PAD: tl.constexpr, SB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    pid = tl.program_id(0)  # one (sequence, query head)
+             SB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One (sequence, query head): merge its S partials, SB at a time (usually all at once), by an online
+    log-sum-exp (each block rescales what came before)."""
+    pid = tl.program_id(0)
     b = pid // (HKV * G)
     h = (pid // G) % HKV
     g = pid % G
     d = tl.arange(0, D_PAD)
     lse_base = LSE_P + b * s_lb + h * s_lh + g
-    m = tl.full([SB], float("-inf"), tl.float32)
-    for s0 in range(0, S_PAD, SB):  # pass 1: the largest partial log-sum-exp
+    m = tl.max(tl.full([SB], float("-inf"), tl.float32), 0)  # 0-d float32 tensors: the loop's carried state
+    total = tl.sum(tl.zeros([SB], tl.float32), 0)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, S, SB):
         s = s0 + tl.arange(0, SB)
-        m = tl.maximum(m, tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf")))
-    m_all = tl.max(m, 0)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.zeros([SB], tl.float32)
-    acc = tl.zeros([SB, D_PAD], tl.float32)
-    for s0 in range(0, S_PAD, SB):  # pass 2: weights relative to it (0 for empty partials)
-        s = s0 + tl.arange(0, SB)
-        w = tl.exp(tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf")) - m_safe)
+        lse = tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse - m_safe)  # 0 for empty partials
         o = tl.load(OUT_P + b * s_ob + h * s_oh + s[:, None] * s_os + g * s_og + d[None, :],
                     mask=(w > 0)[:, None] & (d < D)[None, :], other=0.0)
-        total += w
-        acc += o * w[:, None]
-    t = tl.sum(total, 0)
-    out = tl.sum(acc, 0) / tl.where(t > 0, t, 1.0)
+        alpha = tl.exp(m - m_safe)
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(OUT + pid * D + d, out, mask=d < D)
-    tl.store(LSE + pid, tl.where(t > 0, m_safe + tl.log(tl.where(t > 0, t, 1.0)), float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor,
@@ -259,8 +269,8 @@ def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor,
     b, hkv, splits, g, d = out_p.shape
     out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
+    sb = min(128, max(16, triton.next_power_of_2(splits)))  # every partial in one block up to 128 of them
     _combine[(b * hkv * g,)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
                              out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
-                             S_PAD=max(16, triton.next_power_of_2(splits)), SB=16, D=d,
-                             D_PAD=triton.next_power_of_2(d))
+                             SB=sb, D=d, D_PAD=triton.next_power_of_2(d), num_warps=4 if sb * d <= 4096 else 8)
     return out, lse

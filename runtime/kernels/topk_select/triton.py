@@ -1,0 +1,67 @@
+"""Triton top-k with a recency window: one program per row, the k-th largest score found by a bitwise search.
+
+Same choice as :func:`runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
+lower id), returned as ascending ids, -1 padded at the end. The scores map to integers that order as the
+floats do; 32 rounds of "how many are at least this" fix the k-th largest bit by bit, then one prefix sum
+places every chosen id. Rows run in parallel, so the time does not grow with the batch (``torch.topk`` takes
+one pass per radix digit over every row); a row must fit one program (:data:`MAX_N` scores).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_N = 16384  # scores per row one program holds in registers
+
+
+@triton.jit
+def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr,
+                 N_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N_PAD)
+    last = tl.load(LAST + row * s_last)
+    ok = (i < n) & (i <= last)
+    x = tl.load(S + row * s_row + i, mask=ok, other=float("-inf")).to(tl.float32)
+    x = tl.where(ok & (i > last - RECENT), float("inf"), x)
+    x = tl.where(ok, x, float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # float order, in [0, 2^32)
+    prefix = tl.zeros([1], tl.int64)
+    for bit in tl.static_range(31, -1, -1):  # the largest t with at least W keys >= t: the W-th largest key
+        cand = prefix | (1 << bit)
+        count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), 1)
+        prefix = tl.where(count >= W, cand, prefix)
+    kth = tl.sum(prefix, 0)
+    live = x > float("-inf")
+    greater = live & (key > kth)
+    equal = live & (key == kth)
+    take = W - tl.sum(greater.to(tl.int32), 0)
+    chosen = greater | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= take))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(OUT + row * W + slot, i, mask=chosen)
+    j = tl.arange(0, W_PAD)
+    tl.store(OUT + row * W + j, tl.full([W_PAD], -1, tl.int32), mask=(j < W) & (j >= tl.sum(chosen.to(tl.int32), 0)))
+
+
+def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tensor | int | None = None) -> torch.Tensor:
+    """``[..., n]`` scores → ``[..., min(k, n)]`` int32 ascending ids, -1 padded (see the module docstring)."""
+    n = scores.shape[-1]
+    if n > MAX_N:
+        raise ValueError(f"{n} scores per row exceed the {MAX_N} one program holds; use the reference")
+    lead = scores.shape[:-1]
+    rows = scores.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if last is None:
+        last = n - 1
+    last = torch.as_tensor(last, device=scores.device).to(torch.int64)
+    last = last.expand(lead).reshape(-1) if last.dim() else last  # one for all rows: read with stride 0
+    w = min(k, n)
+    out = torch.empty(rows.shape[0], w, device=scores.device, dtype=torch.int32)
+    if rows.shape[0]:
+        _topk_recent[(rows.shape[0],)](rows, last, out, rows.stride(0), last.stride(0) if last.dim() else 0, n, W=w,
+                                       W_PAD=triton.next_power_of_2(w), RECENT=recent,
+                                       N_PAD=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4)
+    return out.view(*lead, w)
