@@ -276,3 +276,35 @@ def test_topk_matches_reference_in_interpreter(shape, k, recent, last):
                                                     ((1, 3, 1000), 128, 1, 999), ((2, 16384), 2048, 0, 16000)])
 def test_topk_matches_reference_on_gpu(shape, k, recent, last):
     _check_topk(shape, k, recent, last, "cuda")
+
+
+def _check_key_span(device, dtype, t, tol):
+    """Bounds ``first[b]..last`` read exactly what the matching key mask reads, dense and over blocks."""
+    from runtime.kernels.sparse_attention import triton as tri
+
+    q, k, v, idx, _, fr = _case(3, 8, 2, t, 16, 4, 16, dtype, device, full=True)
+    first = torch.tensor([0, 7, t // 2], device=device)
+    last = torch.tensor(t - 5, device=device)
+    ids = torch.arange(t, device=device)
+    mask = (ids[None, :] >= first[:, None]) & (ids[None, :] <= last)
+    for indices, full in ((None, None), (idx, None), (idx, fr)):
+        want, want_lse = tri.sparse_decode_attention(q, k, v, indices, scale=0.25, block_size=16, key_mask=mask,
+                                                     full_rows=full, chunk=64)
+        got, lse = tri.sparse_decode_attention(q, k, v, indices, scale=0.25, block_size=16, key_span=(first, last),
+                                               full_rows=full, chunk=64)
+        ref, ref_lse = _reference(q, k, v, indices, {"key_mask": mask.cpu()} if device == "cpu" else
+                                  {"key_mask": mask}, full, 16, 0.25) if indices is not None else (want, want_lse)
+        assert torch.allclose(got, want, atol=tol) and torch.allclose(lse, want_lse, atol=tol)
+        assert torch.allclose(got, ref.to(got.dtype), atol=tol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+def test_key_span_reads_as_the_mask_in_interpreter():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_key_span("cpu", torch.float32, 200, 1e-5)
+
+
+@pytest.mark.gpu
+def test_key_span_reads_as_the_mask_on_gpu():
+    _check_key_span("cuda", torch.float32, 5000, 1e-4)

@@ -7,6 +7,7 @@ leading slots of each row are padding. A row's token in slot ``t`` sits at posit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,3 +68,17 @@ def same_order(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bo
     if a is None or b is None:
         return a is b
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """The slots a row may read this step: ``first[b] .. last`` (left padding before, unwritten slots after;
+    a sliding window moves ``first`` up). The GPU kernels take the two bounds instead of a mask."""
+
+    first: torch.Tensor  # [B] long
+    last: torch.Tensor  # [] long: the new token's slot
+
+    def as_mask(self, slots: int) -> torch.Tensor:
+        """``[B, slots]`` bool, True on the readable slots (what the reference kernels take)."""
+        ids = torch.arange(slots, device=self.last.device)
+        return (ids[None, :] >= self.first[:, None]) & (ids[None, :] <= self.last)

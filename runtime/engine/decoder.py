@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine import layers as L
-from runtime.engine.cache import StaticCache, head_order_of, same_order
+from runtime.engine.cache import KeySpan, StaticCache, head_order_of, same_order
 from runtime.engine.crossovers import default_min_context
 from runtime.engine.weights import Weights
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
@@ -106,7 +106,6 @@ class StaticDecoder:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # the next step's input
         self.logits = torch.zeros(batch, s.vocab, dtype=dtype, device=device)  # the last step's output
         self.position = 0  # host mirror of cache.length: the host issued every step
-        self._arange = torch.arange(max_len, device=device)
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
@@ -185,24 +184,28 @@ class StaticDecoder:
         return [self.cache.length, self.tokens, self.logits, *extra]
 
     # -- attention helpers the policies' static steps call -------------------------------------------------------
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    def keys(self, span: KeySpan, slots: int) -> dict[str, Any]:
+        """The kernels' argument for the readable slots: the bounds (GPU kernels) or a mask (references)."""
+        return {"key_span": (span.first, span.last)} if self.triton else {"key_mask": span.as_mask(slots)}
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                indices: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
         """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot), float32 from
         the references, the model's dtype from the GPU kernels."""
         impl = self._sparse_triton if self.triton else naive_attention
         out, _ = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
-                                              block_size=block_size, key_mask=mask, **self._out)
+                                              block_size=block_size, **self.keys(span, k.shape[2]), **self._out)
         return out
 
-    def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                          block_size: int, per_kv_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense attention and block scores ``[B, n]`` (max over all heads) or ``[B, Hkv, n]`` (per KV head)."""
         impl = self._page_triton.decode_and_score if self.triton else naive_decode_and_score
-        out, _, scores = impl(q, k, v, self.shape.attention_scale, block_size, key_mask=mask,
-                              per_kv_head=per_kv_head, **self._out)
+        out, _, scores = impl(q, k, v, self.shape.attention_scale, block_size, per_kv_head=per_kv_head,
+                              **self.keys(span, k.shape[2]), **self._out)
         return out, scores
 
-    def attend_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    def attend_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                      indices: torch.Tensor, block_size: int, full_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``full_heads`` KV heads read everything and score blocks per KV head, the others read
         ``indices``: ``(out [B, Hq, D], scores [B, full_heads, n])``.
@@ -214,12 +217,14 @@ class StaticDecoder:
         The references always take the two calls."""
         if self.triton and self.batch < MIXED_MAX_BATCH:
             out, _, scores = self._page_triton.mixed_decode_and_score(
-                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, key_mask=mask, **self._out)
+                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, **self.keys(span, k.shape[2]),
+                **self._out)
             return out, scores
         g = q.shape[1] // k.shape[1]
         r = full_heads
-        out, scores = self.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], mask, block_size, per_kv_head=True)
-        rest = self.attend(q[:, r * g:], k[:, r:], v[:, r:], mask, indices[:, r:], block_size)
+        out, scores = self.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], span, block_size,
+                                            per_kv_head=True)
+        rest = self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices[:, r:], block_size)
         return torch.cat([out, rest], 1), scores
 
     def select(self, scores: torch.Tensor, block_size: int, k: int, recent: int) -> torch.Tensor:
@@ -231,24 +236,23 @@ class StaticDecoder:
         return topk_with_recent(scores, k, recent, last=last, ascending=False).to(torch.int32)
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _masks(self, length: torch.Tensor) -> dict[Any, Any]:
-        """Key masks ``[B, S]`` for this step: ``None`` → valid slots; a window W → (mask, window blocks)."""
-        ids = self._arange
-        valid = (ids[None, :] >= self.cache.pads[:, None]) & (ids[None, :] <= length)
-        kind = torch.int8 if self.triton else torch.bool
-        masks: dict[Any, Any] = {None: valid.to(kind)}
+    def _spans(self, length: torch.Tensor) -> dict[Any, Any]:
+        """The readable slots of this step: ``None`` → every valid slot; a window W → its span (and, for the
+        sliding layers of a hybrid model, the blocks that cover it)."""
+        pads = self.cache.pads
+        spans: dict[Any, Any] = {None: KeySpan(pads, length)}
         for w in sorted({w for w in self.shape.windows if w is not None}):
-            windowed = (valid & (ids > length - w)).to(kind)
+            span = KeySpan(torch.maximum(pads, length - w + 1), length)
             if self.hybrid:
                 n = math.ceil(w / WINDOW_BLOCK) + 1
                 first = torch.div((length - w + 1).clamp_min(0), WINDOW_BLOCK, rounding_mode="floor")
-                blocks = first + torch.arange(n, device=ids.device)
+                blocks = first + torch.arange(n, device=length.device)
                 last = torch.div(length, WINDOW_BLOCK, rounding_mode="floor")
                 blocks = torch.where(blocks <= last, blocks, -1).to(torch.int32)
-                masks[w] = (windowed, blocks[None, None, :].expand(self.batch, self.shape.kv_heads, n))
+                spans[w] = (span, blocks[None, None, :].expand(self.batch, self.shape.kv_heads, n))
             else:
-                masks[w] = windowed
-        return masks
+                spans[w] = span
+        return spans
 
     @torch.no_grad()
     def _run(self, static: Any) -> None:
@@ -258,7 +262,7 @@ class StaticDecoder:
         positions = length - c.pads  # [B]
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
-        masks = self._masks(length)
+        spans = self._spans(length)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
@@ -267,10 +271,10 @@ class StaticDecoder:
                            length, lw.q_norm, lw.k_norm, s.eps)  # [B, Hq, D]; the new K/V are in the cache
             window = s.windows[i]
             if self.hybrid and window is not None:
-                mask, blocks = masks[window]
-                o = self.attend(q, c.k[i], c.v[i], mask, blocks, WINDOW_BLOCK)
+                span, blocks = spans[window]
+                o = self.attend(q, c.k[i], c.v[i], span, blocks, WINDOW_BLOCK)
             else:
-                o = static.attention(self, i, q, c.k[i], c.v[i], masks[window], state)  # [B, Hq, D]
+                o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
             x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
                               lw.w_down, lw.norm_mlp_out, L.next_norm(w, i))
         self.choose(L.logits(w, h))

@@ -113,13 +113,13 @@ class DeltaStep:
         full = [0.0 if r == LAYER_ROLE_SPARSE else 1.0 for r in self.roles]
         return mean_tokens_read(shape, context, self.num_pages * self.page_size, full)
 
-    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         role = self.roles[layer]
         if role == LAYER_ROLE_SELECT:
-            out, scores = dec.attend_and_score(q, k, v, mask, self.page_size, per_kv_head=False)
+            out, scores = dec.attend_and_score(q, k, v, span, self.page_size, per_kv_head=False)
             pages = dec.select(scores, self.page_size, self.num_pages, self.recent_pages)  # [B, N]
             state["delta.pages"] = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
             return out
         if role == LAYER_ROLE_SPARSE:
-            return dec.attend(q, k, v, mask, state["delta.pages"], self.page_size)
-        return dec.attend(q, k, v, mask)
+            return dec.attend(q, k, v, span, state["delta.pages"], self.page_size)
+        return dec.attend(q, k, v, span)

@@ -34,5 +34,5 @@ class FullStep:
         """Mean tokens read per (layer, KV head) at ``context`` tokens."""
         return float(context)
 
-    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
-        return dec.attend(q, k, v, mask)
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
+        return dec.attend(q, k, v, span)

@@ -169,7 +169,7 @@ class LycheeStep:
         full = self.retrieval.float().mean(1).tolist()  # the share of each layer's KV heads that retrieve
         return mean_tokens_read(shape, context, self.num_blocks * self.block_size, full)
 
-    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         hkv = k.shape[1]
         if k.device not in self._device_order:  # once, in the eager warm-up before any graph capture
             self._device_order[k.device] = [o.to(k.device) for o in self.order]
@@ -177,12 +177,12 @@ class LycheeStep:
         r, order, bs = self.n_retrieval[layer], orders[layer], self.block_size
         sets = state.get("lychee.sets")  # [B, Hkv, N] by original head index
         if r == hkv or sets is None:  # every head chooses (the first layer): one dense launch
-            out, chosen = dec.attend_and_score(q, k, v, mask, bs, per_kv_head=True)
+            out, chosen = dec.attend_and_score(q, k, v, span, bs, per_kv_head=True)
             r = hkv
         elif r == 0:  # every head reads what it inherits
-            return dec.attend(q, k, v, mask, sets.index_select(1, order), bs)
+            return dec.attend(q, k, v, span, sets.index_select(1, order), bs)
         else:  # one launch: retrieval heads (stored first) read all and score, sparse heads read their sets
-            out, chosen = dec.attend_mixed(q, k, v, mask, sets.index_select(1, order), bs, r)
+            out, chosen = dec.attend_mixed(q, k, v, span, sets.index_select(1, order), bs, r)
         chosen = dec.select(chosen, bs, self.num_blocks, self.recent_blocks)  # [B, r, N]
         sets = torch.empty_like(chosen) if sets is None else sets  # the first layer overwrites every head
         state["lychee.sets"] = sets.index_copy(1, order[:r], chosen)

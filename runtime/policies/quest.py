@@ -168,14 +168,15 @@ class QuestStep:
             self.kmin[i][:, :, :lo.shape[2]] = lo
             self.kmax[i][:, :, :hi.shape[2]] = hi
 
-    def attention(self, dec: Any, layer: int, q, k, v, mask, state: dict) -> Any:
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer < self.dense_layers or layer not in self.kmin:
-            return dec.attend(q, k, v, mask)
+            return dec.attend(q, k, v, span)
         p = self.page_size
         page = torch.div(dec.cache.length, p, rounding_mode="floor").view(1)
         raw = page * p + self._offsets  # [P]: the new token's page, recomputed from the cache
         slots = raw.clamp_max(k.shape[2] - 1)  # the cache may end inside its last page
-        ok = (mask.bool().index_select(1, slots) & (raw < k.shape[2]))[:, None, :, None]  # [B, 1, P, 1]
+        ok = (raw >= span.first[:, None]) & (raw <= span.last) & (raw < k.shape[2])  # [B, P]
+        ok = ok[:, None, :, None]
         keys = k.index_select(2, slots)  # [B, Hkv, P, D]
         self.kmin[layer].index_copy_(2, page, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True))
         self.kmax[layer].index_copy_(2, page, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True))
@@ -185,7 +186,8 @@ class QuestStep:
         scores = bounds.amax(2) if self.group == "max" else bounds.sum(2)  # [B, Hkv, n]; -inf for empty pages
         if dec.shape.windows[layer] is not None:  # a window on every layer (Mistral): pages it left are not read
             n = scores.shape[-1]
-            readable = torch.nn.functional.pad(mask.bool(), (0, n * p - mask.shape[1])).view(b, n, p).any(-1)
+            starts = torch.arange(n, device=q.device) * p
+            readable = (starts + p - 1 >= span.first[:, None]) & (starts <= span.last)  # [B, n]: overlaps the span
             scores = scores.masked_fill(~readable[:, None, :], -math.inf)
         pages = dec.select(scores, p, self.num_pages, 1)
-        return dec.attend(q, k, v, mask, pages, p)
+        return dec.attend(q, k, v, span, pages, p)

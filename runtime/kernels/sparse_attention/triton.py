@@ -36,9 +36,10 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt,
-          T, scale, lg_base, s_gh, G: tl.constexpr, G_PAD: tl.constexpr,
+          T, scale, lg_base, s_gh, first, last, G: tl.constexpr, G_PAD: tl.constexpr,
           D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-          HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+          HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
+          WRITE_LOGITS: tl.constexpr):
     """One tile of TILE tokens of the row's read set: gather K/V rows, update the online softmax state."""
     d = tl.arange(0, D_PAD)
     d_ok = d < D
@@ -55,6 +56,8 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
         valid = live
     if HAS_KMASK:
         valid = valid & (tl.load(KMASK + b * s_mb + tok, mask=valid, other=0) != 0)
+    if HAS_SPAN:
+        valid = valid & (tok >= first) & (tok <= last)
     k = tl.load(k_base + tok[:, None] * s_kt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, TILE] fp32
     if HAS_LOGW:
@@ -79,7 +82,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
 
 @triton.jit
 def _sparse_decode_partial(
-    Q, K, V, IDX, LOGW, KMASK, FULL, OUT, LSE, LOGITS,
+    Q, K, V, IDX, LOGW, KMASK, FIRST, LAST, FULL, OUT, LSE, LOGITS,
     s_qb, s_qh,
     s_kb, s_kh, s_kt,
     s_vb, s_vh, s_vt,
@@ -91,8 +94,8 @@ def _sparse_decode_partial(
     T, N, HKV, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_FULL: tl.constexpr,
-    WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr,
+    HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
+    HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -124,16 +127,23 @@ def _sparse_decode_partial(
     k_base = K + b * s_kb + h * s_kh
     v_base = V + b * s_vb + h * s_vh
     lg_base = LOGITS + b * s_gb + h * G * s_gh
+    first = 0
+    last = T
+    if HAS_SPAN:  # the row's valid slots are first..last: no mask to read
+        first = tl.load(FIRST + b)
+        last = tl.load(LAST)
     if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2)
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
-                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, G, G_PAD,
-                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, WRITE_LOGITS)
+                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
+                                  G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
+                                  WRITE_LOGITS)
     else:
         for j0 in range(start, end, TILE):
             m_i, l_i, acc = _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
-                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, G, G_PAD,
-                                  D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, WRITE_LOGITS)
+                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
+                                  G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
+                                  WRITE_LOGITS)
 
     busy = l_i > 0
     out = acc / tl.where(busy, l_i, 1.0)[:, None]
@@ -148,14 +158,12 @@ def _next_pow2(x: int, floor: int = 16) -> int:
 
 
 def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True) -> int:
-    """Tokens per program (a power of two, at least 128). Rows that stream the whole cache take about one
-    program per SM in all: fewer, longer programs pipeline their loads best and leave few partials to merge.
-    Gathered reads (blocks or tokens of a set) take four waves of programs: each gather waits on its block
-    ids, so more programs in flight hide that latency. Measured on an H200 (DS-Qwen-7B heads, bf16): dense
-    32K × 1 22.8 µs a layer at 1024 tokens a program vs 26.4 at 256; a 2K-token set read at 128 K × 8 12.5
-    µs at 128 vs 14.2 at 256."""
-    waves = 1 if dense else 4
-    chunk = max(128, math.ceil(tokens * max(rows, 1) / (waves * sms)))
+    """Tokens per program (a power of two): enough programs to fill the GPU about four times over, at least 256
+    tokens each for rows that stream the cache and 128 for gathered sets, whose programs wait on their block
+    ids (a 2K-token set of 16-token pages at 128K × 8, DS-Qwen-7B heads, H200: 12.5 µs at 128 vs 14.2 at
+    256). Longer dense chunks with 128-token tiles measured faster without a key mask and slower with the
+    engine's (567 vs 484 µs a layer at 128K × 8), so dense reads keep 64-token tiles."""
+    chunk = max(256 if dense else 128, math.ceil(tokens * max(rows, 1) / (4 * sms)))
     return 1 << (chunk - 1).bit_length()
 
 
@@ -163,9 +171,9 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
-                            tile: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                            logits_out: torch.Tensor | None = None,
-                            out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                            tile: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                            key_span: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
     ``logits_out``: a float32 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where masked) of
@@ -195,8 +203,6 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
         chunk = choose_chunk(sparse_read, b * hkv, sms, dense)
-    tile = tile or (128 if dense and chunk >= 1024 else 64)  # long streams: bigger tiles, one more stage
-    num_stages = num_stages or (3 if dense else 2)
     chunk = max(chunk, tile)
     splits = max(1, triton.cdiv(max_read, chunk))
     out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
@@ -209,10 +215,11 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     logw = log_weights.float().contiguous() if log_weights is not None else None
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     fr = full_rows.to(torch.int8).contiguous() if full_rows is not None else None
+    first, last = key_span if key_span is not None else (dummy, dummy)
     _sparse_decode_partial[(b * hkv, splits)](
         query, key, value,
         idx if idx is not None else dummy, logw if logw is not None else dummy,
-        km if km is not None else dummy, fr if fr is not None else dummy,
+        km if km is not None else dummy, first, last, fr if fr is not None else dummy,
         out_p, lse_p, logits_out if logits_out is not None else out_p,
         query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
@@ -224,7 +231,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         logits_out.stride(0) if logits_out is not None else 0, logits_out.stride(1) if logits_out is not None else 0,
         t, n, hkv, float(scale),
         G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile, CHUNK=chunk,
-        HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None, HAS_FULL=fr is not None,
+        HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
+        HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
     )
     return combine_partials(out_p, lse_p, out_dtype)
