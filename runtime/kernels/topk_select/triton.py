@@ -1,9 +1,9 @@
-"""Triton top-k with a recency window: one program per row, the k-th largest score found by a radix select.
+"""Triton top-k with a recency window: one program per row, the k-th largest score found by a bitwise search.
 
 Same choice as :func:`runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
-lower id), returned as ascending ids, -1 padded at the end. The scores map to 32-bit integers that order as
-the floats do; four byte histograms fix the k-th largest one byte at a time, then one prefix sum places
-every chosen id. Rows run in parallel, so the time does not grow with the batch (``torch.topk`` takes
+lower id), returned as ascending ids, -1 padded at the end. The scores map to integers that order as the
+floats do; 32 rounds of "how many are at least this" fix the k-th largest bit by bit, then one prefix sum
+places every chosen id. Rows run in parallel, so the time does not grow with the batch (``torch.topk`` takes
 one pass per radix digit over every row); a row must fit one program (:data:`MAX_N` scores).
 """
 
@@ -28,21 +28,12 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     x = tl.where(ok, x, float("-inf"))
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # float order, in [0, 2^32)
-    # The W-th largest key, one byte at a time from the top: a histogram of the next byte among the keys that
-    # share the bytes fixed so far, and the largest byte value with enough keys at or above it.
-    bins = tl.arange(0, 512)
-    prefix = tl.sum(tl.zeros([1], tl.int64), 0)
-    need = tl.sum(tl.zeros([1], tl.int32), 0) + W
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        same = (key >> (shift + 8)) == (prefix >> (shift + 8))
-        byte = tl.where(same, (key >> shift) & 255, 256).to(tl.int32)  # 256: not a candidate any more
-        hist = tl.where(bins < 256, tl.histogram(byte, 512), 0)
-        at_least = tl.cumsum(hist, 0, reverse=True)
-        chosen_byte = tl.max(tl.where(at_least >= need, bins, -1), 0)
-        need -= tl.sum(tl.where(bins > chosen_byte, hist, 0), 0)
-        prefix = prefix | (chosen_byte.to(tl.int64) << shift)
-    kth = prefix
+    prefix = tl.zeros([1], tl.int64)
+    for bit in tl.static_range(31, -1, -1):  # the largest t with at least W keys >= t: the W-th largest key
+        cand = prefix | (1 << bit)
+        count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), 1)
+        prefix = tl.where(count >= W, cand, prefix)
+    kth = tl.sum(prefix, 0)
     live = x > float("-inf")
     greater = live & (key > kth)
     equal = live & (key == kth)
