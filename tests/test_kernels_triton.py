@@ -294,8 +294,8 @@ def _check_key_span(device, dtype, t, tol):
                                                full_rows=full, chunk=64)
         ref, ref_lse = _reference(q, k, v, indices, {"key_mask": mask.cpu()} if device == "cpu" else
                                   {"key_mask": mask}, full, 16, 0.25) if indices is not None else (want, want_lse)
-        assert torch.allclose(got, want, atol=tol) and torch.allclose(lse, want_lse, atol=tol)
-        assert torch.allclose(got, ref.to(got.dtype), atol=tol)
+        assert torch.allclose(got, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+        assert torch.allclose(got, ref.to(got.dtype), atol=tol)  # the GPU's dots round to TF32
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
@@ -307,4 +307,17 @@ def test_key_span_reads_as_the_mask_in_interpreter():
 
 @pytest.mark.gpu
 def test_key_span_reads_as_the_mask_on_gpu():
-    _check_key_span("cuda", torch.float32, 5000, 1e-4)
+    _check_key_span("cuda", torch.float32, 5000, 1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers the kernel")
+def test_topk_breaks_ties_toward_lower_ids_in_interpreter():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    scores = torch.tensor([[0.5, 2.0, 0.5, 0.5, -1.0, 0.5, 0.5, 3.0]])
+    got = topk_tri.topk_with_recent(scores, 4, 1, last=7)  # 7 is recent; then 1 (2.0); then the lowest 0.5s
+    assert got.tolist() == [[0, 1, 2, 7]]
+    got = topk_tri.topk_with_recent(torch.zeros(1, 6), 3, 0, last=5)  # all equal
+    assert got.tolist() == [[0, 1, 2]]
