@@ -157,35 +157,22 @@ def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << (x - 1).bit_length())
 
 
-def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, masked: bool = True) -> int:
-    """Tokens per program, a power of two.
-
-    Rows that stream the cache without a key mask (bounded by a key span) take about one program per SM in all,
-    up to 8192 tokens each, in 128-token tiles over three pipeline stages (:func:`tiling`): few long programs
-    pipeline their loads best and leave few partials to merge. Otherwise about four waves of programs, at
-    least 256 tokens each for dense rows and 128 for gathered sets, whose programs wait on their block ids.
-    Measured on an H200 (DS-Qwen-7B heads, bf16, µs a layer): dense 32K × 1 25.4 at 1024 tokens a program vs
-    30.0 at 256 in 64-token tiles (with a mask the long tiles lose: 28.2 vs 28.8); 128K × 8 483 at 8192 vs
-    488 at 32768; a 2K-token set at 128K × 8 12.5 at 128 tokens a program vs 14.2 at 256."""
-    if dense and not masked:
-        chunk = min(8192, math.ceil(tokens * max(rows, 1) / sms))
-    else:
-        chunk = math.ceil(tokens * max(rows, 1) / (4 * sms))
-    chunk = max(256 if dense else 128, chunk)
+def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True) -> int:
+    """Tokens per program (a power of two): enough programs to fill the GPU about four times over, at least 256
+    tokens each for rows that stream the cache and 128 for gathered sets, whose programs wait on their block
+    ids (a 2K-token set of 16-token pages at 128K × 8, DS-Qwen-7B heads, H200: 12.5 µs a layer at 128 vs 14.2
+    at 256). One wave of longer programs in 128-token tiles was faster for the 7B's 4 KV heads at batch 1 and
+    slower for Llama's 8 (H200, 128K × 8: 1.050 vs 0.963 ms; 128K × 1: 0.151 vs 0.132), so 64-token tiles
+    and four waves stay."""
+    chunk = max(256 if dense else 128, math.ceil(tokens * max(rows, 1) / (4 * sms)))
     return 1 << (chunk - 1).bit_length()
-
-
-def tiling(dense: bool, masked: bool) -> tuple[int, int]:
-    """``(tile, num_stages)``: long unmasked dense streams take 128-token tiles and three stages (see
-    :func:`choose_chunk`), everything else 64 and two."""
-    return (128, 3) if dense and not masked else (64, 2)
 
 
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
-                            tile: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                            tile: int = 64, num_warps: int = 4, num_stages: int = 2,
                             logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                             key_span: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
@@ -212,13 +199,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     n = 0 if indices is None else indices.shape[-1]
     sparse_read = t if indices is None else n * block_size  # tokens a sparse row reads
     max_read = t if (indices is None or full_rows is not None) else sparse_read
-    dense, masked = indices is None, key_mask is not None
     if chunk is None:
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        chunk = choose_chunk(sparse_read, b * hkv, sms, dense, masked)
-    default_tile, default_stages = tiling(dense, masked)
-    tile, num_stages = tile or default_tile, num_stages or default_stages
+        chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None)
     chunk = max(chunk, tile)
     splits = max(1, triton.cdiv(max_read, chunk))
     out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
