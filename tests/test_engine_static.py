@@ -261,3 +261,25 @@ def test_mixed_launch_scores_its_full_heads_as_the_dense_reference():
         torch.testing.assert_close(out, torch.cat([want_full, want_rest], 1), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-4)
         assert scores.shape == (b, r, 5)
+
+
+def test_quest_rebuilds_its_pages_after_the_full_fallback():
+    """Below min_context the full step keeps no page metadata; the first Quest step after it rebuilds every
+    page, so the bounds it ranks by are those of the cache, not stale or empty."""
+    from runtime.kernels.page_bounds import page_minmax
+    from runtime.policies import get_policy
+
+    shape = ModelShape(layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100)
+    weights = Weights.random(shape, dtype=torch.float32, std=0.05, positions=128)
+    quest = get_policy("quest", budget=32, page_size=16, dense_layers=1)
+    dec = StaticDecoder(weights, quest, batch=2, max_len=96, min_context=60)
+    dec.prefill(torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0)), pads=[0, 3])
+    while dec.position < 70:
+        dec.step()
+    c, static = dec.cache, dec.static
+    keep = torch.arange(dec.position)[None, :] >= c.pads[:, None]
+    for i in static.kmin:
+        lo, hi = page_minmax(c.k[i][:, :, :dec.position], keep, 16)
+        n = lo.shape[2]
+        assert torch.equal(static.kmin[i][:, :, :n], lo) and torch.equal(static.kmax[i][:, :, :n], hi), i
+        assert torch.isinf(static.kmin[i][:, :, n:]).all()  # pages not reached yet stay empty

@@ -321,3 +321,42 @@ def test_topk_breaks_ties_toward_lower_ids_in_interpreter():
     assert got.tolist() == [[0, 1, 2, 7]]
     got = topk_tri.topk_with_recent(torch.zeros(1, 6), 3, 0, last=5)  # all equal
     assert got.tolist() == [[0, 1, 2]]
+
+
+def _check_page_bounds(b, hq, hkv, t, d, p, group, dtype, device, tol):
+    from runtime.kernels.page_bounds import naive as pb_naive
+    from runtime.kernels.page_bounds import triton as pb_tri
+
+    g = torch.Generator(device="cpu").manual_seed(6)
+    k = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
+    q = torch.randn(b, hq, d, generator=g).to(device, dtype)
+    keep = torch.ones(b, t, dtype=torch.bool)
+    keep[0, : 2 * p + 3] = False  # left padding: two empty pages and a partial one
+    kmin, kmax = pb_naive.page_minmax(k, keep.to(device), p)
+    want = pb_naive.page_scores(q, kmin, kmax, 0.3, group)
+    got = pb_tri.page_scores(q, kmin, kmax, 0.3, group)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    assert (got[finite] - want[finite]).abs().max() <= tol * want[finite].abs().max()
+    # the new token's page, recomputed from the keys in first[b]..last, as the reference does it
+    first = torch.tensor([2 * p + 3] + [0] * (b - 1), device=device)
+    for last in (torch.tensor(t - 1, device=device), torch.tensor(2 * p + 1, device=device)):
+        ref = (kmin.clone(), kmax.clone())
+        pb_naive.update_page(k, *ref, first, last, p)
+        mine = (kmin.clone(), kmax.clone())
+        pb_tri.update_page(k, *mine, first, last, p)
+        assert torch.equal(mine[0], ref[0]) and torch.equal(mine[1], ref[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("group", ["max", "sum"])
+def test_page_bounds_match_reference_in_interpreter(group):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_page_bounds(2, 6, 2, 150, 16, 16, group, torch.float32, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", ["max", "sum"])
+def test_page_bounds_match_reference_on_gpu(group):
+    _check_page_bounds(3, 28, 4, 40000, 128, 16, group, torch.bfloat16, "cuda", 1e-2)

@@ -80,9 +80,6 @@ class StaticDecoder:
             raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
                              "(create it with head_order=policy.static_step(shape).head_order)")
         self.cache, self.max_len = cache, max_len
-        prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
-        if prepare is not None:
-            prepare(self)
         sparse = self.static.sparse
         if min_context is None:
             min_context = default_min_context(self.policy.name, batch) if sparse else 0
@@ -102,10 +99,14 @@ class StaticDecoder:
                 if size & (size - 1):
                     raise ValueError(f"policy {self.policy.name!r}: block size {size} must be a power of two "
                                      "for the GPU kernels")
+        prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
+        if prepare is not None:
+            prepare(self)
         self.sampler, self.stopper = sampler, stopper
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # the next step's input
         self.logits = torch.zeros(batch, s.vocab, dtype=dtype, device=device)  # the last step's output
         self.position = 0  # host mirror of cache.length: the host issued every step
+        self._last_kind: str | None = None  # "full" or "policy": the step that ran last
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
@@ -123,6 +124,9 @@ class StaticDecoder:
         whose step keeps state derived from the cache (quest's page bounds) rebuilds it here."""
         self.cache.length.fill_(length)
         self.position = length
+        self._after_fill()
+
+    def _after_fill(self) -> None:
         after_fill = getattr(self.static, "after_fill", None)
         if after_fill is not None:
             after_fill(self)
@@ -139,6 +143,9 @@ class StaticDecoder:
         if tokens is not None:
             self.tokens.copy_(tokens, non_blocking=True)
         which = "full" if self.uses_full() else "policy"
+        if which == "policy" and self._last_kind == "full":
+            self._after_fill()  # the full steps did not keep the policy's cache-derived state
+        self._last_kind = which
         if which in self.graphs:
             self.graphs[which].replay()
         else:

@@ -30,40 +30,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from runtime.kernels.page_bounds import naive as bounds_naive
+from runtime.kernels.page_bounds import page_bounds, page_minmax
 from runtime.kernels.page_scores import pool_pages
 from runtime.kernels.topk_select import topk_with_recent
 from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 GROUPS = ("max", "sum")
-
-
-def page_minmax(key: torch.Tensor, keep: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``[B, Hkv, T, D]`` and readable slots ``[B, T]`` → elementwise ``(kmin, kmax)`` per page, each
-    ``[B, Hkv, ceil(T / P), D]`` in the keys' dtype (exact: a min or max is one of the values); a page with no
-    readable slot has ``kmin = +inf, kmax = -inf``."""
-    b, hkv, t, d = key.shape
-    n = math.ceil(t / page_size)
-    k = torch.nn.functional.pad(key, (0, 0, 0, n * page_size - t))  # [B, Hkv, n·P, D]
-    ok = torch.nn.functional.pad(keep, (0, n * page_size - t), value=False)[:, None, :, None]  # [B, 1, n·P, 1]
-    kmin = k.masked_fill(~ok, math.inf).view(b, hkv, n, page_size, d).amin(3)
-    kmax = k.masked_fill(~ok, -math.inf).view(b, hkv, n, page_size, d).amax(3)
-    return kmin, kmax
-
-
-def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
-    """Query ``[B, Hq, D]`` and page metadata ``[B, Hkv, n, D]`` → upper bounds ``[B, Hq, n]`` of the logit
-    ``scale · q · k`` of any token in the page; ``-inf`` for empty pages.
-
-    ``max(q_d · kmin_d, q_d · kmax_d) = q⁺_d · kmax_d + q⁻_d · kmin_d`` with ``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``,
-    so the bound is two matrix products."""
-    b, hq, d = query.shape
-    hkv = kmin.shape[1]
-    empty = kmax[..., 0] < kmin[..., 0]  # [B, Hkv, n]
-    lo, hi = kmin.float().masked_fill(empty[..., None], 0.0), kmax.float().masked_fill(empty[..., None], 0.0)
-    q = query.float().view(b, hkv, hq // hkv, d)
-    bound = (torch.einsum("bhgd,bhnd->bhgn", q.clamp_min(0), hi) + torch.einsum("bhgd,bhnd->bhgn", q.clamp_max(0), lo))
-    bound = bound.masked_fill(empty[:, :, None, :], -math.inf) * scale
-    return bound.reshape(b, hq, -1)
 
 
 @dataclass
@@ -131,17 +104,17 @@ class Quest:
 class QuestStep:
     """The engine's step. Page minima and maxima live in buffers beside the cache (``prepare``), filled from
     its valid slots whenever the engine sets its length (``after_fill``: after a prefill); each step
-    recomputes only the page its new token falls in, from the cache
-    itself, so the metadata is a function of the cache (a CUDA-graph warm-up that writes and restores slots
-    leaves nothing stale). It never falls back to the full step: the steps it skipped would leave pages
-    without metadata."""
+    recomputes only the page its new token falls in, from the cache itself, so the metadata is a function of
+    the cache (a CUDA-graph warm-up that writes and restores slots leaves nothing stale). Below the crossover
+    the engine runs the full step, which keeps no metadata; the first Quest step after it rebuilds every page
+    (``after_fill``, once)."""
 
     page_size: int
     num_pages: int
     dense_layers: int
     group: str
     head_order: ClassVar[None] = None
-    sparse: ClassVar[bool] = False
+    sparse: ClassVar[bool] = True
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -157,7 +130,10 @@ class QuestStep:
         self.kmin = {i: torch.full(shape, math.inf, dtype=c.k[i].dtype, device=c.k[i].device)
                      for i in range(self.dense_layers, c.shape.layers)}
         self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
-        self._offsets = torch.arange(self.page_size, device=c.length.device)
+        if dec.triton:
+            from runtime.kernels.page_bounds import triton
+
+            self._triton = triton
 
     def after_fill(self, dec: Any) -> None:
         c, p = dec.cache, self.page_size
@@ -172,21 +148,11 @@ class QuestStep:
         if layer < self.dense_layers or layer not in self.kmin:
             return dec.attend(q, k, v, span)
         p = self.page_size
-        page = torch.div(dec.cache.length, p, rounding_mode="floor").view(1)
-        raw = page * p + self._offsets  # [P]: the new token's page, recomputed from the cache
-        slots = raw.clamp_max(k.shape[2] - 1)  # the cache may end inside its last page
-        ok = (raw >= span.first[:, None]) & (raw <= span.last) & (raw < k.shape[2])  # [B, P]
-        ok = ok[:, None, :, None]
-        keys = k.index_select(2, slots)  # [B, Hkv, P, D]
-        self.kmin[layer].index_copy_(2, page, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True))
-        self.kmax[layer].index_copy_(2, page, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True))
-        b, hkv = k.shape[:2]
-        bounds = page_bounds(q, self.kmin[layer], self.kmax[layer], dec.shape.attention_scale)
-        bounds = bounds.view(b, hkv, q.shape[1] // hkv, -1)
-        scores = bounds.amax(2) if self.group == "max" else bounds.sum(2)  # [B, Hkv, n]; -inf for empty pages
+        impl = self._triton if dec.triton else bounds_naive
+        impl.update_page(k, self.kmin[layer], self.kmax[layer], span.first, span.last, p)  # the new token's page
+        scores = impl.page_scores(q, self.kmin[layer], self.kmax[layer], dec.shape.attention_scale, self.group)
         if dec.shape.windows[layer] is not None:  # a window on every layer (Mistral): pages it left are not read
-            n = scores.shape[-1]
-            starts = torch.arange(n, device=q.device) * p
+            starts = torch.arange(scores.shape[-1], device=q.device) * p
             readable = (starts + p - 1 >= span.first[:, None]) & (starts <= span.last)  # [B, n]: overlaps the span
             scores = scores.masked_fill(~readable[:, None, :], -math.inf)
         pages = dec.select(scores, p, self.num_pages, 1)

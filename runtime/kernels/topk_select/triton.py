@@ -45,7 +45,8 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     tl.store(OUT + row * W + j, tl.full([W_PAD], -1, tl.int32), mask=(j < W) & (j >= tl.sum(chosen.to(tl.int32), 0)))
 
 
-def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tensor | int | None = None) -> torch.Tensor:
+def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tensor | int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
     """``[..., n]`` scores → ``[..., min(k, n)]`` int32 ascending ids, -1 padded (see the module docstring)."""
     n = scores.shape[-1]
     if n > MAX_N:
@@ -63,5 +64,6 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
     if rows.shape[0]:
         _topk_recent[(rows.shape[0],)](rows, last, out, rows.stride(0), last.stride(0) if last.dim() else 0, n, W=w,
                                        W_PAD=triton.next_power_of_2(w), RECENT=recent,
-                                       N_PAD=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4)
+                                       N_PAD=triton.next_power_of_2(n),
+                                       num_warps=num_warps or (8 if n > 2048 else 4))
     return out.view(*lead, w)

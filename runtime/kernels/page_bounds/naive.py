@@ -1,0 +1,57 @@
+"""PyTorch references of :mod:`runtime.kernels.page_bounds`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def page_minmax(key: torch.Tensor, keep: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[B, Hkv, T, D]`` and readable slots ``[B, T]`` → elementwise ``(kmin, kmax)`` per page, each
+    ``[B, Hkv, ceil(T / P), D]`` in the keys' dtype (exact: a min or max is one of the values); a page with no
+    readable slot has ``kmin = +inf, kmax = -inf``."""
+    b, hkv, t, d = key.shape
+    n = math.ceil(t / page_size)
+    k = torch.nn.functional.pad(key, (0, 0, 0, n * page_size - t))  # [B, Hkv, n·P, D]
+    ok = torch.nn.functional.pad(keep, (0, n * page_size - t), value=False)[:, None, :, None]  # [B, 1, n·P, 1]
+    kmin = k.masked_fill(~ok, math.inf).view(b, hkv, n, page_size, d).amin(3)
+    kmax = k.masked_fill(~ok, -math.inf).view(b, hkv, n, page_size, d).amax(3)
+    return kmin, kmax
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """Query ``[B, Hq, D]`` and page metadata ``[B, Hkv, n, D]`` → upper bounds ``[B, Hq, n]`` of the logit
+    ``scale · q · k`` of any token in the page; ``-inf`` for empty pages.
+
+    ``max(q_d · kmin_d, q_d · kmax_d) = q⁺_d · kmax_d + q⁻_d · kmin_d`` with ``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``,
+    so the bound is two matrix products."""
+    b, hq, d = query.shape
+    hkv = kmin.shape[1]
+    empty = kmax[..., 0] < kmin[..., 0]  # [B, Hkv, n]
+    lo, hi = kmin.float().masked_fill(empty[..., None], 0.0), kmax.float().masked_fill(empty[..., None], 0.0)
+    q = query.float().view(b, hkv, hq // hkv, d)
+    bound = (torch.einsum("bhgd,bhnd->bhgn", q.clamp_min(0), hi) + torch.einsum("bhgd,bhnd->bhgn", q.clamp_max(0), lo))
+    bound = bound.masked_fill(empty[:, :, None, :], -math.inf) * scale
+    return bound.reshape(b, hq, -1)
+
+
+def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float,
+                group: str = "max") -> torch.Tensor:
+    """``[B, Hkv, n]``: each KV head's page bounds over its query group, their maximum or their sum."""
+    b, hkv = kmin.shape[:2]
+    bounds = page_bounds(query, kmin, kmax, scale).view(b, hkv, query.shape[1] // hkv, -1)
+    return bounds.amax(2) if group == "max" else bounds.sum(2)
+
+
+def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+                page_size: int) -> None:
+    """Recompute, in place, the minimum and maximum of the page that holds slot ``last`` (a device scalar) from
+    the keys ``[B, Hkv, T, D]`` in slots ``first[b]..last``."""
+    page = torch.div(last, page_size, rounding_mode="floor").view(1)
+    raw = page * page_size + torch.arange(page_size, device=key.device)  # [P]
+    slots = raw.clamp_max(key.shape[2] - 1)  # the cache may end inside its last page
+    ok = ((raw >= first[:, None]) & (raw <= last) & (raw < key.shape[2]))[:, None, :, None]  # [B, 1, P, 1]
+    keys = key.index_select(2, slots)  # [B, Hkv, P, D]
+    kmin.index_copy_(2, page, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True))
+    kmax.index_copy_(2, page, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True))

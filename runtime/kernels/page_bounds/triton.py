@@ -1,0 +1,89 @@
+"""Triton kernels of :mod:`runtime.kernels.page_bounds` for the engine's step."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _page_scores(Q, KMIN, KMAX, OUT, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_oh, n, scale, HKV,
+                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr,
+                 GROUP_MAX: tl.constexpr):
+    row = tl.program_id(0)  # (sequence, KV head)
+    b = row // HKV
+    h = row % HKV
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    pages = tl.program_id(1) * PB + tl.arange(0, PB)
+    ok = pages < n
+    base = b * s_mb + h * s_mh + pages[:, None] * s_mn + d[None, :]
+    lo = tl.load(KMIN + base, mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    hi = tl.load(KMAX + base, mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    lo0 = tl.load(KMIN + b * s_mb + h * s_mh + pages * s_mn, mask=ok, other=1.0)
+    hi0 = tl.load(KMAX + b * s_mb + h * s_mh + pages * s_mn, mask=ok, other=0.0)
+    empty = hi0 < lo0  # also the pages past n
+    lo = tl.where(empty[:, None], 0.0, lo)
+    hi = tl.where(empty[:, None], 0.0, hi)
+    q = tl.load(Q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
+                other=0.0)
+    pos = tl.maximum(q, 0.0).to(hi.dtype)
+    neg = tl.minimum(q, 0.0).to(lo.dtype)
+    bound = (tl.dot(pos, tl.trans(hi)) + tl.dot(neg, tl.trans(lo))) * scale  # [G_PAD, PB] float32
+    if GROUP_MAX:
+        score = tl.max(tl.where((g < G)[:, None], bound, float("-inf")), 0)
+    else:
+        score = tl.sum(tl.where((g < G)[:, None], bound, 0.0), 0)
+    score = tl.where(empty, float("-inf"), score)
+    tl.store(OUT + b * s_ob + h * s_oh + pages, score, mask=ok)
+
+
+def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float,
+                group: str = "max") -> torch.Tensor:
+    """See :func:`runtime.kernels.page_bounds.naive.page_scores`."""
+    b, hq, d = query.shape
+    _, hkv, n, dk = kmin.shape
+    if dk != d or hq % hkv or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or query.stride(-1) != 1:
+        raise ValueError(f"query [B, {hq}, {d}] does not fit page metadata [B, {hkv}, n, {dk}] with unit last "
+                         "strides (kmin and kmax alike)")
+    g = hq // hkv
+    out = torch.empty(b, hkv, n, device=query.device, dtype=torch.float32)
+    pb = 64
+    _page_scores[(b * hkv, triton.cdiv(n, pb))](
+        query, kmin, kmax, out, query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        out.stride(0), out.stride(1), n, float(scale), hkv, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d,
+        D_PAD=max(16, triton.next_power_of_2(d)), PB=pb, GROUP_MAX=group == "max",
+    )
+    return out
+
+
+@triton.jit
+def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, HKV,
+                 P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // HKV
+    h = row % HKV
+    last = tl.load(LAST)
+    page = last // P
+    slots = page * P + tl.arange(0, P)
+    d = tl.arange(0, D_PAD)
+    ok = (slots >= tl.load(FIRST + b)) & (slots <= last) & (slots < T)
+    keys = tl.load(K + b * s_kb + h * s_kh + slots[:, None] * s_kt + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                   other=0.0)
+    lo = tl.min(tl.where(ok[:, None], keys, float("inf")), 0)
+    hi = tl.max(tl.where(ok[:, None], keys, float("-inf")), 0)
+    dst = b * s_mb + h * s_mh + page * s_mn + d
+    tl.store(KMIN + dst, lo.to(KMIN.dtype.element_ty), mask=d < D)
+    tl.store(KMAX + dst, hi.to(KMAX.dtype.element_ty), mask=d < D)
+
+
+def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+                page_size: int) -> None:
+    """See :func:`runtime.kernels.page_bounds.naive.update_page`."""
+    b, hkv, t, d = key.shape
+    if page_size & (page_size - 1) or kmin.stride() != kmax.stride() or key.stride(-1) != 1:
+        raise ValueError(f"page_size {page_size} must be a power of two, kmin and kmax alike, keys contiguous in D")
+    _update_page[(b * hkv,)](key, kmin, kmax, first, last, key.stride(0), key.stride(1), key.stride(2),
+                             kmin.stride(0), kmin.stride(1), kmin.stride(2), t, hkv, P=page_size, D=d,
+                             D_PAD=triton.next_power_of_2(d))
