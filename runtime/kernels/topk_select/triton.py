@@ -45,6 +45,11 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     tl.store(OUT + row * W + j, tl.full([W_PAD], -1, tl.int32), mask=(j < W) & (j >= tl.sum(chosen.to(tl.int32), 0)))
 
 
+def _warps(n: int) -> int:
+    """Measured on an H200 (rows of 8200 / 2050 scores): 16 warps 42 µs vs 52 at 8; 8 warps 13.7 vs 15.4 at 16."""
+    return 16 if n > 4096 else 8 if n > 512 else 4
+
+
 def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tensor | int | None = None,
                      num_warps: int | None = None) -> torch.Tensor:
     """``[..., n]`` scores → ``[..., min(k, n)]`` int32 ascending ids, -1 padded (see the module docstring)."""
@@ -65,5 +70,5 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
         _topk_recent[(rows.shape[0],)](rows, last, out, rows.stride(0), last.stride(0) if last.dim() else 0, n, W=w,
                                        W_PAD=triton.next_power_of_2(w), RECENT=recent,
                                        N_PAD=triton.next_power_of_2(n),
-                                       num_warps=num_warps or (8 if n > 2048 else 4))
+                                       num_warps=num_warps or _warps(n))
     return out.view(*lead, w)
