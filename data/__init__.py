@@ -2,6 +2,8 @@
 
 * ``data.passkey``: passkey-in-haystack training prompts (DuoAttention / LycheeDecode) and a single-passkey
   needle-in-a-haystack evaluation grid.
+* ``data.ruler``: a RULER-style synthetic suite (needles, variable tracking, common and frequent words) for
+  any tokenizer and length, with RULER's string-match scorer.
 * ``data.hotpotqa``: HotpotQA distractor-setting prompts with answer targets.
 * ``data.reasoning``: calibration prompts (CHAMP by default, a user JSONL, or generated arithmetic).
 * ``data.corpora``: haystack text sources (``pg-essays``, ``booksum[:WHERE]``, ``text:PATH``).
@@ -19,6 +21,7 @@ from typing import Any
 BUILDERS: dict[str, tuple[str, str]] = {  # name -> (module, function)
     "passkey": ("data.passkey", "build_passkey_dataset"),
     "niah": ("data.passkey", "build_niah_dataset"),
+    "ruler": ("data.ruler", "build_ruler_dataset"),
     "hotpotqa": ("data.hotpotqa", "build_hotpotqa_dataset"),
     "reasoning": ("data.reasoning", "build_reasoning_dataset"),
 }
