@@ -7,15 +7,18 @@ generation then gives the full-attention logits at the very same positions, so e
 * per layer, the attention recall (true attention mass inside the set the layer read) and the fraction of
   the context it read;
 * passkey accuracy (single passkey in a haystack, from ``data.passkey``) per context length and depth, and the
-  generation length.
+  generation length;
+* with the RULER-style suite (``suite="ruler"``, ``data.ruler``), RULER's score per task and length (the share
+  of the expected strings generated), each with its Wilson 95 % interval.
 
-Prompts come from ``data.passkey.build_niah_dataset`` or from a JSONL file (``{"prompt": ..., "answer": ...}``
-per line, ``answer`` optional).
+Prompts come from ``data.passkey.build_niah_dataset``, ``data.ruler.build_ruler_dataset`` or a JSONL file
+(``{"prompt": ..., "answer": ...}`` or ``{"prompt": ..., "answers": [...]}`` per line, answers optional).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -37,13 +40,32 @@ class EvalSettings:
     alphabet: str = "nato"  # passkey words: "nato" code words, or "digits" (what small models can copy)
     source: str = "pg-essays"  # haystack text (see data.corpora)
     prompts: str | None = None  # a JSONL file instead of passkey prompts
-    max_new_tokens: int = 12
+    max_new_tokens: int = 12  # RULER prompts carry their own budget (data.ruler.TASKS)
+    suite: str = "passkey"  # "passkey" or "ruler" (data.ruler; lengths and samples_per_cell apply)
+    tasks: tuple[str, ...] = ()  # RULER tasks; () = all
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.suite not in SUITES:
+            raise ValueError(f"suite must be one of {', '.join(SUITES)}, got {self.suite!r}")
         if self.max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be ≥ 2 (the first token comes from the dense prefill), got {self.max_new_tokens}")
         if self.prompts is None and (not self.lengths or not self.depths):
             raise ValueError("give at least one context length and one depth, or --prompts FILE.jsonl")
+
+
+SUITES = ("passkey", "ruler")
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95 % by default). A fractional ``successes`` (RULER's partial
+    scores summed) is used as it is."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval needs n >= 1, got {n}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 class ContextLengthError(ValueError):
@@ -91,7 +113,10 @@ def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a 'prompt' string") from None
         ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-        samples.append({"input_ids": ids, "answer": row.get("answer"), "context_length": len(ids), "depth": None})
+        sample = {"input_ids": ids, "answer": row.get("answer"), "context_length": len(ids), "depth": None}
+        if row.get("answers") is not None:
+            sample["answers"] = [str(a) for a in row["answers"]]
+        samples.append(sample)
     if not samples:
         raise ValueError(f"{path}: no prompts in the file; write one JSON object per line")
     return samples
@@ -105,6 +130,34 @@ def passkey_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
                               alphabet=settings.alphabet)
     return [{"input_ids": s["input_ids"][: s["prompt_length"]], "answer": s["answer"],
              "context_length": int(s["context_length"]), "depth": float(s["depth"])} for s in grid]
+
+
+def ruler_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
+    from data.ruler import TASKS, build_ruler_dataset, prompt_ids
+
+    suite = build_ruler_dataset(tokenizer, tasks=settings.tasks or tuple(TASKS), lengths=settings.lengths,
+                                samples_per_cell=settings.samples_per_cell, seed=settings.seed, source=settings.source)
+    return [{"input_ids": prompt_ids(s), "answers": list(s["answers"]), "task": s["task"],
+             "context_length": int(s["context_length"]), "depth": s["depth"],
+             "max_new_tokens": int(s["max_new_tokens"])} for s in suite]
+
+
+def suite_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
+    """The prompts ``settings`` ask for: a JSONL file, the RULER-style suite or the passkey grid."""
+    if settings.prompts:
+        return load_prompts(settings.prompts, tokenizer)
+    return ruler_prompts(tokenizer, settings) if settings.suite == "ruler" else passkey_prompts(tokenizer, settings)
+
+
+def sample_score(generated: str, sample: dict[str, Any]) -> float | None:
+    """1/0 for a passkey answer, RULER's share of expected strings for ``answers``, None without either."""
+    if sample.get("answers"):
+        from data.ruler import score
+
+        return score(generated, sample["answers"])
+    if sample.get("answer"):
+        return float(answer_correct(generated, sample["answer"]))
+    return None
 
 
 def answer_correct(generated: str, answer: str) -> bool:
@@ -132,7 +185,7 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     settings = settings or EvalSettings()
     params = dict(params or {})
     if samples is None:
-        samples = load_prompts(settings.prompts, tokenizer) if settings.prompts else passkey_prompts(tokenizer, settings)
+        samples = suite_prompts(tokenizer, settings)
     eos = tokenizer.eos_token_id
     records, kls, agree = [], [], []
     measure = model.device.type != "cuda" if measure is None else measure
@@ -140,7 +193,8 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     with attach(model, manifest, policy, record_recall=measure, min_context=0, **params) as session:
         for sample in samples:
             ids = sample["input_ids"][None].to(model.device)
-            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_new_tokens,
+            budget = int(sample.get("max_new_tokens", settings.max_new_tokens))
+            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
                           do_sample=False, output_logits=True, return_dict_in_generate=True,
                           pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
             if session.engine_reason(kwargs) is not None:
@@ -158,10 +212,12 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
             kls.append(kl.cpu())
             agree.append(top1.cpu())
             text = tokenizer.decode(new, skip_special_tokens=True)
-            answer = sample.get("answer")
+            answer = sample.get("answers") or sample.get("answer")
+            got = sample_score(text, sample)
             records.append({
+                "task": sample.get("task", "passkey" if sample.get("answer") else None),
                 "context_length": sample["context_length"], "depth": sample["depth"], "answer": answer,
-                "generated": text, "correct": answer_correct(text, answer) if answer else None,
+                "generated": text, "score": got, "correct": None if got is None else got == 1.0,
                 "generated_tokens": int(new.numel()), "kl_mean": float(kl.mean()) if kl.numel() else None,
                 "top1_agreement": float(top1.float().mean()) if top1.numel() else None,
             })
@@ -169,7 +225,7 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
         if fractions:  # the engine ran: what its static step reads, no per-layer measurement
             summary["attended_fraction"] = sum(fractions) / len(fractions)
     kl_all, agree_all = torch.cat(kls), torch.cat(agree)
-    scored = [r for r in records if r["correct"] is not None]
+    scored = [r for r in records if r["score"] is not None and r["task"] == "passkey"]
     cells: dict[str, dict[str, list[bool]]] = {}
     for r in scored:
         cells.setdefault(str(r["context_length"]), {}).setdefault(f"{r['depth']}", []).append(r["correct"])
@@ -178,6 +234,7 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
         "manifest": getattr(getattr(manifest, "model", None), "name", None),
         "passkey_accuracy": sum(r["correct"] for r in scored) / len(scored) if scored else None,
         "passkey_grid": {n: {d: sum(v) / len(v) for d, v in row.items()} for n, row in cells.items()},
+        "tasks": task_scores(records),
         "kl_mean": float(kl_all.mean()) if kl_all.numel() else None,
         "top1_agreement": float(agree_all.float().mean()) if agree_all.numel() else None,
         "generated_tokens_mean": sum(r["generated_tokens"] for r in records) / len(records),
@@ -187,17 +244,38 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     }
 
 
+def task_scores(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Mean score per task and context length, with its sample count and Wilson 95 % interval."""
+    groups: dict[str, dict[str, list[float]]] = {}
+    for r in records:
+        if r["score"] is not None and r["task"] is not None:
+            groups.setdefault(r["task"], {}).setdefault(str(r["context_length"]), []).append(r["score"])
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for task, by_length in groups.items():
+        for n, scores in by_length.items():
+            low, high = wilson_interval(sum(scores), len(scores))
+            out.setdefault(task, {})[n] = {"score": sum(scores) / len(scores), "n": len(scores),
+                                           "interval": [low, high]}
+    return out
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report printed by ``rolecall eval``."""
     def f(x: Any, spec: str = ".3f") -> str:
         return "-" if x is None else format(x, spec)
 
     lines = [f"policy {result['policy']} {result['params'] or ''}".rstrip(), "",
-             f"{'length':>7} {'depth':>6} {'passkey':>8} {'tokens':>7} {'KL':>9} {'top-1':>6}  generated"]
+             f"{'task':>20} {'length':>7} {'depth':>6} {'score':>6} {'tokens':>7} {'KL':>9} {'top-1':>6}  generated"]
     for r in result["samples"]:
-        ok = "-" if r["correct"] is None else ("yes" if r["correct"] else "no")
-        lines.append(f"{r['context_length']:>7} {f(r['depth'], '.2f'):>6} {ok:>8} {r['generated_tokens']:>7} "
-                     f"{f(r['kl_mean'], '.2e'):>9} {f(r['top1_agreement'], '.2f'):>6}  {r['generated'][:40]!r}")
+        lines.append(f"{r['task'] or '-':>20} {r['context_length']:>7} {f(r['depth'], '.2f'):>6} "
+                     f"{f(r['score'], '.2f'):>6} {r['generated_tokens']:>7} {f(r['kl_mean'], '.2e'):>9} "
+                     f"{f(r['top1_agreement'], '.2f'):>6}  {r['generated'][:40]!r}")
+    if result.get("tasks"):
+        lines += ["", f"{'task':>20} {'length':>7} {'n':>5} {'score':>6}  Wilson 95 %"]
+        for task, by_length in result["tasks"].items():
+            for n, cell in by_length.items():
+                low, high = cell["interval"]
+                lines.append(f"{task:>20} {n:>7} {cell['n']:>5} {cell['score']:>6.3f}  [{low:.3f}, {high:.3f}]")
     if result.get("passkey_grid"):
         depths = sorted({d for row in result["passkey_grid"].values() for d in row})  # "0.1", ... or "None"
         lines += ["", "passkey accuracy by length (rows) and depth (columns)",

@@ -64,8 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alphabet", default="nato", choices=("nato", "digits"),
                         help="passkey words: NATO code words, or digits (small models copy digits, not words)")
     parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} instead of passkeys')
-    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler"),
+                        help="passkey: the single-passkey grid (--lengths x --depths); ruler: the RULER-style suite "
+                             "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline")
+    parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; see data.ruler)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
+    parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} (or '
+                                                        '"answers": [...]) instead of generated prompts')
+    parser.add_argument("--max-new-tokens", type=int, default=12,
+                        help="tokens generated per prompt (RULER tasks carry their own: 128 for needles, 30, 120, 50)")
     parser.add_argument("--json", default=None, help="write the full result here")
     parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
                         "read (runs the slower transformers path)")
@@ -81,24 +88,30 @@ def run(args: argparse.Namespace) -> int:
         context_limit,
         evaluate,
         format_table,
-        load_prompts,
-        passkey_prompts,
+        suite_prompts,
     )
     from runtime.models import load_config, load_model, load_tokenizer
 
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                             passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
-                            max_new_tokens=args.max_new_tokens)
+                            max_new_tokens=args.max_new_tokens, suite=args.suite, tasks=tuple(args.tasks or ()),
+                            seed=args.seed)
+    if args.suite == "ruler":
+        from data.ruler import TASKS, check_tasks
+
+        budget = max(TASKS[t].max_new_tokens for t in check_tasks(settings.tasks or TASKS))
+    else:
+        budget = args.max_new_tokens
     params, manifest = policy_inputs(args)
     # prompts longer than the model's context fail here too, before the haystacks are built or the model loads
     trust = args.trust_remote_code
-    limit, new = context_limit(load_config(args.model, trust_remote_code=trust), args.model), args.max_new_tokens
+    limit, new = context_limit(load_config(args.model, trust_remote_code=trust), args.model), budget
     fit = dict(limit=limit, allow_long=args.allow_long_context, prog="rolecall eval")
     if not args.prompts:
-        check_context(max(args.lengths) + new, **fit, what=f"--lengths {max(args.lengths)} plus --max-new-tokens {new}",
+        check_context(max(args.lengths) + new, **fit, what=f"--lengths {max(args.lengths)} plus {new} new tokens",
                       fix=f"pass --lengths of at most {limit - new if limit else 0} tokens")
     tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
-    samples = load_prompts(args.prompts, tokenizer) if args.prompts else passkey_prompts(tokenizer, settings)
+    samples = suite_prompts(tokenizer, settings)
     if args.prompts:  # a passkey prompt is exactly its length, checked above
         longest = max(len(s["input_ids"]) for s in samples)
         check_context(longest + new, **fit, what=f"the longest prompt of {args.prompts} ({longest} tokens) plus "

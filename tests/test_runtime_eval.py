@@ -117,3 +117,50 @@ def test_passkey_prompts_follow_the_alphabet():
         answer = sample["answer"].replace(" ", "")
         assert check(answer), (alphabet, sample["answer"])
         assert sample["answer"] in tok.decode(sample["input_ids"])
+
+
+def test_wilson_interval_closed_form():
+    from runtime.eval import wilson_interval
+
+    low, high = wilson_interval(99, 100)  # the values the quality reports quote for 99 of 100
+    assert (round(low, 3), round(high, 3)) == (0.946, 0.998)
+    low, high = wilson_interval(83, 100)
+    assert (round(low, 3), round(high, 3)) == (0.745, 0.891)
+    low, high = wilson_interval(0, 10)  # z² / (n + z²) above zero, never below
+    assert low == 0.0 and high == pytest.approx(1.959964**2 / (10 + 1.959964**2))
+    with pytest.raises(ValueError, match="n >= 1"):
+        wilson_interval(0, 0)
+
+
+@pytest.fixture(scope="module")
+def ascii_corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("essays")
+    words = ("river", "stone", "lantern", "orchard", "meadow", "harbour", "quiet", "morning", "copper", "window",
+             "garden", "silver", "thunder", "pebble", "candle", "forest", "mirror", "ladder", "valley", "feather")
+    for i in range(3):
+        (folder / f"e{i}.txt").write_text(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(2000)) + ".")
+    return f"text:{folder}"
+
+
+def test_eval_runs_the_ruler_suite_with_intervals(tiny_folder, ascii_corpus, tmp_path, capsys):
+    out = tmp_path / "ruler.json"
+    code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--suite", "ruler", "--tasks",
+                 "niah_single_noise", "variable_tracking", "--lengths", "300", "--samples-per-cell", "2",
+                 "--source", ascii_corpus, "--json", str(out)])
+    assert code == 0
+    assert "Wilson 95 %" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["tasks"]) == {"niah_single_noise", "variable_tracking"}
+    for by_length in result["tasks"].values():
+        cell = by_length["300"]
+        assert cell["n"] == 2 and cell["interval"][0] <= cell["score"] <= cell["interval"][1]
+    by_task = {r["task"]: r["generated_tokens"] for r in result["samples"]}
+    assert by_task["variable_tracking"] <= 30  # its own budget (12 is eval's default for other prompts)
+    assert result["kl_mean"] < 1e-6  # full attention against itself
+
+
+def test_unknown_ruler_task_is_one_line_before_loading(tiny_folder, capsys):
+    code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--suite", "ruler", "--tasks", "niah"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown RULER task(s) niah" in err and "niah_single_noise" in err and "\n" not in err
