@@ -1,16 +1,18 @@
-"""Passkey quality of every decode policy at a grid of token budgets, for one model: a table, a plot, JSON.
+"""Quality of every decode policy at a grid of token budgets, for one model: tables, plots, JSON.
 
     python benchmarks/quality.py --model smollm2-135m --alphabet digits --passkey-words 5 \\
         --delta artifacts/smollm2-135m/smollm2-135m.delta.safetensors \\
         --heads hardkuma=artifacts/smollm2-135m/heads.safetensors \\
         --lethe artifacts/smollm2-135m/smollm2-135m.delta.safetensors --out results/quality-smollm2
 
-Every (policy, budget) cell runs ``runtime.eval.evaluate`` on the same passkey prompts (lengths × depths ×
-samples, built once) and gets one JSON file in ``--out/cells/``, written atomically as soon as the cell is
-done. A second run with the same settings skips the cells whose file exists, so a killed run continues
-where it stopped; a cell made with other settings is refused rather than mixed in. At the end it writes
-``summary.json``, ``TABLE.md`` (also printed), ``quality.png`` (accuracy and KL against the budget, one line
-per policy) and appends the command line to ``COMMAND.txt``.
+Every (policy, budget) cell runs ``runtime.eval.evaluate`` on the same prompts (the passkey grid, lengths ×
+depths × samples, or with ``--suite ruler`` the RULER-style suite, tasks × lengths × samples; built once)
+and gets one JSON file in ``--out/cells/``, written atomically as soon as the cell is done. A second run with
+the same settings skips the cells whose file exists, so a killed run continues where it stopped; a cell made
+with other settings is refused rather than mixed in. At the end it writes ``summary.json``, ``TABLE.md`` (also
+printed; every score with its Wilson 95 % interval and sample count), ``quality.png`` (score with interval
+bars and KL against the budget, one line per policy), with the suite one ``quality-<task>.png`` per task, and
+appends the command line to ``COMMAND.txt``.
 
 A budget is a token count; how it becomes each policy's own parameters is ``MAPPING`` (written into the
 table). ``full`` does not depend on it and runs once.
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import atomic  # noqa: E402
-from runtime.eval import EvalSettings, evaluate, load_prompts, passkey_prompts  # noqa: E402
+from runtime.eval import EvalSettings, evaluate, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
 from runtime.policies import get_policy  # noqa: E402
 
@@ -142,40 +144,74 @@ def sparse_recall(layers: list[dict[str, Any]]) -> float | None:
     return sum(x["recall"] for x in use) / len(use) if use else None
 
 
+def pooled(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Cells ``{"score", "n"}`` pooled into one score with its count and Wilson 95 % interval."""
+    n = sum(c["n"] for c in cells)
+    if not n:
+        return None
+    total = sum(c["score"] * c["n"] for c in cells)
+    return {"score": total / n, "n": n, "interval": list(wilson_interval(total, n))}
+
+
 def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
+    tasks = {task: pooled(list(by_length.values())) for task, by_length in result["tasks"].items()}
     return {"label": cell.label, "policy": cell.policy, "budget": cell.budget, "manifest": cell.manifest,
             "params": cell.params, "prompts": len(result["samples"]), "passkey_accuracy": result["passkey_accuracy"],
+            "score": pooled([c for by_length in result["tasks"].values() for c in by_length.values()]),
+            "tasks": tasks, "task_lengths": result["tasks"],
             "recall_sparse_layers": sparse_recall(result["layers"]), "kl_mean": result["kl_mean"],
             "top1_agreement": result["top1_agreement"], "attended_fraction": result["attended_fraction"],
             "wall_s": wall, "passkey_grid": result["passkey_grid"]}
+
+
+def with_interval(cell: dict[str, Any] | None) -> str:
+    return "–" if cell is None else f"{cell['score']:.3f} [{cell['interval'][0]:.3f}, {cell['interval'][1]:.3f}]"
 
 
 def f(x: Any, spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def describe(s: dict[str, Any]) -> str:
+    if s["prompts"]:
+        return s["prompts"]
+    lengths = ", ".join(map(str, s["lengths"]))
+    if s["suite"] == "ruler":
+        return (f"RULER-style suite ({', '.join(s['tasks']) or 'all eleven tasks'}) in {s['source']}, lengths "
+                f"{lengths}, {s['samples_per_cell']} per task and length, seed {s['seed']}; each task's own "
+                "generation budget")
+    return (f"single {s['passkey_words']}-word passkey ({s['alphabet']}) in {s['source']}, lengths {lengths}, depths "
+            f"{', '.join(map(str, s['depths']))}, {s['samples_per_cell']} per cell; {s['max_new_tokens']} greedy tokens")
+
+
 def format_table(summary: dict[str, Any]) -> str:
-    s = summary["settings"]
-    source = s["prompts"] or (f"single {s['passkey_words']}-word passkey ({s['alphabet']}) in {s['source']}, lengths "
-                              f"{', '.join(map(str, s['lengths']))}, depths {', '.join(map(str, s['depths']))}, "
-                              f"{s['samples_per_cell']} per cell")
     lines = [f"## Quality grid: {summary['model']}", "",
-             f"{source}; {s['max_new_tokens']} greedy tokens; {summary['device_name']}, {summary['dtype']}. "
+             f"{describe(summary['settings'])}; {summary['device_name']}, {summary['dtype']}. Score: the share of "
+             "expected strings generated (passkey: correct or not), with its Wilson 95 % interval. "
              "KL(full ‖ policy) and top-1 agreement per decode step against a dense forward pass over the same tokens; "
              "recall = attention mass inside what a layer read, mean over the layers that read less than the whole "
-             "context; read = fraction of the keys read over all layers; wall = seconds for the cell.", "",
-             "| policy | budget | passkey | recall | KL | top-1 | read | wall (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "context (measured only with --measure or on the CPU); read = fraction of the keys read over all layers; "
+             "wall = seconds for the cell.", "",
+             "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | wall (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
-        acc = "–" if r["passkey_accuracy"] is None else f"{r['passkey_accuracy']:.3f}"
-        lines.append(f"| {r['label']} | {r['budget'] or '–'} | {acc} | {f(r['recall_sparse_layers'])} | "
-                     f"{f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | {f(r['attended_fraction'])} | "
-                     f"{r['wall_s']:.1f} |")
+        score = r.get("score")
+        lines.append(f"| {r['label']} | {r['budget'] or '–'} | {with_interval(score)} | {score['n'] if score else '–'} "
+                     f"| {f(r['recall_sparse_layers'])} | {f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | "
+                     f"{f(r['attended_fraction'])} | {r['wall_s']:.1f} |")
+    tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
+    if len(tasks) > 1:
+        lines += ["", "Per task (score [95 %], all lengths pooled):", "",
+                  "| policy | budget | " + " | ".join(tasks) + " |", "| --- | --- |" + " --- |" * len(tasks)]
+        for r in summary["rows"]:
+            lines.append(f"| {r['label']} | {r['budget'] or '–'} | "
+                         + " | ".join(with_interval(r["tasks"].get(t)) for t in tasks) + " |")
     total = sum(r["wall_s"] for r in summary["rows"])
-    lines += ["", f"{len(summary['rows'])} cells, {total:.0f} s of evaluation in all.", "", "Budget → parameters:", ""]
-    labels = {r["label"]: r for r in summary["rows"]}
+    prompts = sum(r["prompts"] for r in summary["rows"])
+    lines += ["", f"{len(summary['rows'])} cells, {prompts} prompts, {total:.0f} s of evaluation in all "
+                  f"({prompts / max(total, 1e-9):.2f} prompts/s).", "", "Budget → parameters:", ""]
     for policy, text in MAPPING.items():
-        if any(r["policy"] == policy for r in labels.values()):
+        if any(r["policy"] == policy for r in summary["rows"]):
             lines.append(f"- {policy}: {text}")
     manifests = sorted({(r["label"], r["manifest"]) for r in summary["rows"] if r["manifest"]})
     if manifests:
@@ -183,44 +219,80 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
+def _score_lines(ax, summary: dict[str, Any], pick) -> None:
+    """One line per policy label of ``pick(row)`` (a pooled score or None) against the budget, with its
+    interval as error bars; ``full`` as a dashed reference with its interval shaded."""
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for r in summary["rows"]:
+        by_label.setdefault(r["label"], []).append(r)
+    for label, rows in by_label.items():
+        if rows[0]["budget"] is None:
+            cell = pick(rows[0])
+            if cell is not None:
+                ax.axhline(cell["score"], color="black", ls="--", lw=1, label=label)
+                ax.axhspan(*cell["interval"], color="black", alpha=0.08)
+            continue
+        rows = [r for r in sorted(rows, key=lambda r: r["budget"]) if pick(r) is not None]
+        if rows:
+            y = [pick(r)["score"] for r in rows]
+            err = [[v - pick(r)["interval"][0] for v, r in zip(y, rows)], [pick(r)["interval"][1] - v for v, r in zip(y, rows)]]
+            ax.errorbar([r["budget"] for r in rows], y, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_ylim(-0.05, 1.05)
+
+
+def _budget_axis(ax, budgets: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.minorticks_off()
+    ax.set_xlabel("budget (tokens)")
+    ax.grid(alpha=0.3)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    with atomic.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+
+
+def plot(summary: dict[str, Any], out: Path) -> list[str]:
+    """``quality.png`` (score and KL against the budget) and, with several tasks, ``quality-<task>.png``;
+    returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (acc_ax, kl_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    by_label: dict[str, list[dict[str, Any]]] = {}
-    for r in summary["rows"]:
-        by_label.setdefault(r["label"], []).append(r)
-    for label, rows in by_label.items():
-        if rows[0]["budget"] is None:  # full: reference lines (its KL is the numerical floor of the dtype)
-            if rows[0]["passkey_accuracy"] is not None:
-                acc_ax.axhline(rows[0]["passkey_accuracy"], color="black", ls="--", lw=1, label=label)
-            if rows[0]["kl_mean"]:
-                kl_ax.axhline(rows[0]["kl_mean"], color="black", ls="--", lw=1, label=label)
-            continue
-        rows = sorted(rows, key=lambda r: r["budget"])
-        x = [r["budget"] for r in rows]
-        acc_ax.plot(x, [math.nan if r["passkey_accuracy"] is None else r["passkey_accuracy"] for r in rows],
-                    marker="o", label=label)
-        kl_ax.plot(x, [math.nan if not r["kl_mean"] else r["kl_mean"] for r in rows], marker="o", label=label)
+    _score_lines(acc_ax, summary, lambda r: r.get("score"))
+    for label in dict.fromkeys(r["label"] for r in summary["rows"]):
+        rows = sorted((r for r in summary["rows"] if r["label"] == label and r["kl_mean"]), key=lambda r: r["budget"] or 0)
+        if rows and rows[0]["budget"] is None:
+            kl_ax.axhline(rows[0]["kl_mean"], color="black", ls="--", lw=1, label=label)
+        elif rows:
+            kl_ax.plot([r["budget"] for r in rows], [r["kl_mean"] for r in rows], marker="o", label=label)
     for ax in (acc_ax, kl_ax):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(summary["budgets"], [str(b) for b in summary["budgets"]])
-        ax.minorticks_off()
-        ax.set_xlabel("budget (tokens)")
-        ax.grid(alpha=0.3)
-    acc_ax.set_ylabel("passkey accuracy")
-    acc_ax.set_ylim(-0.05, 1.05)
+        _budget_axis(ax, summary["budgets"])
+    acc_ax.set_ylabel("score (Wilson 95 % bars)")
     kl_ax.set_yscale("log")
     kl_ax.set_ylabel("KL(full ‖ policy) per step")
     acc_ax.legend(fontsize=8, frameon=False)
     fig.suptitle(f"{summary['model']}: quality against the token budget", fontsize=10)
-    fig.tight_layout()
-    with atomic.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    _save(fig, out / "quality.png")
+    written = ["quality.png"]
+    tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
+    for task in tasks if len(tasks) > 1 else []:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _score_lines(ax, summary, lambda r, t=task: r.get("tasks", {}).get(t))
+        _budget_axis(ax, summary["budgets"])
+        ax.set_ylabel("score (Wilson 95 % bars)")
+        ax.legend(fontsize=8, frameon=False)
+        ax.set_title(f"{summary['model']}: {task}", fontsize=10)
+        _save(fig, out / f"quality-{task}.png")
+        written.append(f"quality-{task}.png")
+    return written
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -245,11 +317,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alphabet", default="digits", choices=("nato", "digits"),
                         help="digits for small models (they copy digits, not NATO words)")
     parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--prompts", default=None, help='JSONL of {"prompt", "answer"} instead of passkey prompts')
-    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler"),
+                        help="passkey: the single-passkey grid; ruler: the RULER-style suite of data.ruler")
+    parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default all; see data.ruler)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
+    parser.add_argument("--prompts", default=None, help='JSONL of {"prompt", "answer"} instead of generated prompts')
+    parser.add_argument("--max-new-tokens", type=int, default=12, help="passkey and JSONL prompts (RULER tasks carry "
+                                                                      "their own)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow code shipped in the model folder to run (never without this flag)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
+
+
+def settings_of(args: argparse.Namespace) -> EvalSettings:
+    try:
+        return EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
+                            passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
+                            prompts=args.prompts, max_new_tokens=args.max_new_tokens, suite=args.suite,
+                            tasks=tuple(args.tasks or ()), seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def new_tokens(args: argparse.Namespace) -> int:
+    """The most tokens a prompt generates (RULER tasks carry their own budget)."""
+    if args.suite != "ruler" or args.prompts:
+        return args.max_new_tokens
+    from data.ruler import TASKS, check_tasks
+
+    try:
+        return max(TASKS[t].max_new_tokens for t in check_tasks(args.tasks or TASKS))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings each cell's file must hold, and the cells already done in ``out`` (refusing files made with
+    other settings before anything loads)."""
+    grids, done = {}, {}
+    for cell in cells:
+        grid = {**common, "policy": cell.policy, "params": cell.params, "manifest_sha256": file_sha256(cell.manifest)}
+        grids[cell.name] = json.loads(json.dumps(grid))  # as it reads back from a file (tuples become lists)
+        path = out / "cells" / f"{cell.name}.json"
+        if path.exists():
+            done[cell.name] = json.loads(path.read_text())
+            if done[cell.name]["grid"] != grids[cell.name]:
+                raise SystemExit(f"{path} was made with other settings (model, device, prompts, parameters or "
+                                 "manifest); use another --out or delete the file")
+    return grids, done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,22 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise SystemExit(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16")
-    settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
-                            passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
-                            prompts=args.prompts, max_new_tokens=args.max_new_tokens)
-    cells = build_cells(args)
+    settings, budget, cells = settings_of(args), new_tokens(args), build_cells(args)
     out = Path(args.out)
     common = {"model": args.model, "device": args.device, "dtype": dtype, "settings": asdict(settings)}
-    grids, done = {}, {}
-    for cell in cells:  # cells already in --out must come from these settings: checked before the model loads
-        grid = {**common, "policy": cell.policy, "params": cell.params, "manifest_sha256": file_sha256(cell.manifest)}
-        grids[cell.name] = json.loads(json.dumps(grid))  # as it reads back from a file (tuples become lists)
-        path = out / "cells" / f"{cell.name}.json"
-        if path.exists():
-            done[cell.name] = json.loads(path.read_text())
-            if done[cell.name]["grid"] != grids[cell.name]:
-                raise SystemExit(f"{path} was made with other settings (model, device, prompts, parameters or "
-                                 "manifest); use another --out or delete the file")
+    grids, done = resumed(cells, out, common)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
     atomic.write_text(out / "COMMAND.txt", previous + shlex.join(["python", "benchmarks/quality.py", *argv]) + "\n")
@@ -286,14 +391,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.models import load_model, load_tokenizer
 
-    if len(done) < len(cells):  # a finished grid only rewrites the summary, table and plot
-        model = load_model(args.model, dtype=dtype).to(args.device)
-        tokenizer = load_tokenizer(args.model)
+    if len(done) < len(cells):  # a finished grid only rewrites the summary, tables and plots
+        trust = args.trust_remote_code
+        model = load_model(args.model, dtype=dtype, trust_remote_code=trust).to(args.device)
+        tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
         limit = getattr(model.config, "max_position_embeddings", None)
-        if limit and not args.prompts and max(args.lengths) + args.max_new_tokens > limit:
-            raise SystemExit(f"--lengths: {max(args.lengths)} + {args.max_new_tokens} new tokens exceeds the model's "
+        if limit and not args.prompts and max(args.lengths) + budget > limit:
+            raise SystemExit(f"--lengths: {max(args.lengths)} + {budget} new tokens exceeds the model's "
                              f"{limit} positions; use shorter lengths")
-        samples = load_prompts(args.prompts, tokenizer) if args.prompts else passkey_prompts(tokenizer, settings)
+        samples = suite_prompts(tokenizer, settings)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
 
     rows = []
@@ -310,14 +416,15 @@ def main(argv: list[str] | None = None) -> int:
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
         rows.append(row)
+    bar.close()
     summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
     atomic.write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))
     table = format_table(summary)
     atomic.write_text(out / "TABLE.md", table)
-    plot(summary, out / "quality.png")
+    plots = plot(summary, out)
     print(table)
     print(f"{len(cells) - len(done)} cells run, {len(done)} resumed from {out / 'cells'}; "
-          f"wrote summary.json, TABLE.md, quality.png")
+          f"wrote summary.json, TABLE.md, {', '.join(plots)}")
     return 0
 
 

@@ -111,3 +111,27 @@ def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
         quality.main([*base, "--heads", "nopath"])
     with pytest.raises(SystemExit, match="unknown policy 'dense'"):
         quality.main([*base, "--policies", "dense"])
+
+
+def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, cache_dir):
+    quality = load_script()
+    out = tmp_path / "ruler"
+    argv = ["--model", str(folder / "model"), "--source", f"text:{folder / 'books'}", "--suite", "ruler", "--tasks",
+            "niah_single_noise", "variable_tracking", "--lengths", "300", "--samples-per-cell", "2", "--policies",
+            "full", "quest", "--budgets", "32", "--device", "cpu", "--out", str(out)]
+    assert quality.main(argv) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    for r in summary["rows"]:
+        assert r["prompts"] == 4 and r["score"]["n"] == 4
+        low, high = r["score"]["interval"]
+        assert low <= r["score"]["score"] <= high
+        assert set(r["tasks"]) == {"niah_single_noise", "variable_tracking"}
+        assert all(cell["n"] == 2 for cell in r["tasks"].values())
+    table = (out / "TABLE.md").read_text()
+    assert "Per task (score [95 %]" in table and "| niah_single_noise | variable_tracking |" in table
+    assert "RULER-style suite (niah_single_noise, variable_tracking)" in table and "prompts/s" in table
+    for name in ("quality.png", "quality-niah_single_noise.png", "quality-variable_tracking.png"):
+        assert (out / name).stat().st_size > 1000 and name in printed
+    with pytest.raises(SystemExit, match="unknown RULER task"):
+        quality.main([*argv[:-2], "--tasks", "nope", "--out", str(tmp_path / "x")])
