@@ -225,6 +225,7 @@ def _score_lines(ax, summary: dict[str, Any], pick) -> None:
     by_label: dict[str, list[dict[str, Any]]] = {}
     for r in summary["rows"]:
         by_label.setdefault(r["label"], []).append(r)
+    sparse = [label for label, rows in by_label.items() if rows[0]["budget"] is not None]
     for label, rows in by_label.items():
         if rows[0]["budget"] is None:
             cell = pick(rows[0])
@@ -236,7 +237,8 @@ def _score_lines(ax, summary: dict[str, Any], pick) -> None:
         if rows:
             y = [pick(r)["score"] for r in rows]
             err = [[v - pick(r)["interval"][0] for v, r in zip(y, rows)], [pick(r)["interval"][1] - v for v, r in zip(y, rows)]]
-            ax.errorbar([r["budget"] for r in rows], y, yerr=err, marker="o", capsize=3, label=label)
+            dodge = 2 ** (0.06 * (sparse.index(label) - (len(sparse) - 1) / 2))  # side by side at a budget
+            ax.errorbar([r["budget"] * dodge for r in rows], y, yerr=err, marker="o", capsize=3, label=label)
     ax.set_ylim(-0.05, 1.05)
 
 
