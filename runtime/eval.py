@@ -55,6 +55,7 @@ class EvalSettings:
 
 
 SUITES = ("passkey", "ruler")
+ENGINE_POLICIES = ("full", "delta", "lychee", "quest")  # the policies with a static step (lychee with budget=)
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -242,6 +243,61 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
         "layers": summary["layers"],
         "samples": records,
     }
+
+
+@torch.no_grad()
+def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
+             source: str = "champ", limit: int = 8, max_new_tokens: int = 1024, batch: int = 8) -> dict[str, Any]:
+    """Reasoning fidelity (DELTA's concern: sparse attention's errors accumulate over long generations). On
+    reasoning prompts (``data.reasoning``: CHAMP by default, chat-formatted), full attention decodes its own
+    greedy trace of up to ``max_new_tokens`` tokens on the engine, and the policy, in a second decoder, is fed
+    the same tokens: per step, KL(p_full ‖ p_policy) and top-1 agreement over the whole generation, and the
+    divergence point, the first generated token the policy would have chosen otherwise (from there on its
+    own greedy generation would part from full's)."""
+    from data.reasoning import build_reasoning_dataset
+    from runtime.engine import Weights, lockstep
+
+    prompts = [s["input_ids"].tolist() for s in build_reasoning_dataset(tokenizer, source, limit)]
+    with attach(model, manifest, policy, engine="static", **dict(params or {})) as session:
+        bound = session.policy
+    if getattr(bound, "static_step", None) is None:
+        raise ValueError(f"policy {policy!r} has no engine step yet; the reasoning suite runs {', '.join(ENGINE_POLICIES)}")
+    weights = Weights.from_model(model, positions=max(map(len, prompts)) + max_new_tokens)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    records = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        run = lockstep(weights, bound, chunk, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        for r in range(len(chunk)):
+            records.append({"prompt_tokens": len(chunk[r]), "generated_tokens": len(run.tokens[r]),
+                            "kl_mean": float(run.kl[r].mean()) if run.kl[r].numel() else None,
+                            "top1_agreement": float(run.agree[r].float().mean()) if run.agree[r].numel() else None,
+                            "divergence": run.divergence(r), "kl": run.kl[r].tolist()})
+    steps = [k for r in records for k in r["kl"]]
+    agree = [r["top1_agreement"] * (r["generated_tokens"] - 1) for r in records if r["top1_agreement"] is not None]
+    points = sorted(r["divergence"] for r in records if r["divergence"] is not None)
+    return {"policy": policy, "params": dict(params or {}), "source": source, "prompts": len(records),
+            "max_new_tokens": max_new_tokens, "kl_mean": sum(steps) / len(steps) if steps else None,
+            "top1_agreement": sum(agree) / len(steps) if steps else None,
+            "divergence_median": points[len(points) // 2] if points else None,
+            "never_diverged": sum(r["divergence"] is None for r in records) / len(records), "samples": records}
+
+
+def format_fidelity(result: dict[str, Any]) -> str:
+    """The report ``rolecall eval --suite reasoning`` prints."""
+    lines = [f"policy {result['policy']} {result['params'] or ''}".rstrip() + f": full attention's greedy traces "
+             f"on {result['source']} ({result['prompts']} prompts, up to {result['max_new_tokens']} tokens), the "
+             "policy fed the same tokens", "", f"{'prompt':>7} {'tokens':>7} {'KL':>9} {'top-1':>6} {'diverges at':>12}"]
+    for i, r in enumerate(result["samples"]):
+        kl = "-" if r["kl_mean"] is None else f"{r['kl_mean']:.2e}"
+        top1 = "-" if r["top1_agreement"] is None else f"{r['top1_agreement']:.3f}"
+        lines.append(f"{i:>7} {r['generated_tokens']:>7} {kl:>9} {top1:>6} {r['divergence'] or 'never':>12}")
+    kl, top1 = result["kl_mean"], result["top1_agreement"]
+    lines += ["", f"KL per step {'-' if kl is None else format(kl, '.3e')}  top-1 agreement "
+                  f"{'-' if top1 is None else format(top1, '.4f')}  median divergence point "
+                  f"{result['divergence_median'] or 'none'}  never diverged {result['never_diverged']:.2f}"]
+    return "\n".join(lines)
 
 
 def task_scores(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:

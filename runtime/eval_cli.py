@@ -64,21 +64,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alphabet", default="nato", choices=("nato", "digits"),
                         help="passkey words: NATO code words, or digits (small models copy digits, not words)")
     parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler"),
+    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "reasoning"),
                         help="passkey: the single-passkey grid (--lengths x --depths); ruler: the RULER-style suite "
-                             "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline")
+                             "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline; "
+                             "reasoning: full attention's own greedy traces on reasoning prompts, the policy fed the "
+                             "same tokens (per-step KL, top-1 agreement, divergence point)")
+    parser.add_argument("--reasoning-source", default="champ",
+                        help="reasoning prompts: champ, arithmetic[:N] or jsonl:PATH (see data.reasoning)")
+    parser.add_argument("--limit", type=int, default=8, help="reasoning prompts to use (default 8)")
     parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; see data.ruler)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
     parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} (or '
                                                         '"answers": [...]) instead of generated prompts')
-    parser.add_argument("--max-new-tokens", type=int, default=12,
-                        help="tokens generated per prompt (RULER tasks carry their own: 128 for needles, 30, 120, 50)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens generated per prompt (default 12; 1024 for --suite reasoning; RULER tasks carry "
+                             "their own: 128 for needles, 30, 120, 50)")
     parser.add_argument("--json", default=None, help="write the full result here")
     parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
                         "read (runs the slower transformers path)")
     parser.add_argument("--allow-long-context", action="store_true",
                         help="run prompts longer than the model's context (max_position_embeddings) with only a "
                         "warning: for a model whose RoPE you extended on purpose")
+
+
+def load_for_eval(args: argparse.Namespace):
+    """The model on ``--device`` (default cuda when there is one) in ``--dtype`` (bf16 on cuda, else fp32)."""
+    import torch
+
+    from runtime.models import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    return load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code).to(device)
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {path}")
+
+
+def run_reasoning(args: argparse.Namespace) -> int:
+    from runtime.eval import ENGINE_POLICIES, fidelity, format_fidelity
+
+    if args.policy not in ENGINE_POLICIES:
+        raise ValueError(f"--suite reasoning runs on the engine: --policy {args.policy!r} has no engine step yet; "
+                         f"use one of {', '.join(ENGINE_POLICIES)}")
+    if args.max_new_tokens < 2 or args.limit < 1:
+        raise ValueError(f"--max-new-tokens must be at least 2 and --limit at least 1, got {args.max_new_tokens} "
+                         f"and {args.limit}")
+    from runtime.models import load_tokenizer
+
+    params, manifest = policy_inputs(args)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_for_eval(args)
+    result = fidelity(model, tokenizer, manifest, args.policy, params, source=args.reasoning_source, limit=args.limit,
+                      max_new_tokens=args.max_new_tokens)
+    result["model"], result["manifest"] = args.model, args.manifest
+    print(format_fidelity(result))
+    write_json(args.json, result)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,8 +136,12 @@ def run(args: argparse.Namespace) -> int:
         format_table,
         suite_prompts,
     )
-    from runtime.models import load_config, load_model, load_tokenizer
+    from runtime.models import load_config, load_tokenizer
 
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
+    if args.suite == "reasoning":
+        return run_reasoning(args)
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                             passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens, suite=args.suite, tasks=tuple(args.tasks or ()),
@@ -116,18 +166,11 @@ def run(args: argparse.Namespace) -> int:
         longest = max(len(s["input_ids"]) for s in samples)
         check_context(longest + new, **fit, what=f"the longest prompt of {args.prompts} ({longest} tokens) plus "
                       f"--max-new-tokens {new}", fix="shorten the prompts or lower --max-new-tokens")
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
+    model = load_for_eval(args)
     result = evaluate(model, tokenizer, manifest, args.policy, params, settings, samples=samples,
                       measure=args.measure)
     result["model"] = args.model
     result["manifest"] = args.manifest
     print(format_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0

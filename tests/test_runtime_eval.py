@@ -164,3 +164,30 @@ def test_unknown_ruler_task_is_one_line_before_loading(tiny_folder, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "unknown RULER task(s) niah" in err and "niah_single_noise" in err and "\n" not in err
+
+
+def test_reasoning_fidelity_full_is_exact_and_a_small_budget_diverges(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "fidelity.json"
+    common = ["eval", "--model", str(tiny_folder), "--suite", "reasoning", "--reasoning-source", "arithmetic:3",
+              "--limit", "3", "--max-new-tokens", "40"]
+    assert main([*common, "--policy", "full", "--json", str(out)]) == 0
+    assert "median divergence point" in capsys.readouterr().out
+    full = json.loads(out.read_text())
+    assert full["prompts"] == 3 and full["kl_mean"] == 0.0 and full["top1_agreement"] == 1.0
+    assert full["never_diverged"] == 1.0 and all(r["divergence"] is None for r in full["samples"])
+    assert main([*common, "--policy", "delta", "--manifest", str(tiny_folder / "delta.safetensors"), "-p",
+                 "num_pages=1", "-p", "page_size=4", "-p", "recent_pages=1", "--json", str(out)]) == 0
+    sparse = json.loads(out.read_text())
+    assert sparse["kl_mean"] > 1e-4 and sparse["top1_agreement"] < 1.0
+    for r, f in zip(sparse["samples"], full["samples"]):  # the same full trace is followed
+        assert r["generated_tokens"] == f["generated_tokens"] and len(r["kl"]) == r["generated_tokens"] - 1
+        if r["divergence"] is not None:  # the first disagreeing step, 1-based after the prefill's token
+            assert r["divergence"] >= 2 and r["top1_agreement"] < 1.0
+    assert any(r["divergence"] is not None for r in sparse["samples"])
+
+
+def test_reasoning_suite_refuses_a_policy_without_an_engine_step(tiny_folder, capsys):
+    code = main(["eval", "--model", str(tiny_folder), "--suite", "reasoning", "--policy", "lethe"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--policy 'lethe' has no engine step yet" in err and "quest" in err and "\n" not in err

@@ -8,7 +8,8 @@
 ``decoder.py``      :class:`StaticDecoder`: the one-token step (CUDA graph), attention by the policy
 ``prefill.py``      chunked SDPA prefill into the cache
 ``sampling.py``     greedy / temperature / top-k / top-p choice on the device
-``generate.py``     :func:`generate`: prefill, steps, stopping, streaming
+``generate.py``     :func:`generate`: prefill, steps, stopping, streaming; :func:`lockstep`: a policy
+                    fed full attention's greedy tokens, step by step
 ``crossovers.py``   below which context a sparse policy runs the full step (``crossovers.json``)
 ==================  ============================================================================
 
@@ -18,10 +19,10 @@ The policies' static steps live in their own files (``runtime/policies/<name>.py
 from runtime.engine.cache import StaticCache
 from runtime.engine.crossovers import NEVER, default_min_context
 from runtime.engine.decoder import StaticDecoder, pad_left, static_step_of
-from runtime.engine.generate import Generation, generate
+from runtime.engine.generate import Generation, Lockstep, generate, lockstep
 from runtime.engine.sampling import Sampling
 from runtime.engine.shape import SHAPES, ModelShape, unsupported
 from runtime.engine.weights import Weights
 
-__all__ = ["NEVER", "SHAPES", "Generation", "ModelShape", "Sampling", "StaticCache", "StaticDecoder", "Weights",
-           "default_min_context", "generate", "pad_left", "static_step_of", "unsupported"]
+__all__ = ["NEVER", "SHAPES", "Generation", "Lockstep", "ModelShape", "Sampling", "StaticCache", "StaticDecoder",
+           "Weights", "default_min_context", "generate", "lockstep", "pad_left", "static_step_of", "unsupported"]

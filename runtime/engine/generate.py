@@ -204,3 +204,59 @@ def _fraction(dec: StaticDecoder, prompt: int, steps: int) -> float | None:
         read += use.reads(shape, t + 1)
         total += t + 1
     return read / total
+
+
+@dataclass
+class Lockstep:
+    """Per row of :func:`lockstep`: the reference's greedy tokens, and per step after the first the KL
+    divergence ``KL(p_ref ‖ p_policy)`` and whether the policy's top token is the reference's."""
+
+    tokens: list[list[int]]
+    kl: list[torch.Tensor]  # [steps] float32
+    agree: list[torch.Tensor]  # [steps] bool
+
+    def divergence(self, row: int) -> int | None:
+        """The first generated position (1-based, the prefill's token being 1) whose token the policy would
+        choose otherwise, or None when it agrees all along."""
+        miss = (~self.agree[row]).nonzero()
+        return int(miss[0]) + 2 if len(miss) else None
+
+
+@torch.no_grad()
+def lockstep(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new_tokens: int,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int = 0, kernels: str = "auto",
+             graphs: bool | None = None) -> Lockstep:
+    """Full attention decodes every prompt greedily; ``policy`` is fed the very same tokens (teacher forcing)
+    in a second decoder over the same weights, so each step compares the two next-token distributions on one
+    context. A row ends at its first EOS (kept). ``policy`` never falls back to the full step here."""
+    from runtime.policies.full import Full
+
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+    ids, pads = pad_left(prompts, pad_token_id, weights.device)
+    slots = ids.shape[1] + max_new_tokens
+    decoders = [StaticDecoder(weights, p, len(prompts), slots, min_context=0, kernels=kernels)
+                for p in (Full(), policy)]
+    for dec in decoders:
+        dec.prefill(ids, pads)
+        if (weights.device.type == "cuda" if graphs is None else graphs) and max_new_tokens > 1:
+            dec.capture()
+    ref, pol = decoders
+    trace = [ref.tokens.clone()]
+    kl, agree = [], []
+    for _ in range(max_new_tokens - 1):
+        token = trace[-1]
+        lf, lp = ref.step(token).float(), pol.step(token).float()
+        log_f, log_p = lf.log_softmax(-1), lp.log_softmax(-1)
+        kl.append((log_f.exp() * (log_f - log_p)).sum(-1).clamp_min(0))
+        agree.append(lf.argmax(-1) == lp.argmax(-1))
+        trace.append(ref.tokens.clone())  # the reference's greedy choice
+    tokens = torch.stack(trace, 1).cpu().tolist()
+    kl_all = torch.stack(kl, 1).cpu() if kl else torch.zeros(len(prompts), 0)
+    agree_all = torch.stack(agree, 1).cpu() if agree else torch.zeros(len(prompts), 0, dtype=torch.bool)
+    out = Lockstep([], [], [])
+    for r, row in enumerate(tokens):
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.tokens.append(row[:end])
+        out.kl.append(kl_all[r, :end - 1])
+        out.agree.append(agree_all[r, :end - 1])
+    return out
