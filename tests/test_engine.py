@@ -20,10 +20,11 @@ from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
-POLICIES = ["full", "delta", "lychee", "quest"]
+POLICIES = ["full", "delta", "delta-per-head", "lychee", "quest"]
 # Parameters with which the sparse policies really drop tokens at ~90-token contexts.
 PARAMS = {"full": {}, "delta": {"budget": 32, "recent_pages": 1}, "lychee": {"budget": 32, "block_size": 16},
-          "quest": {"budget": 32, "page_size": 16, "dense_layers": 1}}
+          "quest": {"budget": 32, "page_size": 16, "dense_layers": 1},
+          "delta-per-head": {"budget": 32, "recent_pages": 1, "per_head": True}}
 PAD = 259
 NEW = 12
 LENGTHS = (90, 70, 81)
@@ -40,7 +41,7 @@ def model_of(family: str, seed: int = 0) -> torch.nn.Module:
 def manifest_of(model, policy: str) -> RoleManifest | None:
     identity = ModelIdentity.from_config(model.config)
     layers = model.config.num_hidden_layers
-    if policy == "delta":  # Gemma 3: only the full layers 2 (Δ) and 5 (sparse) count; sliding layers' roles are ignored
+    if policy.startswith("delta"):  # Gemma 3: only the full layers 2 (Δ) and 5 (sparse) count; sliding roles are ignored
         roles = [0, 0, 1, 0, 0, 2] if layers == 6 else [0, 1, 2, 2]
         return RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
     if policy == "lychee":
@@ -66,7 +67,8 @@ def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(model, policy: str, engine_kind: str, ids, mask=None, min_context=0, **gen):
     kw = {} if min_context == "default" else {"min_context": min_context}
-    with attach(model, manifest_of(model, policy), policy, engine=engine_kind, **kw, **PARAMS[policy]) as s:
+    name = policy.split("-")[0]  # "delta-per-head" is delta with per_head=True
+    with attach(model, manifest_of(model, policy), name, engine=engine_kind, **kw, **PARAMS[policy]) as s:
         out = s.generate(input_ids=ids, attention_mask=mask, **(gen or WITH_LOGITS))
         last = s.last
     if engine_kind == "static":

@@ -101,6 +101,8 @@ def test_triton_calls_in_the_interpreter():
         roles = [0, 1, 2, 2] if layers == 4 else [0, 0, 1, 0, 0, 2]
         delta = get_policy("delta", budget=16, recent_pages=1)
         delta.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
+        per_head = get_policy("delta", budget=16, recent_pages=1, per_head=True)
+        per_head.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
         heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0], [0, 1], [0, 0]][:layers], dtype=torch.int8)
         lychee = get_policy("lychee", budget=16, block_size=16)
         lychee.bind(RoleManifest(identity, head_role=heads), model.config)
@@ -109,7 +111,7 @@ def test_triton_calls_in_the_interpreter():
             ids = torch.randint(0, 256, (batch, 42), generator=torch.Generator().manual_seed(0))
             pads = [0, 5] + [3] * (batch - 2)
             quest = get_policy("quest", budget=16, page_size=16, dense_layers=1)
-            for p in (delta, lychee, quest):
+            for p in (delta, per_head, lychee, quest):
                 check_kernels(weights, p, ids, pads, family)
 
 

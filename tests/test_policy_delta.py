@@ -70,3 +70,29 @@ def test_sparse_layer_reads_exactly_the_delta_layer_pages():
         kk, vv = k2[row][:, tokens].repeat_interleave(hq // hkv, 0), v2[row][:, tokens].repeat_interleave(hq // hkv, 0)
         want = torch.einsum("ht,htd->hd", (torch.einsum("hd,htd->ht", q2[row], kk) * 0.5).softmax(-1), vv)
         assert torch.allclose(out[row], want, atol=1e-5)
+
+
+def test_per_head_pages_follow_each_kv_groups_own_scores():
+    """per_head=True: each KV head of a sparse layer reads the pages brute force picks from its own query group's
+    probabilities at the Δ-layer (and with one KV head it is the shared selection)."""
+    torch.manual_seed(5)
+    b, hq, hkv, t, d, p = 2, 6, 3, 70, 8, 8
+    g = hq // hkv
+    manifest = RoleManifest(ModelIdentity(3, hq, hkv, d), layer_role=torch.tensor([1, 2, 2], dtype=torch.int8))
+    policy = get_policy("delta", num_pages=3, recent_pages=1, page_size=p, per_head=True)
+    policy.bind(manifest, None)
+    keep = torch.ones(b, t, dtype=torch.bool)
+    keep[0, :11] = False
+    scratch = {}
+    q, k = torch.randn(b, hq, d) * 2, torch.randn(b, hkv, t, d)
+    policy.plan(Step(0, q, k, torch.randn(b, hkv, t, d), keep, 0.5, scratch))
+    plan = policy.plan(Step(1, torch.randn(b, hq, d), k, k, keep, 0.5, scratch))
+    assert plan.indices.shape == (b, hkv, 3)
+    for row in range(b):
+        logits = torch.einsum("hd,htd->ht", q[row], k[row].repeat_interleave(g, 0)) * 0.5
+        probs = logits.masked_fill(~keep[row], -math.inf).softmax(-1)  # [Hq, T]
+        for h in range(hkv):
+            assert plan.indices[row, h].tolist() == brute_select(probs[h * g:(h + 1) * g], p, 3, 1), (row, h)
+    assert len({tuple(plan.indices[0, h].tolist()) for h in range(hkv)}) > 1  # the heads do differ here
+    with pytest.raises(PolicyError, match="per_head must be true or false"):
+        get_policy("delta", per_head="yes")

@@ -7,6 +7,10 @@
 * sparse layers (role 2) read only the pages chosen by the nearest earlier Δ-layer in the same step.
 
 Paper defaults: page size P = 16, K = 64 pages (a 1024-token budget), L = 8 recent pages.
+
+``per_head=True`` (not in the paper): a Δ-layer scores pages per KV head (the max over that head's query
+group) and chooses K pages for each, so the sparse layers after it read, per KV head, the pages that head's
+group wanted, at the same budget per head.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from runtime.kernels.page_scores import head_max_probs, pool_pages
+from runtime.kernels.page_scores import attention_probs, head_max_probs, pool_pages
 from runtime.kernels.topk_select import topk_with_recent
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from runtime.models import sliding_layers
@@ -41,6 +45,7 @@ class Delta:
     recent_pages: int = 8  # L
     page_size: int = 16  # P
     budget: int | None = None  # tokens; when given, K = ceil(budget / P)
+    per_head: bool = False  # Δ-layers choose pages per KV head instead of one set for all heads
     name: ClassVar[str] = "delta"
 
     def __post_init__(self) -> None:
@@ -50,6 +55,8 @@ class Delta:
             self.num_pages = math.ceil(self.budget / self.page_size)
         positive("num_pages", self.num_pages, policy=self.name)
         positive("recent_pages", self.recent_pages, allow_zero=True, policy=self.name)
+        if not isinstance(self.per_head, bool):
+            raise PolicyError(f"policy 'delta': per_head must be true or false, got {self.per_head!r}")
         self.recent_pages = min(self.recent_pages, self.num_pages)
         self.roles: list[int] = []
 
@@ -77,19 +84,25 @@ class Delta:
         role = self.roles[step.layer]
         if role == LAYER_ROLE_FULL:
             return Plan()
+        b, hkv, t = step.key.shape[:3]
         if role == LAYER_ROLE_SELECT:
-            scores = head_max_probs(step.query, step.key, step.scale, step.keep)  # [B, T]
+            if self.per_head:
+                probs = attention_probs(step.query, step.key, step.scale, step.keep)  # [B, Hq, T]
+                scores = probs.view(b, hkv, step.groups, t).amax(2)  # [B, Hkv, T]
+            else:
+                scores = head_max_probs(step.query, step.key, step.scale, step.keep)  # [B, T]
             step.scratch["delta.pages"] = select_pages(scores, self.page_size, self.num_pages, self.recent_pages)
             return Plan()
-        pages = step.scratch["delta.pages"]  # [B, N] from this step's nearest Δ-layer
-        b, hkv = step.key.shape[:2]
-        return Plan(indices=pages[:, None, :].expand(b, hkv, pages.shape[-1]), block_size=self.page_size)
+        pages = step.scratch["delta.pages"]  # [B, N] or [B, Hkv, N] from this step's nearest Δ-layer
+        if pages.dim() == 2:
+            pages = pages[:, None, :].expand(b, hkv, pages.shape[-1])
+        return Plan(indices=pages, block_size=self.page_size)
 
     def static_step(self, shape: Any) -> DeltaStep:
         if len(self.roles) != shape.layers:
             raise PolicyError(f"policy 'delta' holds {len(self.roles)} layer roles for a {shape.layers}-layer model; "
                               "bind it to a manifest of this model first")
-        return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages)
+        return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages, self.per_head)
 
 
 @dataclass
@@ -101,6 +114,7 @@ class DeltaStep:
     page_size: int
     num_pages: int
     recent_pages: int
+    per_head: bool = False
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
 
@@ -116,9 +130,11 @@ class DeltaStep:
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         role = self.roles[layer]
         if role == LAYER_ROLE_SELECT:
-            out, scores = dec.attend_and_score(q, k, v, span, self.page_size, per_kv_head=False)
-            pages = dec.select(scores, self.page_size, self.num_pages, self.recent_pages)  # [B, N]
-            state["delta.pages"] = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
+            out, scores = dec.attend_and_score(q, k, v, span, self.page_size, per_kv_head=self.per_head)
+            pages = dec.select(scores, self.page_size, self.num_pages, self.recent_pages)  # [B, (Hkv,) N]
+            if not self.per_head:
+                pages = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
+            state["delta.pages"] = pages
             return out
         if role == LAYER_ROLE_SPARSE:
             return dec.attend(q, k, v, span, state["delta.pages"], self.page_size)
