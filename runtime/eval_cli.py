@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     limit, new = context_limit(load_config(args.model, trust_remote_code=trust), args.model), budget
     fit = dict(limit=limit, allow_long=args.allow_long_context, prog="rolecall eval")
     if not args.prompts:
-        check_context(max(args.lengths) + new, **fit, what=f"--lengths {max(args.lengths)} plus {new} new tokens",
+        plus = f"--max-new-tokens {new}" if args.suite == "passkey" else f"{new} new tokens (its tasks' largest budget)"
+        check_context(max(args.lengths) + new, **fit, what=f"--lengths {max(args.lengths)} plus {plus}",
                       fix=f"pass --lengths of at most {limit - new if limit else 0} tokens")
     tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
     samples = suite_prompts(tokenizer, settings)
