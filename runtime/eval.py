@@ -212,16 +212,8 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
             kl, top1 = step_divergence(dense[1:], policy_logits[1:])
             kls.append(kl.cpu())
             agree.append(top1.cpu())
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            answer = sample.get("answers") or sample.get("answer")
-            got = sample_score(text, sample)
-            records.append({
-                "task": sample.get("task", "passkey" if sample.get("answer") else None),
-                "context_length": sample["context_length"], "depth": sample["depth"], "answer": answer,
-                "generated": text, "score": got, "correct": None if got is None else got == 1.0,
-                "generated_tokens": int(new.numel()), "kl_mean": float(kl.mean()) if kl.numel() else None,
-                "top1_agreement": float(top1.float().mean()) if top1.numel() else None,
-            })
+            records.append(record_of(sample, tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), kl,
+                                     top1))
         summary = session.summary()
         if fractions:  # the engine ran: what its static step reads, no per-layer measurement
             summary["attended_fraction"] = sum(fractions) / len(fractions)
@@ -298,6 +290,17 @@ def format_fidelity(result: dict[str, Any]) -> str:
                   f"{'-' if top1 is None else format(top1, '.4f')}  median divergence point "
                   f"{result['divergence_median'] or 'none'}  never diverged {result['never_diverged']:.2f}"]
     return "\n".join(lines)
+
+
+def record_of(sample: dict[str, Any], text: str, tokens: int, kl: torch.Tensor, top1: torch.Tensor) -> dict[str, Any]:
+    """One prompt's line of the report: its task, cell, answer, generation, score and per-step divergence."""
+    got = sample_score(text, sample)
+    return {"task": sample.get("task", "passkey" if sample.get("answer") else None),
+            "context_length": sample["context_length"], "depth": sample["depth"],
+            "answer": sample.get("answers") or sample.get("answer"), "generated": text, "score": got,
+            "correct": None if got is None else got == 1.0, "generated_tokens": tokens,
+            "kl_mean": float(kl.mean()) if kl.numel() else None,
+            "top1_agreement": float(top1.float().mean()) if top1.numel() else None}
 
 
 def task_scores(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
