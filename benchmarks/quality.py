@@ -14,6 +14,10 @@ printed; every score with its Wilson 95 % interval and sample count), ``quality.
 bars and KL against the budget, one line per policy), with the suite one ``quality-<task>.png`` per task, and
 appends the command line to ``COMMAND.txt``.
 
+``--suite reasoning`` measures long generations instead (``runtime.eval.fidelity``): on reasoning prompts,
+full attention's own greedy trace with each policy fed the same tokens; every cell reports the per-step KL
+with its bootstrap interval over prompts, top-1 agreement and the divergence point (engine policies only).
+
 A budget is a token count; how it becomes each policy's own parameters is ``MAPPING`` (written into the
 table). ``full`` does not depend on it and runs once.
 """
@@ -101,9 +105,12 @@ def parse_heads(pairs: list[str] | None) -> list[tuple[str, str]]:
 def build_cells(args: argparse.Namespace) -> list[Cell]:
     """The grid, in table order; a policy asked for by name without the manifest it needs is an error."""
     heads = parse_heads(args.heads)
-    have = {"full": True, "delta": bool(args.delta or args.delta_recall), "lychee": bool(heads), "lethe": True,
-            "vattention": True, "quest": True}
+    engine_only = args.suite == "reasoning"
+    have = {"full": True, "delta": bool(args.delta or args.delta_recall), "lychee": bool(heads),
+            "lethe": not engine_only, "vattention": not engine_only, "quest": True}
     wanted = args.policies or [p for p in POLICIES if have[p]]
+    if engine_only and {"lethe", "vattention"} & set(wanted):
+        raise SystemExit("--suite reasoning runs on the engine: leave lethe and vattention out of --policies")
     for p in wanted:
         if p not in POLICIES:
             raise SystemExit(f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}")
@@ -162,6 +169,31 @@ def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
             "recall_sparse_layers": sparse_recall(result["layers"]), "kl_mean": result["kl_mean"],
             "top1_agreement": result["top1_agreement"], "attended_fraction": result["attended_fraction"],
             "wall_s": wall, "passkey_grid": result["passkey_grid"]}
+
+
+def fidelity_row(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
+    return {"label": cell.label, "policy": cell.policy, "budget": cell.budget, "manifest": cell.manifest,
+            "params": cell.params, "prompts": result["prompts"], "kl_mean": result["kl_mean"],
+            "kl_interval": result["kl_interval"], "top1_agreement": result["top1_agreement"],
+            "divergence_median": result["divergence_median"], "never_diverged": result["never_diverged"],
+            "wall_s": wall}
+
+
+def format_fidelity_table(summary: dict[str, Any]) -> str:
+    r0 = summary["reasoning"]
+    lines = [f"## Reasoning fidelity: {summary['model']}", "",
+             f"Full attention's greedy traces on {r0['source']} ({r0['limit']} prompts, up to {r0['max_new_tokens']} "
+             f"tokens), each policy fed the same tokens; {summary['device_name']}, {summary['dtype']}. KL(full ‖ "
+             "policy) per step with its 95 % bootstrap interval over prompts; divergence point = the first generated "
+             "token the policy would have chosen otherwise.", "",
+             "| policy | budget | KL per step [95 %] | top-1 | median divergence | never diverged | wall (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary["rows"]:
+        ci = r["kl_interval"]
+        kl = "–" if r["kl_mean"] is None else f"{r['kl_mean']:.2e}" + (f" [{ci[0]:.2e}, {ci[1]:.2e}]" if ci else "")
+        lines.append(f"| {r['label']} | {r['budget'] or '–'} | {kl} | {f(r['top1_agreement'], '.4f')} | "
+                     f"{r['divergence_median'] or 'none'} | {r['never_diverged']:.2f} | {r['wall_s']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def with_interval(cell: dict[str, Any] | None) -> str:
@@ -297,6 +329,36 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
+def plot_fidelity(summary: dict[str, Any], out: Path) -> list[str]:
+    """``fidelity.png``: per-step KL (bootstrap bars) and top-1 agreement against the budget, one line a policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (kl_ax, top_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = list(dict.fromkeys(r["label"] for r in summary["rows"] if r["budget"] is not None))
+    for i, label in enumerate(labels):
+        rows = sorted((r for r in summary["rows"] if r["label"] == label and r["kl_mean"] is not None),
+                      key=lambda r: r["budget"])
+        dodge = 2 ** (0.06 * (i - (len(labels) - 1) / 2))
+        x = [r["budget"] * dodge for r in rows]
+        y = [r["kl_mean"] for r in rows]
+        err = [[v - (r["kl_interval"] or [v, v])[0] for v, r in zip(y, rows)],
+               [(r["kl_interval"] or [v, v])[1] - v for v, r in zip(y, rows)]]
+        kl_ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
+        top_ax.plot(x, [r["top1_agreement"] for r in rows], marker="o", label=label)
+    for ax in (kl_ax, top_ax):
+        _budget_axis(ax, summary["budgets"])
+    kl_ax.set_yscale("log")
+    kl_ax.set_ylabel("KL(full ‖ policy) per step (95 % bootstrap bars)")
+    top_ax.set_ylabel("top-1 agreement with full")
+    kl_ax.legend(fontsize=8, frameon=False)
+    fig.suptitle(f"{summary['model']}: long generations against the token budget", fontsize=10)
+    _save(fig, out / "fidelity.png")
+    return ["fidelity.png"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default {DEFAULT_MODEL})")
     parser.add_argument("--policies", nargs="+", default=None,
@@ -319,13 +381,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alphabet", default="digits", choices=("nato", "digits"),
                         help="digits for small models (they copy digits, not NATO words)")
     parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler"),
-                        help="passkey: the single-passkey grid; ruler: the RULER-style suite of data.ruler")
+    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "reasoning"),
+                        help="passkey: the single-passkey grid; ruler: the RULER-style suite of data.ruler; "
+                             "reasoning: long generations (per-step KL, top-1 agreement, divergence point)")
+    parser.add_argument("--reasoning-source", default="champ", help="reasoning prompts (see data.reasoning)")
+    parser.add_argument("--limit", type=int, default=16, help="reasoning prompts per cell (default 16)")
     parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default all; see data.ruler)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
     parser.add_argument("--prompts", default=None, help='JSONL of {"prompt", "answer"} instead of generated prompts')
-    parser.add_argument("--max-new-tokens", type=int, default=12, help="passkey and JSONL prompts (RULER tasks carry "
-                                                                      "their own)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 12 (passkey and JSONL prompts) or "
+                                                                        "1024 (reasoning); RULER tasks carry their own")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow code shipped in the model folder to run (never without this flag)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
@@ -371,6 +436,20 @@ def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[
     return grids, done
 
 
+def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, samples, args) -> tuple[dict, dict]:
+    """One cell's full result and its table row."""
+    from runtime.eval import fidelity
+
+    start = time.perf_counter()
+    if settings is None:  # --suite reasoning
+        result = fidelity(model, tokenizer, cell.manifest, cell.policy, cell.params, source=args.reasoning_source,
+                          limit=args.limit, max_new_tokens=args.max_new_tokens)
+        return result, fidelity_row(cell, result, time.perf_counter() - start)
+    result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples,
+                      measure=args.measure)
+    return result, row_of(cell, result, time.perf_counter() - start)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
@@ -381,9 +460,17 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise SystemExit(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16")
-    settings, budget, cells = settings_of(args), new_tokens(args), build_cells(args)
+    reasoning = args.suite == "reasoning"
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 1024 if reasoning else 12
+    settings = None if reasoning else settings_of(args)
+    budget, cells = new_tokens(args), build_cells(args)
     out = Path(args.out)
-    common = {"model": args.model, "device": args.device, "dtype": dtype, "settings": asdict(settings)}
+    common = {"model": args.model, "device": args.device, "dtype": dtype}
+    if reasoning:
+        common["reasoning"] = {"source": args.reasoning_source, "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+    else:
+        common["settings"] = asdict(settings)
     grids, done = resumed(cells, out, common)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
@@ -393,15 +480,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.models import load_model, load_tokenizer
 
+    model = tokenizer = samples = None
     if len(done) < len(cells):  # a finished grid only rewrites the summary, tables and plots
         trust = args.trust_remote_code
         model = load_model(args.model, dtype=dtype, trust_remote_code=trust).to(args.device)
         tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
         limit = getattr(model.config, "max_position_embeddings", None)
-        if limit and not args.prompts and max(args.lengths) + budget > limit:
+        if limit and not (args.prompts or reasoning) and max(args.lengths) + budget > limit:
             raise SystemExit(f"--lengths: {max(args.lengths)} + {budget} new tokens exceeds the model's "
                              f"{limit} positions; use shorter lengths")
-        samples = suite_prompts(tokenizer, settings)
+        samples = None if reasoning else suite_prompts(tokenizer, settings)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
 
     rows = []
@@ -411,19 +499,16 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(done[cell.name]["row"])
             continue
         bar.set_postfix_str(cell.name)
-        start = time.perf_counter()
-        result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples,
-                          measure=args.measure)
-        row = row_of(cell, result, time.perf_counter() - start)
+        result, row = run_cell(cell, model, tokenizer, settings, samples, args)
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
         rows.append(row)
     bar.close()
     summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
     atomic.write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))
-    table = format_table(summary)
+    table = format_fidelity_table(summary) if reasoning else format_table(summary)
     atomic.write_text(out / "TABLE.md", table)
-    plots = plot(summary, out)
+    plots = plot_fidelity(summary, out) if reasoning else plot(summary, out)
     print(table)
     print(f"{len(cells) - len(done)} cells run, {len(done)} resumed from {out / 'cells'}; "
           f"wrote summary.json, TABLE.md, {', '.join(plots)}")

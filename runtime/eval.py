@@ -69,6 +69,19 @@ def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[floa
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def bootstrap_interval(values: list[float], weights: list[float], reps: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the weighted mean ``Σ w v / Σ w`` over resampled items (prompts: their
+    steps are not independent, the prompts are). The same inputs give the same interval."""
+    if not values or len(values) != len(weights):
+        raise ValueError("bootstrap_interval needs one weight per value and at least one value")
+    v, w = torch.tensor(values, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
+    picks = torch.randint(0, len(values), (reps, len(values)), generator=torch.Generator().manual_seed(seed))
+    means = (v[picks] * w[picks]).sum(1) / w[picks].sum(1).clamp_min(1e-300)
+    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return float(low), float(high)
+
+
 class ContextLengthError(ValueError):
     """Input longer than the model's context (the message names the length, the limit and the fix)."""
 
@@ -269,8 +282,11 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     steps = [k for r in records for k in r["kl"]]
     agree = [r["top1_agreement"] * (r["generated_tokens"] - 1) for r in records if r["top1_agreement"] is not None]
     points = sorted(r["divergence"] for r in records if r["divergence"] is not None)
+    scored = [r for r in records if r["kl_mean"] is not None]
+    kl_interval = bootstrap_interval([r["kl_mean"] for r in scored], [len(r["kl"]) for r in scored]) if scored else None
     return {"policy": policy, "params": dict(params or {}), "source": source, "prompts": len(records),
             "max_new_tokens": max_new_tokens, "kl_mean": sum(steps) / len(steps) if steps else None,
+            "kl_interval": kl_interval,
             "top1_agreement": sum(agree) / len(steps) if steps else None,
             "divergence_median": points[len(points) // 2] if points else None,
             "never_diverged": sum(r["divergence"] is None for r in records) / len(records), "samples": records}
@@ -286,7 +302,9 @@ def format_fidelity(result: dict[str, Any]) -> str:
         top1 = "-" if r["top1_agreement"] is None else f"{r['top1_agreement']:.3f}"
         lines.append(f"{i:>7} {r['generated_tokens']:>7} {kl:>9} {top1:>6} {r['divergence'] or 'never':>12}")
     kl, top1 = result["kl_mean"], result["top1_agreement"]
-    lines += ["", f"KL per step {'-' if kl is None else format(kl, '.3e')}  top-1 agreement "
+    ci = result.get("kl_interval")
+    kl_text = "-" if kl is None else format(kl, ".3e") + (f" [{ci[0]:.2e}, {ci[1]:.2e}]" if ci else "")
+    lines += ["", f"KL per step {kl_text}  top-1 agreement "
                   f"{'-' if top1 is None else format(top1, '.4f')}  median divergence point "
                   f"{result['divergence_median'] or 'none'}  never diverged {result['never_diverged']:.2f}"]
     return "\n".join(lines)

@@ -135,3 +135,25 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
         assert (out / name).stat().st_size > 1000 and name in printed
     with pytest.raises(SystemExit, match="unknown RULER task"):
         quality.main([*argv[:-2], "--tasks", "nope", "--out", str(tmp_path / "x")])
+
+
+def test_reasoning_grid_reports_kl_with_bootstrap_intervals(folder, tmp_path, capsys, cache_dir):
+    quality = load_script()
+    out = tmp_path / "fidelity"
+    argv = ["--model", str(folder / "model"), "--suite", "reasoning", "--reasoning-source", "arithmetic:3", "--limit",
+            "3", "--max-new-tokens", "24", "--policies", "full", "delta", "quest", "--budgets", "16", "32",
+            "--delta", str(folder / "delta.safetensors"), "--device", "cpu", "--out", str(out)]
+    assert quality.main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = {(r["label"], r["budget"]): r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert set(rows) == {("full", None), ("delta", 16), ("delta", 32), ("quest", 16), ("quest", 32)}
+    assert rows[("full", None)]["kl_mean"] == 0.0 and rows[("full", None)]["never_diverged"] == 1.0
+    for key, r in rows.items():
+        assert r["prompts"] == 3
+        if key[0] != "full":
+            low, high = r["kl_interval"]
+            assert low <= r["kl_mean"] <= high and r["kl_mean"] > 0, key
+    assert "## Reasoning fidelity" in printed and (out / "fidelity.png").stat().st_size > 1000
+    assert quality.main(argv) == 0 and "0 cells run, 5 resumed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="leave lethe and vattention out"):
+        quality.main([*argv[:-2], "--policies", "lethe", "--out", str(tmp_path / "x")])

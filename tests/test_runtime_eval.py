@@ -191,3 +191,18 @@ def test_reasoning_suite_refuses_a_policy_without_an_engine_step(tiny_folder, ca
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "--policy 'lethe' has no engine step yet" in err and "quest" in err and "\n" not in err
+
+
+def test_bootstrap_interval_matches_the_normal_approximation():
+    from runtime.eval import bootstrap_interval
+
+    values = torch.randn(400, generator=torch.Generator().manual_seed(1)).tolist()
+    low, high = bootstrap_interval(values, [1.0] * 400, reps=4000)
+    mean, half = sum(values) / 400, 1.96 * float(torch.tensor(values).std()) / 400**0.5
+    assert abs(low - (mean - half)) < 0.15 * half and abs(high - (mean + half)) < 0.15 * half
+    assert bootstrap_interval(values, [1.0] * 400, reps=4000) == (low, high)  # the same inputs, the same interval
+    assert bootstrap_interval([0.3, 0.3, 0.3], [5, 1, 2]) == pytest.approx((0.3, 0.3))
+    heavy = bootstrap_interval([0.0, 1.0], [1.0, 99.0])  # a weight counts as that many steps of its prompt
+    assert heavy[1] == pytest.approx(1.0) and heavy[0] < 0.5
+    with pytest.raises(ValueError, match="one weight per value"):
+        bootstrap_interval([1.0], [])
