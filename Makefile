@@ -34,6 +34,7 @@ calibrate: install
 	$(VENV)/bin/rolecall inspect artifacts/smollm2-135m.delta.safetensors
 
 train: install
+	@echo "make train: a 20-step demo of train-heads on the CPU (the recipe runs 3000); see its last line"
 	$(VENV)/bin/train-heads --target 8 --steps 20 --overwrite
 
 clean:

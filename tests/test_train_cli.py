@@ -87,3 +87,15 @@ def test_embedded_model_student_equals_teacher_and_trains(tmp_path):
     m = train.run(model, tok, [{"input_ids": ids, "labels": labels}], cfg)
     RoleManifest.load(tmp_path / "h.safetensors").validate_for(model)
     assert m.head_role.shape == (30, 3) and m.model.name == "smollm2-135m"
+
+
+def test_summary_says_how_far_from_converged():
+    from train.cli import convergence
+
+    settled = {"steps": 3000, "fraction_undecided": 0.02, "expected_l0": 8.3, "expected_l0_goal": 8.0}
+    assert convergence(settled) is None
+    demo = {"steps": 20, "fraction_undecided": 0.9, "expected_l0": 29.0, "expected_l0_goal": 8.0}
+    line = convergence(demo)
+    assert line.startswith("not converged after 20 steps: 90 % of the gates are undecided") and "21.0 heads" in line
+    assert "artifacts/smollm2-135m/heads-" in line and "\n" not in line
+    assert convergence({**settled, "expected_l0": 10.0}) is not None  # decided gates, but off the target

@@ -173,7 +173,26 @@ def run(args: argparse.Namespace) -> int:
               f"E[L0] {m['expected_l0']:.2f} (goal {m['expected_l0_goal']:.2f}), λ {m['lambda']:.4g}, final loss {m['final_loss']:.4g}, "
               f"undecided {100 * m['fraction_undecided']:.1f} %"
               + (f", {distributed.world_size()} processes" if distributed.world_size() > 1 else ""))
+        verdict = convergence(m)
+        if verdict:
+            print(verdict)
     return 0
+
+
+UNCONVERGED_UNDECIDED = 0.10  # more undecided gates than this: the roles are not settled
+UNCONVERGED_L0 = 0.10  # |E[L0] - goal| above this share of the goal (at least 1 head): the target is not met
+
+
+def convergence(metrics: dict) -> str | None:
+    """One line saying how far from converged a run ended, or None when it looks converged: the share of gates
+    still undecided and how far E[L0] sits from its goal, and where converged manifests are."""
+    undecided, gap = metrics["fraction_undecided"], abs(metrics["expected_l0"] - metrics["expected_l0_goal"])
+    if undecided <= UNCONVERGED_UNDECIDED and gap <= max(1.0, UNCONVERGED_L0 * metrics["expected_l0_goal"]):
+        return None
+    return (f"not converged after {metrics['steps']} steps: {100 * undecided:.0f} % of the gates are undecided "
+            f"(E[z] between 0.05 and 0.95; at most {100 * UNCONVERGED_UNDECIDED:.0f} % counts as settled) and E[L0] "
+            f"is {gap:.1f} heads from its goal; the recipes train for thousands of steps (configs/train/), and "
+            "converged manifests of the embedded model ship in artifacts/smollm2-135m/heads-*.safetensors")
 
 
 def main(argv: list[str] | None = None) -> int:
