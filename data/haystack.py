@@ -75,6 +75,8 @@ def load_haystack(tokenizer, source: str | Corpus = "pg-essays", pool_tokens: in
             bar.update(len(ids))
             if total >= pool_tokens:
                 break
+        bar.total = total  # a corpus shorter than the pool ends its bar at 100 %, not part-way
+        bar.refresh()
     if total == 0:
         raise CorpusError(f"corpus {corpus.spec!r} is empty: it yielded no text; check the path or the field name")
     tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.int32)

@@ -137,3 +137,19 @@ def test_bad_requests_are_refused_in_one_line(corpus):
     with pytest.raises(ValueError, match="use lengths of at least"):
         build_ruler_dataset(tok, tasks=("niah_multiquery",), lengths=(120,), samples_per_cell=1, source=corpus,
                             cache=False)
+
+
+def test_tokenising_bar_ends_complete_on_a_short_corpus(corpus, monkeypatch):
+    """A corpus shorter than the token pool still ends its progress bar at its total."""
+    import data.haystack as haystack
+
+    bars = []
+    real = haystack.tqdm
+
+    def spy(*args, **kwargs):
+        bars.append(real(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(haystack, "tqdm", spy)
+    hay = haystack.load_haystack(tiny_tokenizer(), corpus, use_cache=False)
+    assert bars and bars[0].n == bars[0].total == len(hay) < haystack.POOL_TOKENS
