@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime import atomic  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
-from runtime.policies import get_policy  # noqa: E402
+from runtime.policies import engine_policies, get_policy  # noqa: E402
 
 POLICIES = ("full", "delta", "lychee", "lethe", "vattention", "quest")
 BUDGETS = (256, 512, 1024, 2048)
@@ -105,12 +105,13 @@ def parse_heads(pairs: list[str] | None) -> list[tuple[str, str]]:
 def build_cells(args: argparse.Namespace) -> list[Cell]:
     """The grid, in table order; a policy asked for by name without the manifest it needs is an error."""
     heads = parse_heads(args.heads)
-    engine_only = args.suite == "reasoning"
-    have = {"full": True, "delta": bool(args.delta or args.delta_recall), "lychee": bool(heads),
-            "lethe": not engine_only, "vattention": not engine_only, "quest": True}
-    wanted = args.policies or [p for p in POLICIES if have[p]]
-    if engine_only and {"lethe", "vattention"} & set(wanted):
-        raise SystemExit("--suite reasoning runs on the engine: leave lethe and vattention out of --policies")
+    engine = engine_policies() if args.suite == "reasoning" else POLICIES
+    have = {"full": True, "delta": bool(args.delta or args.delta_recall), "lychee": bool(heads), "lethe": True,
+            "vattention": True, "quest": True}
+    wanted = args.policies or [p for p in POLICIES if have[p] and p in engine]
+    if any(p in POLICIES and p not in engine for p in wanted):
+        off = " and ".join(p for p in POLICIES if p not in engine)
+        raise SystemExit(f"--suite reasoning runs on the engine: leave {off} out of --policies")
     for p in wanted:
         if p not in POLICIES:
             raise SystemExit(f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}")

@@ -55,7 +55,6 @@ class EvalSettings:
 
 
 SUITES = ("passkey", "ruler")
-ENGINE_POLICIES = ("full", "delta", "lychee", "quest")  # the policies with a static step (lychee with budget=)
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -266,14 +265,18 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     with attach(model, manifest, policy, engine="static", **dict(params or {})) as session:
         bound = session.policy
     if getattr(bound, "static_step", None) is None:
-        raise ValueError(f"policy {policy!r} has no engine step yet; the reasoning suite runs {', '.join(ENGINE_POLICIES)}")
+        from runtime.policies import engine_policies
+
+        raise ValueError(f"policy {policy!r} has no engine step yet; the reasoning suite runs "
+                         f"{', '.join(engine_policies())}")
     weights = Weights.from_model(model, positions=max(map(len, prompts)) + max_new_tokens)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     records = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
-        run = lockstep(weights, bound, chunk, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        run = lockstep(weights, bound, chunk, step_divergence, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                       pad_token_id=pad)
         for r in range(len(chunk)):
             records.append({"prompt_tokens": len(chunk[r]), "generated_tokens": len(run.tokens[r]),
                             "kl_mean": float(run.kl[r].mean()) if run.kl[r].numel() else None,

@@ -106,11 +106,12 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 def run_reasoning(args: argparse.Namespace) -> int:
-    from runtime.eval import ENGINE_POLICIES, fidelity, format_fidelity
+    from runtime.eval import fidelity, format_fidelity
+    from runtime.policies import engine_policies
 
-    if args.policy not in ENGINE_POLICIES:
+    if args.policy not in engine_policies():
         raise ValueError(f"--suite reasoning runs on the engine: --policy {args.policy!r} has no engine step yet; "
-                         f"use one of {', '.join(ENGINE_POLICIES)}")
+                         f"use one of {', '.join(engine_policies())}")
     if args.max_new_tokens < 2 or args.limit < 1:
         raise ValueError(f"--max-new-tokens must be at least 2 and --limit at least 1, got {args.max_new_tokens} "
                          f"and {args.limit}")

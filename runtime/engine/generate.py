@@ -9,6 +9,7 @@ to look for stop strings (a row whose text contains one is finished there and cu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,12 +224,15 @@ class Lockstep:
 
 
 @torch.no_grad()
-def lockstep(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new_tokens: int,
-             eos_token_id: int | list[int] | None = None, pad_token_id: int = 0, kernels: str = "auto",
-             graphs: bool | None = None) -> Lockstep:
+def lockstep(weights: Weights, policy: Any, prompts: list[list[int]],
+             compare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], *,
+             max_new_tokens: int, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
+             kernels: str = "auto", graphs: bool | None = None) -> Lockstep:
     """Full attention decodes every prompt greedily; ``policy`` is fed the very same tokens (teacher forcing)
     in a second decoder over the same weights, so each step compares the two next-token distributions on one
-    context. A row ends at its first EOS (kept). ``policy`` never falls back to the full step here."""
+    context: ``compare(full_logits, policy_logits)`` (``[B, V]`` each) gives the step's KL ``[B]`` and top-1
+    agreement ``[B]`` (``runtime.eval.step_divergence``). A row ends at its first EOS (kept). ``policy``
+    never falls back to the full step here."""
     from runtime.policies.full import Full
 
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
@@ -245,10 +249,9 @@ def lockstep(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     kl, agree = [], []
     for _ in range(max_new_tokens - 1):
         token = trace[-1]
-        lf, lp = ref.step(token).float(), pol.step(token).float()
-        log_f, log_p = lf.log_softmax(-1), lp.log_softmax(-1)
-        kl.append((log_f.exp() * (log_f - log_p)).sum(-1).clamp_min(0))
-        agree.append(lf.argmax(-1) == lp.argmax(-1))
+        step_kl, step_agree = compare(ref.step(token), pol.step(token))
+        kl.append(step_kl)
+        agree.append(step_agree)
         trace.append(ref.tokens.clone())  # the reference's greedy choice
     tokens = torch.stack(trace, 1).cpu().tolist()
     kl_all = torch.stack(kl, 1).cpu() if kl else torch.zeros(len(prompts), 0)

@@ -74,8 +74,7 @@ def get_policy(name: str | Any, **params: Any):
         return name
     if name not in POLICIES:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
-    module, cls = POLICIES[name]
-    kind = getattr(importlib.import_module(module), cls)
+    kind = policy_class(name)
     fields = [f.name for f in dataclasses.fields(kind) if f.init and not f.name.startswith("_")]
     unknown = [k for k in params if k not in fields]
     if unknown:
@@ -84,6 +83,16 @@ def get_policy(name: str | Any, **params: Any):
         raise PolicyError(f"policy {name!r} has no {noun} {', '.join(map(repr, unknown))}; its parameters are: "
                           f"{known}")
     return kind(**params)
+
+
+def policy_class(name: str) -> type:
+    module, cls = POLICIES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def engine_policies() -> tuple[str, ...]:
+    """The policies with a static step: those the engine runs (lychee with ``budget=``)."""
+    return tuple(name for name in POLICIES if hasattr(policy_class(name), "static_step"))
 
 
 def mean_tokens_read(shape: Any, context: int, budget: int, full_share: list[float]) -> float:
@@ -104,4 +113,4 @@ def positive(name: str, value: Any, allow_zero: bool = False, policy: str = "") 
         raise PolicyError(f"policy {policy!r}: {name} must be a number {bound}, got {value!r}")
 
 
-__all__ = ["POLICIES", "Plan", "PolicyError", "Step", "UnknownPolicyError", "get_policy"]
+__all__ = ["POLICIES", "Plan", "PolicyError", "Step", "UnknownPolicyError", "engine_policies", "get_policy"]
