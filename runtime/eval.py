@@ -272,25 +272,25 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     weights = Weights.from_model(model, positions=max(map(len, prompts)) + max_new_tokens)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    records = []
+    records, agreed = [], 0
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
         run = lockstep(weights, bound, chunk, step_divergence, max_new_tokens=max_new_tokens, eos_token_id=eos,
                        pad_token_id=pad)
         for r in range(len(chunk)):
+            agreed += int(run.agree[r].sum())
             records.append({"prompt_tokens": len(chunk[r]), "generated_tokens": len(run.tokens[r]),
                             "kl_mean": float(run.kl[r].mean()) if run.kl[r].numel() else None,
                             "top1_agreement": float(run.agree[r].float().mean()) if run.agree[r].numel() else None,
                             "divergence": run.divergence(r), "kl": run.kl[r].tolist()})
     steps = [k for r in records for k in r["kl"]]
-    agree = [r["top1_agreement"] * (r["generated_tokens"] - 1) for r in records if r["top1_agreement"] is not None]
     points = sorted(r["divergence"] for r in records if r["divergence"] is not None)
     scored = [r for r in records if r["kl_mean"] is not None]
     kl_interval = bootstrap_interval([r["kl_mean"] for r in scored], [len(r["kl"]) for r in scored]) if scored else None
     return {"policy": policy, "params": dict(params or {}), "source": source, "prompts": len(records),
             "max_new_tokens": max_new_tokens, "kl_mean": sum(steps) / len(steps) if steps else None,
             "kl_interval": kl_interval,
-            "top1_agreement": sum(agree) / len(steps) if steps else None,
+            "top1_agreement": agreed / len(steps) if steps else None,
             "divergence_median": points[len(points) // 2] if points else None,
             "never_diverged": sum(r["divergence"] is None for r in records) / len(records), "samples": records}
 
