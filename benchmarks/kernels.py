@@ -18,6 +18,9 @@ Every call is captured in a CUDA graph, as a decode step runs, so launch overhea
 * ``decode_and_score``: the fused Δ-layer path (attention that keeps its logits, then a pass over the logits):
   its time over ``ours_dense`` is the selection overhead DELTA reports (154 % at 1K, 25 % at 32K).
 
+``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows): the linear layer the
+engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated past L2.
+
 It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
 each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
 """
@@ -52,6 +55,13 @@ class Rotating:
         self.sets = [(torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16),
                       torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
         self.i = 0
+
+    @classmethod
+    def of(cls, sets: list) -> Rotating:
+        """Cycle through given pairs of tensors (a weight and its bias, say)."""
+        rotating = cls.__new__(cls)
+        rotating.sets, rotating.i = sets, 0
+        return rotating
 
     def next(self):
         self.i = (self.i + 1) % len(self.sets)
@@ -244,12 +254,49 @@ def sweep(b: int, t: int, g: torch.Generator) -> dict:
     return out
 
 
+PROJECTIONS = {  # name: (N, K, bias) of y = x W^T (+ b)
+    "7b qkv": (4608, 3584, True), "7b o": (3584, 3584, False), "7b gate_up": (37888, 3584, False),
+    "7b down": (3584, 18944, False), "1.5b qkv": (2048, 1536, True), "1.5b o": (1536, 1536, False),
+    "1.5b gate_up": (17920, 1536, False), "1.5b down": (1536, 8960, False),
+}
+
+
+def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
+    """The engine's linear layer against cuBLAS on each projection, as a decode step runs it (graph-captured,
+    each call a different copy of the weight so that none is served from L2)."""
+    from runtime.kernels.skinny_linear import kernel_config, linear
+
+    out = []
+    for name, (n, k, bias) in PROJECTIONS.items():
+        copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))
+        ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+               torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            times = {}
+            for label, fn in (("cublas", F.linear), ("rolecall", linear)):
+                times[label] = graph_ms(lambda w, b, fn=fn, x=x: fn(x, w, b), Rotating.of(ws))
+            out.append({"projection": name, "rows": rows, "n": n, "k": k,
+                        "kernel": kernel_config(rows, n, k) is not None,
+                        "cublas_ms": times["cublas"], "rolecall_ms": times["rolecall"],
+                        "cublas_bw_fraction": n * k * 2 / (times["cublas"] * 1e-3) / copy_bw,
+                        "rolecall_bw_fraction": n * k * 2 / (times["rolecall"] * 1e-3) / copy_bw})
+            r = out[-1]
+            print(f"linear {name:>13} rows {rows:>2}: cuBLAS {1e3 * r['cublas_ms']:6.1f} µs "
+                  f"({r['cublas_bw_fraction']:.0%}), rolecall {1e3 * r['rolecall_ms']:6.1f} µs "
+                  f"({r['rolecall_bw_fraction']:.0%}){'' if r['kernel'] else ' (cuBLAS)'}", flush=True)
+        del ws
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--contexts", default="16384,32768,65536,131072")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--sweep", action="store_true", help="also time tile / chunk / warps / stages per shape")
+    parser.add_argument("--linear", action="store_true", help="also time the decode step's linear layers")
+    parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -257,12 +304,19 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     gpu = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
+    if not args.attention:
+        report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
+                  "linear": linear_rows(copy_bw)}
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        return 0
     warps, stages, tuning = tune(copy_bw, g)
     rows = [bench_config(b, t, copy_bw, g, warps, stages)
             for t in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
               "num_stages": stages, "tuning_ms": tuning, "rows": rows}
+    if args.linear:
+        report["linear"] = linear_rows(copy_bw)
     if args.sweep:
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
                            for b in map(int, args.batches.split(","))}

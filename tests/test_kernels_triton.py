@@ -216,16 +216,16 @@ def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms):
     _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2)
 
 
-def _check_combine(splits, device):
+def _check_combine(splits, device, d=16, parts=None):
     from runtime.kernels.sparse_attention import triton as tri
 
     g = torch.Generator(device="cpu").manual_seed(4)
-    b, hkv, grp, d = 2, 3, 2, 16
+    b, hkv, grp = 2, 3, 2
     out_p = torch.randn(b, hkv, splits, grp, d, generator=g)
     lse_p = torch.randn(b, hkv, splits, grp, generator=g) * 3
     lse_p[0, 0, : splits // 2] = float("-inf")  # empty partials (idle programs)
     lse_p[1, 2] = float("-inf")  # a row that read nothing
-    out, lse = tri.combine_partials(out_p.to(device), lse_p.to(device))
+    out, lse = tri.combine_partials(out_p.to(device), lse_p.to(device), parts=parts)
     w = torch.softmax(lse_p, dim=2).nan_to_num(0.0)
     want = (w[..., None] * out_p).sum(2).reshape(b, hkv * grp, d)
     want_lse = torch.logsumexp(lse_p, 2).reshape(b, hkv * grp)
@@ -235,20 +235,21 @@ def _check_combine(splits, device):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
-@pytest.mark.parametrize("splits", [1, 5, 128, 300])  # 300: three blocks of 128, merged online
-def test_combine_matches_logsumexp_in_interpreter(splits):
+@pytest.mark.parametrize("splits, d, parts", [(1, 16, None), (5, 16, None), (128, 16, None), (300, 16, None),
+                                              (7, 72, 4), (130, 64, 2)])  # 300: three blocks of 128, merged online
+def test_combine_matches_logsumexp_in_interpreter(splits, d, parts):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    _check_combine(splits, "cpu")
+    _check_combine(splits, "cpu", d, parts)  # parts: each head's D dims merged by that many programs (72: ragged)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 5, 128, 300])
-def test_combine_matches_logsumexp_on_gpu(splits):
-    _check_combine(splits, "cuda")
+@pytest.mark.parametrize("splits, d", [(1, 16), (5, 16), (128, 128), (300, 128)])
+def test_combine_matches_logsumexp_on_gpu(splits, d):
+    _check_combine(splits, "cuda", d)
 
 
-def _check_topk(shape, k, recent, last, device):
+def _check_topk(shape, k, recent, last, device, bits=2):
     from runtime.kernels.topk_select import naive as topk_naive
     from runtime.kernels.topk_select import triton as topk_tri
 
@@ -257,7 +258,7 @@ def _check_topk(shape, k, recent, last, device):
     scores[..., 3] = float("-inf")  # a block with no valid token
     last_t = torch.as_tensor(last)
     want = topk_naive.topk_with_recent(scores, k, recent, last=last_t)
-    got = topk_tri.topk_with_recent(scores.to(device), k, recent, last=last_t.to(device)).cpu()
+    got = topk_tri.topk_with_recent(scores.to(device), k, recent, last=last_t.to(device), bits=bits).cpu()
     assert got.dtype == torch.int32 and got.shape == want.shape
     assert torch.equal(got.long(), want)  # both ascending, -1 padded
 
@@ -265,10 +266,11 @@ def _check_topk(shape, k, recent, last, device):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
 @pytest.mark.parametrize("shape, k, recent, last", [((2, 3, 50), 8, 2, 40), ((4, 20), 30, 0, 19), ((1, 2, 9), 4, 4, 6),
                                                     ((3, 100), 100, 1, 99)])
-def test_topk_matches_reference_in_interpreter(shape, k, recent, last):
+@pytest.mark.parametrize("bits", [1, 2, 4])  # bits of the k-th key fixed per round
+def test_topk_matches_reference_in_interpreter(shape, k, recent, last, bits):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    _check_topk(shape, k, recent, last, "cpu")
+    _check_topk(shape, k, recent, last, "cpu", bits)
 
 
 @pytest.mark.gpu
@@ -360,3 +362,47 @@ def test_page_bounds_match_reference_in_interpreter(group):
 @pytest.mark.parametrize("group", ["max", "sum"])
 def test_page_bounds_match_reference_on_gpu(group):
     _check_page_bounds(3, 28, 4, 40000, 128, 16, group, torch.bfloat16, "cuda", 1e-2)
+
+
+def _check_skinny_linear(m, n, k, bias, config, device, dtype, tol):
+    from runtime.kernels.skinny_linear import naive as sl_naive
+    from runtime.kernels.skinny_linear import triton as sl_tri
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    want = sl_naive.skinny_linear(x, w, b)
+    got = sl_tri.launch(x, w, b, config) if config is not None else sl_tri.skinny_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert (got.float() - want.float()).abs().max() <= tol
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("m, n, k, bias, dot, bn, bk", [(1, 70, 300, True, False, 8, 128), (1, 33, 40, False, False, 32, 64),
+                                                         (5, 50, 200, True, True, 32, 64), (16, 17, 130, False, True, 16, 128)])
+def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, bk):
+    """Each kind of tile (multiply-add for one row, tl.dot for several), ragged N and K, with and without bias."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.skinny_linear.naive import Config
+
+    _check_skinny_linear(m, n, k, bias, Config(dot, bn, bk, 4, 2), "cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, bias", [(1, 4608, 3584, True), (8, 3584, 3584, False), (1, 37888, 3584, False),
+                                           (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False)])
+def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias):
+    # the custom op with the measured tiles; bf16 output: one rounding of a float32 sum
+    _check_skinny_linear(m, n, k, bias, None, "cuda", torch.bfloat16, 0.02)
+
+
+def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
+    from runtime.kernels.skinny_linear import kernel_config, linear
+
+    assert kernel_config(17, 3584, 3584) is None  # more rows than one tile
+    assert kernel_config(1, 1536, 8960) is None  # 1.5B's down projection: cuBLAS's split-K wins
+    assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
+    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))  # the CPU takes F.linear

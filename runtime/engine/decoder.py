@@ -21,7 +21,6 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from runtime.engine import layers as L
 from runtime.engine.cache import KeySpan, StaticCache, head_order_of, same_order
@@ -29,6 +28,7 @@ from runtime.engine.crossovers import default_min_context
 from runtime.engine.weights import Weights
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
 from runtime.kernels.rope_cache import rope_and_store as naive_rope_and_store
+from runtime.kernels.skinny_linear import linear
 from runtime.kernels.sparse_attention import naive as naive_attention
 from runtime.kernels.sparse_attention import use_triton
 from runtime.kernels.topk_select import topk_with_recent
@@ -274,7 +274,7 @@ class StaticDecoder:
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
         for i, lw in enumerate(w.layers):
-            q = rope_store(F.linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
+            q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
                            length, lw.q_norm, lw.k_norm, s.eps)  # [B, Hq, D]; the new K/V are in the cache
             window = s.windows[i]
             if self.hybrid and window is not None:

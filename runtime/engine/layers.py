@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from runtime.engine.shape import ModelShape
 from runtime.engine.weights import LayerWeights, Weights
 from runtime.kernels.rope_cache import split_rope
+from runtime.kernels.skinny_linear import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,7 +65,9 @@ def compiled_finish(s: ModelShape):
     warm-up, before its CUDA-graph capture; kept per shape, so later decoders of the same model reuse it.
 
     Inductor's pattern matcher is off: it would fold each residual add into its GEMM as an ``addmm``, which
-    first copies the residual into the output (one more kernel) instead of adding it inside the next norm."""
+    first copies the residual into the output (one more kernel) instead of adding it inside the next norm. The
+    GEMMs of a decode step (up to 16 rows) are :func:`runtime.kernels.skinny_linear.linear`'s custom op, which
+    the compiled graph calls as it is."""
     # dynamic=None: the first batch size compiles static code; a second one recompiles with the batch symbolic,
     # which then serves every batch size (a serving process sees many; the recompile limit is never reached)
     return torch.compile(functools.partial(finish_tensors, s), dynamic=None, fullgraph=True,
@@ -77,7 +80,7 @@ def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin):
 
     ``cos``/``sin`` broadcast against ``[..., 1, D]`` (one row per position); ``sin`` is signed
     (:func:`signed_sin`) so that rotating half of a head is one ``roll``."""
-    return split_rope(F.linear(h, wqkv, bqkv), s.heads, s.kv_heads, cos, sin, q_norm, k_norm, s.eps)
+    return split_rope(linear(h, wqkv, bqkv), s.heads, s.kv_heads, cos, sin, q_norm, k_norm, s.eps)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -90,13 +93,13 @@ def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_ga
                    norm_next):
     """Residual stream after the attention output ``attn [..., Hq D]`` and the MLP, and that stream normed by
     ``norm_next`` (the next layer's input norm or the final norm), so the norm fuses with the residual add."""
-    o = F.linear(attn.to(x.dtype), wo, bo)
+    o = linear(attn.to(x.dtype), wo, bo)
     if norm_attn_out is not None:
         o = rms_norm(o, norm_attn_out, s.eps)
     x = x + o
     h = rms_norm(x, norm_mlp, s.eps)
-    gate, up = F.linear(h, w_gate_up).chunk(2, -1)
-    m = F.linear(activation(gate, s.activation) * up, w_down)
+    gate, up = linear(h, w_gate_up).chunk(2, -1)
+    m = linear(activation(gate, s.activation) * up, w_down)
     if norm_mlp_out is not None:
         m = rms_norm(m, norm_mlp_out, s.eps)
     x = x + m

@@ -240,18 +240,19 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 @triton.jit
 def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, HKV, G, S,
-             SB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """One (sequence, query head): merge its S partials, SB at a time (usually all at once), by an online
-    log-sum-exp (each block rescales what came before)."""
+             SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
+    """One (sequence, query head, DB of its D dims): merge its S partials, SB at a time (usually all at once),
+    by an online log-sum-exp (each block rescales what came before)."""
     pid = tl.program_id(0)
+    part = tl.program_id(1)
     b = pid // (HKV * G)
     h = (pid // G) % HKV
     g = pid % G
-    d = tl.arange(0, D_PAD)
+    d = part * DB + tl.arange(0, DB)
     lse_base = LSE_P + b * s_lb + h * s_lh + g
     m = tl.max(tl.full([SB], float("-inf"), tl.float32), 0)  # 0-d float32 tensors: the loop's carried state
     total = tl.sum(tl.zeros([SB], tl.float32), 0)
-    acc = tl.zeros([D_PAD], tl.float32)
+    acc = tl.zeros([DB], tl.float32)
     for s0 in range(0, S, SB):
         s = s0 + tl.arange(0, SB)
         lse = tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf"))
@@ -266,19 +267,27 @@ def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, H
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(OUT + pid * D + d, out, mask=d < D)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+    if part == 0:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
-def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor,
-                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                     parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``) /
-    ``[B, Hq]`` (float32)."""
+    ``[B, Hq]`` (float32). ``parts``: programs per head, each merging a slice of D (default: by the GPU's size)."""
     b, hkv, splits, g, d = out_p.shape
     out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
     sb = min(128, max(16, triton.next_power_of_2(splits)))  # every partial in one block up to 128 of them
-    _combine[(b * hkv * g,)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
-                             out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
-                             SB=sb, D=d, D_PAD=triton.next_power_of_2(d), num_warps=4 if sb * d <= 4096 else 8)
+    d_pad = triton.next_power_of_2(d)
+    # Few heads (batch 1): split D too, so the merge spreads over more of the GPU than one program per head
+    if parts is None:
+        sms = torch.cuda.get_device_properties(out_p.device).multi_processor_count if out_p.is_cuda else 8
+        parts = max(1, min(4, d_pad // 32, 2 * sms // max(1, b * hkv * g)))
+    parts = 1 << (min(parts, d_pad).bit_length() - 1)  # a power of two that divides d_pad
+    db = d_pad // parts
+    _combine[(b * hkv * g, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
+                                   out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
+                                   SB=sb, D=d, DB=db, num_warps=4 if sb * db <= 4096 else 8)
     return out, lse

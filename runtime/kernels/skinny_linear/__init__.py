@@ -1,0 +1,41 @@
+"""Linear layers of a decode step: a few rows against a large weight, read once at memory speed.
+
+``linear(x, weight, bias=None) -> y``
+
+============  ====================  ==========================================================
+``x``         ``[..., K]``          the activations; a decode step has 1–16 rows
+``weight``    ``[N, K]``            row-major, as ``torch.nn.Linear`` keeps it
+``bias``      ``[N]`` or None
+``y``         ``[..., N]``          ``x``'s dtype, accumulated in float32 and rounded once
+============  ====================  ==========================================================
+
+A decode step's GEMMs are matrix-vector products whose time is the weight's bytes over the memory bandwidth.
+cuBLAS reaches 53–92 % of the copy bandwidth on a 7B model's projections at one row (its split-K variants add
+a reduction kernel); the Triton kernel in ``triton.py`` — one program per ``BN`` output features streaming the
+whole of ``K``, no split — reaches 70–102 % (H200, bf16; ``benchmarks/kernels.py --linear``). :func:`linear` takes
+it on CUDA for up to :data:`MAX_ROWS` rows and for the shapes where it measured faster, and ``F.linear``
+everywhere else (the CPU, the prefill, and the narrow long projections of small models, where cuBLAS's split-K
+wins). ``naive.py`` is the reference. The kernel is a ``torch.library`` custom op, so ``torch.compile`` keeps
+it inside a compiled graph and CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels.skinny_linear.naive import MAX_ROWS, kernel_config, skinny_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.is_cuda and 0 < rows <= MAX_ROWS and kernel_config(rows, *weight.shape) is not None:
+        from runtime.kernels.skinny_linear import triton  # noqa: F401  (registers torch.ops.rolecall.skinny_linear)
+
+        y = torch.ops.rolecall.skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["MAX_ROWS", "kernel_config", "linear", "skinny_linear"]

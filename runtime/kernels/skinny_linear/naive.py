@@ -1,0 +1,43 @@
+"""Reference of :mod:`runtime.kernels.skinny_linear`, and the rule that picks the GPU kernel's tiles."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 16  # the kernel pads the rows to one 16-row tensor-core tile
+
+
+class Config(NamedTuple):
+    dot: bool  # rows through tl.dot (padded to 16) instead of a float32 multiply-add
+    block_n: int  # output features per program
+    block_k: int  # weight columns per tile
+    warps: int
+    stages: int
+
+
+def kernel_config(rows: int, n: int, k: int) -> Config | None:
+    """The Triton kernel's tiles for ``rows × [N, K]``, or None where cuBLAS measured as fast or faster.
+
+    From ``benchmarks/kernels.py --linear`` on an H200 (bf16, DS-Qwen-7B and 1.5B projections, weights streamed
+    from HBM as in a decode step). One row: a float32 multiply-add over 512-column tiles, 8 features a program
+    (32 over 256 columns for a wide projection such as gate/up, N ≥ 8 K) — 7B: q/k/v 10.5 µs against cuBLAS's
+    11.7, o 8.8 / 11.6, gate/up 64.1 / 70.9. Several rows: ``tl.dot`` over 32 features × 512 columns, taken for
+    N ≤ K only (7B o 9.4 / 11.5 µs at 8 rows, down 36.1 / 39.1); wider projections measured no faster. A long
+    narrow projection (K ≥ 4 N) over fewer than 2048 features has too few programs to stream its weight, and
+    cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs)."""
+    if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
+        return None
+    if k >= 4 * n:  # long and narrow (7B's down projection)
+        return Config(True, 32, 512, 4, 4)
+    if rows == 1:
+        return Config(False, 32, 256, 8, 3) if n >= 8 * k else Config(False, 8, 512, 8, 2)
+    return Config(True, 32, 512, 4, 4) if n <= k else None
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` accumulated in float32 and rounded once to ``x``'s dtype."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
