@@ -281,6 +281,7 @@ def real_model(args: argparse.Namespace) -> dict:
              if tok.chat_template else p for p in REAL_PROMPTS]
     encoded = [tok(c, add_special_tokens=not tok.chat_template)["input_ids"] for c in chats]
     n = args.real_new
+    name = Path(args.real).name if Path(args.real).exists() else args.real  # no machine's paths in the results
     rows = []
     for batch in (1, 16):
         prompts = [encoded[i % len(encoded)] for i in range(batch)]
@@ -292,13 +293,13 @@ def real_model(args: argparse.Namespace) -> dict:
         with attach(model, None, "full") as session:
             ours_s = wall(lambda c=common, s=session: s.generate(**c, eos_token_id=-1), args.real_reps)
             last = session.last
-        row = {"model": args.real, "batch": batch, "new_tokens": n, "prompt_tokens_max": width,
+        row = {"model": name, "batch": batch, "new_tokens": n, "prompt_tokens_max": width,
                "transformers_generate_s": hf_s, "transformers_tokens_per_s": batch * n / hf_s,
                "rolecall_generate_s": ours_s, "rolecall_tokens_per_s": batch * n / ours_s,
                "rolecall_decode_only_tokens_per_s": batch * last.steps / last.decode_s,
                "speedup": hf_s / ours_s, "engine": last.info}
         rows.append(row)
-        print(f"real {args.real} B={batch}: transformers generate {row['transformers_tokens_per_s']:.0f} tok/s, "
+        print(f"real {name} B={batch}: transformers generate {row['transformers_tokens_per_s']:.0f} tok/s, "
               f"rolecall {row['rolecall_tokens_per_s']:.0f} tok/s ({row['speedup']:.2f}×; decode steps alone "
               f"{row['rolecall_decode_only_tokens_per_s']:.0f} tok/s)", flush=True)
     # prefill: the engine's chunked prefill against one transformers forward (SDPA causal attention)
@@ -316,7 +317,7 @@ def real_model(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         hf_s = wall(lambda: model(ids, use_cache=False, logits_to_keep=1), args.real_reps)
     ours_s = wall(ours, args.real_reps)
-    prefill = {"model": args.real, "prompt_tokens": p, "transformers_sdpa_tokens_per_s": p / hf_s,
+    prefill = {"model": name, "prompt_tokens": p, "transformers_sdpa_tokens_per_s": p / hf_s,
                "rolecall_tokens_per_s": p / ours_s, "ratio": hf_s / ours_s}
     print(f"prefill {p} tokens: transformers (SDPA) {prefill['transformers_sdpa_tokens_per_s']:.0f} tok/s, "
           f"rolecall {prefill['rolecall_tokens_per_s']:.0f} tok/s", flush=True)
@@ -451,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s['byte_limit_fraction_delta']:.0f} % of the byte bound)")
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
               "copy_bandwidth_Bps": bandwidth, "cuda_graphs": bench.graphs,
-              "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "args": {k: (Path(v).name if k in ("real", "profile") and v and Path(v).exists() else v)
+                       for k, v in vars(args).items() if k != "out"},
               "shapes": {m: vars(s) for m, s in shapes.items()}, "rows": rows, "crossovers": cross,
               "delta_setting": setting, "real": real}
     write_text(out, json.dumps(report, indent=2, default=str) + "\n")

@@ -30,7 +30,7 @@ from runtime.kernels.skinny_linear.naive import MAX_ROWS, kernel_config, skinny_
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.is_cuda and 0 < rows <= MAX_ROWS and kernel_config(rows, *weight.shape) is not None:
+    if x.is_cuda and 0 < rows <= MAX_ROWS and kernel_config(rows, *weight.shape, x.element_size()) is not None:
         from runtime.kernels.skinny_linear import triton  # noqa: F401  (registers torch.ops.rolecall.skinny_linear)
 
         y = torch.ops.rolecall.skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias)

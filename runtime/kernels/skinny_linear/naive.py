@@ -18,7 +18,7 @@ class Config(NamedTuple):
     stages: int
 
 
-def kernel_config(rows: int, n: int, k: int) -> Config | None:
+def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None:
     """The Triton kernel's tiles for ``rows × [N, K]``, or None where cuBLAS measured as fast or faster.
 
     From ``benchmarks/kernels.py --linear`` on an H200 (bf16, DS-Qwen-7B and 1.5B projections, weights streamed
@@ -27,14 +27,16 @@ def kernel_config(rows: int, n: int, k: int) -> Config | None:
     11.7, o 8.8 / 11.6, gate/up 64.1 / 70.9. Several rows: ``tl.dot`` over 32 features × 512 columns, taken for
     N ≤ K only (7B o 9.4 / 11.5 µs at 8 rows, down 36.1 / 39.1); wider projections measured no faster. A long
     narrow projection (K ≥ 4 N) over fewer than 2048 features has too few programs to stream its weight, and
-    cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs)."""
+    cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs). ``tl.dot`` tiles of a 4-byte dtype take half the
+    columns, so their pipeline stages fit in shared memory."""
     if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
         return None
+    dot = Config(True, 32, 1024 // itemsize, 4, 4)
     if k >= 4 * n:  # long and narrow (7B's down projection)
-        return Config(True, 32, 512, 4, 4)
+        return dot
     if rows == 1:
         return Config(False, 32, 256, 8, 3) if n >= 8 * k else Config(False, 8, 512, 8, 2)
-    return Config(True, 32, 512, 4, 4) if n <= k else None
+    return dot if n <= k else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
