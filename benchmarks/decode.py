@@ -75,24 +75,31 @@ def spread_heads(layers: int, kv_heads: int, count: int, seed: int = 0) -> torch
     return torch.arange(kv_heads)[None, :] < per_layer[:, None]
 
 
+def delta_manifest(shape: ModelShape) -> RoleManifest:
+    """DELTA's roles for ``shape``: layers 0–1 full, three Δ-layers (2, 14, 22 for 28 layers), the rest sparse."""
+    identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
+    selection = (2, 14, 22) if shape.layers > 22 else tuple(range(2, shape.layers, 2))[:3]
+    roles = [0 if i < 2 else 1 if i in selection else 2 for i in range(shape.layers)]
+    return RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
+
+
 def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int):
     """A bound runtime policy on a manifest made for ``shape`` (DELTA's Δ-layers for 7B; spread heads)."""
     identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
     if name == "full":
         policy, manifest = get_policy("full"), None
     elif name == "delta":
-        selection = (2, 14, 22) if shape.layers > 22 else tuple(range(2, shape.layers, 2))[:3]
-        roles = [0 if i < 2 else 1 if i in selection else 2 for i in range(shape.layers)]
-        policy = get_policy("delta", budget=budget, page_size=16, recent_pages=8)
-        manifest = RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
+        policy, manifest = get_policy("delta", budget=budget, page_size=16, recent_pages=8), delta_manifest(shape)
     elif name == "lychee":
         heads = spread_heads(shape.layers, shape.kv_heads, retrieval_heads).to(torch.int8)
         policy = get_policy("lychee", budget=budget, block_size=16)
         manifest = RoleManifest(identity, head_role=heads)
     elif name == "quest":  # the baseline: per-page key bounds, selection in every layer from the third
         policy, manifest = get_policy("quest", budget=budget, page_size=16), None
+    elif name == "vattention":  # DELTA + vAttention: the Δ-layers' scores rank heavy hitters, samples up to budget
+        policy, manifest = get_policy("vattention", max_sample=budget), delta_manifest(shape)
     else:
-        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, quest")
+        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, quest, vattention")
     policy.bind(manifest, _config(shape))
     return policy
 
@@ -362,7 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
     p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8])
-    p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, lychee, quest")
+    p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, lychee, quest, "
+                   "vattention (on DELTA's roles, samples up to the budget)")
     p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")

@@ -57,7 +57,8 @@ MAPPING = {
     "lethe": "budget = mean slots per layer, shared out over layers in proportion to the manifest's layers.budget "
              "(uniform without --lethe); memory stops growing there",
     "vattention": "deterministic set of 4 sinks + window budget/4 + heavy hitters budget/2 per KV head, then the "
-                  "CLT sample that ε, δ need on top (not capped: its reads are the 'read' column)",
+                  "CLT sample that ε, δ need on top, at most budget tokens (max_sample: the engine's fixed shape; "
+                  "its reads are the 'read' column)",
     "quest": "K = ceil(budget / 16) pages per KV head by the min/max key bound, the current page included; layers "
              "0 and 1 dense",
 }
@@ -72,7 +73,7 @@ def policy_params(policy: str, budget: int, args: argparse.Namespace) -> dict[st
         return {"budget": budget}
     if policy == "vattention":
         return {"epsilon": args.vattention_epsilon, "delta": args.vattention_delta, "sinks": 4, "window": budget // 4,
-                "heavy": budget // 2}
+                "heavy": budget // 2, "max_sample": budget}
     if policy == "quest":
         return {"budget": budget, "page_size": PAGE}
     return {}

@@ -20,11 +20,14 @@ from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
-POLICIES = ["full", "delta", "delta-per-head", "lychee", "quest"]
+POLICIES = ["full", "delta", "delta-per-head", "lychee", "quest", "vattention", "vattention-delta"]
 # Parameters with which the sparse policies really drop tokens at ~90-token contexts.
 PARAMS = {"full": {}, "delta": {"budget": 32, "recent_pages": 1}, "lychee": {"budget": 32, "block_size": 16},
           "quest": {"budget": 32, "page_size": 16, "dense_layers": 1},
-          "delta-per-head": {"budget": 32, "recent_pages": 1, "per_head": True}}
+          "delta-per-head": {"budget": 32, "recent_pages": 1, "per_head": True},
+          "vattention": {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8, "max_sample": 24},
+          "vattention-delta": {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8,
+                               "max_sample": 24}}
 PAD = 259
 NEW = 12
 LENGTHS = (90, 70, 81)
@@ -41,7 +44,7 @@ def model_of(family: str, seed: int = 0) -> torch.nn.Module:
 def manifest_of(model, policy: str) -> RoleManifest | None:
     identity = ModelIdentity.from_config(model.config)
     layers = model.config.num_hidden_layers
-    if policy.startswith("delta"):  # Gemma 3: only the full layers 2 (Δ) and 5 (sparse) count; sliding roles are ignored
+    if "delta" in policy:  # Gemma 3: only the full layers 2 (Δ) and 5 (sparse) count; sliding roles are ignored
         roles = [0, 0, 1, 0, 0, 2] if layers == 6 else [0, 1, 2, 2]
         return RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
     if policy == "lychee":
@@ -577,7 +580,7 @@ def test_auto_runs_the_reference_path_on_cpu_and_static_the_engine():
     lychee = manifest_of(model, "lychee")
     with attach(model, lychee, "lychee", engine="static", ratio=0.5) as s, pytest.raises(PolicyError, match="ratio"):
         s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-    with attach(model, None, "vattention", engine="static") as s, pytest.raises(PolicyError, match="no static step"):
+    with attach(model, None, "vattention", engine="static") as s, pytest.raises(PolicyError, match="max_sample"):
         s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     with attach(model, None, "vattention", engine="auto") as s:  # auto falls back instead
         s.generate(input_ids=ids, attention_mask=mask, **dict(GREEDY, max_new_tokens=2))

@@ -111,7 +111,11 @@ def test_triton_calls_in_the_interpreter():
             ids = torch.randint(0, 256, (batch, 42), generator=torch.Generator().manual_seed(0))
             pads = [0, 5] + [3] * (batch - 2)
             quest = get_policy("quest", budget=16, page_size=16, dense_layers=1)
-            for p in (delta, per_head, lychee, quest):
+            vatt = get_policy("vattention", epsilon=0.3, delta=0.3, sinks=2, window=4, heavy=4, pilot=4, max_sample=8)
+            combined = get_policy("vattention", epsilon=0.3, delta=0.3, sinks=2, window=4, heavy=4, pilot=4,
+                                  max_sample=8)
+            combined.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
+            for p in (delta, per_head, lychee, quest, vatt, combined):
                 check_kernels(weights, p, ids, pads, family)
 
 
@@ -155,7 +159,7 @@ def gpu_decoders(name, kernels="auto", min_context=0, batch=3, max_len=3000, sta
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["full", "delta", "lychee", "quest"])
+@pytest.mark.parametrize("name", ["full", "delta", "lychee", "quest", "vattention"])
 def test_graph_replay_equals_eager_step_on_gpu(name):
     eager, graphed = gpu_decoders(name)
     graphed.capture()

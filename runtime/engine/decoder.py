@@ -196,13 +196,16 @@ class StaticDecoder:
         return {"key_span": (span.first, span.last)} if self.triton else {"key_mask": span.as_mask(slots)}
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
-               indices: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
-        """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot), float32 from
-        the references, the model's dtype from the GPU kernels."""
+               indices: torch.Tensor | None = None, block_size: int = 1, log_weights: torch.Tensor | None = None,
+               with_lse: bool = False) -> Any:
+        """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot; ``log_weights``
+        added to each entry's logits), float32 from the references, the model's dtype from the GPU kernels;
+        with ``with_lse`` also each head's log-sum-exp ``[B, Hq]``."""
         impl = self._sparse_triton if self.triton else naive_attention
-        out, _ = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
-                                              block_size=block_size, **self.keys(span, k.shape[2]), **self._out)
-        return out
+        out, lse = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
+                                                block_size=block_size, log_weights=log_weights,
+                                                **self.keys(span, k.shape[2]), **self._out)
+        return (out, lse) if with_lse else out
 
     def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                          block_size: int, per_kv_head: bool) -> tuple[torch.Tensor, torch.Tensor]:

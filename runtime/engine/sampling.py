@@ -38,7 +38,7 @@ class Sampling:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash on int64 tensors holding values < 2**32 (products stay below 2**63)."""
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & M32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & M32
@@ -47,9 +47,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(seed: int, step: torch.Tensor, rows: int, vocab: int, device) -> torch.Tensor:
     """Uniforms in (0, 1) ``[rows, vocab]`` from the hash of (seed, step, row, token id)."""
-    h = _mix((step.long() * 0x2545F491 + seed) & M32)  # step: a device scalar
-    h = _mix(h ^ (torch.arange(rows, device=device, dtype=torch.long)[:, None] * 0x9E3779B))
-    h = _mix(h ^ torch.arange(vocab, device=device, dtype=torch.long)[None, :])
+    h = mix32((step.long() * 0x2545F491 + seed) & M32)  # step: a device scalar
+    h = mix32(h ^ (torch.arange(rows, device=device, dtype=torch.long)[:, None] * 0x9E3779B))
+    h = mix32(h ^ torch.arange(vocab, device=device, dtype=torch.long)[None, :])
     return (h.double() + 0.5) / 4294967296.0
 
 

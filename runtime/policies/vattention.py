@@ -13,7 +13,13 @@ relative error ``2η / (1 − η) = ε``; each bound fails with probability ≤ 
 heads of a KV head, so ``b`` is the max over them.
 
 Heavy hitters use exact scores; with a DELTA manifest (``layers.role``) full layers stay dense, Δ-layers
-publish ``max_h p_h[t]`` and the sparse layers after them rank heavy hitters by it.
+publish ``max_h p_h[t]`` and the sparse layers after them rank heavy hitters by it (DELTA + vAttention).
+
+The shift of the softmax cancels in ``b``; both paths take the deterministic set's own log-sum-exp, so the
+statistics are those of an attention pass over that set plus the pilot's logits. Draws come from a hash of
+``(seed, tokens so far, layer, row, KV head, slot)`` (:func:`token_uniforms`), so the transformers path, the
+engine's graph-captured step and any device draw the same sample. ``max_sample`` caps ``b`` (then the bound
+is no longer guaranteed where the cap binds); the engine needs it, since its shapes are fixed.
 """
 
 from __future__ import annotations
@@ -24,9 +30,45 @@ from typing import Any, ClassVar
 
 import torch
 
+from runtime.engine.sampling import M32, mix32
 from runtime.kernels.topk_select import mask_to_indices
-from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT
+from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from runtime.policies import Plan, PolicyError, Step, positive
+
+PILOT, SAMPLE = 0, 1  # the two draws of a step: the pilot and the sample
+
+
+def token_uniforms(seed: int, stream: int, tokens: torch.Tensor | int, layer: int, shape: tuple[int, int, int],
+                   device: Any) -> torch.Tensor:
+    """Uniforms in (0, 1) ``[B, Hkv, T]`` from a hash of (seed, stream, tokens so far, layer, row, KV head, slot);
+    ``tokens`` may be a device scalar (the engine's length)."""
+    b, hkv, t = shape
+    h = mix32((torch.as_tensor(tokens, device=device).long() * 0x2545F491 + seed) & M32)
+    h = mix32(h ^ ((layer * 0x9E3779B + stream * 0x632BE5AB) & M32))
+    h = mix32(h ^ (torch.arange(b, device=device, dtype=torch.long)[:, None, None] * 0x85EBCA6B & M32))
+    h = mix32(h ^ (torch.arange(hkv, device=device, dtype=torch.long)[None, :, None] * 0xC2B2AE35 & M32))
+    h = mix32(h ^ torch.arange(t, device=device, dtype=torch.long)[None, None, :])
+    return (h.float() + 0.5) / 4294967296.0
+
+
+def draw(uniforms: torch.Tensor, pool: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` slots drawn uniformly without replacement from ``pool`` ``[B, Hkv, T]`` (the smallest
+    uniforms), and whether each draw exists (rows with fewer than ``count`` members)."""
+    keys = uniforms.masked_fill(~pool, 2.0)
+    drawn = keys.topk(min(count, pool.shape[-1]), dim=-1, largest=False)
+    return drawn.indices, drawn.values < 2.0
+
+
+def deterministic_set(valid: torch.Tensor, heavy_scores: torch.Tensor, first: torch.Tensor, last: torch.Tensor | int,
+                      sinks: int, window: int, heavy: int) -> torch.Tensor:
+    """``[B, Hkv, T]`` bool: the ``sinks`` first valid slots (from ``first [B]``), the slots of the last
+    ``window`` tokens (up to ``last``) and the ``heavy`` valid others of highest ``heavy_scores``."""
+    slot = torch.arange(valid.shape[-1], device=valid.device)
+    fixed = valid & ((slot < (first[:, None, None] + sinks)) | (slot > last - window))
+    if heavy:
+        ranked = heavy_scores.masked_fill(fixed | ~valid, float("-inf")).topk(min(heavy, valid.shape[-1]), dim=-1)
+        fixed = fixed | torch.zeros_like(fixed).scatter(-1, ranked.indices, ranked.values > float("-inf"))
+    return fixed
 
 
 @dataclass
@@ -34,9 +76,10 @@ class VAttention:
     epsilon: float = 0.05  # target relative error of each head's output
     delta: float = 0.05  # allowed failure probability
     sinks: int = 4
-    window: int = 64
+    window: int = 64  # ≥ 1: the new token is always read
     heavy: int = 64  # top-k heavy hitters per KV head
     pilot: int = 64  # pilot sample that estimates the residual's spread
+    max_sample: int | None = None  # cap on the sample per KV head (None: the bound's size; the engine needs one)
     seed: int = 0
     name: ClassVar[str] = "vattention"
 
@@ -45,36 +88,28 @@ class VAttention:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not 0 < value < 1:
                 raise PolicyError(f"policy 'vattention': {key} must be in (0, 1), got {value!r}")
-        for key in ("sinks", "window", "heavy"):
+        for key in ("sinks", "heavy"):
             positive(key, getattr(self, key), allow_zero=True, policy=self.name)
+        if not isinstance(self.window, int) or self.window < 1:
+            raise PolicyError(f"policy 'vattention': window must be an integer ≥ 1 (the new token is always read), "
+                              f"got {self.window!r}")
         if not isinstance(self.pilot, int) or self.pilot < 2:
             raise PolicyError(f"policy 'vattention': pilot must be an integer ≥ 2, got {self.pilot!r}")
+        if self.max_sample is not None and (not isinstance(self.max_sample, int) or self.max_sample < 1):
+            raise PolicyError(f"policy 'vattention': max_sample must be a positive integer or None, got "
+                              f"{self.max_sample!r}")
         self.z = float(torch.special.ndtri(torch.tensor(1 - self.delta / 4, dtype=torch.float64)))
         self.eta = self.epsilon / (2 + self.epsilon)
         self.roles: list[int] | None = None
-        self._generators: dict[str, torch.Generator] = {}
 
     def bind(self, manifest: Any, config: Any) -> None:
         self.roles = manifest.layer_role.tolist() if manifest is not None and manifest.layer_role is not None else None
 
-    def reset(self) -> None:
-        self._generators.clear()  # same seed, same samples, for every request
-
-    def _rand(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        gen = self._generators.get(str(device))
-        if gen is None:
-            gen = self._generators[str(device)] = torch.Generator(device=device).manual_seed(self.seed)
-        return torch.rand(shape, generator=gen, device=device)
-
-    def _uniform(self, pool: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``count`` ids drawn uniformly without replacement from ``pool`` ``[B, Hkv, T]`` per row, in random
-        order, and whether each draw exists (rows with fewer than ``count`` members)."""
-        keys = self._rand(pool.shape, pool.device).masked_fill(~pool, 2.0)
-        drawn = keys.topk(min(count, pool.shape[-1]), dim=-1, largest=False)
-        return drawn.indices, drawn.values < 2.0
+    def role(self, layer: int) -> int | None:
+        return self.roles[layer] if self.roles is not None else None
 
     def plan(self, step: Step) -> Plan:
-        role = self.roles[step.layer] if self.roles is not None else None
+        role = self.role(step.layer)
         if role == LAYER_ROLE_FULL:
             return Plan()
         b, hkv, t, d = step.key.shape
@@ -86,57 +121,125 @@ class VAttention:
         probs = torch.softmax(scores, dim=-1)
         if role == LAYER_ROLE_SELECT:
             step.scratch["vattention.scores"] = probs.amax(dim=(1, 2))  # [B, T]
-        inherited = step.scratch.get("vattention.scores") if role is not None and role != LAYER_ROLE_SELECT else None
-        heavy_scores = inherited[:, None, :].expand(b, hkv, t) if inherited is not None else probs.amax(2)
-
-        # Deterministic set: sinks, local window, heavy hitters.
-        position = torch.arange(t, device=step.key.device)
-        fixed = valid & ((valid.cumsum(-1) <= self.sinks) | (position >= t - self.window))
-        if self.heavy:
-            ranked = heavy_scores.masked_fill(fixed | ~valid, float("-inf")).topk(min(self.heavy, t), dim=-1)
-            fixed = fixed.scatter(-1, ranked.indices, ranked.values > float("-inf")) | fixed
+        if role == LAYER_ROLE_SPARSE:
+            heavy_scores = step.scratch["vattention.scores"][:, None, :].expand(b, hkv, t)
+        else:
+            heavy_scores = probs.amax(2)
+        first = step.keep.float().argmax(-1)  # the first valid slot of each row
+        fixed = deterministic_set(valid, heavy_scores, first, t - 1, self.sinks, self.window, self.heavy)
+        masked = scores.masked_fill(~fixed[:, :, None, :], float("-inf"))
+        lse = torch.logsumexp(masked, -1)  # [B, Hkv, G]
+        out = torch.einsum("bhgt,bhtd->bhgd", torch.exp(masked - lse[..., None]), step.value.float())
         residual = valid & ~fixed
+        pilot, exists = draw(token_uniforms(self.seed, PILOT, t, step.layer, residual.shape, residual.device),
+                             residual, self.pilot)
+        logits = scores.gather(-1, pilot[:, :, None, :].expand(b, hkv, g, pilot.shape[-1]))  # [B, Hkv, G, p]
+        values = step.value.float().gather(2, pilot[..., None].expand(*pilot.shape, d))  # [B, Hkv, p, D]
         n_r = residual.sum(-1)  # [B, Hkv]
-        sample_size = self._sample_size(scores, step.value.float(), fixed, residual, n_r)  # [B, Hkv]
-        exact = sample_size >= n_r
-        fixed = fixed | (residual & exact[..., None])
-        fixed_ids = mask_to_indices(fixed)
-        most = int(torch.where(exact, 0, sample_size).max()) if n_r.numel() else 0
-        if most == 0:
+        size = self._sample_size(logits - lse[..., None], values, exists, out, n_r)
+        width = int(size.max()) if size.numel() else 0
+        return self._with_sample(mask_to_indices(fixed), residual, size, width, t, step.layer)
+
+    def _with_sample(self, fixed_ids: torch.Tensor, residual: torch.Tensor, size: torch.Tensor, width: int,
+                     tokens: Any, layer: int) -> Plan:
+        """The plan: the deterministic set at weight 1, then ``size`` of the residual's slots (drawn in
+        ``width`` places) at weight ``n_r / size``."""
+        if width == 0:
             return Plan(indices=fixed_ids, info={"sampled": 0})
-        drawn, exists = self._uniform(residual & ~exact[..., None], most)
-        take = exists & (torch.arange(most, device=drawn.device) < sample_size[..., None])
-        weight = torch.log(n_r.float() / sample_size.clamp_min(1).float())[..., None].expand_as(drawn)
+        n_r = residual.sum(-1)
+        drawn, exists = draw(token_uniforms(self.seed, SAMPLE, tokens, layer, residual.shape, residual.device),
+                             residual, width)
+        take = exists & (torch.arange(drawn.shape[-1], device=drawn.device) < size[..., None])
+        weight = torch.log(n_r.float() / size.clamp_min(1).float())[..., None].expand_as(drawn)
         indices = torch.cat([fixed_ids, torch.where(take, drawn, -1)], dim=-1)
         log_weights = torch.cat([torch.zeros(fixed_ids.shape, device=weight.device), torch.where(take, weight, 0.0)], -1)
-        return Plan(indices=indices, log_weights=log_weights, info={"sampled": int(take.sum())})
+        return Plan(indices=indices, log_weights=log_weights, info={"sampled": take.sum()})
 
-    def _sample_size(self, scores: torch.Tensor, value: torch.Tensor, fixed: torch.Tensor, residual: torch.Tensor,
+    def _sample_size(self, logits: torch.Tensor, values: torch.Tensor, exists: torch.Tensor, fixed_out: torch.Tensor,
                      n_r: torch.Tensor) -> torch.Tensor:
-        """The CLT sample size per (batch, KV head) from a pilot sample of the residual."""
-        b, hkv, g, t = scores.shape
-        exp = torch.exp(scores - scores.amax(-1, keepdim=True))  # [B, Hkv, G, T]; the shift cancels in b
-        exp = torch.nan_to_num(exp, nan=0.0)
-        d_fixed = (exp * fixed[:, :, None]).sum(-1)  # [B, Hkv, G]
-        n_fixed = torch.einsum("bhgt,bhtd->bhgd", exp * fixed[:, :, None], value)  # [B, Hkv, G, D]
-        pilot, exists = self._uniform(residual, self.pilot)  # [B, Hkv, p]
-        count = exists.sum(-1).clamp_min(2).float()  # [B, Hkv]
+        """Residual slots to sample per (row, KV head), from a pilot sample: ``logits [B, Hkv, G, p]`` of the
+        pilot's slots less the deterministic set's log-sum-exp, their ``values [B, Hkv, p, D]``, ``exists
+        [B, Hkv, p]``, the deterministic set's output ``fixed_out [B, Hkv, G, D]`` and the residual's size
+        ``n_r [B, Hkv]``. At most ``n_r`` (then the residual is read whole, at weight 1) and ``max_sample``."""
         w = exists[:, :, None, :].float()
-        e = exp.gather(-1, pilot[:, :, None, :].expand(b, hkv, g, pilot.shape[-1])) * w  # [B, Hkv, G, p]
-        v = value.gather(2, pilot[..., None].expand(*pilot.shape, value.shape[-1]))  # [B, Hkv, p, D]
-        x = e[..., None] * v[:, :, None]  # [B, Hkv, G, p, D]
-        c = count[:, :, None]
+        e = torch.exp(logits) * w  # [B, Hkv, G, p]; the deterministic set's denominator is 1 at this shift
+        x = e[..., None] * values[:, :, None]  # [B, Hkv, G, p, D]
+        c = exists.sum(-1).clamp_min(2).float()[:, :, None]  # [B, Hkv, 1]
         mean_e = e.sum(-1) / c
         var_e = ((e - mean_e[..., None]) ** 2 * w).sum(-1) / (c - 1)
         mean_x = x.sum(-2) / c[..., None]
         var_x = (((x - mean_x[..., None, :]) ** 2) * w[..., None]).sum((-2, -1)) / (c - 1)  # tr Σ_N
         nr = n_r[:, :, None].float()
-        d_est = d_fixed + nr * mean_e
-        n_est = (n_fixed + nr[..., None] * mean_x).norm(dim=-1)
+        d_est = 1 + nr * mean_e
+        n_est = (fixed_out + nr[..., None] * mean_x).norm(dim=-1)
         b_d = (self.z * nr * var_e.sqrt() / (self.eta * d_est).clamp_min(1e-30)) ** 2
         b_n = (self.z * nr * var_x.sqrt() / (self.eta * n_est).clamp_min(1e-30)) ** 2
-        need = torch.maximum(b_d, b_n).amax(-1)  # [B, Hkv]
-        need = torch.nan_to_num(need, nan=math.inf, posinf=math.inf).clamp(max=float(t))
+        need = torch.nan_to_num(torch.maximum(b_d, b_n).amax(-1), nan=math.inf, posinf=math.inf)  # [B, Hkv]
+        need = need.clamp(max=float(M32)).ceil().clamp_min(1).long()
         # A residual no larger than the pilot is read whole: the pilot already cost that much.
-        need = torch.where(n_r <= self.pilot, n_r.float(), need.ceil().clamp_min(1))
-        return need.long()
+        need = torch.where(n_r <= self.pilot, n_r, torch.minimum(need, n_r))
+        return need.clamp(max=self.max_sample) if self.max_sample is not None else need
+
+    def static_step(self, shape: Any) -> VAttentionStep:
+        if self.max_sample is None:
+            raise NotImplementedError("policy 'vattention' without max_sample draws a sample whose size changes per "
+                                      "step; the engine runs max_sample=N")
+        if self.roles is not None and len(self.roles) != shape.layers:
+            raise PolicyError(f"policy 'vattention' holds {len(self.roles)} layer roles for a {shape.layers}-layer "
+                              "model; bind it to a manifest of this model first")
+        return VAttentionStep(self)
+
+
+@dataclass
+class VAttentionStep:
+    """The engine's step, with the reference's arithmetic on fixed shapes: a layer that ranks heavy hitters by
+    its own scores reads every key once for them (the dense pass that keeps its logits; a Δ-layer publishes
+    their max over all heads), a sparse layer of a DELTA manifest takes the published ones; then one
+    attention pass over the deterministic set gives the statistics' shift and ``N``, the pilot's logits come
+    from its gathered keys, and the final pass reads the deterministic set and ``max_sample`` draws, masked to
+    the bound's size, weighted through the kernel's log-weights."""
+
+    policy: VAttention
+    head_order: ClassVar[None] = None
+    sparse: ClassVar[bool] = True
+    block_sizes: ClassVar[tuple[int, ...]] = (1,)
+
+    def reads(self, shape: Any, context: int) -> float:
+        """Mean tokens read per (layer, KV head): every key for the scores where a layer ranks by its own, then
+        the deterministic set and the largest sample (the values of a sparse read)."""
+        p = self.policy
+        sparse = min(context, p.sinks + p.window + p.heavy + p.pilot + p.max_sample)
+        per_layer = [context if p.role(i) == LAYER_ROLE_FULL else
+                     sparse if p.role(i) == LAYER_ROLE_SPARSE else context + sparse for i in range(shape.layers)]
+        return sum(per_layer) / len(per_layer)
+
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
+        p = self.policy
+        role = p.role(layer)
+        if role == LAYER_ROLE_FULL:
+            return dec.attend(q, k, v, span)
+        b, hkv, t, d = k.shape
+        g = q.shape[1] // hkv
+        slot = torch.arange(t, device=k.device)
+        valid = ((slot >= span.first[:, None]) & (slot <= span.last))[:, None, :].expand(b, hkv, t)
+        if role == LAYER_ROLE_SPARSE:
+            heavy_scores = state["vattention.scores"][:, None, :].expand(b, hkv, t)
+        else:
+            _, heavy_scores = dec.attend_and_score(q, k, v, span, 1, per_kv_head=True)  # [B, Hkv, T]
+            if role == LAYER_ROLE_SELECT:
+                state["vattention.scores"] = heavy_scores.amax(1)
+        fixed = deterministic_set(valid, heavy_scores, span.first, span.last, p.sinks, p.window, p.heavy)
+        fixed_ids = mask_to_indices(fixed, min(t, p.sinks + p.window + p.heavy))
+        out, lse = dec.attend(q, k, v, span, fixed_ids, 1, with_lse=True)  # [B, Hq, D], [B, Hq]
+        residual = valid & ~fixed
+        tokens = span.last + 1
+        pilot, exists = draw(token_uniforms(p.seed, PILOT, tokens, layer, residual.shape, k.device), residual,
+                             p.pilot)  # [B, Hkv, p]
+        index = pilot[..., None].expand(*pilot.shape, d)
+        keys, values = k.gather(2, index).float(), v.gather(2, index).float()  # [B, Hkv, p, D]
+        logits = torch.einsum("bhgd,bhpd->bhgp", q.float().view(b, hkv, g, d), keys) * dec.shape.attention_scale
+        lse = lse.view(b, hkv, g)
+        size = p._sample_size(logits - lse[..., None], values, exists, out.float().view(b, hkv, g, d),
+                              residual.sum(-1))
+        plan = p._with_sample(fixed_ids, residual, size, min(t, p.max_sample), tokens, layer)
+        return dec.attend(q, k, v, span, plan.indices, 1, log_weights=plan.log_weights)
