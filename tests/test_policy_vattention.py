@@ -106,3 +106,58 @@ def test_heavy_hitters_follow_the_nearest_delta_layer():
     for h in range(hkv):
         where = (plan.indices[0, h] == 123).nonzero().flatten()
         assert where.numel() == 1 and float(plan.log_weights[0, h, where]) == 0.0  # deterministic, weight 1
+
+
+def test_residual_slots_enumerate_the_free_slots_by_rank():
+    """Brute force: the rank-th valid slot not in the deterministic set, for random sets with -1 padding."""
+    from runtime.policies.vattention import residual_slots
+
+    g = torch.Generator().manual_seed(1)
+    b, hkv, t = 3, 2, 50
+    first = torch.tensor([0, 7, 20])
+    fixed = torch.full((b, hkv, 9), -1)
+    for i in range(b):
+        for h in range(hkv):
+            chosen = first[i] + torch.randperm(t - int(first[i]), generator=g)[:7]
+            fixed[i, h, :7] = chosen[torch.randperm(7, generator=g)]  # any order, padding anywhere
+    for i in range(b):
+        for h in range(hkv):
+            free = [s for s in range(int(first[i]), t) if s not in fixed[i, h].tolist()]
+            ranks = torch.arange(len(free))
+            got = residual_slots(ranks.expand(b, hkv, -1).contiguous(), fixed, first)[i, h]
+            assert got.tolist() == free
+
+
+def test_fixed_slots_hold_sinks_window_and_heavy_once():
+    from runtime.policies.vattention import fixed_slots, heavy_hitters
+
+    first, last = torch.tensor([0, 10, 36]), torch.tensor(39)
+    scores = torch.rand(3, 2, 40, generator=torch.Generator().manual_seed(2))
+    heavy = heavy_hitters(scores, first, last, 2, 5, 4)
+    fixed = fixed_slots(first, last, 2, 5, heavy)
+    for i in range(3):
+        for h in range(2):
+            ids = [s for s in fixed[i, h].tolist() if s >= 0]
+            assert len(ids) == len(set(ids)) and all(int(first[i]) <= s <= 39 for s in ids)
+            valid = list(range(int(first[i]), 40))
+            expect = set(valid[:2]) | set(range(35, 40))
+            outside = [s for s in valid if s not in expect]
+            best = sorted(outside, key=lambda s: -float(scores[i, h, s]))[:4]
+            assert set(ids) == (expect & set(valid)) | set(best)
+
+
+def test_draws_are_uniform_over_the_residual():
+    """Monte Carlo over many steps: every draw lands in the residual, each residual slot about equally often."""
+    from runtime.policies.vattention import residual_slots, token_uniforms
+
+    first = torch.tensor([3])
+    fixed = torch.tensor([[[3, 4, 10, 11, 12, 29, -1]]])
+    n_r = 30 - 3 - 6
+    counts = torch.zeros(30)
+    for tokens in range(400):
+        u = token_uniforms(0, 1, tokens, 5, (1, 1, 50), "cpu")
+        slots = residual_slots((u * n_r).long(), fixed, first).flatten()
+        counts += torch.bincount(slots, minlength=30)[:30]
+    assert counts[[0, 1, 2, 3, 4, 10, 11, 12, 29]].sum() == 0
+    share = counts[counts > 0] / counts.sum()
+    assert len(share) == n_r and float((share - 1 / n_r).abs().max()) < 0.2 / n_r  # 20000 draws: ±4.5 % sd

@@ -1,8 +1,9 @@
 """``vattention``: vAttention (ICLR 2026) — sparse attention with a verified error bound, per KV head.
 
 Each head reads a deterministic set — ``sinks`` first tokens, the last ``window`` tokens and the ``heavy``
-tokens of highest attention — plus a uniform sample without replacement of the ``n_r`` remaining tokens,
-each sampled token weighted by ``n_r / b``. The sample size ``b`` comes from the central limit theorem
+tokens of highest attention — plus ``b`` uniform draws (with replacement: i.i.d., the CLT's own assumption)
+from the ``n_r`` remaining tokens, each draw weighted by ``n_r / b``; where ``b ≥ n_r`` the remainder is read
+whole at weight 1. The sample size ``b`` comes from the central limit theorem
 (the paper's Algorithm 2): a pilot sample estimates the spread of the residual terms of the softmax
 numerator ``N = Σ e^{s_i} v_i`` and denominator ``D = Σ e^{s_i}``; with ``η = ε / (2 + ε)``,
 
@@ -16,9 +17,11 @@ Heavy hitters use exact scores; with a DELTA manifest (``layers.role``) full lay
 publish ``max_h p_h[t]`` and the sparse layers after them rank heavy hitters by it (DELTA + vAttention).
 
 The shift of the softmax cancels in ``b``; both paths take the deterministic set's own log-sum-exp, so the
-statistics are those of an attention pass over that set plus the pilot's logits. Draws come from a hash of
-``(seed, tokens so far, layer, row, KV head, slot)`` (:func:`token_uniforms`), so the transformers path, the
-engine's graph-captured step and any device draw the same sample. ``max_sample`` caps ``b`` (then the bound
+statistics are those of an attention pass over that set plus the pilot's logits. A draw is a rank among the
+remaining slots, mapped to its slot by counting the deterministic slots below it (:func:`residual_slots`: no
+pass over the cache); its uniform comes from a hash of ``(seed, tokens so far, layer, row, KV head, draw)``
+(:func:`token_uniforms`), so the transformers path, the engine's graph-captured step and any device draw the
+same sample. ``max_sample`` caps ``b`` (then the bound
 is no longer guaranteed where the cap binds); the engine needs it, since its shapes are fixed.
 """
 
@@ -31,44 +34,57 @@ from typing import Any, ClassVar
 import torch
 
 from runtime.engine.sampling import M32, mix32
-from runtime.kernels.topk_select import mask_to_indices
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from runtime.policies import Plan, PolicyError, Step, positive
 
 PILOT, SAMPLE = 0, 1  # the two draws of a step: the pilot and the sample
+ABSENT = 1 << 40  # sorts after every slot
 
 
 def token_uniforms(seed: int, stream: int, tokens: torch.Tensor | int, layer: int, shape: tuple[int, int, int],
                    device: Any) -> torch.Tensor:
-    """Uniforms in (0, 1) ``[B, Hkv, T]`` from a hash of (seed, stream, tokens so far, layer, row, KV head, slot);
-    ``tokens`` may be a device scalar (the engine's length)."""
-    b, hkv, t = shape
+    """Uniforms in (0, 1) ``[B, Hkv, M]`` from a hash of (seed, stream, tokens so far, layer, row, KV head,
+    draw); ``tokens`` may be a device scalar (the engine's length)."""
+    b, hkv, m = shape
     h = mix32((torch.as_tensor(tokens, device=device).long() * 0x2545F491 + seed) & M32)
     h = mix32(h ^ ((layer * 0x9E3779B + stream * 0x632BE5AB) & M32))
     h = mix32(h ^ (torch.arange(b, device=device, dtype=torch.long)[:, None, None] * 0x85EBCA6B & M32))
     h = mix32(h ^ (torch.arange(hkv, device=device, dtype=torch.long)[None, :, None] * 0xC2B2AE35 & M32))
-    h = mix32(h ^ torch.arange(t, device=device, dtype=torch.long)[None, None, :])
-    return (h.float() + 0.5) / 4294967296.0
+    h = mix32(h ^ torch.arange(m, device=device, dtype=torch.long)[None, None, :])
+    return (h.double() + 0.5) / 4294967296.0
 
 
-def draw(uniforms: torch.Tensor, pool: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``count`` slots drawn uniformly without replacement from ``pool`` ``[B, Hkv, T]`` (the smallest
-    uniforms), and whether each draw exists (rows with fewer than ``count`` members)."""
-    keys = uniforms.masked_fill(~pool, 2.0)
-    drawn = keys.topk(min(count, pool.shape[-1]), dim=-1, largest=False)
-    return drawn.indices, drawn.values < 2.0
+def heavy_hitters(scores: torch.Tensor, first: torch.Tensor, last: torch.Tensor | int, sinks: int, window: int,
+                  heavy: int) -> torch.Tensor:
+    """``scores [B, H, T]`` → ``[B, H, min(heavy, T)]`` the slots of highest score among the valid ones
+    (``first[b]..last``) outside the sinks and the window, -1 where there are fewer."""
+    slot = torch.arange(scores.shape[-1], device=scores.device)
+    outside = (slot >= first[:, None, None] + sinks) & (slot <= last - window)
+    ranked = scores.masked_fill(~outside, float("-inf")).topk(min(heavy, scores.shape[-1]), dim=-1)
+    return torch.where(ranked.values > float("-inf"), ranked.indices, -1)
 
 
-def deterministic_set(valid: torch.Tensor, heavy_scores: torch.Tensor, first: torch.Tensor, last: torch.Tensor | int,
-                      sinks: int, window: int, heavy: int) -> torch.Tensor:
-    """``[B, Hkv, T]`` bool: the ``sinks`` first valid slots (from ``first [B]``), the slots of the last
-    ``window`` tokens (up to ``last``) and the ``heavy`` valid others of highest ``heavy_scores``."""
-    slot = torch.arange(valid.shape[-1], device=valid.device)
-    fixed = valid & ((slot < (first[:, None, None] + sinks)) | (slot > last - window))
-    if heavy:
-        ranked = heavy_scores.masked_fill(fixed | ~valid, float("-inf")).topk(min(heavy, valid.shape[-1]), dim=-1)
-        fixed = fixed | torch.zeros_like(fixed).scatter(-1, ranked.indices, ranked.values > float("-inf"))
-    return fixed
+def fixed_slots(first: torch.Tensor, last: torch.Tensor | int, sinks: int, window: int,
+                heavy: torch.Tensor) -> torch.Tensor:
+    """The deterministic set ``[B, Hkv, sinks + window + H]`` (-1 = absent, no slot twice): the first ``sinks``
+    valid slots, the window's slots after them up to ``last``, then ``heavy [B, Hkv, H]``."""
+    b, hkv = heavy.shape[:2]
+    device = first.device
+    head = first[:, None] + torch.arange(sinks, device=device)  # [B, S]
+    head = torch.where(head <= last, head, -1)
+    tail = (last - window + 1 + torch.arange(window, device=device))[None, :].expand(b, window)
+    tail = torch.where(tail >= first[:, None] + sinks, tail, -1)  # not a sink, not before the first valid slot
+    return torch.cat([head[:, None].expand(b, hkv, sinks), tail[:, None].expand(b, hkv, window), heavy], -1)
+
+
+def residual_slots(ranks: torch.Tensor, fixed: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``ranks [B, Hkv, M]`` → the slot of each rank among the valid slots from ``first[b]`` on that are not in
+    ``fixed [B, Hkv, F]``: ``first + rank + #{fixed slots before it}``, counted from the sorted fixed
+    offsets (the j-th of which has ``offset − j`` free slots before it)."""
+    offsets = torch.where(fixed >= 0, fixed - first[:, None, None], ABSENT).sort(-1).values
+    free_before = offsets - torch.arange(offsets.shape[-1], device=offsets.device)
+    count = (free_before[:, :, None, :] <= ranks[..., None]).sum(-1)
+    return first[:, None, None] + ranks + count
 
 
 @dataclass
@@ -78,8 +94,8 @@ class VAttention:
     sinks: int = 4
     window: int = 64  # ≥ 1: the new token is always read
     heavy: int = 64  # top-k heavy hitters per KV head
-    pilot: int = 64  # pilot sample that estimates the residual's spread
-    max_sample: int | None = None  # cap on the sample per KV head (None: the bound's size; the engine needs one)
+    pilot: int = 64  # pilot draws that estimate the residual's spread
+    max_sample: int | None = None  # cap on the draws per KV head (None: the bound's size; the engine needs one)
     seed: int = 0
     name: ClassVar[str] = "vattention"
 
@@ -116,59 +132,67 @@ class VAttention:
         g = step.groups
         q = step.query.float().view(b, hkv, g, d)
         scores = torch.einsum("bhgd,bhtd->bhgt", q, step.key.float()) * step.scale  # [B, Hkv, G, T]
-        valid = step.keep[:, None, :].expand(b, hkv, t)  # [B, Hkv, T]
-        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        scores = scores.masked_fill(~step.keep[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if role == LAYER_ROLE_SELECT:
             step.scratch["vattention.scores"] = probs.amax(dim=(1, 2))  # [B, T]
         if role == LAYER_ROLE_SPARSE:
-            heavy_scores = step.scratch["vattention.scores"][:, None, :].expand(b, hkv, t)
+            ranked_by = step.scratch["vattention.scores"][:, None, :]  # one ranking for every KV head
         else:
-            heavy_scores = probs.amax(2)
+            ranked_by = probs.amax(2)  # [B, Hkv, T]
         first = step.keep.float().argmax(-1)  # the first valid slot of each row
-        fixed = deterministic_set(valid, heavy_scores, first, t - 1, self.sinks, self.window, self.heavy)
-        masked = scores.masked_fill(~fixed[:, :, None, :], float("-inf"))
-        lse = torch.logsumexp(masked, -1)  # [B, Hkv, G]
-        out = torch.einsum("bhgt,bhtd->bhgd", torch.exp(masked - lse[..., None]), step.value.float())
-        residual = valid & ~fixed
-        pilot, exists = draw(token_uniforms(self.seed, PILOT, t, step.layer, residual.shape, residual.device),
-                             residual, self.pilot)
-        logits = scores.gather(-1, pilot[:, :, None, :].expand(b, hkv, g, pilot.shape[-1]))  # [B, Hkv, G, p]
-        values = step.value.float().gather(2, pilot[..., None].expand(*pilot.shape, d))  # [B, Hkv, p, D]
-        n_r = residual.sum(-1)  # [B, Hkv]
-        size = self._sample_size(logits - lse[..., None], values, exists, out, n_r)
-        width = int(size.max()) if size.numel() else 0
-        return self._with_sample(mask_to_indices(fixed), residual, size, width, t, step.layer)
+        heavy = heavy_hitters(ranked_by, first, t - 1, self.sinks, self.window, self.heavy).expand(b, hkv, -1)
+        fixed = fixed_slots(first, t - 1, self.sinks, self.window, heavy)
+        picked = scores.gather(-1, fixed.clamp_min(0)[:, :, None, :].expand(b, hkv, g, fixed.shape[-1]))
+        picked = picked.masked_fill(fixed[:, :, None, :] < 0, float("-inf"))  # [B, Hkv, G, F]
+        lse = torch.logsumexp(picked, -1)  # [B, Hkv, G]
+        values = step.value.float()
+        fixed_v = values.gather(2, fixed.clamp_min(0)[..., None].expand(*fixed.shape, d))
+        out = torch.einsum("bhgf,bhfd->bhgd", torch.exp(picked - lse[..., None]), fixed_v)
+        n_r = step.keep.sum(-1)[:, None] - (fixed >= 0).sum(-1)  # [B, Hkv]
+        pilot = self.pilot_slots(n_r, fixed, first, t, step.layer)
+        logits = scores.gather(-1, pilot[:, :, None, :].expand(b, hkv, g, self.pilot))  # [B, Hkv, G, p]
+        pilot_v = values.gather(2, pilot[..., None].expand(*pilot.shape, d))  # [B, Hkv, p, D]
+        size = self._sample_size(logits - lse[..., None], pilot_v, out, n_r)
+        return self.sampled_plan(fixed, first, n_r, size, int(size.max()) if size.numel() else 0, t, step.layer)
 
-    def _with_sample(self, fixed_ids: torch.Tensor, residual: torch.Tensor, size: torch.Tensor, width: int,
-                     tokens: Any, layer: int) -> Plan:
-        """The plan: the deterministic set at weight 1, then ``size`` of the residual's slots (drawn in
-        ``width`` places) at weight ``n_r / size``."""
+    def pilot_slots(self, n_r: torch.Tensor, fixed: torch.Tensor, first: torch.Tensor, tokens: Any,
+                    layer: int) -> torch.Tensor:
+        """``[B, Hkv, pilot]`` slots drawn uniformly from the residual (slot ``first`` where it is empty)."""
+        u = token_uniforms(self.seed, PILOT, tokens, layer, (*n_r.shape, self.pilot), n_r.device)
+        ranks = (u * n_r[..., None]).long().minimum((n_r - 1).clamp_min(0)[..., None])
+        return residual_slots(ranks, fixed, first).where(n_r[..., None] > 0, first[:, None, None])
+
+    def sampled_plan(self, fixed: torch.Tensor, first: torch.Tensor, n_r: torch.Tensor, size: torch.Tensor,
+                     width: int, tokens: Any, layer: int) -> Plan:
+        """The deterministic set at weight 1, then ``size`` draws (in ``width`` places) at weight ``n_r / size``;
+        where ``size`` is ``n_r`` the remaining slots in order, each once."""
         if width == 0:
-            return Plan(indices=fixed_ids, info={"sampled": 0})
-        n_r = residual.sum(-1)
-        drawn, exists = draw(token_uniforms(self.seed, SAMPLE, tokens, layer, residual.shape, residual.device),
-                             residual, width)
-        take = exists & (torch.arange(drawn.shape[-1], device=drawn.device) < size[..., None])
+            return Plan(indices=fixed, info={"sampled": 0})
+        u = token_uniforms(self.seed, SAMPLE, tokens, layer, (*n_r.shape, width), n_r.device)
+        place = torch.arange(width, device=u.device)
+        whole = (size >= n_r)[..., None]
+        ranks = torch.where(whole, place, (u * n_r[..., None]).long()).minimum((n_r - 1).clamp_min(0)[..., None])
+        take = place < size[..., None]
+        drawn = torch.where(take, residual_slots(ranks, fixed, first), -1)
         weight = torch.log(n_r.float() / size.clamp_min(1).float())[..., None].expand_as(drawn)
-        indices = torch.cat([fixed_ids, torch.where(take, drawn, -1)], dim=-1)
-        log_weights = torch.cat([torch.zeros(fixed_ids.shape, device=weight.device), torch.where(take, weight, 0.0)], -1)
-        return Plan(indices=indices, log_weights=log_weights, info={"sampled": take.sum()})
+        log_weights = torch.cat([torch.zeros(fixed.shape, device=u.device), torch.where(take, weight, 0.0)], -1)
+        return Plan(indices=torch.cat([fixed, drawn], -1), log_weights=log_weights, info={"sampled": take.sum()})
 
-    def _sample_size(self, logits: torch.Tensor, values: torch.Tensor, exists: torch.Tensor, fixed_out: torch.Tensor,
+    def _sample_size(self, logits: torch.Tensor, values: torch.Tensor, fixed_out: torch.Tensor,
                      n_r: torch.Tensor) -> torch.Tensor:
-        """Residual slots to sample per (row, KV head), from a pilot sample: ``logits [B, Hkv, G, p]`` of the
-        pilot's slots less the deterministic set's log-sum-exp, their ``values [B, Hkv, p, D]``, ``exists
-        [B, Hkv, p]``, the deterministic set's output ``fixed_out [B, Hkv, G, D]`` and the residual's size
-        ``n_r [B, Hkv]``. At most ``n_r`` (then the residual is read whole, at weight 1) and ``max_sample``."""
-        w = exists[:, :, None, :].float()
-        e = torch.exp(logits) * w  # [B, Hkv, G, p]; the deterministic set's denominator is 1 at this shift
+        """Draws per (row, KV head) from the pilot: ``logits [B, Hkv, G, p]`` of its draws less the deterministic
+        set's log-sum-exp (at this shift that set's softmax denominator is 1 and its part of ``N`` is its
+        attention output ``fixed_out [B, Hkv, G, D]``), their ``values [B, Hkv, p, D]`` and the residual's size
+        ``n_r [B, Hkv]``. ``n_r`` where the bound asks for that many or more, or where ``n_r ≤ pilot``; at most
+        ``max_sample``."""
+        e = torch.exp(logits)  # [B, Hkv, G, p]
         x = e[..., None] * values[:, :, None]  # [B, Hkv, G, p, D]
-        c = exists.sum(-1).clamp_min(2).float()[:, :, None]  # [B, Hkv, 1]
-        mean_e = e.sum(-1) / c
-        var_e = ((e - mean_e[..., None]) ** 2 * w).sum(-1) / (c - 1)
-        mean_x = x.sum(-2) / c[..., None]
-        var_x = (((x - mean_x[..., None, :]) ** 2) * w[..., None]).sum((-2, -1)) / (c - 1)  # tr Σ_N
+        c = float(logits.shape[-1])
+        mean_e = e.mean(-1)
+        var_e = ((e - mean_e[..., None]) ** 2).sum(-1) / (c - 1)
+        mean_x = x.mean(-2)
+        var_x = ((x - mean_x[..., None, :]) ** 2).sum((-2, -1)) / (c - 1)  # tr Σ_N
         nr = n_r[:, :, None].float()
         d_est = 1 + nr * mean_e
         n_est = (fixed_out + nr[..., None] * mean_x).norm(dim=-1)
@@ -192,12 +216,13 @@ class VAttention:
 
 @dataclass
 class VAttentionStep:
-    """The engine's step, with the reference's arithmetic on fixed shapes: a layer that ranks heavy hitters by
-    its own scores reads every key once for them (the dense pass that keeps its logits; a Δ-layer publishes
-    their max over all heads), a sparse layer of a DELTA manifest takes the published ones; then one
-    attention pass over the deterministic set gives the statistics' shift and ``N``, the pilot's logits come
-    from its gathered keys, and the final pass reads the deterministic set and ``max_sample`` draws, masked to
-    the bound's size, weighted through the kernel's log-weights."""
+    """The engine's step, with the reference's functions on fixed shapes. A layer that ranks heavy hitters by
+    its own scores reads every key once for them (the dense pass that keeps its logits); a Δ-layer also ranks
+    by the max over all its heads and passes those slots on, so the sparse layers after it read no more than
+    their deterministic set, the pilot and the sample. One attention pass over the deterministic set gives
+    the statistics' shift and ``N``'s fixed part, the pilot's logits come from its gathered keys, and the last
+    pass reads the deterministic set and ``max_sample`` draws, masked to the bound's size and weighted
+    through the kernel's log-weights."""
 
     policy: VAttention
     head_order: ClassVar[None] = None
@@ -205,8 +230,8 @@ class VAttentionStep:
     block_sizes: ClassVar[tuple[int, ...]] = (1,)
 
     def reads(self, shape: Any, context: int) -> float:
-        """Mean tokens read per (layer, KV head): every key for the scores where a layer ranks by its own, then
-        the deterministic set and the largest sample (the values of a sparse read)."""
+        """Mean tokens read per (layer, KV head): every key where a layer ranks by its own scores, then the
+        deterministic set, the pilot and the largest sample."""
         p = self.policy
         sparse = min(context, p.sinks + p.window + p.heavy + p.pilot + p.max_sample)
         per_layer = [context if p.role(i) == LAYER_ROLE_FULL else
@@ -220,26 +245,24 @@ class VAttentionStep:
             return dec.attend(q, k, v, span)
         b, hkv, t, d = k.shape
         g = q.shape[1] // hkv
-        slot = torch.arange(t, device=k.device)
-        valid = ((slot >= span.first[:, None]) & (slot <= span.last))[:, None, :].expand(b, hkv, t)
+        first, last = span.first, span.last
         if role == LAYER_ROLE_SPARSE:
-            heavy_scores = state["vattention.scores"][:, None, :].expand(b, hkv, t)
+            heavy = state["vattention.heavy"].expand(b, hkv, -1)
         else:
-            _, heavy_scores = dec.attend_and_score(q, k, v, span, 1, per_kv_head=True)  # [B, Hkv, T]
-            if role == LAYER_ROLE_SELECT:
-                state["vattention.scores"] = heavy_scores.amax(1)
-        fixed = deterministic_set(valid, heavy_scores, span.first, span.last, p.sinks, p.window, p.heavy)
-        fixed_ids = mask_to_indices(fixed, min(t, p.sinks + p.window + p.heavy))
-        out, lse = dec.attend(q, k, v, span, fixed_ids, 1, with_lse=True)  # [B, Hq, D], [B, Hq]
-        residual = valid & ~fixed
-        tokens = span.last + 1
-        pilot, exists = draw(token_uniforms(p.seed, PILOT, tokens, layer, residual.shape, k.device), residual,
-                             p.pilot)  # [B, Hkv, p]
+            _, own = dec.attend_and_score(q, k, v, span, 1, per_kv_head=True)  # [B, Hkv, T]: max over the group
+            heavy = heavy_hitters(own, first, last, p.sinks, p.window, p.heavy)
+            if role == LAYER_ROLE_SELECT:  # the sparse layers after it rank by the max over all heads
+                state["vattention.heavy"] = heavy_hitters(own.amax(1, keepdim=True), first, last, p.sinks, p.window,
+                                                          p.heavy)
+        fixed = fixed_slots(first, last, p.sinks, p.window, heavy)
+        out, lse = dec.attend(q, k, v, span, fixed, 1, with_lse=True)  # [B, Hq, D], [B, Hq]
+        lse = lse.view(b, hkv, g)
+        n_r = (last - first + 1)[:, None] - (fixed >= 0).sum(-1)  # [B, Hkv]
+        tokens = last + 1
+        pilot = p.pilot_slots(n_r, fixed, first, tokens, layer)  # [B, Hkv, p]
         index = pilot[..., None].expand(*pilot.shape, d)
         keys, values = k.gather(2, index).float(), v.gather(2, index).float()  # [B, Hkv, p, D]
         logits = torch.einsum("bhgd,bhpd->bhgp", q.float().view(b, hkv, g, d), keys) * dec.shape.attention_scale
-        lse = lse.view(b, hkv, g)
-        size = p._sample_size(logits - lse[..., None], values, exists, out.float().view(b, hkv, g, d),
-                              residual.sum(-1))
-        plan = p._with_sample(fixed_ids, residual, size, min(t, p.max_sample), tokens, layer)
+        size = p._sample_size(logits - lse[..., None], values, out.float().view(b, hkv, g, d), n_r)
+        plan = p.sampled_plan(fixed, first, n_r, size, min(t, p.max_sample), tokens, layer)
         return dec.attend(q, k, v, span, plan.indices, 1, log_weights=plan.log_weights)
