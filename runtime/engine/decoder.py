@@ -115,6 +115,7 @@ class StaticDecoder:
         self.graphs: dict[str, Any] = {}
         if compile is None:
             compile = device.type == "cuda" and os.environ.get("ROLECALL_COMPILE", "1") != "0"
+        self.compiles = compile  # whether the step's small ops go through torch.compile (policies may too)
         self._post = L.compiled_finish(s) if compile else functools.partial(L.finish_tensors, s)
         self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
 

@@ -44,10 +44,10 @@ ABSENT = 1 << 40  # sorts after every slot
 def token_uniforms(seed: int, stream: int, tokens: torch.Tensor | int, layer: int, shape: tuple[int, int, int],
                    device: Any) -> torch.Tensor:
     """Uniforms in (0, 1) ``[B, Hkv, M]`` from a hash of (seed, stream, tokens so far, layer, row, KV head,
-    draw); ``tokens`` may be a device scalar (the engine's length)."""
+    draw); ``tokens`` and ``layer`` may be device scalars (the engine's length; a compiled step's layer)."""
     b, hkv, m = shape
     h = mix32((torch.as_tensor(tokens, device=device).long() * 0x2545F491 + seed) & M32)
-    h = mix32(h ^ ((layer * 0x9E3779B + stream * 0x632BE5AB) & M32))
+    h = mix32(h ^ ((torch.as_tensor(layer, device=device).long() * 0x9E3779B + stream * 0x632BE5AB) & M32))
     h = mix32(h ^ (torch.arange(b, device=device, dtype=torch.long)[:, None, None] * 0x85EBCA6B & M32))
     h = mix32(h ^ (torch.arange(hkv, device=device, dtype=torch.long)[None, :, None] * 0xC2B2AE35 & M32))
     h = mix32(h ^ torch.arange(m, device=device, dtype=torch.long)[None, None, :])
@@ -77,13 +77,20 @@ def fixed_slots(first: torch.Tensor, last: torch.Tensor | int, sinks: int, windo
     return torch.cat([head[:, None].expand(b, hkv, sinks), tail[:, None].expand(b, hkv, window), heavy], -1)
 
 
-def residual_slots(ranks: torch.Tensor, fixed: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """``ranks [B, Hkv, M]`` → the slot of each rank among the valid slots from ``first[b]`` on that are not in
-    ``fixed [B, Hkv, F]``: ``first + rank + #{fixed slots before it}``, counted from the sorted fixed
-    offsets (the j-th of which has ``offset − j`` free slots before it)."""
+def free_before(fixed: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``fixed [B, H, F]`` → its slots' offsets from ``first[b]`` in ascending order (absent ones last) less their
+    place: the j-th is the number of free slots before the j-th fixed one (what :func:`residual_slots` counts)."""
     offsets = torch.where(fixed >= 0, fixed - first[:, None, None], ABSENT).sort(-1).values
-    free_before = offsets - torch.arange(offsets.shape[-1], device=offsets.device)
-    count = (free_before[:, :, None, :] <= ranks[..., None]).sum(-1)
+    return offsets - torch.arange(offsets.shape[-1], device=offsets.device)
+
+
+def residual_slots(ranks: torch.Tensor, fixed: torch.Tensor, first: torch.Tensor,
+                   free: torch.Tensor | None = None) -> torch.Tensor:
+    """``ranks [B, Hkv, M]`` → the slot of each rank among the valid slots from ``first[b]`` on that are not in
+    ``fixed [B, Hkv, F]``: ``first + rank + #{fixed slots before it}`` (``free``: :func:`free_before` of
+    ``fixed``, when already known)."""
+    free = free_before(fixed, first) if free is None else free
+    count = (free[:, :, None, :] <= ranks[..., None]).sum(-1)
     return first[:, None, None] + ranks + count
 
 
@@ -157,14 +164,14 @@ class VAttention:
         return self.sampled_plan(fixed, first, n_r, size, int(size.max()) if size.numel() else 0, t, step.layer)
 
     def pilot_slots(self, n_r: torch.Tensor, fixed: torch.Tensor, first: torch.Tensor, tokens: Any,
-                    layer: int) -> torch.Tensor:
+                    layer: Any, free: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, Hkv, pilot]`` slots drawn uniformly from the residual (slot ``first`` where it is empty)."""
         u = token_uniforms(self.seed, PILOT, tokens, layer, (*n_r.shape, self.pilot), n_r.device)
         ranks = (u * n_r[..., None]).long().minimum((n_r - 1).clamp_min(0)[..., None])
-        return residual_slots(ranks, fixed, first).where(n_r[..., None] > 0, first[:, None, None])
+        return residual_slots(ranks, fixed, first, free).where(n_r[..., None] > 0, first[:, None, None])
 
     def sampled_plan(self, fixed: torch.Tensor, first: torch.Tensor, n_r: torch.Tensor, size: torch.Tensor,
-                     width: int, tokens: Any, layer: int) -> Plan:
+                     width: int, tokens: Any, layer: Any, free: torch.Tensor | None = None) -> Plan:
         """The deterministic set at weight 1, then ``size`` draws (in ``width`` places) at weight ``n_r / size``;
         where ``size`` is ``n_r`` the remaining slots in order, each once."""
         if width == 0:
@@ -174,7 +181,7 @@ class VAttention:
         whole = (size >= n_r)[..., None]
         ranks = torch.where(whole, place, (u * n_r[..., None]).long()).minimum((n_r - 1).clamp_min(0)[..., None])
         take = place < size[..., None]
-        drawn = torch.where(take, residual_slots(ranks, fixed, first), -1)
+        drawn = torch.where(take, residual_slots(ranks, fixed, first, free), -1)
         weight = torch.log(n_r.float() / size.clamp_min(1).float())[..., None].expand_as(drawn)
         log_weights = torch.cat([torch.zeros(fixed.shape, device=u.device), torch.where(take, weight, 0.0)], -1)
         return Plan(indices=torch.cat([fixed, drawn], -1), log_weights=log_weights, info={"sampled": take.sum()})
@@ -229,6 +236,10 @@ class VAttentionStep:
     sparse: ClassVar[bool] = True
     block_sizes: ClassVar[tuple[int, ...]] = (1,)
 
+    def __post_init__(self) -> None:
+        self._layer_ids: dict[Any, torch.Tensor] = {}
+        self._compiled: Any = None
+
     def reads(self, shape: Any, context: int) -> float:
         """Mean tokens read per (layer, KV head): every key where a layer ranks by its own scores, then the
         deterministic set, the pilot and the largest sample."""
@@ -243,26 +254,47 @@ class VAttentionStep:
         role = p.role(layer)
         if role == LAYER_ROLE_FULL:
             return dec.attend(q, k, v, span)
-        b, hkv, t, d = k.shape
-        g = q.shape[1] // hkv
+        b, hkv = k.shape[:2]
         first, last = span.first, span.last
-        if role == LAYER_ROLE_SPARSE:
-            heavy = state["vattention.heavy"].expand(b, hkv, -1)
+        if role == LAYER_ROLE_SPARSE:  # the deterministic set the nearest Δ-layer chose, the same for every head
+            fixed, free = (x.expand(b, hkv, -1) for x in state["vattention.fixed"])
         else:
             _, own = dec.attend_and_score(q, k, v, span, 1, per_kv_head=True)  # [B, Hkv, T]: max over the group
-            heavy = heavy_hitters(own, first, last, p.sinks, p.window, p.heavy)
+            fixed = fixed_slots(first, last, p.sinks, p.window, heavy_hitters(own, first, last, p.sinks, p.window,
+                                                                              p.heavy))
+            free = free_before(fixed, first)
             if role == LAYER_ROLE_SELECT:  # the sparse layers after it rank by the max over all heads
-                state["vattention.heavy"] = heavy_hitters(own.amax(1, keepdim=True), first, last, p.sinks, p.window,
-                                                          p.heavy)
-        fixed = fixed_slots(first, last, p.sinks, p.window, heavy)
+                shared = fixed_slots(first, last, p.sinks, p.window, heavy_hitters(own.amax(1, keepdim=True), first,
+                                                                                   last, p.sinks, p.window, p.heavy))
+                state["vattention.fixed"] = (shared, free_before(shared, first))
         out, lse = dec.attend(q, k, v, span, fixed, 1, with_lse=True)  # [B, Hq, D], [B, Hq]
-        lse = lse.view(b, hkv, g)
+        if k.device not in self._layer_ids:  # once, in the eager warm-up before any graph capture
+            self._layer_ids[k.device] = torch.arange(dec.shape.layers, device=k.device)
+        sample = self._sample(dec)
+        indices, log_weights = sample(q, k, v, fixed, free, first, last, out, lse, self._layer_ids[k.device][layer],
+                                      dec.shape.attention_scale)
+        return dec.attend(q, k, v, span, indices, 1, log_weights=log_weights)
+
+    def _sample(self, dec: Any) -> Any:
+        """:meth:`draw_sample`, through ``torch.compile`` where the decoder compiles (its small ops fuse into a
+        few kernels; the layer is a device scalar, so one graph serves every layer)."""
+        if self._compiled is None:
+            compile_ = getattr(dec, "compiles", False)
+            self._compiled = (torch.compile(self.draw_sample, dynamic=False, fullgraph=True) if compile_
+                              else self.draw_sample)
+        return self._compiled
+
+    def draw_sample(self, q, k, v, fixed, free, first, last, out, lse, layer, scale: float):
+        """The pilot, the bound's sample size and the draws: ``(indices, log_weights)`` of the last pass."""
+        p = self.policy
+        b, hkv, t, d = k.shape
+        g = q.shape[1] // hkv
         n_r = (last - first + 1)[:, None] - (fixed >= 0).sum(-1)  # [B, Hkv]
         tokens = last + 1
-        pilot = p.pilot_slots(n_r, fixed, first, tokens, layer)  # [B, Hkv, p]
+        pilot = p.pilot_slots(n_r, fixed, first, tokens, layer, free)  # [B, Hkv, p]
         index = pilot[..., None].expand(*pilot.shape, d)
         keys, values = k.gather(2, index).float(), v.gather(2, index).float()  # [B, Hkv, p, D]
-        logits = torch.einsum("bhgd,bhpd->bhgp", q.float().view(b, hkv, g, d), keys) * dec.shape.attention_scale
-        size = p._sample_size(logits - lse[..., None], values, out.float().view(b, hkv, g, d), n_r)
-        plan = p.sampled_plan(fixed, first, n_r, size, min(t, p.max_sample), tokens, layer)
-        return dec.attend(q, k, v, span, plan.indices, 1, log_weights=plan.log_weights)
+        logits = torch.einsum("bhgd,bhpd->bhgp", q.float().view(b, hkv, g, d), keys) * scale
+        size = p._sample_size(logits - lse.view(b, hkv, g)[..., None], values, out.float().view(b, hkv, g, d), n_r)
+        plan = p.sampled_plan(fixed, first, n_r, size, min(t, p.max_sample), tokens, layer, free)
+        return plan.indices, plan.log_weights
