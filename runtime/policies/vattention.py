@@ -48,8 +48,8 @@ def token_uniforms(seed: int, stream: int, tokens: torch.Tensor | int, layer: in
     b, hkv, m = shape
     h = mix32((torch.as_tensor(tokens, device=device).long() * 0x2545F491 + seed) & M32)
     h = mix32(h ^ ((torch.as_tensor(layer, device=device).long() * 0x9E3779B + stream * 0x632BE5AB) & M32))
-    h = mix32(h ^ (torch.arange(b, device=device, dtype=torch.long)[:, None, None] * 0x85EBCA6B & M32))
-    h = mix32(h ^ (torch.arange(hkv, device=device, dtype=torch.long)[None, :, None] * 0xC2B2AE35 & M32))
+    h = mix32(h ^ (torch.arange(b, device=device, dtype=torch.long)[:, None, None] * 0x27D4EB2F & M32))
+    h = mix32(h ^ (torch.arange(hkv, device=device, dtype=torch.long)[None, :, None] * 0x165667B1 & M32))
     h = mix32(h ^ torch.arange(m, device=device, dtype=torch.long)[None, None, :])
     return (h.double() + 0.5) / 4294967296.0
 
