@@ -317,36 +317,13 @@ class RoleManifest:
                 f"{source}: manifest schema {version} is newer than this rolecall reads ({SCHEMA_VERSION}); "
                 "upgrade rolecall (pip install -U rolecall)"
             )
-        try:
-            model = ModelIdentity(
-                *(int(meta[f"model.{k}"]) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")),
-                name=meta.get("model.name"), revision=meta.get("model.revision"),
-                config_sha256=meta.get("model.config_sha256"),
-                sliding_layers=[int(i) for i in meta["model.sliding_layers"].split(",") if i.strip()]
-                if meta.get("model.sliding_layers") else None,
-            )
-        except KeyError as e:
-            raise ManifestError(f"{source}: required metadata key {e.args[0]!r} is missing") from None
-        except ValueError as e:
-            raise ManifestError(f"{source}: model counts must be integers ({e})") from None
+        model = _identity(meta, source)
         tensors: dict[str, torch.Tensor] = {}
         for name, spec in header.items():
             if name not in _TENSORS:
                 raise ManifestError(f"{source}: unknown tensor {name!r} (schema {SCHEMA_VERSION} knows {sorted(_TENSORS)})")
             tensors[_TENSORS[name][0]] = _read_tensor(name, spec, data, source)
-        if "rolecall_version" in meta and CONTENT_HASH_KEY not in meta:
-            raise ManifestError(f"{source}: corrupted: written by rolecall but its {CONTENT_HASH_KEY!r} is missing")
-        if CONTENT_HASH_KEY in meta:
-            written, actual = meta[CONTENT_HASH_KEY], content_sha256(full_header, data)
-            # the hash covers the parsed header; a flip that JSON ignores (e.g. into whitespace) shows up here
-            raw_header = buf[8 : len(buf) - len(data)].rstrip(b" ")
-            if raw_header != _canonical(full_header):
-                actual = "not-canonical"
-            if written != actual:
-                raise ManifestError(
-                    f"{source}: corrupted: content hash is {actual[:12]}… but the file says {str(written)[:12]}… "
-                    "(changed after it was written); restore or re-create the manifest"
-                )
+        _check_hash(buf, full_header, data, meta, source)
         listed = [s for s in meta.get("sections", "").split(",") if s]
         found = sorted({_TENSORS[n][3] for n in header})
         if sorted(listed) != found:
@@ -407,6 +384,40 @@ def content_sha256(header: Mapping[str, Any], data: bytes | memoryview) -> str:
     h.update(data)
     return h.hexdigest()
 
+
+
+def _identity(meta: dict, source: str) -> ModelIdentity:
+    """The manifest's model identity from its metadata."""
+    try:
+        return ModelIdentity(
+            *(int(meta[f"model.{k}"]) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")),
+            name=meta.get("model.name"), revision=meta.get("model.revision"),
+            config_sha256=meta.get("model.config_sha256"),
+            sliding_layers=[int(i) for i in meta["model.sliding_layers"].split(",") if i.strip()]
+            if meta.get("model.sliding_layers") else None,
+        )
+    except KeyError as e:
+        raise ManifestError(f"{source}: required metadata key {e.args[0]!r} is missing") from None
+    except ValueError as e:
+        raise ManifestError(f"{source}: model counts must be integers ({e})") from None
+
+
+def _check_hash(buf: bytes, header: dict, data: bytes, meta: dict, source: str) -> None:
+    """A file written by rolecall carries the hash of its content; refuse one whose content changed since."""
+    if "rolecall_version" in meta and CONTENT_HASH_KEY not in meta:
+        raise ManifestError(f"{source}: corrupted: written by rolecall but its {CONTENT_HASH_KEY!r} is missing")
+    if CONTENT_HASH_KEY not in meta:
+        return
+    written, actual = meta[CONTENT_HASH_KEY], content_sha256(header, data)
+    # the hash covers the parsed header; a flip that JSON ignores (e.g. into whitespace) shows up here
+    raw_header = buf[8 : len(buf) - len(data)].rstrip(b" ")
+    if raw_header != _canonical(header):
+        actual = "not-canonical"
+    if written != actual:
+        raise ManifestError(
+            f"{source}: corrupted: content hash is {actual[:12]}… but the file says {str(written)[:12]}… "
+            "(changed after it was written); restore or re-create the manifest"
+        )
 
 def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:
     if len(buf) < 8:

@@ -59,6 +59,20 @@ def fast_float32_matmul(enabled: bool = True) -> Iterator[None]:
 _MIN_MASS = 1e-20  # below this share of a query's probability, the selected keys are renormalised exactly
 
 
+def _selection(probs: Tensor, keep: Tensor, k: int, memo: dict[str, Tensor] | None) -> Tensor:
+    """The top-``k`` keys of each query by its group's mean probability ``[B, Hkv, S, T]`` bool (from ``memo``
+    when a checkpointed layer recomputes)."""
+    if memo is not None and "selected" in memo:
+        return memo["selected"]
+    with torch.no_grad():
+        top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
+        b, hkv, _, s, t = probs.shape
+        selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=probs.device).scatter_(-1, top, True) & keep
+    if memo is not None:
+        memo["selected"] = selected
+    return selected
+
+
 def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float,
                  inherited: Tensor | None, z: Tensor | None, k: int,
                  memo: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
@@ -88,14 +102,7 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
     bias = torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~keep, float("-inf"))
     scores.add_(bias[:, :, None].expand(-1, -1, groups, -1, -1).reshape(bias.shape[0], 1, groups * s, t))
     probs = torch.softmax(scores, dim=-1).view(b, hkv, groups, s, t)
-    if memo is not None and "selected" in memo:
-        selected = memo["selected"]
-    else:
-        with torch.no_grad():
-            top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
-            selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=query.device).scatter_(-1, top, True) & keep
-        if memo is not None:
-            memo["selected"] = selected
+    selected = _selection(probs, keep, k, memo)
     v = value.float()
     out = torch.matmul(probs.view(b, hkv, groups * s, t), v)  # [B, Hkv, G·S, D]
     if inherited is not None and z is not None:

@@ -162,141 +162,177 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
     fresh run refuses an output that has a manifest or checkpoints unless ``overwrite``, which removes the old
     checkpoints first. Returns the manifest.
     """
-    if len(dataset) == 0:
-        raise ValueError("the dataset is empty; build it with at least one sample")
-    output = config.resolved_output()
-    stem = output.with_name(output.name.removesuffix(".safetensors"))
-    log_path = stem.with_name(stem.name + ".log.jsonl")
-    num_layers, num_kv = _shape(model)
-    if num_layers < 2:
-        raise ValueError("the model has one layer; head roles need at least two (layer 0 is always retrieval)")
-    layout = GateLayout.of(model, config.include_sliding)  # hybrid models: sliding layers' gates held open
-    if config.target > layout.gated_heads(num_kv):
-        raise ValueError(f"target {config.target} exceeds the {layout.gated_heads(num_kv)} gated heads of this model")
-    data = dataset_provenance(dataset, data_info)
-    world, main = distributed.world_size(), distributed.is_main()
-    if config.batch_size % world:
-        raise ValueError(f"batch_size {config.batch_size} does not split evenly over {world} processes; "
-                         f"use a multiple of {world} (--batch-size)")
-    if resume is not None and overwrite:
-        raise ValueError("--resume continues a run and --overwrite starts a new one over it; pass one of them")
-    rid = run_id(config, data, model)
-    if resume is None and (main or not overwrite):  # every process checks; the main one alone removes
-        ckpt.claim_output(output, overwrite)
-    device = distributed.model_device(model)
-    torch.manual_seed(config.seed)
-    gates = GateParameters(config.gate, (num_layers - 1, num_kv), config.low, config.high,
-                           fixed_open=layout.fixed_open(num_kv)).to(device)
-    optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
-    generator = torch.Generator().manual_seed(config.seed)  # gate noise on the CPU: same draws on any device
-    hybrid = HybridAttention(num_layers, config.token_budget, checkpoint=config.gradient_checkpointing,
-                             sliding=layout.sliding)
-
-    goal = gates.l0_goal(config.target, config.min_gate_prob)  # E[L0] that means `target` open gates
-    start, lam, records = 0, 0.0, []
-    progress = ckpt.progress_log(ckpt.checkpoint_dir(output))  # the steps so far, until the manifest is written
-    if resume is not None:
-        path = ckpt.latest_checkpoint(output) if str(resume) == "latest" else Path(resume)
-        state = ckpt.load_checkpoint(path)
-        ckpt.check_run(state, path, rid, _difference(state, config, model, data))
-        _restore(state, gates, optimizer, generator)
-        start, lam = state["step"], state["lambda"]
-        # the log saved with the checkpoint (written before it, so it may run ahead); older runs kept it beside
-        # the manifest
-        saved = ckpt.progress_log(path.parent)
-        records = [r for r in ckpt.read_log(saved if saved.is_file() else log_path) if r["step"] < start]
-
-    last_loss = math.nan
-    with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=start, desc="train-heads",
-                                                                 dynamic_ncols=True, disable=not main) as bar:
-        for step in range(start, config.steps):
-            began = time.perf_counter()
-            positions = _step_positions(step, config)
-            calls = _prefill_calls(model, dataset, positions, config)
-            dist = gates.distribution()
-            z = dist.rsample(generator=generator)  # [L − 1, Hkv], the same draw on every process
-            # each sample's backward stops at z (a leaf here), so samples are processed one at a time in memory;
-            # their gradients meet in z_leaf.grad and then flow into the gate parameters once
-            z_leaf = z.detach().requires_grad_(True)
-            local_loss, bad = torch.zeros((), dtype=torch.float64), []
-            for pos, n_calls in zip(positions, calls):
-                item = dataset[sample_index(pos, len(dataset), config.seed)]
-                ids, labels = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])
-                with _autocast(config, device):
-                    loss_d, seen = distill_loss(model, hybrid, z_leaf, ids, labels, config.prefill_chunk, n_calls)
-                bad += [f"{name} holds {int((~torch.isfinite(t)).sum())} non-finite value(s) of {t.numel()}"
-                        for name, t in {"gates z": z, **seen, "distillation loss": loss_d}.items()
-                        if t is not None and not bool(torch.isfinite(t).all())]
-                (loss_d / config.batch_size).backward()
-                local_loss += float(loss_d.detach())
-            l0 = dist.expected_l0()
-            totals = torch.tensor([float(local_loss), float(len(bad))], dtype=torch.float64)
-            distributed.all_reduce_sum_([totals])
-            loss_d_value = float(totals[0]) / config.batch_size
-            try:
-                if bad or totals[1] > 0:
-                    raise NotFiniteError(f"step {step}: {bad[0] if bad else 'a tensor of another process went bad'}; "
-                                         "training stopped. Resume from the last checkpoint with a lower "
-                                         "--lr/--lambda-lr, or use --mixed-precision no")
-                _check_finite(step, {"expected L0": l0})
-                optimizer.zero_grad(set_to_none=True)
-                grad_z = z_leaf.grad if z_leaf.grad is not None else torch.zeros_like(z_leaf)
-                distributed.all_reduce_sum_([grad_z])  # Σ over the global batch of ∂(loss_i / B)/∂z
-                torch.autograd.backward([z, lam * (l0 - goal)], [grad_z.to(z.dtype), None])
-                _check_finite(step, {f"gradient of {n}": p.grad for n, p in gates.named_parameters()})
-            except NotFiniteError:
-                if main:
-                    ckpt.write_log(progress, records)  # keep the history that led here, beside the checkpoints
-                raise
-            optimizer.step()
-            gates.constrain_(config.min_gate_prob)
-            l0_value = float(l0.detach())
-            lam = max(0.0, lam + config.lambda_lr * (l0_value - goal))
-            last_loss = loss_d_value
-            with torch.no_grad():
-                ez = gates.distribution().expected_gate().float().cpu()
-            samples = [sample_index(p, len(dataset), config.seed)
-                       for p in range(step * config.batch_size, (step + 1) * config.batch_size)]
-            records.append({"step": step, "distill_loss": last_loss, "expected_l0": l0_value, "lambda": lam,
-                            "sample": samples[0] if len(samples) == 1 else samples,
-                            "seconds": round(time.perf_counter() - began, 4), **_peak_memory(device),
-                            "expected_gate": [round(x, 6) for x in ez.flatten().tolist()]})
-            bar.set_postfix(loss=f"{last_loss:.4g}", EL0=f"{l0_value:.2f}", lam=f"{lam:.3g}")
+    recipe = HeadRecipe(model, dataset, config)
+    recipe.setup(resume, data_info, overwrite)
+    with frozen(model), fast_float32_matmul(config.tf32), tqdm(total=config.steps, initial=recipe.start,
+                                                                 desc="train-heads", dynamic_ncols=True,
+                                                                 disable=not recipe.main) as bar:
+        for step in range(recipe.start, config.steps):
+            recipe.train_step(step)
+            bar.set_postfix(loss=f"{recipe.last_loss:.4g}", EL0=f"{recipe.records[-1]['expected_l0']:.2f}",
+                            lam=f"{recipe.lam:.3g}")
             bar.update()
-            if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps and main:
-                ckpt.write_log(progress, records)  # first: a kill between the two leaves a log ahead, never behind
-                _save(output, step + 1, config, model, data, gates, optimizer, generator, lam, rid)
+    return recipe.finalize()
 
-    if records and start >= config.steps:  # resumed at the last step: nothing left to train
-        last_loss = records[-1]["distill_loss"]
-    with torch.no_grad():
-        final = gates.distribution()
-        ez = final.expected_gate().float().cpu()
-        held = layout.fixed_open(num_kv)
-        learned = torch.ones_like(ez, dtype=torch.bool) if held is None else ~held
-        metrics = {
-            "steps": config.steps,
-            "final_loss": last_loss,
-            "final_loss_mean_last_10pct": float(np.mean([r["distill_loss"] for r in records[-max(1, len(records) // 10):]])),
-            "expected_l0": float(final.expected_l0()),
-            "expected_l0_goal": goal,
-            "lambda": lam,
-            # over the learned gates only: gates held open (sliding layers) are decided by construction
-            "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1]))[learned].float().mean()),
-            "gate": config.gate,
-        }
-        manifest = build_manifest(model, final, config, metrics, data)
-    if not main:
+
+class HeadRecipe:
+    """``train-heads`` in three parts, as torchtune shapes a recipe: :meth:`setup` (checks, gates, optimizer,
+    resumed state), :meth:`train_step` (one gate draw, the batch's distillation, the Lagrangian step, the log
+    record and the checkpoint) and :meth:`finalize` (the manifest, then its sidecars)."""
+
+    def __init__(self, model, dataset, config: TrainConfig) -> None:
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty; build it with at least one sample")
+        self.model, self.dataset, self.config = model, dataset, config
+        self.output = config.resolved_output()
+        self.stem = self.output.with_name(self.output.name.removesuffix(".safetensors"))
+        self.log_path = self.stem.with_name(self.stem.name + ".log.jsonl")
+        self.num_layers, self.num_kv = _shape(model)
+        if self.num_layers < 2:
+            raise ValueError("the model has one layer; head roles need at least two (layer 0 is always retrieval)")
+        self.layout = GateLayout.of(model, config.include_sliding)  # hybrid models: sliding layers' gates held open
+        gated = self.layout.gated_heads(self.num_kv)
+        if config.target > gated:
+            raise ValueError(f"target {config.target} exceeds the {gated} gated heads of this model")
+        self.world, self.main = distributed.world_size(), distributed.is_main()
+        if config.batch_size % self.world:
+            raise ValueError(f"batch_size {config.batch_size} does not split evenly over {self.world} processes; "
+                             f"use a multiple of {self.world} (--batch-size)")
+        self.start, self.lam, self.records, self.last_loss = 0, 0.0, [], math.nan
+
+    def setup(self, resume: str | Path | None, data_info: dict[str, Any] | None, overwrite: bool) -> None:
+        config, model = self.config, self.model
+        self.data = dataset_provenance(self.dataset, data_info)
+        if resume is not None and overwrite:
+            raise ValueError("--resume continues a run and --overwrite starts a new one over it; pass one of them")
+        self.rid = run_id(config, self.data, model)
+        if resume is None and (self.main or not overwrite):  # every process checks; the main one alone removes
+            ckpt.claim_output(self.output, overwrite)
+        self.device = distributed.model_device(model)
+        torch.manual_seed(config.seed)
+        self.gates = GateParameters(config.gate, (self.num_layers - 1, self.num_kv), config.low, config.high,
+                                    fixed_open=self.layout.fixed_open(self.num_kv)).to(self.device)
+        self.optimizer = torch.optim.Adam(self.gates.parameters(), lr=config.lr)
+        self.generator = torch.Generator().manual_seed(config.seed)  # gate noise on the CPU: same draws anywhere
+        self.hybrid = HybridAttention(self.num_layers, config.token_budget, checkpoint=config.gradient_checkpointing,
+                                      sliding=self.layout.sliding)
+        self.goal = self.gates.l0_goal(config.target, config.min_gate_prob)  # E[L0] that means `target` open gates
+        self.progress = ckpt.progress_log(ckpt.checkpoint_dir(self.output))  # the steps so far, until the manifest
+        if resume is not None:
+            path = ckpt.latest_checkpoint(self.output) if str(resume) == "latest" else Path(resume)
+            state = ckpt.load_checkpoint(path)
+            ckpt.check_run(state, path, self.rid, _difference(state, config, model, self.data))
+            _restore(state, self.gates, self.optimizer, self.generator)
+            self.start, self.lam = state["step"], state["lambda"]
+            # the log saved with the checkpoint (written before it, so it may run ahead); older runs kept it
+            # beside the manifest
+            saved = ckpt.progress_log(path.parent)
+            self.records = [r for r in ckpt.read_log(saved if saved.is_file() else self.log_path)
+                            if r["step"] < self.start]
+
+    def train_step(self, step: int) -> None:
+        config = self.config
+        began = time.perf_counter()
+        dist = self.gates.distribution()
+        z = dist.rsample(generator=self.generator)  # [L − 1, Hkv], the same draw on every process
+        # each sample's backward stops at z (a leaf here), so samples are processed one at a time in memory;
+        # their gradients meet in z_leaf.grad and then flow into the gate parameters once
+        z_leaf = z.detach().requires_grad_(True)
+        local_loss, bad = self._distill(step, z, z_leaf)
+        l0 = dist.expected_l0()
+        totals = torch.tensor([local_loss, float(len(bad))], dtype=torch.float64)
+        distributed.all_reduce_sum_([totals])
+        try:
+            if bad or totals[1] > 0:
+                raise NotFiniteError(f"step {step}: {bad[0] if bad else 'a tensor of another process went bad'}; "
+                                     "training stopped. Resume from the last checkpoint with a lower "
+                                     "--lr/--lambda-lr, or use --mixed-precision no")
+            _check_finite(step, {"expected L0": l0})
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_z = z_leaf.grad if z_leaf.grad is not None else torch.zeros_like(z_leaf)
+            distributed.all_reduce_sum_([grad_z])  # Σ over the global batch of ∂(loss_i / B)/∂z
+            torch.autograd.backward([z, self.lam * (l0 - self.goal)], [grad_z.to(z.dtype), None])
+            _check_finite(step, {f"gradient of {n}": p.grad for n, p in self.gates.named_parameters()})
+        except NotFiniteError:
+            if self.main:
+                ckpt.write_log(self.progress, self.records)  # keep the history that led here, beside the checkpoints
+            raise
+        self.optimizer.step()
+        self.gates.constrain_(config.min_gate_prob)
+        l0_value = float(l0.detach())
+        self.lam = max(0.0, self.lam + config.lambda_lr * (l0_value - self.goal))
+        self.last_loss = float(totals[0]) / config.batch_size
+        self._record(step, l0_value, began)
+        if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps and self.main:
+            ckpt.write_log(self.progress, self.records)  # first: a kill between the two leaves a log ahead, never behind
+            _save(self.output, step + 1, config, self.model, self.data, self.gates, self.optimizer, self.generator,
+                  self.lam, self.rid)
+
+    def _distill(self, step: int, z: torch.Tensor, z_leaf: torch.Tensor) -> tuple[float, list[str]]:
+        """This process's share of the batch: the summed distillation loss (each sample's gradient reaches
+        ``z_leaf.grad``) and a line for every tensor that went non-finite."""
+        config = self.config
+        positions = _step_positions(step, config)
+        calls = _prefill_calls(self.model, self.dataset, positions, config)
+        local_loss, bad = 0.0, []
+        for pos, n_calls in zip(positions, calls):
+            item = self.dataset[sample_index(pos, len(self.dataset), config.seed)]
+            ids, labels = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])
+            with _autocast(config, self.device):
+                loss_d, seen = distill_loss(self.model, self.hybrid, z_leaf, ids, labels, config.prefill_chunk,
+                                            n_calls)
+            bad += [f"{name} holds {int((~torch.isfinite(t)).sum())} non-finite value(s) of {t.numel()}"
+                    for name, t in {"gates z": z, **seen, "distillation loss": loss_d}.items()
+                    if t is not None and not bool(torch.isfinite(t).all())]
+            (loss_d / config.batch_size).backward()
+            local_loss += float(loss_d.detach())
+        return local_loss, bad
+
+    def _record(self, step: int, l0_value: float, began: float) -> None:
+        config = self.config
+        with torch.no_grad():
+            ez = self.gates.distribution().expected_gate().float().cpu()
+        samples = [sample_index(p, len(self.dataset), config.seed)
+                   for p in range(step * config.batch_size, (step + 1) * config.batch_size)]
+        self.records.append({"step": step, "distill_loss": self.last_loss, "expected_l0": l0_value,
+                             "lambda": self.lam, "sample": samples[0] if len(samples) == 1 else samples,
+                             "seconds": round(time.perf_counter() - began, 4), **_peak_memory(self.device),
+                             "expected_gate": [round(x, 6) for x in ez.flatten().tolist()]})
+
+    def finalize(self) -> RoleManifest:
+        config, records = self.config, self.records
+        if records and self.start >= config.steps:  # resumed at the last step: nothing left to train
+            self.last_loss = records[-1]["distill_loss"]
+        with torch.no_grad():
+            final = self.gates.distribution()
+            ez = final.expected_gate().float().cpu()
+            held = self.layout.fixed_open(self.num_kv)
+            learned = torch.ones_like(ez, dtype=torch.bool) if held is None else ~held
+            tail = records[-max(1, len(records) // 10):]
+            metrics = {
+                "steps": config.steps,
+                "final_loss": self.last_loss,
+                "final_loss_mean_last_10pct": float(np.mean([r["distill_loss"] for r in tail])),
+                "expected_l0": float(final.expected_l0()),
+                "expected_l0_goal": self.goal,
+                "lambda": self.lam,
+                # over the learned gates only: gates held open (sliding layers) are decided by construction
+                "fraction_undecided": float(((ez > UNDECIDED[0]) & (ez < UNDECIDED[1]))[learned].float().mean()),
+                "gate": config.gate,
+            }
+            manifest = build_manifest(self.model, final, config, metrics, self.data)
+        if not self.main:
+            return manifest
+        manifest.save(self.output)
+        # the sidecars only now, each atomically: a run that fails leaves an earlier run's manifest and sidecars
+        stem = self.stem
+        ckpt.write_log(self.log_path, records)
+        write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
+        if config.plots and records:
+            plot_gates(records, (self.num_layers, self.num_kv), stem.with_name(stem.name + ".gates.png"))
+            plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), self.goal,
+                        learned.flatten().tolist())
         return manifest
-    manifest.save(output)
-    # the sidecars only now, each atomically: a run that fails leaves an earlier run's manifest and sidecars alone
-    ckpt.write_log(log_path, records)
-    write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
-    if config.plots and records:
-        plot_gates(records, (num_layers, num_kv), stem.with_name(stem.name + ".gates.png"))
-        plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), goal,
-                    learned.flatten().tolist())
-    return manifest
 
 
 def _save(output, step, config, model, data, gates, optimizer, generator, lam, rid) -> Path:

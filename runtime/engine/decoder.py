@@ -84,21 +84,7 @@ class StaticDecoder:
         if min_context is None:
             min_context = default_min_context(self.policy.name, batch) if sparse else 0
         self.min_context = min_context if sparse else 0
-        if kernels not in ("auto", "naive", "triton"):
-            raise ValueError(f"kernels must be auto, naive or triton, not {kernels!r}")
-        self.triton = kernels == "triton" or (kernels == "auto" and use_triton(torch.empty(0, device=device)))
-        if self.triton:
-            from runtime.kernels.page_scores import triton as page_triton
-            from runtime.kernels.rope_cache import triton as rope_triton
-            from runtime.kernels.sparse_attention import triton as sparse_triton
-            from runtime.kernels.topk_select import triton as topk_triton
-
-            self._page_triton, self._sparse_triton, self._rope_triton = page_triton, sparse_triton, rope_triton
-            self._topk_triton = topk_triton
-            for size in self.static.block_sizes:
-                if size & (size - 1):
-                    raise ValueError(f"policy {self.policy.name!r}: block size {size} must be a power of two "
-                                     "for the GPU kernels")
+        self._choose_kernels(kernels, device)
         prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
         if prepare is not None:
             prepare(self)
@@ -118,6 +104,25 @@ class StaticDecoder:
         self.compiles = compile  # whether the step's small ops go through torch.compile (policies may too)
         self._post = L.compiled_finish(s) if compile else functools.partial(L.finish_tensors, s)
         self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
+
+    def _choose_kernels(self, kernels: str, device: torch.device) -> None:
+        """Triton (on CUDA by default, or under the interpreter when asked) or the PyTorch references."""
+        if kernels not in ("auto", "naive", "triton"):
+            raise ValueError(f"kernels must be auto, naive or triton, not {kernels!r}")
+        self.triton = kernels == "triton" or (kernels == "auto" and use_triton(torch.empty(0, device=device)))
+        if not self.triton:
+            return
+        from runtime.kernels.page_scores import triton as page_triton
+        from runtime.kernels.rope_cache import triton as rope_triton
+        from runtime.kernels.sparse_attention import triton as sparse_triton
+        from runtime.kernels.topk_select import triton as topk_triton
+
+        self._page_triton, self._sparse_triton, self._rope_triton = page_triton, sparse_triton, rope_triton
+        self._topk_triton = topk_triton
+        for size in self.static.block_sizes:
+            if size & (size - 1):
+                raise ValueError(f"policy {self.policy.name!r}: block size {size} must be a power of two "
+                                 "for the GPU kernels")
 
     # -- host-side control -------------------------------------------------------------------------------------
     def set_length(self, length: int) -> None:

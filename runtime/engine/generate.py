@@ -117,23 +117,13 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     tokens at every check. The cache holds
     ``longest prompt + max(max_new_tokens)`` tokens per row.
     """
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-    b = len(prompts)
-    limits = [max_new_tokens] * b if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != b or any(n < 1 for n in limits):
-        raise ValueError(f"max_new_tokens must be ≥ 1, one value or one per prompt ({b}), got {max_new_tokens}")
-    if stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need the tokenizer (tokenizer=...) to read the text")
-    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    sampling = sampling or Sampling()
-    device = weights.device
+    limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
+    b, device = len(prompts), weights.device
     ids, pads = pad_left(prompts, pad_token_id, device)
     slots = ids.shape[1] + max(limits)
-    sampler = Sampler(sampling, device)
     stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None)
-    dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels, sampler=sampler,
-                        stopper=stopper)
+    dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
+                        sampler=Sampler(sampling or Sampling(), device), stopper=stopper)
     stopper.source = dec.logits
     graphs = device.type == "cuda" if graphs is None else graphs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -145,45 +135,20 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         dec.capture()
     if streamer is not None:  # as transformers does: the prompt first (TextStreamer(skip_prompt=True) drops it)
         streamer.put(torch.tensor(prompts[0]))
-    sent = 0
-    steps = 0
-    cut: dict[int, int] = {}
     t2 = time.perf_counter()
-    while steps < max(limits) - 1:
-        dec.step()
-        steps += 1
-        if steps % check_every and steps < max(limits) - 1:
-            continue
-        done = stopper.finished.cpu()  # the one sync every check_every steps
-        if streamer is not None or stop_strings:
-            count = int(stopper.count)
-            out = stopper.out[:, :count].cpu().tolist()
-            for r in range(b):  # stop strings first, so that nothing past one is streamed
-                if stop_strings and r not in cut:
-                    n = _cut_at_stop(tokenizer, out[r], list(stop_strings))
-                    if n is not None or done[r]:  # a row finished by EOS is scanned once, then never again
-                        cut[r] = n
-                    if n is not None:
-                        stopper.finished[r] = True
-                        done[r] = True
-            if streamer is not None:
-                sent = _stream(streamer, out[0], sent, cut.get(0), eos)
-        if bool(done.all()):
-            break
+    loop = _Loop(dec, stopper, limits, eos, stop_strings, tokenizer, streamer)
+    steps = loop.run(check_every)
     sync()
     t3 = time.perf_counter()
     count = int(stopper.count)
     out = stopper.out[:, :count].cpu().tolist()
     tokens, finish = [], []
     for r, row in enumerate(out):
-        row = row[:limits[r]]
-        if r not in cut and stop_strings:  # the steps since the last check
-            cut[r] = _cut_at_stop(tokenizer, row, list(stop_strings))
-        end, why = _row_end(row, cut.get(r), eos)
+        end, why = loop.row_end(r, row[:limits[r]])
         tokens.append(row[:end])
         finish.append(why)
     if streamer is not None:
-        _stream(streamer, out[0][:limits[0]], sent, cut.get(0), eos)
+        _stream(streamer, out[0][:limits[0]], loop.sent, loop.cut.get(0), eos)
         streamer.end()
     logits = None
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers)
@@ -192,6 +157,68 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",
                        "attended_fraction": _fraction(dec, ids.shape[1], steps)})
+
+
+def _request(prompts: list[list[int]], max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,
+             eos_token_id: int | list[int] | None) -> tuple[list[int], list[int]]:
+    """Checks a request before any work: the per-row token limits and the EOS ids."""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    b = len(prompts)
+    limits = [max_new_tokens] * b if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != b or any(n < 1 for n in limits):
+        raise ValueError(f"max_new_tokens must be ≥ 1, one value or one per prompt ({b}), got {max_new_tokens}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer (tokenizer=...) to read the text")
+    return limits, [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+
+
+@dataclass
+class _Loop:
+    """The decode loop: steps on the device, and every ``check_every`` steps one sync that reads which rows
+    finished, cuts rows at stop strings and streams row 0."""
+
+    dec: StaticDecoder
+    stopper: Stopper
+    limits: list[int]
+    eos: list[int]
+    stop_strings: Any
+    tokenizer: Any
+    streamer: Any
+    sent: int = 0  # tokens of row 0 streamed so far
+    cut: dict[int, int | None] = field(default_factory=dict)  # row -> where its stop string ends (None: none)
+
+    def run(self, check_every: int) -> int:
+        steps, last = 0, max(self.limits) - 1
+        while steps < last:
+            self.dec.step()
+            steps += 1
+            if steps % check_every and steps < last:
+                continue
+            done = self.stopper.finished.cpu()  # the one sync every check_every steps
+            if self.streamer is not None or self.stop_strings:
+                self.check(done)
+            if bool(done.all()):
+                break
+        return steps
+
+    def check(self, done: torch.Tensor) -> None:
+        out = self.stopper.out[:, :int(self.stopper.count)].cpu().tolist()
+        for r in range(len(out)):  # stop strings first, so that nothing past one is streamed
+            if self.stop_strings and r not in self.cut:
+                n = _cut_at_stop(self.tokenizer, out[r], list(self.stop_strings))
+                if n is not None or done[r]:  # a row finished by EOS is scanned once, then never again
+                    self.cut[r] = n
+                if n is not None:
+                    self.stopper.finished[r] = True
+                    done[r] = True
+        if self.streamer is not None:
+            self.sent = _stream(self.streamer, out[0], self.sent, self.cut.get(0), self.eos)
+
+    def row_end(self, r: int, row: list[int]) -> tuple[int, str]:
+        if r not in self.cut and self.stop_strings:  # the steps since the last check
+            self.cut[r] = _cut_at_stop(self.tokenizer, row, list(self.stop_strings))
+        return _row_end(row, self.cut.get(r), self.eos)
 
 
 def _fraction(dec: StaticDecoder, prompt: int, steps: int) -> float | None:
