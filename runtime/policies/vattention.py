@@ -294,7 +294,8 @@ class VAttentionStep:
         pilot = p.pilot_slots(n_r, fixed, first, tokens, layer, free)  # [B, Hkv, p]
         index = pilot[..., None].expand(*pilot.shape, d)
         keys, values = k.gather(2, index).float(), v.gather(2, index).float()  # [B, Hkv, p, D]
-        logits = torch.einsum("bhgd,bhpd->bhgp", q.float().view(b, hkv, g, d), keys) * scale
+        # a product and a sum, not a matmul: exact float32 (no TF32) for the few pilot keys
+        logits = (q.float().view(b, hkv, g, 1, d) * keys[:, :, None]).sum(-1) * scale  # [B, Hkv, G, p]
         size = p._sample_size(logits - lse.view(b, hkv, g)[..., None], values, out.float().view(b, hkv, g, d), n_r)
         plan = p.sampled_plan(fixed, first, n_r, size, min(t, p.max_sample), tokens, layer, free)
         return plan.indices, plan.log_weights
