@@ -11,7 +11,6 @@ warm-up restricted to them, ``min_gap`` counted in candidate layers) and maps th
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,20 +18,16 @@ import torch
 from scipy.signal import find_peaks
 
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
+from runtime.registry import Registry
 
 # name -> "module:class"; imported on use so each strategy stays in its own file
-SELECTORS: dict[str, str] = {
-    "peaks": "calibrate.select_peaks:PeaksSelector",
-    "recall": "calibrate.select_recall:RecallSelector",
-}
+SELECTORS = Registry("Δ-layer selector")
+SELECTORS.update({"peaks": "calibrate.select_peaks:PeaksSelector", "recall": "calibrate.select_recall:RecallSelector"})
 
 
 def get_selector(name: str, **kwargs):
     """The selector registered as ``name``, built with ``kwargs``."""
-    if name not in SELECTORS:
-        raise ValueError(f"unknown Δ-layer selector {name!r}; choose one of {', '.join(sorted(SELECTORS))}")
-    module, cls = SELECTORS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return SELECTORS.lookup(name)(**kwargs)
 
 
 def check_delta_count(num_layers: int, num_delta: int, warmup: int) -> None:

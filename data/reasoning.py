@@ -31,6 +31,7 @@ from data.tokens import (
     tokenizer_fingerprint,
 )
 from runtime.atomic import write_text
+from runtime.registry import Registry
 
 INSTRUCTION = "Think it through step by step, then give the final answer in \\boxed{}."
 
@@ -42,15 +43,9 @@ class Problem:
     answer: str | None = None
 
 
-PROBLEM_SOURCES: dict[str, Any] = {}
-
-
-def register_problems(name: str):
-    def wrap(fn):
-        PROBLEM_SOURCES[name] = fn
-        return fn
-
-    return wrap
+PROBLEM_SOURCES = Registry("reasoning source", CorpusError, choices="champ, arithmetic[:N] or jsonl:PATH",
+                           lead="choose")
+register_problems = PROBLEM_SOURCES.register
 
 
 @register_problems("champ")
@@ -139,11 +134,10 @@ def load_problems(source: str = "champ", limit: int | None = None) -> list[Probl
     name, _, arg = source.partition(":")
     if name not in PROBLEM_SOURCES and source.endswith(".jsonl"):
         name, arg = "jsonl", source
-    if name not in PROBLEM_SOURCES:
-        raise CorpusError(f"unknown reasoning source {source!r}; choose champ, arithmetic[:N] or jsonl:PATH")
+    load = PROBLEM_SOURCES.lookup(name, shown=source)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be positive or None, got {limit}")
-    return PROBLEM_SOURCES[name](arg)[:limit]
+    return load(arg)[:limit]
 
 
 def load_prompts(source: str = "champ", limit: int | None = None, instruction: str | None = INSTRUCTION) -> list[str]:

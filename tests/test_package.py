@@ -42,3 +42,23 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert "inspect" in run(str(bin_dir / "rolecall"), "--help")
     assert "--model" in run(str(bin_dir / "calibrate-delta"), "--help")
     assert "--target" in run(str(bin_dir / "train-heads"), "--help")
+
+
+def test_registry_imports_on_lookup_and_refuses_unknown_names():
+    from runtime.registry import Registry
+
+    reg = Registry("widget", KeyError)
+    reg["lazy"] = "json:dumps"  # a "module:attr" entry is imported when looked up
+
+    @reg.register("eager")
+    def eager():
+        return 1
+
+    import json
+
+    assert reg.lookup("lazy") is json.dumps and reg.lookup("eager") is eager and sorted(reg) == ["eager", "lazy"]
+    with pytest.raises(KeyError, match="unknown widget 'nope'; choose one of eager, lazy"):
+        reg.lookup("nope")
+    named = Registry("source", ValueError, choices="a or b:PATH", lead="choose")
+    with pytest.raises(ValueError, match=r"unknown source 'x:y'; choose a or b:PATH"):
+        named.lookup("x", shown="x:y")

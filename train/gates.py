@@ -29,7 +29,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-GATES: dict[str, type] = {}
+from runtime.registry import Registry
+
+GATES = Registry("gate")
 
 _PANELS, _NODES = 4, 32
 _NODES_X, _NODES_W = (torch.from_numpy(a) for a in np.polynomial.legendre.leggauss(_NODES))
@@ -38,17 +40,14 @@ _TINY = 1e-300  # keeps float64 logs finite
 
 def register(name: str):
     def deco(cls):
-        GATES[name] = cls
         cls.name = name
-        return cls
+        return GATES.register(name)(cls)
 
     return deco
 
 
 def get_gate(name: str) -> type:
-    if name not in GATES:
-        raise ValueError(f"unknown gate {name!r}; choose one of {', '.join(sorted(GATES))}")
-    return GATES[name]
+    return GATES.lookup(name)
 
 
 def log1mexp(x: Tensor) -> Tensor:

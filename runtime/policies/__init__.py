@@ -12,21 +12,12 @@ statistics. ``get_policy("delta", budget=1024)`` builds one from a name and keyw
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-# name -> (module, class)
-POLICIES: dict[str, tuple[str, str]] = {
-    "full": ("runtime.policies.full", "Full"),
-    "delta": ("runtime.policies.delta", "Delta"),
-    "lychee": ("runtime.policies.lychee", "Lychee"),
-    "lethe": ("runtime.policies.lethe", "Lethe"),
-    "vattention": ("runtime.policies.vattention", "VAttention"),
-    "quest": ("runtime.policies.quest", "Quest"),
-}
+from runtime.registry import Registry
 
 
 class PolicyError(ValueError):
@@ -35,6 +26,18 @@ class PolicyError(ValueError):
 
 class UnknownPolicyError(PolicyError):
     pass
+
+
+# name -> "module:class", imported on use
+POLICIES = Registry("policy", UnknownPolicyError, lead="known policies:", ordered=True)
+POLICIES.update({
+    "full": "runtime.policies.full:Full",
+    "delta": "runtime.policies.delta:Delta",
+    "lychee": "runtime.policies.lychee:Lychee",
+    "lethe": "runtime.policies.lethe:Lethe",
+    "vattention": "runtime.policies.vattention:VAttention",
+    "quest": "runtime.policies.quest:Quest",
+})
 
 
 @dataclass
@@ -72,8 +75,6 @@ def get_policy(name: str | Any, **params: Any):
         if params:
             raise PolicyError("pass parameters either to the policy object or to attach(), not both")
         return name
-    if name not in POLICIES:
-        raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
     kind = policy_class(name)
     fields = [f.name for f in dataclasses.fields(kind) if f.init and not f.name.startswith("_")]
     unknown = [k for k in params if k not in fields]
@@ -86,8 +87,7 @@ def get_policy(name: str | Any, **params: Any):
 
 
 def policy_class(name: str) -> type:
-    module, cls = POLICIES[name]
-    return getattr(importlib.import_module(module), cls)
+    return POLICIES.lookup(name)
 
 
 def engine_policies() -> tuple[str, ...]:
