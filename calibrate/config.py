@@ -13,11 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A calibration setting is out of range or unknown (the message names it and the fix)."""
+from runtime.configfile import ConfigError, layered, read_config, shipped
 
 
 @dataclass
@@ -99,39 +95,18 @@ class CalibrateConfig:
 
 
 def resolve(*layers: dict[str, Any] | None) -> CalibrateConfig:
-    """Merge ``layers`` over the dataclass defaults, later ones winning; ``None`` values in a layer are skipped
-    (an unset CLI flag), unknown keys are refused."""
-    known = {f.name for f in dataclasses.fields(CalibrateConfig)}
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        for key, value in (layer or {}).items():
-            if key not in known:
-                raise ConfigError(f"calibration config: unknown key {key!r}; known keys: {', '.join(sorted(known))}")
-            if value is not None:
-                merged[key] = value
-    return CalibrateConfig(**merged)
+    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`runtime.configfile.layered`)."""
+    return layered(CalibrateConfig, *layers, what="calibration config")
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"calibration config {path}: no such file; pass --config with a YAML file "
-                          "(see configs/calibrate/)")
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"calibration config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"calibration config {path}: expected a mapping of settings, got {type(doc).__name__}")
-    return doc
+def read_yaml(name_or_path: str | Path) -> dict[str, Any]:
+    """A calibration config file, or the name of one in ``configs/calibrate/``."""
+    return read_config(name_or_path, "calibration config", "calibrate")
 
 
 def shipped_config(model: str) -> Path | None:
     """``configs/calibrate/<model>.yaml`` when it ships with the package."""
-    import importlib.resources
-
-    path = importlib.resources.files("configs") / "calibrate" / f"{model}.yaml"
-    return Path(str(path)) if path.is_file() else None
+    return shipped("calibrate").get(model)
 
 
 def dumps(config: CalibrateConfig) -> str:

@@ -14,7 +14,6 @@ in the environment.
 from __future__ import annotations
 
 import contextlib
-import importlib.resources
 import json
 import os
 from collections.abc import Iterable
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from runtime.configfile import read_config, shipped
 
 
 def _dist():
@@ -88,25 +89,12 @@ def all_reduce_sum_(tensors: Iterable[torch.Tensor | None]) -> None:
 # ----------------------------------------------------------------------------------------------- DeepSpeed
 
 def shipped_deepspeed_configs() -> dict[str, Path]:
-    root = importlib.resources.files("configs") / "deepspeed"
-    return {p.name.removesuffix(".json"): Path(str(p)) for p in root.iterdir() if p.name.endswith(".json")}
+    return shipped("deepspeed")
 
 
 def read_deepspeed_config(name_or_path: str) -> dict[str, Any]:
-    path = Path(name_or_path)
-    if not path.is_file():
-        shipped = shipped_deepspeed_configs()
-        if name_or_path not in shipped:
-            raise ValueError(f"DeepSpeed config {name_or_path!r} is neither a file nor one of configs/deepspeed/ "
-                             f"({', '.join(sorted(shipped))})")
-        path = shipped[name_or_path]
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object")
-    return config
+    """A DeepSpeed config file, or the name of one in ``configs/deepspeed/``."""
+    return read_config(name_or_path, "DeepSpeed config", "deepspeed")
 
 
 def deepspeed_config_from_environment() -> dict[str, Any] | None:

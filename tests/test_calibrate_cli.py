@@ -93,7 +93,7 @@ def test_bad_input_is_one_line(model_dir, argv, message, capsys):
 
 
 def test_unknown_yaml_key_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'strid'"):
+    with pytest.raises(ConfigError, match="unknown option 'strid'"):
         resolve({"strid": 3})
 
 

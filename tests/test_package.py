@@ -62,3 +62,23 @@ def test_registry_imports_on_lookup_and_refuses_unknown_names():
     named = Registry("source", ValueError, choices="a or b:PATH", lead="choose")
     with pytest.raises(ValueError, match=r"unknown source 'x:y'; choose a or b:PATH"):
         named.lookup("x", shown="x:y")
+
+
+def test_config_files_read_the_same_way_everywhere(tmp_path):
+    from calibrate.config import CalibrateConfig, read_yaml
+    from runtime.configfile import ConfigError, layered, read_config
+
+    assert read_yaml("smollm2-135m") == read_config("smollm2-135m", "calibration config", "calibrate")  # by name
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_config(bad, "training config", "train")
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping of option: value, got list"):
+        read_config(bad, "training config", "train")
+    with pytest.raises(ConfigError, match="no such file, and not one of configs/calibrate/ .*smollm2-135m"):
+        read_config("nope", "calibration config", "calibrate")
+    config = layered(CalibrateConfig, {"stride": 8}, {"stride": None, "warmup": 1}, what="c")  # None: unset flag
+    assert (config.stride, config.warmup) == (8, 1)
+    with pytest.raises(ConfigError, match="c: unknown options 'x', 'y'; known options: "):
+        layered(CalibrateConfig, {"x": 1, "y": 2}, what="c")

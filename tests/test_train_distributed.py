@@ -97,7 +97,7 @@ def test_frozen_model_deepspeed_config_fills_autos_and_refuses_stages_that_do_no
         assert "auto" not in json.dumps(cfg)
     with pytest.raises(ValueError, match="ZeRO stage 2 does not shard a frozen model"):
         distributed.frozen_model_config(distributed.read_deepspeed_config("zero2"), torch.bfloat16)
-    with pytest.raises(ValueError, match="neither a file nor one of configs/deepspeed/"):
+    with pytest.raises(ValueError, match="no such file, and not one of configs/deepspeed/"):
         distributed.read_deepspeed_config("zero9")
 
 

@@ -57,7 +57,7 @@ def test_config_layers_and_errors(tmp_path):
     path.write_text("stepz: 7\n")
     with pytest.raises(ValueError, match="unknown option.*stepz"):
         build_config(str(path))
-    with pytest.raises(ValueError, match="neither a file nor one of configs/train"):
+    with pytest.raises(ValueError, match="no such file, and not one of configs/train"):
         build_config("nope")
     with pytest.raises(ValueError, match="token_budget"):
         TrainConfig(token_budget=1.5)

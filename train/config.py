@@ -4,15 +4,13 @@ into the manifest's ``config`` metadata."""
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from runtime.configfile import layered, read_config, shipped
 from train.gates import GATES
 
 MIXED_PRECISION = ("no", "bf16")  # fp16 would need loss scaling, whose skipped steps the NaN check stops on
@@ -115,23 +113,12 @@ def model_slug(name: str) -> str:
 
 
 def shipped_configs() -> dict[str, Path]:
-    root = importlib.resources.files("configs") / "train"
-    return {p.name.rsplit(".", 1)[0]: Path(str(p)) for p in root.iterdir() if p.name.endswith((".yaml", ".yml"))}
+    return shipped("train")
 
 
 def read_yaml(name_or_path: str) -> dict[str, Any]:
-    """The mapping in a YAML config: a path, or the name of one in configs/train/."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        shipped = shipped_configs()
-        if name_or_path not in shipped:
-            raise ValueError(f"config {name_or_path!r} is neither a file nor one of configs/train/ "
-                             f"({', '.join(sorted(shipped))})")
-        path = shipped[name_or_path]
-    doc = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: a training config must be a YAML mapping of option: value")
-    return doc
+    """The mapping in a training config: a path, or the name of one in configs/train/."""
+    return read_config(name_or_path, "training config", "train")
 
 
 def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfig:
@@ -140,20 +127,13 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
     Without ``yaml_config``, a shipped ``configs/train/<model>.yaml`` named after the model alias is the YAML
     layer, so every model can carry settings that suit it (context length, step cost).
     """
-    known = {f.name for f in fields(TrainConfig)}
     if yaml_config is None:
         model = overrides.get("model") or TrainConfig.model
         if model in shipped_configs():
             yaml_config = model
     values: dict[str, Any] = read_yaml(yaml_config) if yaml_config else {}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{yaml_config}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)}")
-    return TrainConfig(**values)
+    return layered(TrainConfig, values, overrides, what=f"training config {yaml_config}" if yaml_config
+                   else "training config")
 
 
 def model_config(name: str, trust_remote_code: bool = False):
