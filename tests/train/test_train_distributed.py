@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 import train
 from runtime import distributed
 from runtime.manifest import RoleManifest
-from tests.test_train_recipe import _config, _dataset, _model
 from tests.tiny import tiny_tokenizer
+from tests.train.test_train_recipe import _config, _dataset, _model
 
 
 def _worker(rank: int, world: int, port: int, folder: str, steps: int) -> None:
