@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.eval_cli import add_common, policy_inputs
+from runtime.cli.common import add_common, policy_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

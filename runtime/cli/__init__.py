@@ -18,11 +18,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("runtime.inspect", "print a manifest's identity, provenance and role map"),
     "calibrate": ("calibrate.cli", "record attention and choose Δ-layers and Lethe budgets (= calibrate-delta)"),
     "train": ("train.cli", "learn retrieval heads with HardKuma gates (= train-heads)"),
-    "decode": ("runtime.decode_cli", "generate with a manifest and a sparse-decode policy"),
-    "eval": ("runtime.eval_cli", "compare policies on passkey prompts"),
-    "export": ("runtime.export_cli", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
-    "import": ("runtime.import_cli", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
-    "merge": ("runtime.merge_cli", "combine a layers manifest and a heads manifest of one model"),
+    "decode": ("runtime.cli.decode", "generate with a manifest and a sparse-decode policy"),
+    "eval": ("runtime.cli.eval", "compare policies on passkey prompts"),
+    "export": ("runtime.cli.export", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
+    "import": ("runtime.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
+    "merge": ("runtime.cli.merge", "combine a layers manifest and a heads manifest of one model"),
 }
 
 
