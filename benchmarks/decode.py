@@ -98,8 +98,10 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
         policy, manifest = get_policy("quest", budget=budget, page_size=16), None
     elif name == "vattention":  # DELTA + vAttention: the Δ-layers' scores rank heavy hitters, samples up to budget
         policy, manifest = get_policy("vattention", max_sample=budget), delta_manifest(shape)
+    elif name == "lethe":  # the same budget in every layer
+        policy, manifest = get_policy("lethe", budget=budget), None
     else:
-        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, quest, vattention")
+        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, quest, vattention, lethe")
     policy.bind(manifest, _config(shape))
     return policy
 
@@ -370,7 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8])
     p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, lychee, quest, "
-                   "vattention (on DELTA's roles, samples up to the budget)")
+                   "vattention (on DELTA's roles, samples up to the budget), lethe")
     p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")

@@ -110,9 +110,9 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
     have = {"full": True, "delta": bool(args.delta or args.delta_recall), "lychee": bool(heads), "lethe": True,
             "vattention": True, "quest": True}
     wanted = args.policies or [p for p in POLICIES if have[p] and p in engine]
-    if any(p in POLICIES and p not in engine for p in wanted):
-        off = " and ".join(p for p in POLICIES if p not in engine)
-        raise SystemExit(f"--suite reasoning runs on the engine: leave {off} out of --policies")
+    off = [p for p in wanted if p in POLICIES and p not in engine]
+    if off:
+        raise SystemExit(f"--suite reasoning runs on the engine: leave {' and '.join(off)} out of --policies")
     for p in wanted:
         if p not in POLICIES:
             raise SystemExit(f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}")

@@ -259,17 +259,16 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     divergence point, the first generated token the policy would have chosen otherwise (from there on its
     own greedy generation would part from full's)."""
     from data.reasoning import build_reasoning_dataset
-    from runtime.engine import Weights, lockstep
+    from runtime.engine import Weights, lockstep, static_step_of
 
     prompts = [s["input_ids"].tolist() for s in build_reasoning_dataset(tokenizer, source, limit)]
     with attach(model, manifest, policy, engine="static", **dict(params or {})) as session:
         bound = session.policy
-    if getattr(bound, "static_step", None) is None:
-        from runtime.policies import engine_policies
-
-        raise ValueError(f"policy {policy!r} has no engine step yet; the reasoning suite runs "
-                         f"{', '.join(engine_policies())}")
     weights = Weights.from_model(model, positions=max(map(len, prompts)) + max_new_tokens)
+    try:  # parameters the engine cannot run (a set size that changes per step) are refused here, in one line
+        static_step_of(bound, weights.shape)
+    except NotImplementedError as e:
+        raise ValueError(f"the reasoning suite runs on the engine: {e}") from None
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     records, agreed = [], 0

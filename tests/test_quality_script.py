@@ -155,5 +155,6 @@ def test_reasoning_grid_reports_kl_with_bootstrap_intervals(folder, tmp_path, ca
             assert low <= r["kl_mean"] <= high and r["kl_mean"] > 0, key
     assert "## Reasoning fidelity" in printed and (out / "fidelity.png").stat().st_size > 1000
     assert quality.main(argv) == 0 and "0 cells run, 5 resumed" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="leave lethe out"):
-        quality.main([*argv[:-2], "--policies", "lethe", "--out", str(tmp_path / "x")])
+    from runtime.policies import engine_policies
+
+    assert set(engine_policies()) == {"full", "delta", "lychee", "lethe", "vattention", "quest"}  # none left out

@@ -193,7 +193,10 @@ class StaticDecoder:
             self.graphs[kind] = graph
 
     def _state(self) -> list[torch.Tensor]:
-        extra = [t for part in (self.sampler, self.stopper) if part is not None for t in part.state()]
+        """What a step changes besides the cache slots it writes: restored after the capture's warm-up (a policy
+        that keeps state of its own, such as lethe's held slots and scores, lists it in ``state()``)."""
+        parts = (self.sampler, self.stopper, self.static)
+        extra = [t for part in parts if part is not None and hasattr(part, "state") for t in part.state()]
         return [self.cache.length, self.tokens, self.logits, *extra]
 
     # -- attention helpers the policies' static steps call -------------------------------------------------------
@@ -203,14 +206,16 @@ class StaticDecoder:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                indices: torch.Tensor | None = None, block_size: int = 1, log_weights: torch.Tensor | None = None,
-               with_lse: bool = False) -> Any:
+               with_lse: bool = False, key_mask: torch.Tensor | None = None) -> Any:
         """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot; ``log_weights``
-        added to each entry's logits), float32 from the references, the model's dtype from the GPU kernels;
-        with ``with_lse`` also each head's log-sum-exp ``[B, Hq]``."""
+        added to each entry's logits; ``key_mask [B, S]`` narrows the span further), float32 from the
+        references, the model's dtype from the GPU kernels; with ``with_lse`` also each head's log-sum-exp."""
         impl = self._sparse_triton if self.triton else naive_attention
+        keys = self.keys(span, k.shape[2])
+        if key_mask is not None:
+            keys["key_mask"] = keys["key_mask"] & key_mask if "key_mask" in keys else key_mask
         out, lse = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
-                                                block_size=block_size, log_weights=log_weights,
-                                                **self.keys(span, k.shape[2]), **self._out)
+                                                block_size=block_size, log_weights=log_weights, **keys, **self._out)
         return (out, lse) if with_lse else out
 
     def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,

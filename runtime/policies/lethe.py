@@ -216,10 +216,22 @@ class Lethe:
             step.scratch[f"lethe.alive.{layer}"] = alive
         return Plan(key_mask=mask, info={"kept_fraction": n / logical})
 
+    def recent_slots(self, cap: int) -> int:
+        return min(math.ceil(self.recent_ratio * cap), cap - 1)
+
+    def static_step(self, shape: Any) -> LetheStep:
+        if self.budget is None:
+            raise NotImplementedError("policy 'lethe' with a share of the context keeps a number of slots that grows "
+                                      "per step; the engine runs budget=N")
+        if self.weights is None or len(self.weights) != shape.layers:
+            raise PolicyError(f"policy 'lethe' needs per-layer budgets for {shape.layers} layers; bind it to a "
+                              "manifest of this model (or to none, with budget=N) first")
+        return LetheStep(self, {i: self.capacity(i, 0) for i in self.policy_layers})
+
     def _keep(self, scores: torch.Tensor, valid: torch.Tensor, cap: int) -> torch.Tensor:
         """Slots to keep ``[B, n']`` (ascending, ``n' ≤ cap``, the same count in every row)."""
         b, n = scores.shape
-        recent = min(math.ceil(self.recent_ratio * cap), cap - 1)
+        recent = self.recent_slots(cap)
         chosen, priority = [], []
         for row in range(b):
             ok = valid[row]
@@ -255,14 +267,139 @@ class Lethe:
         mass = torch.stack([s[p].sum() for p in parts]) + 1e-12
         share = mass / mass.sum() * k
         quota = share.floor().long()
-        for i in (share - quota).argsort(descending=True)[: k - int(quota.sum())]:
+        for i in (share - quota).argsort(descending=True, stable=True)[: k - int(quota.sum())]:
             quota[i] += 1
         for p, q in zip(parts, quota.tolist()):
             q = min(q, p.numel())
             if q:
-                picked[ids[p[s[p].topk(q).indices]]] = True
+                picked[ids[p[s[p].argsort(descending=True, stable=True)[:q]]]] = True  # ties: the earlier slot
         short = k - int(picked.sum())
         if short > 0:  # a segment had fewer tokens than its quota: take the best of the rest
             rest = torch.where(picked[ids], -math.inf, s)
-            picked[ids[rest.topk(short).indices]] = True
+            picked[ids[rest.argsort(descending=True, stable=True)[:short]]] = True
         return picked
+
+
+def keep_on_device(scores: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor, cap: int, sinks: int,
+                   recent: int, segments: int, tau: float) -> torch.Tensor:
+    """:meth:`Lethe._keep` on fixed shapes, for slots in position order: ``[B, S]`` bool of the slots kept.
+
+    ``alive`` marks the slots the layer holds (the reference's compact list, in the same order), ``valid``
+    those of them the query may read, ``scores`` their decayed scores. Every row keeps the same count
+    ``min(max over rows of its choice, cap)``, filled as the reference fills it. No host sync."""
+    b, s = scores.shape
+    device = scores.device
+    ok = valid & alive
+    after = alive.flip(-1).cumsum(-1).flip(-1) - alive.long()  # alive slots after each slot
+    protect = ok & (ok.cumsum(-1) <= sinks)
+    protect |= ok & (after < recent)
+    protect |= alive & (after == 0)  # the current token
+    candidates = ok & ~protect
+    room = (cap - protect.sum(-1)).clamp_min(0)  # [B]
+    picked = _segmented_on_device(scores, candidates, room, segments, tau)
+    chosen = protect | picked
+    count = chosen.sum(-1).amax().clamp(max=cap)  # one count for every row
+    # kept first, then the best other candidates, then the other slots held (the reference's -inf, in order);
+    # slots not held come last
+    priority = torch.where(candidates & ~picked, scores, torch.where(chosen, math.inf, -1.0))
+    priority = priority.masked_fill(~alive, -math.inf)
+    order = priority.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=device).expand(b, s))
+    return rank < count
+
+
+def _segmented_on_device(scores: torch.Tensor, candidates: torch.Tensor, room: torch.Tensor, segments: int,
+                         tau: float) -> torch.Tensor:
+    """:meth:`Lethe._segmented` for every row at once: ``[B, S]`` bool."""
+    b, s = scores.shape
+    device = scores.device
+    v = torch.where(candidates, scores.clamp_min(0), 0.0)
+    m = candidates.sum(-1)  # [B] candidates per row
+    total = v.sum(-1)
+    ordered = v.sort(-1, descending=True).values
+    reach = torch.where(total > 0, (ordered.cumsum(-1) < tau * total[:, None]).sum(-1) + 1, room)
+    k = torch.minimum(torch.minimum(room, reach), m)  # [B]
+    # torch.tensor_split of the m candidates into p = min(segments, m) parts: the first m % p take one more
+    p = m.clamp(min=1, max=segments)
+    rank = candidates.long().cumsum(-1) - 1  # a candidate's place among its row's candidates
+    base, extra = (m // p)[:, None], (m % p)[:, None]
+    big = extra * (base + 1)
+    part = torch.where(rank < big, rank // (base + 1), extra + (rank - big) // base.clamp_min(1))
+    part = torch.where(candidates, part, segments)  # non-candidates in a spare part
+    mass = torch.zeros(b, segments + 1, device=device).scatter_add_(-1, part, v)[:, :segments]
+    present = torch.arange(segments, device=device)[None, :] < p[:, None]
+    mass = torch.where(present, mass + 1e-12, 0.0)
+    share = mass / mass.sum(-1, keepdim=True) * k[:, None]
+    quota = share.floor().long()
+    left = k - quota.sum(-1)  # [B]
+    frac_order = torch.where(present, share - quota, -1.0).argsort(dim=-1, descending=True, stable=True)
+    bonus = torch.zeros_like(quota).scatter_(-1, frac_order, (torch.arange(segments, device=device)[None, :]
+                                                              < left[:, None]).long())
+    sizes = torch.zeros(b, segments + 1, dtype=torch.long, device=device).scatter_add_(
+        -1, part, torch.ones_like(part))[:, :segments]
+    quota = torch.minimum(quota + bonus, sizes)  # [B, segments]
+    # within each part, its best `quota` candidates: rank by (part, score descending)
+    key = torch.where(candidates, -v, math.inf)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    order = order.gather(-1, torch.sort(part.gather(-1, order), dim=-1, stable=True).indices)  # by part, then score
+    part_sorted = part.gather(-1, order)
+    start = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), sizes.cumsum(-1)], -1)  # part starts
+    place = torch.arange(s, device=device)[None, :] - start.gather(-1, part_sorted.clamp(max=segments))
+    limit = torch.cat([quota, torch.zeros(b, 1, dtype=torch.long, device=device)], -1).gather(-1, part_sorted)
+    picked = torch.zeros_like(candidates).scatter_(-1, order, place < limit)
+    short = k - picked.sum(-1)  # a part had fewer candidates than its quota: the best of the rest
+    rest = torch.where(candidates & ~picked, v, -math.inf)
+    rest_order = rest.argsort(dim=-1, descending=True, stable=True)
+    take = torch.arange(s, device=device)[None, :] < short[:, None]
+    return picked | torch.zeros_like(picked).scatter_(-1, rest_order, take & (rest.gather(-1, rest_order) > -math.inf))
+
+
+@dataclass
+class LetheStep:
+    """The engine's step. Each layer holds, beside the cache, which slots it keeps and their decayed scores;
+    every step marks the new token's slot, attends over the kept ones (the probabilities, mean over heads, from
+    :func:`attention_probs` as in the reference), adds them to the scores and, past the layer's capacity,
+    keeps what :func:`keep_on_device` chooses. Evicted slots are masked, not freed: the cache stays the size
+    of the request (the transformers path with the session's cache frees them)."""
+
+    policy: Lethe
+    caps: dict[int, int]  # layer -> slots it may hold
+    head_order: ClassVar[None] = None
+    sparse: ClassVar[bool] = True
+    block_sizes: ClassVar[tuple[int, ...]] = ()
+
+    def reads(self, shape: Any, context: int) -> float:
+        per_layer = [min(context, self.caps[i]) if i in self.caps else context for i in range(shape.layers)]
+        return sum(per_layer) / len(per_layer)
+
+    def prepare(self, dec: Any) -> None:
+        c = dec.cache
+        self.held = {i: torch.zeros(c.batch, c.slots, dtype=torch.bool, device=c.length.device) for i in self.caps}
+        self.scores = {i: torch.zeros(c.batch, c.slots, device=c.length.device) for i in self.caps}
+
+    def state(self) -> list[torch.Tensor]:
+        """The buffers a step changes (the engine restores them after a CUDA-graph capture's warm-up)."""
+        return [*self.held.values(), *self.scores.values()]
+
+    def after_fill(self, dec: Any) -> None:
+        for i in self.caps:  # a prefill leaves every slot of the prompt held, its scores at zero
+            self.held[i].zero_()[:, :dec.position] = True
+            self.scores[i].zero_()
+
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
+        if layer not in self.caps:
+            return dec.attend(q, k, v, span)
+        p, held, scores = self.policy, self.held[layer], self.scores[layer]
+        held.index_fill_(1, span.last.view(1), True)  # the new token
+        slot = torch.arange(held.shape[1], device=held.device)
+        keep = (slot >= span.first[:, None]) & (slot <= span.last)  # [B, S]: what the query may read
+        mask = keep & held
+        out = dec.attend(q, k, v, span, key_mask=mask)
+        updated = p.gamma * scores + attention_probs(q, k, dec.shape.attention_scale, mask).mean(1)
+        cap = self.caps[layer]
+        kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
+        over = held.sum(-1)[:1, None] > cap  # every row holds as many slots
+        now = torch.where(over, kept, held)
+        held.copy_(now)
+        scores.copy_(torch.where(now, updated, 0.0))
+        return out

@@ -20,14 +20,15 @@ from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
-POLICIES = ["full", "delta", "delta-per-head", "lychee", "quest", "vattention", "vattention-delta"]
+POLICIES = ["full", "delta", "delta-per-head", "lychee", "quest", "vattention", "vattention-delta", "lethe"]
 # Parameters with which the sparse policies really drop tokens at ~90-token contexts.
 PARAMS = {"full": {}, "delta": {"budget": 32, "recent_pages": 1}, "lychee": {"budget": 32, "block_size": 16},
           "quest": {"budget": 32, "page_size": 16, "dense_layers": 1},
           "delta-per-head": {"budget": 32, "recent_pages": 1, "per_head": True},
           "vattention": {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8, "max_sample": 24},
           "vattention-delta": {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8,
-                               "max_sample": 24}}
+                               "max_sample": 24},
+          "lethe": {"budget": 40, "sinks": 2, "recent_ratio": 0.2, "segments": 3, "tau": 0.9}}
 PAD = 259
 NEW = 12
 LENGTHS = (90, 70, 81)

@@ -42,6 +42,7 @@ def test_default_min_context_follows_the_measured_crossovers():
     assert [default_min_context("delta", b) for b in (1, 4, 8, 64)] == [32768, 32768, 8192, 8192]
     assert [default_min_context("lychee", b) for b in (1, 7, 8, 64)] == [NEVER, NEVER, 32768, 32768]
     assert [default_min_context("vattention", b) for b in (1, 8)] == [NEVER, 131072]
+    assert default_min_context("lethe", 64) == NEVER
     assert default_min_context("full", 1) == 0 and NEVER > 131072
     shape = ModelShape(3, 32, 4, 2, 8, 64, 50)
     weights = Weights.random(shape, dtype=torch.float32, positions=256)
@@ -116,7 +117,9 @@ def test_triton_calls_in_the_interpreter():
             combined = get_policy("vattention", epsilon=0.3, delta=0.3, sinks=2, window=4, heavy=4, pilot=4,
                                   max_sample=8)
             combined.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
-            for p in (delta, per_head, lychee, quest, vatt, combined):
+            lethe = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2, segments=3)
+            lethe.bind(None, model.config)
+            for p in (delta, per_head, lychee, quest, vatt, combined, lethe):
                 check_kernels(weights, p, ids, pads, family)
 
 
@@ -160,7 +163,7 @@ def gpu_decoders(name, kernels="auto", min_context=0, batch=3, max_len=3000, sta
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["full", "delta", "lychee", "quest", "vattention"])
+@pytest.mark.parametrize("name", ["full", "delta", "lychee", "quest", "vattention", "lethe"])
 def test_graph_replay_equals_eager_step_on_gpu(name):
     eager, graphed = gpu_decoders(name)
     graphed.capture()

@@ -100,3 +100,30 @@ def test_beam_search_is_refused_with_one_line():
     ids, mask = padded(1, 20)
     with attach(model, None, "lethe", budget=8) as session, pytest.raises(ValueError, match="num_beams=1"):
         session.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, pad_token_id=259)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_on_the_device_equals_the_reference(seed):
+    """keep_on_device (the engine's, fixed shapes) against Lethe._keep (the reference, row by row) on slots with
+    holes (already evicted), left padding, ragged choices (a breakpoint that keeps fewer in one row) and ties."""
+    from runtime.policies.lethe import keep_on_device
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, cap = 3, 60, 24
+    policy = get_policy("lethe", budget=cap, sinks=2, recent_ratio=0.2, segments=3, tau=(0.6, 0.9, 1.0)[seed % 3])
+    held = torch.rand(b, s, generator=g) < 0.8
+    n = int(held.sum(-1).min())
+    held &= held.cumsum(-1) <= n  # every row holds as many slots, as in a cache
+    held[:, -1] = True
+    held &= held.cumsum(-1) <= n
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :7] = False  # left padding
+    scores = torch.rand(b, s, generator=g) ** 4
+    scores[2] = scores[2] * 0.01
+    scores[2, 30] = 5.0  # mass concentrated: the breakpoint keeps fewer there
+    scores[0, 10:14] = 0.25  # ties
+    got = keep_on_device(scores, valid, held, cap, policy.sinks, policy.recent_slots(cap), policy.segments, policy.tau)
+    slots = torch.stack([row.nonzero().flatten() for row in held])  # [B, n] the reference's compact list
+    kept = policy._keep(scores.gather(1, slots), valid.gather(1, slots), cap)  # [B, n'] positions in that list
+    want = torch.zeros_like(held).scatter_(1, slots.gather(1, kept), True)
+    assert torch.equal(got, want)
