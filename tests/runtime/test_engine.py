@@ -342,12 +342,16 @@ def test_max_new_tokens_per_row_and_in_a_session():
         engine.generate(w, get_policy("full"), rows, max_new_tokens=[3, 4], pad_token_id=PAD)
 
 
-def test_stop_strings_cut_after_the_string():
-    tok = tiny_tokenizer()
-    model = model_of("llama")
+def unstopped_run():
+    """The stop-string tests' baseline: tokenizer, prompts, weights and 24 tokens a row with no stop string."""
     rows = prompts(seed=1)
-    w = Weights.from_model(model, positions=256)
+    w = Weights.from_model(model_of("llama"), positions=256)
     free = engine.generate(w, get_policy("full"), rows, max_new_tokens=24, pad_token_id=PAD, kernels="naive")
+    return tiny_tokenizer(), rows, w, free
+
+
+def test_stop_strings_cut_after_the_string():
+    tok, rows, w, free = unstopped_run()
 
     # a two-character stop string made of two printable byte tokens (ids 0-93 are bytes 33-126) that some row emits
     def candidate(out):
@@ -377,11 +381,7 @@ def test_stop_strings_cut_after_the_string():
 
 
 def test_stop_strings_on_every_row_end_the_batch():
-    tok = tiny_tokenizer()
-    model = model_of("llama")
-    rows = prompts(seed=1)
-    w = Weights.from_model(model, positions=256)
-    free = engine.generate(w, get_policy("full"), rows, max_new_tokens=24, pad_token_id=PAD, kernels="naive")
+    tok, rows, w, free = unstopped_run()
     # per row the first printable byte token within its first 8 tokens, as a one-character stop string
     stops = [tok.decode([t]) for out in free.tokens for t in [next(t for t in out[:8] if t < 94)]]
     out = engine.generate(w, get_policy("full"), rows, max_new_tokens=24, pad_token_id=PAD, stop_strings=stops,
