@@ -30,6 +30,7 @@ from calibrate.lethe import LetheBudget
 from calibrate.recorder import AttentionRecorder, record_traces
 from calibrate.totals import CalibrationTotals
 from calibrate.traces import traces_sha256
+from runtime import distributed
 from runtime.atomic import write_text
 from runtime.manifest import ModelIdentity, RoleManifest, portable_name
 from runtime.models import sliding_layers
@@ -79,7 +80,13 @@ def record(model, traces: list[list[int]], config: CalibrateConfig, progress: bo
         page_size=config.page_size, top_pages=config.top_pages, recent_pages=config.recent_pages,
         bins=config.bins, query_block=config.query_block, layers=candidate_layers(model, config),
         full_keys=bool(config.include_sliding and sliding_layers(model)))
-    totals = record_traces(model, _shard(traces), recorder, chunk_size=config.chunk_size, progress=progress)
+    mine = _shard(traces)
+    totals = record_traces(model, mine, recorder, chunk_size=config.chunk_size, progress=progress)
+    if distributed.is_sharded(model) and distributed.world_size() > 1:  # ZeRO-3: as many forwards as the busiest
+        forwards = sum(-(-len(ids) // config.chunk_size) for ids in mine)
+        most = int(distributed.per_process([forwards]).max())
+        distributed.pad_forwards(model, torch.tensor([traces[0][:1]], device=distributed.model_device(model)),
+                                 most - forwards)
     return totals.all_reduce().to("cpu")
 
 

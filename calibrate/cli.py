@@ -8,8 +8,8 @@ Settings come in layers: the defaults of ``CalibrateConfig``, then ``--config`` 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import time
 from pathlib import Path
 
 # flag -> (config key, type, help); every flag defaults to None so that an unset flag leaves the YAML value alone
@@ -42,6 +42,8 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--dtype", "dtype", str, "model dtype (float32, bfloat16, ...) [the alias's]"),
     ("--device", "device", str, "cpu, cuda, cuda:N [cuda when available]"),
     ("--device-map", "device_map", str, "'auto' shards a model larger than one GPU"),
+    ("--deepspeed", "deepspeed", str, "shard the model with this DeepSpeed ZeRO-3 JSON (path or name in "
+     "configs/deepspeed/); usually set by `accelerate launch --config_file configs/accelerate/zero3.yaml`"),
 ]
 
 
@@ -55,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the PNG plots")
     parser.add_argument("--include-sliding", dest="include_sliding", action="store_const", const=True, default=None,
                         help="hybrid models: let sliding-window layers be recorded and chosen as Δ-layers")
+    parser.add_argument("--random-weights", dest="random_weights", action="store_const", const=True, default=None,
+                        help="the model's architecture (alias, folder or config.json) with random weights, built "
+                        "sharded: for speed and memory measurements only; needs --traces of token ids")
     parser.add_argument("--no-cache", action="store_true", help="regenerate traces even when cached")
     parser.add_argument("--allow-long-context", action="store_true",
                         help="accept traces longer than the model's context (max_position_embeddings) with only a "
@@ -68,7 +73,8 @@ def resolve_config(args: argparse.Namespace):
     from calibrate.config import read_yaml, resolve, shipped_config
 
     flags = {key: getattr(args, key) for _, key, _, _ in _FLAGS} | {"sample": args.sample, "plots": args.plots,
-                                                                      "include_sliding": args.include_sliding}
+                                                                      "include_sliding": args.include_sliding,
+                                                                      "random_weights": args.random_weights}
     path = args.config
     if path is None:
         default_model = flags["model"] or "smollm2-135m"
@@ -88,44 +94,38 @@ def run(args: argparse.Namespace) -> int:
 
     from calibrate.api import run as calibrate
     from calibrate.api import save
-    from calibrate.traces import generate_traces, load_prompts, read_traces
-    from runtime.models import load_model, load_tokenizer
+    from calibrate.traces import read_traces
+    from runtime import distributed
+    from runtime.models import load_tokenizer
 
     config, config_path = resolve_config(args)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     say(f"calibrate-delta: model {config.model}, config {config_path or 'defaults'}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = 0
-    if world > 1:  # accelerate launch / torchrun: one process per GPU, traces split between them
-        from accelerate import PartialState
-
-        state = PartialState()
-        rank, device = state.process_index, state.device
-    else:
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sharded = distributed.zero_stage(distributed.deepspeed_config(config.deepspeed)) >= 3
+    if (sharded or config.random_weights) and not config.traces:
+        raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only (every process "
+                         "must run the same forwards); pass --traces FILE of token ids, generated beforehand")
+    launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
+    device = launched or torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
     trust = args.trust_remote_code
-    tokenizer = load_tokenizer(config.model, trust_remote_code=trust)
+    # token-id traces of a model given by its architecture alone need no tokenizer
+    tokenizer = None if config.random_weights else load_tokenizer(config.model, trust_remote_code=trust)
     data = {}
     if config.traces:  # read before loading the model, so a bad file fails fast
         traces = read_traces(config.traces, tokenizer)
         data["source"] = f"file:{config.traces}"
         check_traces(traces[: config.max_traces], config, args.allow_long_context, trust)
-    model = load_model(config.model, dtype=config.dtype, device_map=config.device_map, trust_remote_code=trust)
-    if config.device_map is None:
-        model.to(device)
+    model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
+                                          random_weights=config.random_weights, deepspeed=config.deepspeed,
+                                          device=None if config.device_map else device, trust_remote_code=trust)
     if not config.traces:
-        prompts = load_prompts(config.prompts, config.num_prompts)
-        gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
-                   top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
-        if world > 1 and rank != 0:
-            torch.distributed.barrier()  # rank 0 generates and caches first, the others read its cache
-        traces = generate_traces(model, tokenizer, prompts, **gen)
-        if world > 1 and rank == 0:
-            torch.distributed.barrier()
-        data.update({"source": f"generated:{config.prompts}", "prompts": len(prompts),
-                     "generation": {k: gen[k] for k in ("max_new_tokens", "sample", "seed")}})
+        traces = _generate(model, tokenizer, config, data, args)
+    began = time.perf_counter()
     manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet)
-    if rank == 0:
+    cost = _cost(time.perf_counter() - began, len(traces), device)
+    if distributed.is_main():
         output = Path(config.output) if config.output else _default_output(config.model)
         for path in save(manifest, output, plots=config.plots):
             say(f"wrote {path}")
@@ -133,7 +133,44 @@ def run(args: argparse.Namespace) -> int:
         print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
               f"{m['recall_mean']:.4f} at K={config.top_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
+        print(cost)
     return 0
+
+
+def _generate(model, tokenizer, config, data: dict, args: argparse.Namespace) -> list[list[int]]:
+    """Greedy (or sampled) reasoning traces of the model itself; rank 0 generates and caches, the others read."""
+    import torch
+
+    from calibrate.traces import generate_traces, load_prompts
+    from runtime import distributed
+
+    prompts = load_prompts(config.prompts, config.num_prompts)
+    gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
+               top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
+    several = distributed.world_size() > 1
+    if several and not distributed.is_main():
+        torch.distributed.barrier()  # rank 0 generates and caches first, the others read its cache
+    traces = generate_traces(model, tokenizer, prompts, **gen)
+    if several and distributed.is_main():
+        torch.distributed.barrier()
+    data.update({"source": f"generated:{config.prompts}", "prompts": len(prompts),
+                 "generation": {k: gen[k] for k in ("max_new_tokens", "sample", "seed")}})
+    return traces
+
+
+def _cost(seconds: float, traces: int, device) -> str:
+    """One line of what recording cost: seconds per trace and, on GPUs, the peak memory of the busiest process."""
+    import torch
+
+    from runtime import distributed
+
+    world = distributed.world_size()
+    gpus = range(torch.cuda.device_count()) if device.type == "cuda" else []  # --device-map spreads over several
+    peak = max((torch.cuda.max_memory_allocated(i) / 2**30 for i in gpus), default=0.0)
+    peaks = distributed.per_process([peak])[:, 0]
+    line = (f"recorded {traces} traces in {seconds:.1f} s: {seconds * world / max(traces, 1):.2f} s per trace per "
+            f"process, {world} process{'es' if world > 1 else ''}")
+    return line + (f"; peak GPU memory {float(peaks.max()):.2f} GiB per process" if device.type == "cuda" else "")
 
 
 def check_traces(traces: list[list[int]], config, allow_long: bool = False, trust_remote_code: bool = False) -> None:

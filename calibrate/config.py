@@ -23,6 +23,8 @@ class CalibrateConfig:
     dtype: str | None = None  # torch dtype name; None = the model alias's dtype
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None = cuda when available
     device_map: str | None = None  # "auto" shards a model larger than one GPU
+    deepspeed: str | None = None  # a DeepSpeed JSON (path or configs/deepspeed/ name) whose ZeRO-3 shards the model
+    random_weights: bool = False  # the model's architecture with random weights: speed and memory only
     # traces
     prompts: str = "champ"  # data.reasoning source: champ, arithmetic[:N], jsonl:PATH
     num_prompts: int = 8

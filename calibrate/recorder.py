@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from calibrate.stats import cosine_shift, head_max, hoyer_sparsity, page_sums, pair_recall
 from calibrate.totals import CalibrationTotals
 from runtime.attention import keep_mask, use_attention
+from runtime.distributed import model_device
 
 ATTENTION_NAME = "rolecall-record"
 
@@ -188,10 +189,12 @@ def record_traces(model: torch.nn.Module, traces: list[list[int]], recorder: Att
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     if recorder.totals is None:
         recorder.totals = CalibrationTotals.zeros(recorder.num_layers, recorder.num_heads, recorder.bins, device=device)
-    with recorder.attached(model), torch.inference_mode():
+    # no_grad, not inference_mode: ZeRO-3 re-partitions the weights after each forward, and under inference_mode
+    # their shards would become inference tensors that no later autograd pass (train-heads) can use
+    with recorder.attached(model), torch.no_grad():
         for ids in tqdm(traces, desc="recording attention", unit="trace", disable=not progress):
             recorder.begin_trace(len(ids))
             x = torch.tensor([list(ids)], dtype=torch.long, device=device)

@@ -112,6 +112,14 @@ def deepspeed_config_from_environment() -> dict[str, Any] | None:
     return {"zero_optimization": section}
 
 
+def deepspeed_config(deepspeed: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """The DeepSpeed config in force: ``deepspeed`` (a dict, a path or a shipped name), else what ``accelerate
+    launch`` passed in the environment, else None."""
+    if isinstance(deepspeed, str):
+        return read_deepspeed_config(deepspeed)
+    return deepspeed if deepspeed is not None else deepspeed_config_from_environment()
+
+
 def zero_stage(config: dict[str, Any] | None) -> int:
     return int(((config or {}).get("zero_optimization") or {}).get("stage", 0))
 
@@ -147,22 +155,53 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     return getattr(torch, str(dtype))
 
 
+def random_model(config: Any, dtype: torch.dtype, device: torch.device | str | None = None,
+                 device_map: Any = None, seed: int = 0):
+    """The architecture of ``config`` with seeded random weights, built where it will run: for speed and memory
+    measurements, never for quality.
+
+    Never the whole model in host memory first: inside a DeepSpeed ZeRO-3 context (``HfDeepSpeedConfig``)
+    ``zero.Init`` draws and splits each layer as it is built; with ``device_map`` the model is built on the meta
+    device, each placed module is allocated on its device and initialised there, then dispatched as
+    ``from_pretrained(device_map=...)`` dispatches loaded weights; otherwise it is drawn on ``device``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if device_map is None:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        return model.eval()
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    placement = device_map if isinstance(device_map, dict) else infer_auto_device_map(
+        model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+    for name, where in placement.items():
+        (model.get_submodule(name) if name else model).to_empty(device=where)
+    for item in [*model.modules(), *model.parameters(), *model.buffers()]:
+        item._is_hf_initialized = False  # the meta build marked them done; draw them now that they have storage
+    model.initialize_weights()
+    model.tie_weights()
+    return dispatch_model(model, device_map=placement).eval()
+
+
 def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, random_weights: bool = False,
                       deepspeed: str | dict[str, Any] | None = None, device: torch.device | str | None = None,
                       trust_remote_code: bool = False):
-    """The model of ``name``, placed for this process: replicated on its device, or sharded by ZeRO-3.
+    """The model of ``name``, placed for this process: replicated on its device, split over the GPUs by
+    ``device_map``, or sharded by ZeRO-3.
 
     ``random_weights``: build the architecture of ``name`` (an alias, id, folder or ``config.json``) with
-    random weights, seeded: for speed and memory measurements, never for quality.
+    random weights (:func:`random_model`), placed the same ways.
     ``deepspeed``: a config (dict, path or shipped name) whose ZeRO-3 section shards the weights over the
     processes; None looks at what ``accelerate launch`` passed. Returns the model to call (for ZeRO-3 the
     engine's module, whose hooks gather each layer's weights when it runs).
     """
     from runtime.models import load_config, load_model
 
-    ds = read_deepspeed_config(deepspeed) if isinstance(deepspeed, str) else deepspeed
-    if ds is None:
-        ds = deepspeed_config_from_environment()
+    ds = deepspeed_config(deepspeed)
     if zero_stage(ds) < 3:
         ds = None  # ZeRO-1/2 partition optimizer state and gradients, which a frozen model has none of
     torch_dtype = _torch_dtype(dtype)
@@ -175,17 +214,8 @@ def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, rand
 
         keep_alive = HfDeepSpeedConfig(ds)  # while it lives, transformers builds the model already sharded
     if random_weights:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = (AutoConfig.from_pretrained(str(Path(name).parent), trust_remote_code=False)
-                  if str(name).endswith("config.json") else load_config(name))
-        torch.manual_seed(0)
-        # drawn where the model will live (fast on a GPU); under ZeRO-3 each layer is drawn and split as it is built
-        where = torch.device(device) if ds is None and device_map is None and device is not None else None
-        with where or contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or torch.float32,
-                                                     trust_remote_code=False)
-        model.eval()
+        where = device if ds is None else None
+        model = random_model(load_config(name), torch_dtype or torch.float32, where, device_map)
     else:
         model = load_model(name, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
     if ds is None:
@@ -202,6 +232,25 @@ def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, rand
     return module
 
 
+def per_process(values: list[float]) -> torch.Tensor:
+    """Every process's ``values`` as a [world, n] table, row r from process r (each process passes n values)."""
+    table = torch.zeros(world_size(), len(values), dtype=torch.float64)
+    table[rank()] = torch.tensor(values, dtype=torch.float64)
+    all_reduce_sum_([table])  # each process filled only its own row, so the sum holds everyone's
+    return table
+
+
+def pad_forwards(model, input_ids: torch.Tensor, count: int) -> None:
+    """Run ``model`` ``count`` times on the first token of ``input_ids``, touching no cache.
+
+    Under ZeRO-3 every process must run the same sequence of layers (each gathers its weights collectively): a
+    process with less work pads up to the busiest one's forward count.
+    """
+    with torch.no_grad():
+        for _ in range(max(count, 0)):
+            model(input_ids=input_ids[:, :1], use_cache=False, logits_to_keep=1)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     return getattr(model, "rolecall_deepspeed", None) is not None
 
@@ -209,5 +258,5 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where the model computes: a ZeRO-3 model's own parameters are placeholders (maybe offloaded)."""
     if is_sharded(model):
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(model.rolecall_deepspeed.device)  # the process's accelerator (the CPU in tests)
     return next(model.parameters()).device

@@ -387,9 +387,14 @@ def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = N
 
 def load_config(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     """The model's transformers config, without loading weights (for checking a manifest against it).
+    ``name`` may also be a bare ``config.json`` (an architecture to build with random weights).
     ``trust_remote_code``: as in :func:`load_tokenizer`."""
     from transformers import AutoConfig
 
+    if str(name).endswith("config.json"):
+        if not Path(name).is_file():
+            raise ModelNotFoundError(f"{name}: no such file; pass an existing config.json, an alias or a model folder")
+        return AutoConfig.from_pretrained(str(Path(name).parent), trust_remote_code=bool(trust_remote_code))
     return _from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)[1]
 
 

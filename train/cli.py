@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from runtime import distributed
-    from runtime.models import load_tokenizer
-    from train.config import check_dataset, check_settings, model_config
+    from runtime.models import load_config, load_tokenizer
+    from train.config import check_dataset, check_settings
     from train.recipe import run as train_run
 
     config = config_from_args(args)
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         from train.checkpoint import claim_output
 
         claim_output(config.resolved_output())  # an output taken by another run fails before anything loads
-    model_cfg = model_config(config.model, args.trust_remote_code)  # --target, --lengths: before any work
+    model_cfg = load_config(config.model, args.trust_remote_code)  # --target, --lengths: before any work
     limit = check_settings(config, model_cfg, args.allow_long_context)
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
     device = launched or torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -136,17 +136,6 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
                    else "training config")
 
 
-def model_config(name: str, trust_remote_code: bool = False):
-    """The transformers config of ``name`` (an alias, id, folder, .gguf or ``config.json``), without weights."""
-    if str(name).endswith("config.json"):  # --random-weights takes a bare config.json too
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(Path(name).parent), trust_remote_code=trust_remote_code)
-    from runtime.models import load_config
-
-    return load_config(name, trust_remote_code=trust_remote_code)
-
-
 def check_settings(config: TrainConfig, model_cfg, allow_long: bool = False) -> int | None:
     """Refuse, in one line and before any data is built or weights load, a ``target`` the model has no room for
     and passkey ``lengths`` beyond its context (a warning with ``allow_long``). Returns the context limit."""

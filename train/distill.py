@@ -22,7 +22,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from runtime.attention import use_attention
-from runtime.distributed import model_device
+from runtime.distributed import model_device, pad_forwards
 from runtime.models import sliding_layers
 from train.hybrid import ATTENTION_NAME, HybridAttention
 
@@ -65,9 +65,9 @@ def prefill_calls(prompt_tokens: int, chunk: int) -> int:
 def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> DynamicCache:
     """The teacher's KV cache for ``prompt`` [1, P], filled ``chunk`` tokens at a time.
 
-    ``calls``: run the model this many times in all, padding with one-token forwards that touch no cache.
-    Under ZeRO-3 every process must run the same sequence of layers (each gathers its weights collectively),
-    so processes with shorter prompts pad up to the longest one's chunk count.
+    ``calls``: run the model this many times in all, padding with one-token forwards that touch no cache
+    (:func:`runtime.distributed.pad_forwards`): under ZeRO-3 processes with shorter prompts pad up to the
+    longest one's chunk count.
     """
     # A sliding-window cache layer cannot be cropped back (step 3) once past its window: on a hybrid model keep
     # every key of every layer; the sliding layers' masks still come from the config.
@@ -75,8 +75,7 @@ def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> Dyna
     for start in range(0, prompt.shape[1], chunk):
         # logits_to_keep=1: the prompt's logits are never used, so skip the [chunk, vocab] projection
         model(input_ids=prompt[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    for _ in range((calls or 0) - prefill_calls(prompt.shape[1], chunk)):
-        model(input_ids=prompt[:, :1], use_cache=False, logits_to_keep=1)
+    pad_forwards(model, prompt, (calls or 0) - prefill_calls(prompt.shape[1], chunk))
     return cache
 
 

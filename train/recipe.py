@@ -105,15 +105,12 @@ def _prefill_calls(model, dataset, positions: list[int], config: TrainConfig) ->
     """Per local sample, the most prefill chunks any process needs for its sample in that slot (ZeRO-3 only)."""
     if not distributed.is_sharded(model) or distributed.world_size() == 1:
         return [None] * len(positions)
-    counts = torch.zeros(len(positions), dtype=torch.float64)
-    for i, pos in enumerate(positions):
+    counts = []
+    for pos in positions:
         item = dataset[sample_index(pos, len(dataset), config.seed)]
         prompt = split_sample(torch.as_tensor(item["input_ids"]), torch.as_tensor(item["labels"])).prompt
-        counts[i] = prefill_calls(prompt.shape[1], config.prefill_chunk)
-    # each process fills its own row, so the summed table holds everyone's counts
-    everyone = torch.zeros(distributed.world_size(), len(positions), dtype=torch.float64)
-    everyone[distributed.rank()] = counts
-    distributed.all_reduce_sum_([everyone])
+        counts.append(prefill_calls(prompt.shape[1], config.prefill_chunk))
+    everyone = distributed.per_process(counts)
     return [int(c) for c in everyone.max(0).values]
 
 
