@@ -15,6 +15,11 @@ It runs, each as its own command (``python -m calibrate`` / ``python -m train`` 
    over 2 GPUs by ZeRO-3 (``zero3.yaml``): steps complete, a checkpoint resumes on 2 processes and on 1,
    and both resumed runs continue the uninterrupted one; step time on 1 GPU (plain) vs 2 (ZeRO-3), and the
    peak memory per GPU for each prompt length of ``--prompt-lengths``.
+4. ``large`` (not in the default ``--parts``): a DeepSeek-R1-Distill-Llama-70B-architecture model with random
+   bf16 weights, built already sharded (ZeRO-3 ``zero.Init``; meta device for ``--device-map``): train-heads
+   under ZeRO-3 over every visible GPU at each of ``--large-lengths`` (seconds per step, tokens/s, peak memory
+   per GPU), and calibrate-delta over ``--large-traces`` × ``--large-trace-tokens`` token traces, once under
+   ZeRO-3 (one process per GPU, traces split) and once in one process with ``--device-map auto``.
 
 Everything lands in ``--out``: each command's log, ``multi_gpu.json`` and a printed table.
 """
@@ -42,6 +47,13 @@ QWEN_14B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_si
                 max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                 use_sliding_window=False, torch_dtype="bfloat16")
 
+# DeepSeek-R1-Distill-Llama-70B's architecture (Llama-3.3-70B)
+LLAMA_70B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=8192,
+                 intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                 max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192},
+                 bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
 
 LIMIT_S = 300  # per command; --limit
 
@@ -238,6 +250,66 @@ def part_zero3(args, out: Path) -> dict[str, Any]:
     return {"runs": runs, **result, "prompt_memory_2gpu_zero3": memory}
 
 
+def _calibrate_cost(log: Path) -> dict[str, float | None]:
+    """Seconds per trace and peak GiB per GPU from calibrate-delta's closing line."""
+    import re
+
+    text = log.read_text() if log.is_file() else ""
+    per_trace = re.search(r"([0-9.]+) s per trace per process", text)
+    peak = re.search(r"peak GPU memory ([0-9.]+) GiB", text)
+    return {"seconds_per_trace_per_process": float(per_trace.group(1)) if per_trace else None,
+            "peak_gib_per_gpu": float(peak.group(1)) if peak else None}
+
+
+def part_large(args, out: Path) -> dict[str, Any]:
+    """The 70B architecture with random bf16 weights built already sharded: train-heads under ZeRO-3 at each of
+    ``--large-lengths`` and calibrate-delta over ``--large-traces`` traces, ZeRO-3 and ``--device-map auto``."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    folder = out / "llama70b"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B, indent=1))
+    model = ["--model", str(folder / "config.json"), "--random-weights", "--dtype", "bfloat16"]
+    result: dict[str, Any] = {"architecture": "DeepSeek-R1-Distill-Llama-70B (random bf16 weights)", "gpus": gpus,
+                              "weights_gib": None, "train": [], "calibrate": []}
+    runs = []
+    for length in args.large_lengths:
+        data = random_dataset(out / f"large{length}.jsonl", gpus * args.large_steps, length, LLAMA_70B["vocab_size"])
+        dest = out / f"large{length}" / "heads.safetensors"
+        run = launch(f"large-train-{length}", "train",
+                     [*model, "--model-name", "ds-llama-70b-random", "--dataset", str(data), "--mixed-precision", "bf16",
+                      "--target", "32", "--batch-size", str(gpus), "--prefill-chunk", "4096", "--no-plots",
+                      "--checkpoint-every", "1000", "--steps", str(args.large_steps), "--output", str(dest),
+                      "--overwrite"], out, gpus, "zero3")
+        runs.append(run)
+        log = _log(dest.with_name("heads.log.jsonl"))
+        step = _median_step(log, 1)
+        result["train"].append({
+            "prompt_tokens": length, "ok": run["exit"] == 0 and len(log) == args.large_steps, "steps": len(log),
+            "step_seconds": step, "tokens_per_second": round(gpus * (length + 64) / step, 1) if step else None,
+            "peak_gib_per_gpu": max((r.get("peak_gib", 0) for r in log), default=None), "launch_seconds": run["seconds"]})
+    traces = out / "large_traces.jsonl"
+    g = torch.Generator().manual_seed(0)
+    traces.write_text("".join(json.dumps({"ids": torch.randint(0, LLAMA_70B["vocab_size"], (args.large_trace_tokens,),
+                                                                generator=g).tolist()}) + "\n"
+                              for _ in range(args.large_traces)))
+    calibrate = [*model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", "256"]
+    for name, processes, extra in (("zero3", gpus, []), ("device-map", 1, ["--device-map", "auto"])):
+        run = launch(f"large-calibrate-{name}", "calibrate",
+                     [*calibrate, *extra, "--output", str(out / f"large-{name}.safetensors")], out,
+                     processes, "zero3" if name == "zero3" else None)
+        runs.append(run)
+        result["calibrate"].append({"placement": name, "processes": processes, "traces": args.large_traces,
+                                    "trace_tokens": args.large_trace_tokens, "ok": run["exit"] == 0,
+                                    "launch_seconds": run["seconds"], **_calibrate_cost(out / f"large-calibrate-{name}.log")})
+    c = LLAMA_70B
+    kv = c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    layer = c["hidden_size"] * (2 * c["hidden_size"] + 2 * kv) + 3 * c["hidden_size"] * c["intermediate_size"]
+    result["weights_gib"] = round((2 * c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * layer) * 2 / 2**30, 1)
+    return {"runs": runs, **result}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a real model for calibration and DDP training")
@@ -251,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero3-steps", type=int, default=4)
     p.add_argument("--zero3-prompt", type=int, default=4096)
     p.add_argument("--prompt-lengths", type=int, nargs="*", default=[16384, 32768])
+    p.add_argument("--large-lengths", type=int, nargs="*", default=[4096, 10240], help="large: prompt tokens")
+    p.add_argument("--large-steps", type=int, default=4, help="large: train-heads steps per prompt length")
+    p.add_argument("--large-traces", type=int, default=8, help="large: calibration traces")
+    p.add_argument("--large-trace-tokens", type=int, default=8192, help="large: tokens per calibration trace")
     p.add_argument("--limit", type=int, default=LIMIT_S, help="seconds before a command is killed")
     args = p.parse_args(argv)
     globals()["LIMIT_S"] = args.limit
@@ -262,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                               "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     for part in args.parts.split(","):
         print(f"[{part}]", flush=True)
-        result[part] = {"calibrate": part_calibrate, "ddp": part_ddp, "zero3": part_zero3}[part](args, out)
+        result[part] = {"calibrate": part_calibrate, "ddp": part_ddp, "zero3": part_zero3,
+                        "large": part_large}[part](args, out)
         (out / "multi_gpu.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result, indent=1, default=str))
     return 0

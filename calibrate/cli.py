@@ -103,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     say(f"calibrate-delta: model {config.model}, config {config_path or 'defaults'}")
     sharded = distributed.zero_stage(distributed.deepspeed_config(config.deepspeed)) >= 3
     if (sharded or config.random_weights) and not config.traces:
-        raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only (every process "
-                         "must run the same forwards); pass --traces FILE of token ids, generated beforehand")
+        why = ("every process must run the same forwards, and generations differ in length" if sharded
+               else "a model with random weights generates no reasoning")
+        raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only ({why}); "
+                         "pass --traces FILE of token ids")
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
     device = launched or torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is not None:

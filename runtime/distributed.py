@@ -172,12 +172,11 @@ def random_model(config: Any, dtype: torch.dtype, device: torch.device | str | N
         with torch.device(device) if device is not None else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
         return model.eval()
-    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate import dispatch_model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-    placement = device_map if isinstance(device_map, dict) else infer_auto_device_map(
-        model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+    placement = _placement(model, device_map, dtype)
     for name, where in placement.items():
         (model.get_submodule(name) if name else model).to_empty(device=where)
     for item in [*model.modules(), *model.parameters(), *model.buffers()]:
@@ -185,6 +184,20 @@ def random_model(config: Any, dtype: torch.dtype, device: torch.device | str | N
     model.initialize_weights()
     model.tie_weights()
     return dispatch_model(model, device_map=placement).eval()
+
+
+def _placement(model, device_map: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """``device_map`` as a module → device table, worked out as ``from_pretrained`` does for its strategies."""
+    if isinstance(device_map, dict):
+        return device_map
+    if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return {"": device_map}  # one device: "cuda:1", "cpu"
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    no_split = model._no_split_modules
+    memory = None if device_map == "sequential" else get_balanced_memory(
+        model, dtype=dtype, low_zero=device_map == "balanced_low_0", no_split_module_classes=no_split)
+    return infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split, dtype=dtype)
 
 
 def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, random_weights: bool = False,
