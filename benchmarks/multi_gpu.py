@@ -93,7 +93,9 @@ def launch(name: str, module: str, args: list[str], out: Path, processes: int = 
     if code != 0:
         tail = (out / f"{name}.log").read_text().splitlines()[-25:]
         print("\n".join("    " + line for line in tail), flush=True)
-    return {"name": name, "exit": code, "seconds": round(seconds, 2), "command": shlex.join(cmd)}
+    # recorded without this machine's paths, so results compare across machines
+    shown = shlex.join(cmd).replace(sys.executable, "python").replace(str(out), "<out>").replace(str(ROOT) + "/", "")
+    return {"name": name, "exit": code, "seconds": round(seconds, 2), "command": shown}
 
 
 def _log(path: Path) -> list[dict[str, Any]]:
