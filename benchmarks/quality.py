@@ -397,6 +397,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow code shipped in the model folder to run (never without this flag)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="prompts of one length decoded together on the engine (default 16 on a GPU)")
     parser.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
 
 
@@ -448,7 +450,7 @@ def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, sample
                           limit=args.limit, max_new_tokens=args.max_new_tokens)
         return result, fidelity_row(cell, result, time.perf_counter() - start)
     result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples,
-                      measure=args.measure)
+                      measure=args.measure, batch_size=args.batch_size)
     return result, row_of(cell, result, time.perf_counter() - start)
 
 
@@ -459,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be at least 1, got {args.batch_size}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise SystemExit(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16")

@@ -186,46 +186,93 @@ def step_divergence(full_logits: torch.Tensor, policy_logits: torch.Tensor) -> t
     return kl, full_logits.argmax(-1) == policy_logits.argmax(-1)
 
 
+def _batches(samples: list[dict[str, Any]], size: int, default_budget: int) -> list[list[int]]:
+    """Sample indices in batches of at most ``size`` prompts of one token count and one generation budget, in
+    a fixed order. Equal lengths need no padding, so page-based policies see each prompt's pages exactly as
+    when it runs alone (left padding would shift every page boundary of a shorter row)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, sample in enumerate(samples):
+        key = (int(sample.get("max_new_tokens", default_budget)), len(sample["input_ids"]))
+        groups.setdefault(key, []).append(i)
+    return [group[k:k + size] for _, group in sorted(groups.items()) for k in range(0, len(group), size)]
+
+
+def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.Tensor]:
+    """Full attention's logits at the last ``last[r]`` positions of each token list in ``rows``, in one batched
+    forward (left-padded, positions counted from each row's first real token)."""
+    width, device = max(map(len, rows)), model.device
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):] = torch.tensor(row, device=device)
+        mask[r, width - len(row):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits = model(ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=max(last)).logits  # [B, max(last), V]
+    return [logits[r, logits.shape[1] - n:] for r, n in enumerate(last)]
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
              settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None,
-             measure: bool | None = None) -> dict[str, Any]:
+             measure: bool | None = None, batch_size: int | None = None) -> dict[str, Any]:
     """Run the evaluation; returns a JSON-ready dict (see the module docstring).
 
     On a GPU the policy decodes on the engine (never falling back to full attention at short contexts:
     ``min_context=0``) and the attended fraction comes from its static step. ``measure`` (default: only on
-    the CPU, where the transformers path runs anyway) records per-layer recall and keys read on that path."""
+    the CPU, where the transformers path runs anyway) records per-layer recall and keys read on that path.
+    ``batch_size``: prompts of one length decoded together (default 16 on the engine, 1 elsewhere); each
+    prompt's tokens are the ones it generates alone, up to floating-point differences of the batched products.
+    """
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     settings = settings or EvalSettings()
     params = dict(params or {})
     if samples is None:
         samples = suite_prompts(tokenizer, settings)
     eos = tokenizer.eos_token_id
-    records, kls, agree = [], [], []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    records: list[dict[str, Any] | None] = [None] * len(samples)
+    kls: list[torch.Tensor | None] = [None] * len(samples)
+    agree: list[torch.Tensor | None] = [None] * len(samples)
     measure = model.device.type != "cuda" if measure is None else measure
     fractions = []
     with attach(model, manifest, policy, record_recall=measure, min_context=0, **params) as session:
-        for sample in samples:
-            ids = sample["input_ids"][None].to(model.device)
-            budget = int(sample.get("max_new_tokens", settings.max_new_tokens))
-            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True,
-                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-            if session.engine_reason(kwargs) is not None:
+        on_engine = session.engine_reason({"input_ids": None}) is None
+        size = batch_size or (16 if on_engine else 1)
+        if not on_engine and size > 1:
+            raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
+                             "the transformers path evaluates one prompt at a time: pass batch_size=1")
+        for batch in _batches(samples, size, settings.max_new_tokens):
+            prompts = [samples[i]["input_ids"].tolist() for i in batch]
+            budgets = [int(samples[i].get("max_new_tokens", settings.max_new_tokens)) for i in batch]
+            width = max(map(len, prompts))
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, row in enumerate(prompts):
+                ids[r, width - len(row):] = torch.tensor(row)
+                mask[r, width - len(row):] = 1
+            kwargs = dict(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                          max_new_tokens=max(budgets), do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=pad)
+            if not on_engine:
                 # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still
                 # counts the attention mass that fell on evicted tokens.
                 kwargs["past_key_values"] = DynamicCache(config=model.config)
             out = session.generate(**kwargs)
             if session.last is not None and session.last.info["attended_fraction"] is not None:
-                fractions.append(session.last.info["attended_fraction"])
-            new = out.sequences[0, ids.shape[1]:]
-            policy_logits = torch.cat(out.logits)  # [N, V]; row 0 comes from the dense prefill
+                fractions += [session.last.info["attended_fraction"]] * len(batch)
+            steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
+            news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
+            news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
             # More than one query token: the engine runs this forward densely (prefill path).
-            dense = model(out.sequences[:, :-1], use_cache=False).logits[0, ids.shape[1] - 1:]  # [N, V]
-            kl, top1 = step_divergence(dense[1:], policy_logits[1:])
-            kls.append(kl.cpu())
-            agree.append(top1.cpu())
-            records.append(record_of(sample, tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), kl,
-                                     top1))
+            dense = _dense_logits(model, [p + n[:-1] for p, n in zip(prompts, news)], [len(n) for n in news])
+            for r, i in enumerate(batch):
+                n = len(news[r])
+                kl, top1 = step_divergence(dense[r][1:], steps[r, 1:n].to(dense[r].device))
+                kls[i], agree[i] = kl.cpu(), top1.cpu()
+                text = tokenizer.decode(news[r], skip_special_tokens=True)
+                records[i] = record_of(samples[i], text, n, kl, top1)
         summary = session.summary()
         if fractions:  # the engine ran: what its static step reads, no per-layer measurement
             summary["attended_fraction"] = sum(fractions) / len(fractions)

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the full result here")
     parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
                         "read (runs the slower transformers path)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="prompts of one length decoded together on the engine [16 on a GPU, 1 elsewhere]")
     parser.add_argument("--allow-long-context", action="store_true",
                         help="run prompts longer than the model's context (max_position_embeddings) with only a "
                         "warning: for a model whose RoPE you extended on purpose")
@@ -97,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
     if args.suite == "reasoning":
         return run_reasoning(args)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                             passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens, suite=args.suite, tasks=tuple(args.tasks or ()),
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                       f"--max-new-tokens {new}", fix="shorten the prompts or lower --max-new-tokens")
     model = load_for_eval(args)
     result = evaluate(model, tokenizer, manifest, args.policy, params, settings, samples=samples,
-                      measure=args.measure)
+                      measure=args.measure, batch_size=args.batch_size)
     result["model"] = args.model
     result["manifest"] = args.manifest
     print(format_table(result))

@@ -207,3 +207,29 @@ def test_bootstrap_interval_matches_the_normal_approximation():
     assert heavy[1] == pytest.approx(1.0) and heavy[0] < 0.5
     with pytest.raises(ValueError, match="one weight per value"):
         bootstrap_interval([1.0], [])
+
+
+def test_a_batched_evaluation_scores_every_prompt_as_one_at_a_time(tiny_folder):
+    """Batches on the engine (CPU, naive kernels), full and partial: the same generations, scores and per-step
+    KL as evaluating each prompt alone, reported in the prompts' own order."""
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    tok = tiny_tokenizer()
+    settings = EvalSettings(lengths=(260, 330), depths=(0.2, 0.8), samples_per_cell=2, max_new_tokens=5,
+                            alphabet="digits")
+    manifest = tiny_folder / "delta.safetensors"
+    params = {"engine": "static", "num_pages": 3, "recent_pages": 1, "page_size": 8}
+    alone = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=1)
+    batched = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
+    assert len(alone["samples"]) == len(batched["samples"]) == 8  # per length a batch of 3 and one of 1
+    assert [s["depth"] for s in batched["samples"]] == [s["depth"] for s in alone["samples"]]
+    for a, b in zip(alone["samples"], batched["samples"]):
+        assert (a["generated"], a["score"], a["generated_tokens"]) == (b["generated"], b["score"], b["generated_tokens"])
+        assert b["kl_mean"] == pytest.approx(a["kl_mean"], rel=1e-3, abs=1e-6)
+    assert batched["kl_mean"] == pytest.approx(alone["kl_mean"], rel=1e-3) and alone["kl_mean"] > 1e-5
+
+
+def test_a_batch_on_the_transformers_path_is_refused_in_one_line(tiny_folder):
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    settings = EvalSettings(prompts=str(tiny_folder / "prompts.jsonl"), max_new_tokens=4)
+    with pytest.raises(ValueError, match="batch_size 4 needs the engine"):
+        evaluate(model, tiny_tokenizer(), None, "full", settings=settings, batch_size=4)
