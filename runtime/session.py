@@ -177,12 +177,12 @@ class Session:
         if not return_dict_in_generate:
             return sequences
         logits = None
-        if output_logits:
-            stacked = torch.zeros(len(rows), width, self._weights.shape.vocab)
+        if output_logits:  # as transformers gives them: one [B, V] per step, on the model's device
+            stacked = torch.zeros(len(rows), width, self._weights.shape.vocab, device=input_ids.device)
             for r, lg in enumerate(out.logits):
                 n = min(width, lg.shape[0])
                 stacked[r, :n] = lg[:n]
-            logits = tuple(stacked[:, i].to(input_ids.device) for i in range(width))
+            logits = tuple(stacked.unbind(1))
         return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)
 
     def reset_stats(self) -> None:

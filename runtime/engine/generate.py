@@ -63,7 +63,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     steps: int
-    logits: list[torch.Tensor] | None = None  # per row [steps + 1, V] float32 when asked for
+    logits: list[torch.Tensor] | None = None  # per row [steps + 1, V] float32 on the device, when asked for
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -151,8 +151,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         _stream(streamer, out[0][:limits[0]], loop.sent, loop.cut.get(0), eos)
         streamer.end()
     logits = None
-    if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers)
-        logits = [stopper.logits_out[r, :count].cpu() for r in range(b)]
+    if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
+        logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",

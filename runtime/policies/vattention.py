@@ -277,10 +277,13 @@ class VAttentionStep:
 
     def _sample(self, dec: Any) -> Any:
         """:meth:`draw_sample`, through ``torch.compile`` where the decoder compiles (its small ops fuse into a
-        few kernels; the layer is a device scalar, so one graph serves every layer)."""
+        few kernels; the layer is a device scalar, so one graph serves every layer). ``dynamic=None``: the first
+        shape compiles static code, a second one recompiles with the batch and cache length symbolic, which
+        then serves every request (an evaluation decodes many shapes; static code for each would hit
+        torch.compile's recompile limit)."""
         if self._compiled is None:
             compile_ = getattr(dec, "compiles", False)
-            self._compiled = (torch.compile(self.draw_sample, dynamic=False, fullgraph=True) if compile_
+            self._compiled = (torch.compile(self.draw_sample, dynamic=None, fullgraph=True) if compile_
                               else self.draw_sample)
         return self._compiled
 
