@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import atomic  # noqa: E402
-from runtime.eval import EvalSettings, evaluate, suite_prompts, wilson_interval  # noqa: E402
+from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
 from runtime.policies import engine_policies, get_policy  # noqa: E402
 
@@ -170,7 +170,9 @@ def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
             "tasks": tasks, "task_lengths": result["tasks"],
             "recall_sparse_layers": sparse_recall(result["layers"]), "kl_mean": result["kl_mean"],
             "top1_agreement": result["top1_agreement"], "attended_fraction": result["attended_fraction"],
-            "wall_s": wall, "passkey_grid": result["passkey_grid"]}
+            "wall_s": wall, "passkey_grid": result["passkey_grid"],
+            # per prompt, in the suite's order (the same prompts in every cell): for paired comparisons
+            "scores": [None if r["score"] is None else round(r["score"], 4) for r in result["samples"]]}
 
 
 def fidelity_row(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
@@ -240,6 +242,7 @@ def format_table(summary: dict[str, Any]) -> str:
         for r in summary["rows"]:
             lines.append(f"| {r['label']} | {r['budget'] or '–'} | "
                          + " | ".join(with_interval(r["tasks"].get(t)) for t in tasks) + " |")
+    lines += paired_lines(summary["rows"])
     total = sum(r["wall_s"] for r in summary["rows"])
     prompts = sum(r["prompts"] for r in summary["rows"])
     lines += ["", f"{len(summary['rows'])} cells, {prompts} prompts, {total:.0f} s of evaluation in all "
@@ -251,6 +254,36 @@ def format_table(summary: dict[str, Any]) -> str:
     if manifests:
         lines += ["", "Manifests: " + "; ".join(f"{label} `{path}`" for label, path in manifests)]
     return "\n".join(lines) + "\n"
+
+
+def paired_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each policy's score minus full's and minus Quest's at the same budget, over the very same prompts, with
+    the 95 % interval of the mean paired difference; ``*`` marks an interval that excludes 0 (significant)."""
+    def scored(r: dict[str, Any]) -> list[float] | None:
+        s = r.get("scores")
+        return s if s and None not in s else None
+
+    refs = {"full": next((r for r in rows if r["policy"] == "full" and scored(r)), None)}
+    out = []
+    for r in rows:
+        if r["policy"] == "full" or not scored(r):
+            continue
+        refs["quest"] = next((q for q in rows if q["policy"] == "quest" and q["budget"] == r["budget"] and scored(q)), None)
+        cells = []
+        for name in ("full", "quest"):
+            ref = refs[name]
+            if ref is None or ref is r or len(scored(ref)) != len(scored(r)):
+                cells.append("–")
+                continue
+            d = paired_difference(scored(r), scored(ref))
+            lo, hi = d["interval"]
+            cells.append(f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + (" *" if lo > 0 or hi < 0 else ""))
+        out.append(f"| {r['label']} | {r['budget'] or '–'} | {cells[0]} | {cells[1]} |")
+    if not out:
+        return []
+    return ["", "Paired differences over the same prompts (mean score difference, 95 % interval; * = the interval "
+            "excludes 0, a significant difference):", "", "| policy | budget | − full | − quest |",
+            "| --- | --- | --- | --- |", *out]
 
 
 def _score_lines(ax, summary: dict[str, Any], pick) -> None:
@@ -459,8 +492,6 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here; use --device cpu")
     if args.batch_size is not None and args.batch_size < 1:
         raise SystemExit(f"--batch-size must be at least 1, got {args.batch_size}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -487,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.models import load_model, load_tokenizer
 
     model = tokenizer = samples = None
-    if len(done) < len(cells):  # a finished grid only rewrites the summary, tables and plots
+    if len(done) < len(cells):  # a finished grid only rewrites the summary, tables and plots (on any machine)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit(f"--device cuda: no CUDA device here, and {len(cells) - len(done)} cells are not done; "
+                             "use --device cpu")
         trust = args.trust_remote_code
         model = load_model(args.model, dtype=dtype, trust_remote_code=trust).to(args.device)
         tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
@@ -496,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--lengths: {max(args.lengths)} + {budget} new tokens exceeds the model's "
                              f"{limit} positions; use shorter lengths")
         samples = None if reasoning else suite_prompts(tokenizer, settings)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    here = (torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA") if args.device == "cuda" else "CPU"
 
     rows = []
     bar = tqdm(cells, desc="quality grid", unit="cell")
@@ -506,10 +540,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         bar.set_postfix_str(cell.name)
         result, row = run_cell(cell, model, tokenizer, settings, samples, args)
+        row["device_name"] = here
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
         rows.append(row)
     bar.close()
+    device_name = next((r["device_name"] for r in rows if r.get("device_name")), here)  # where the cells ran
     summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
     atomic.write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))
     table = format_fidelity_table(summary) if reasoning else format_table(summary)

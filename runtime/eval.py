@@ -68,6 +68,19 @@ def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[floa
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def paired_difference(a: list[float], b: list[float], z: float = 1.959964) -> dict[str, float]:
+    """Mean of ``a[i] − b[i]`` over the same prompts, with its normal 95 % interval (mean ± z·sd/√n). Pairing
+    removes the prompts' own difficulty, so it separates two methods that unpaired intervals cannot."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_difference needs two equally long non-empty lists, got {len(a)} and {len(b)}")
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
+    half = z * sd / math.sqrt(n)
+    return {"mean": mean, "interval": [mean - half, mean + half], "n": n}
+
+
 def bootstrap_interval(values: list[float], weights: list[float], reps: int = 2000, seed: int = 0,
                        level: float = 0.95) -> tuple[float, float]:
     """Percentile bootstrap interval of the weighted mean ``Σ w v / Σ w`` over resampled items (prompts: their

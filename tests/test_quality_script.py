@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -133,6 +134,28 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
     assert "RULER-style suite (niah_single_noise, variable_tracking)" in table and "prompts/s" in table
     for name in ("quality.png", "quality-niah_single_noise.png", "quality-variable_tracking.png"):
         assert (out / name).stat().st_size > 1000 and name in printed
+    # each prompt's score is kept, so the table pairs quest with full over the very same prompts
+    full, quest = summary["rows"]
+    assert len(full["scores"]) == len(quest["scores"]) == 4
+    from runtime.eval import paired_difference
+
+    d = paired_difference(quest["scores"], full["scores"])
+    assert "Paired differences over the same prompts" in table
+    assert f"| quest | 32 | {d['mean']:+.3f} [{d['interval'][0]:+.3f}, {d['interval'][1]:+.3f}]" in table
+    # a finished grid is summarised again on any machine: here cells marked as a GPU run's, on a machine that may
+    # have no GPU; no model loads (the model folder is gone) and the device named is the one the cells ran on
+    for path in (out / "cells").glob("*.json"):
+        cell = json.loads(path.read_text())
+        cell["grid"].update(device="cuda", dtype="bfloat16")
+        cell["row"]["device_name"] = "NVIDIA H200"
+        path.write_text(json.dumps(cell))
+    (out / "TABLE.md").unlink()
+    shutil.move(folder / "model", tmp_path / "away")
+    try:
+        assert quality.main([*argv[:-4], "--device", "cuda", "--out", str(out)]) == 0
+    finally:
+        shutil.move(tmp_path / "away", folder / "model")
+    assert "NVIDIA H200, bfloat16" in (out / "TABLE.md").read_text()
     with pytest.raises(SystemExit, match="unknown RULER task"):
         quality.main([*argv[:-2], "--tasks", "nope", "--out", str(tmp_path / "x")])
 

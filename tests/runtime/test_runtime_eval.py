@@ -233,3 +233,16 @@ def test_a_batch_on_the_transformers_path_is_refused_in_one_line(tiny_folder):
     settings = EvalSettings(prompts=str(tiny_folder / "prompts.jsonl"), max_new_tokens=4)
     with pytest.raises(ValueError, match="batch_size 4 needs the engine"):
         evaluate(model, tiny_tokenizer(), None, "full", settings=settings, batch_size=4)
+
+
+def test_paired_difference_closed_form():
+    from runtime.eval import paired_difference
+
+    d = paired_difference([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])  # differences 1, 0, 0, 1
+    half = 1.959964 * (1 / 3) ** 0.5 / 2  # sample sd √(1/3), n = 4
+    assert d["mean"] == 0.5 and d["n"] == 4
+    assert d["interval"] == pytest.approx([0.5 - half, 0.5 + half])
+    same = paired_difference([0.3, 0.7], [0.3, 0.7])
+    assert same["mean"] == 0 and same["interval"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="equally long"):
+        paired_difference([1.0], [1.0, 0.0])
