@@ -112,7 +112,7 @@ def main() -> int:
                       "chunk_size": args.length})
     recorder = AttentionRecorder(cfg.num_hidden_layers, cfg.num_attention_heads, stride=config.stride,
                                  min_context=config.min_context, page_size=config.page_size,
-                                 top_pages=config.top_pages, recent_pages=config.recent_pages, bins=config.bins,
+                                 num_pages=config.num_pages, recent_pages=config.recent_pages, bins=config.bins,
                                  query_block=config.query_block)
 
     def rec(ids):

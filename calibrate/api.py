@@ -77,7 +77,7 @@ def record(model, traces: list[list[int]], config: CalibrateConfig, progress: bo
     text = _text_config(model)
     recorder = AttentionRecorder(
         text.num_hidden_layers, text.num_attention_heads, stride=config.stride, min_context=config.min_context,
-        page_size=config.page_size, top_pages=config.top_pages, recent_pages=config.recent_pages,
+        page_size=config.page_size, num_pages=config.num_pages, recent_pages=config.recent_pages,
         bins=config.bins, query_block=config.query_block, layers=candidate_layers(model, config),
         full_keys=bool(config.include_sliding and sliding_layers(model)))
     mine = _shard(traces)
@@ -131,7 +131,7 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
         "drift": r(m["drift"]),
         "head_sparsity": r(m["head_sparsity"]),
         "bin_positions": r(m["positions"]),
-        "budget_tokens": config.top_pages * config.page_size + config.recent_pages * config.page_size,
+        "budget_tokens": config.num_pages * config.page_size,  # K pages in all, the L recent ones among them
         "sampled_queries": int(totals.recall_count.item()),
     }
     if sliding:

@@ -30,7 +30,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--query-block", "query_block", int, "sampled rows materialised at once"),
     ("--bins", "bins", int, "decode-time bins of the sparsity profile"),
     ("--page-size", "page_size", int, "DELTA page size P in tokens"),
-    ("--top-pages", "top_pages", int, "DELTA K: pages a sparse layer reads, the recent ones included"),
+    ("--num-pages", "num_pages", int, "DELTA K: pages a sparse layer reads, the recent ones included"),
     ("--recent-pages", "recent_pages", int, "DELTA L: most recent pages always kept"),
     ("--warmup", "warmup", int, "full warm-up layers [0, warmup); layer `warmup` is the first Δ-layer"),
     ("--num-delta", "num_delta", str, "Δ-layers including the first, or 'auto' (smallest set reaching --target-recall)"),
@@ -57,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the PNG plots")
     parser.add_argument("--include-sliding", dest="include_sliding", action="store_const", const=True, default=None,
                         help="hybrid models: let sliding-window layers be recorded and chosen as Δ-layers")
+    parser.add_argument("--top-pages", dest="num_pages", type=int, default=None, help=argparse.SUPPRESS)  # older name
     parser.add_argument("--random-weights", dest="random_weights", action="store_const", const=True, default=None,
                         help="the model's architecture (alias, folder or config.json) with random weights, built "
                         "sharded: for speed and memory measurements only; needs --traces of token ids")
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"wrote {path}")
         m = manifest.metrics
         print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
-              f"{m['recall_mean']:.4f} at K={config.top_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
+              f"{m['recall_mean']:.4f} at K={config.num_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
         print(cost)
     return 0

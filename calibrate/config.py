@@ -43,7 +43,7 @@ class CalibrateConfig:
     bins: int = 8  # decode-time bins of the sparsity profile
     # DELTA
     page_size: int = 16
-    top_pages: int = 64  # K: pages a sparse layer reads in all, the L recent ones included (runtime's num_pages)
+    num_pages: int = 64  # K: pages a sparse layer reads in all, the L recent ones included (the delta policy's too)
     recent_pages: int = 8  # L
     warmup: int = 2  # layers [0, warmup) are full; layer `warmup` is the first Δ-layer
     num_delta: int | str = 3  # Δ-layers including layer `warmup`, or "auto" (smallest set reaching target_recall)
@@ -70,11 +70,11 @@ class CalibrateConfig:
                      "recent_pages"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an integer ≥ 1, "
                  f"got {getattr(self, name)!r}")
-        for name in ("min_context", "top_pages", "warmup", "seed"):
+        for name in ("min_context", "num_pages", "warmup", "seed"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer ≥ 0, got {getattr(self, name)!r}")
         need(self.min_gap >= 1, f"min_gap must be ≥ 1, got {self.min_gap}")
-        need(self.top_pages >= self.recent_pages, f"top_pages (K, {self.top_pages}) counts the recent pages "
+        need(self.num_pages >= self.recent_pages, f"num_pages (K, {self.num_pages}) counts the recent pages "
              f"(L, {self.recent_pages}) too, so it must be ≥ recent_pages")
         if isinstance(self.num_delta, str) and self.num_delta.isdigit():
             self.num_delta = int(self.num_delta)
@@ -96,9 +96,14 @@ class CalibrateConfig:
         return resolve(self.to_dict(), changes)
 
 
+RENAMED = {"top_pages": "num_pages"}  # keys of older configs and manifests, read under their current name
+
+
 def resolve(*layers: dict[str, Any] | None) -> CalibrateConfig:
-    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`runtime.configfile.layered`)."""
-    return layered(CalibrateConfig, *layers, what="calibration config")
+    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`runtime.configfile.layered`).
+    A key of an older release (``RENAMED``) is read as its current name."""
+    current = [{RENAMED.get(k, k): v for k, v in layer.items()} if layer else layer for layer in layers]
+    return layered(CalibrateConfig, *current, what="calibration config")
 
 
 def read_yaml(name_or_path: str | Path) -> dict[str, Any]:

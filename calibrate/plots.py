@@ -80,8 +80,8 @@ def plot_recall(manifest: RoleManifest, path: Path) -> Path:
     handles = [Patch(color=ROLE_COLORS[r], label=name) for r, name in ROLE_NAMES.items()]
     handles.append(Line2D([], [], color="black", lw=0.8, ls="--", label=f"mean over sparse layers {mean:.3f}"))
     ax.set(xlabel="layer", ylabel="attention recall", ylim=(min(0.5, min(recall) - 0.05), 1.01),
-           title=f"simulated recall, Δ = {manifest.delta_layers}, K = {cfg.get('top_pages')} + "
-                 f"L = {cfg.get('recent_pages')} pages of {cfg.get('page_size')}")
+           title=f"simulated recall, Δ = {manifest.delta_layers}, K = {cfg.get('num_pages', cfg.get('top_pages'))} "
+                 f"pages ({cfg.get('recent_pages')} recent) of {cfg.get('page_size')}")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
     return _save(fig, path)

@@ -30,12 +30,12 @@ class AttentionRecorder:
     """Attention function that records DELTA and Lethe statistics; use it through :meth:`attached`."""
 
     def __init__(self, num_layers: int, num_heads: int, *, stride: int = 16, min_context: int = 128,
-                 page_size: int = 16, top_pages: int = 64, recent_pages: int = 8, bins: int = 8,
+                 page_size: int = 16, num_pages: int = 64, recent_pages: int = 8, bins: int = 8,
                  query_block: int = 16, base: str = "sdpa", layers: list[int] | None = None,
                  full_keys: bool = False):
-        if (stride < 1 or min_context < 0 or page_size < 1 or top_pages < recent_pages or recent_pages < 1
+        if (stride < 1 or min_context < 0 or page_size < 1 or num_pages < recent_pages or recent_pages < 1
                 or query_block < 1):
-            raise ValueError("recorder needs stride ≥ 1, min_context ≥ 0, page_size ≥ 1, top_pages ≥ recent_pages "
+            raise ValueError("recorder needs stride ≥ 1, min_context ≥ 0, page_size ≥ 1, num_pages ≥ recent_pages "
                              "≥ 1 (K counts the L recent pages) and query_block ≥ 1")
         self.num_layers, self.num_heads = num_layers, num_heads
         # Layers to record (default all). The others only run their attention: their rows and columns of the
@@ -47,7 +47,7 @@ class AttentionRecorder:
         self._recorded = set(self.layers)
         self.full_keys = full_keys  # record_traces keeps every key of every layer (sliding layers are recorded)
         self.stride, self.min_context, self.page_size = stride, min_context, page_size
-        self.top_pages, self.recent_pages, self.bins, self.query_block = top_pages, recent_pages, bins, query_block
+        self.num_pages, self.recent_pages, self.bins, self.query_block = num_pages, recent_pages, bins, query_block
         self._inner = ALL_ATTENTION_FUNCTIONS[base]
         self.totals: CalibrationTotals | None = None
         self._length = 0
@@ -80,7 +80,7 @@ class AttentionRecorder:
                 raise RuntimeError(f"recorder saw layers {layers} in one forward, expected {self.layers}")
             score = torch.stack([self._score[i] for i in layers])  # [Lr, Q, P]
             mass = torch.stack([self._mass[i] for i in layers])  # [Lr, Q, P]
-            recall = pair_recall(score, mass, self._pages, self.top_pages, self.recent_pages)  # [Lr, Lr, Q]
+            recall = pair_recall(score, mass, self._pages, self.num_pages, self.recent_pages)  # [Lr, Lr, Q]
             idx = torch.tensor(layers, device=self.totals.recall_sum.device)
             self.totals.recall_sum[idx[:, None], idx[None, :]] += recall.sum(-1).double()
             self.totals.recall_count += recall.shape[-1]

@@ -61,18 +61,18 @@ def page_sums(x: torch.Tensor, page_size: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], pages, page_size).sum(-1)
 
 
-def selected_pages(score: torch.Tensor, last_page: torch.Tensor, top_pages: int, recent_pages: int) -> torch.Tensor:
-    """DELTA's page choice for rows of page scores: ``top_pages`` (K) pages in all, the last ``recent_pages``
+def selected_pages(score: torch.Tensor, last_page: torch.Tensor, num_pages: int, recent_pages: int) -> torch.Tensor:
+    """DELTA's page choice for rows of page scores: ``num_pages`` (K) pages in all, the last ``recent_pages``
     (L) up to and including ``last_page`` (the page of the query itself) and the K − L highest-scoring older
     pages, the same rule (``runtime.kernels.topk_select``) as the runtime's ``delta`` policy and engine.
 
     ``score``: ``[..., P]``; ``last_page``: ``[...]`` int, index of the query's page. Returns a bool ``[..., P]``.
     Pages after ``last_page`` are never chosen (they do not exist yet at that decode step).
     """
-    return topk_mask_with_recent(score, top_pages, recent_pages, last=last_page)
+    return topk_mask_with_recent(score, num_pages, recent_pages, last=last_page)
 
 
-def pair_recall(score: torch.Tensor, mass: torch.Tensor, last_page: torch.Tensor, top_pages: int,
+def pair_recall(score: torch.Tensor, mass: torch.Tensor, last_page: torch.Tensor, num_pages: int,
                 recent_pages: int) -> torch.Tensor:
     """Simulated recall of every (selection layer s, reading layer l) pair for a block of sampled queries.
 
@@ -80,5 +80,5 @@ def pair_recall(score: torch.Tensor, mass: torch.Tensor, last_page: torch.Tensor
     page averaged over heads (rows sum to 1); ``last_page``: ``[Q]``. Returns ``[L, L, Q]`` where ``[s, l, q]``
     is the share of layer l's attention mass that falls on the pages layer s would select for query q.
     """
-    keep = selected_pages(score, last_page.unsqueeze(0).expand(score.shape[:2]), top_pages, recent_pages)
+    keep = selected_pages(score, last_page.unsqueeze(0).expand(score.shape[:2]), num_pages, recent_pages)
     return torch.einsum("sqp,lqp->slq", keep.to(mass.dtype), mass)

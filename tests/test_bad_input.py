@@ -90,7 +90,7 @@ def test_embedded_model_context_is_8192():
 
 # ---- calibrate-delta ------------------------------------------------------------------------------------------
 
-CALIBRATE = ["--stride", "4", "--min-context", "8", "--page-size", "4", "--top-pages", "2", "--recent-pages", "1",
+CALIBRATE = ["--stride", "4", "--min-context", "8", "--page-size", "4", "--num-pages", "2", "--recent-pages", "1",
              "--warmup", "1", "--num-delta", "1", "--min-gap", "1", "--bins", "2", "--device", "cpu", "--quiet",
              "--no-plots"]
 

@@ -164,7 +164,7 @@ def test_a_failing_run_leaves_the_good_manifest_and_its_sidecars_alone(model_dir
     assert [json.loads(x)["step"] for x in (tmp_path / "heads.ckpt" / "log.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
-CAL = ["--page-size", "4", "--top-pages", "3", "--recent-pages", "2", "--warmup", "1", "--num-delta", "2",
+CAL = ["--page-size", "4", "--num-pages", "3", "--recent-pages", "2", "--warmup", "1", "--num-delta", "2",
        "--min-gap", "1", "--bins", "3", "--stride", "6", "--min-context", "40", "--device", "cpu", "--quiet",
        "--no-plots"]
 

@@ -30,7 +30,7 @@ def _traces() -> list[list[int]]:
 
 
 def _calibration() -> dict:
-    return dict(min_context=64, stride=8, chunk_size=128, top_pages=4, recent_pages=1, page_size=8, warmup=1,
+    return dict(min_context=64, stride=8, chunk_size=128, num_pages=4, recent_pages=1, page_size=8, warmup=1,
                 num_delta=2, min_gap=1, plots=False)
 
 

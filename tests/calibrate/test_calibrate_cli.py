@@ -16,7 +16,7 @@ from runtime.manifest import RoleManifest
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 
 FLAGS = ["--prompts", "arithmetic:3", "--max-new-tokens", "48", "--stride", "6", "--min-context", "40",
-         "--page-size", "4", "--top-pages", "3", "--recent-pages", "2", "--warmup", "1", "--num-delta", "2",
+         "--page-size", "4", "--num-pages", "3", "--recent-pages", "2", "--warmup", "1", "--num-delta", "2",
          "--min-gap", "1", "--bins", "3", "--device", "cpu", "--quiet"]
 
 
@@ -41,7 +41,7 @@ def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_pat
     assert m.data["traces"] == 3 and m.data["source"] == "generated:arithmetic:3" and len(m.data["sha256"]) == 64
     assert m.data["sha256"] == calibrate.traces.traces_sha256(read_traces(cached[0]))
     assert 0.0 < m.metrics["recall_mean"] <= 1.0 and m.metrics["sampled_queries"] > 10
-    assert m.config["top_pages"] == 3 and m.config["model"] == model_dir.name  # a local folder by its name
+    assert m.config["num_pages"] == 3 and m.config["model"] == model_dir.name  # a local folder by its name
     saved = json.loads((out1.parent / "m.delta.config.json").read_text())
     assert saved == {**m.config, "model": str(model_dir), "output": str(out1)}  # the sidecar keeps the paths as given
     for kind in ("shift", "sparsity", "recall"):
@@ -51,7 +51,7 @@ def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_pat
 def test_run_api_takes_texts_and_matches_the_pair_matrix(model_dir):
     model, tok = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, seed=7), tiny_tokenizer()
     texts = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs. " * 3]
-    config = {"stride": 5, "min_context": 30, "page_size": 4, "top_pages": 2, "recent_pages": 1, "warmup": 1,
+    config = {"stride": 5, "min_context": 30, "page_size": 4, "num_pages": 2, "recent_pages": 1, "warmup": 1,
               "num_delta": 2, "min_gap": 1, "select": "recall"}
     m = calibrate.run(model, tok, texts, config, progress=False)
     pairs = torch.tensor(m.metrics["recall_pairs"])
@@ -74,10 +74,10 @@ def test_every_shipped_calibration_config_resolves():
 
 def test_flags_override_yaml_override_defaults(tmp_path):
     yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("stride: 4\ntop_pages: 9\n")
+    yaml_file.write_text("stride: 4\nnum_pages: 9\n")
     args = cli.build_parser().parse_args(["--config", str(yaml_file), "--stride", "2"])
     config, _ = cli.resolve_config(args)
-    assert (config.stride, config.top_pages, config.recent_pages) == (2, 9, 8)
+    assert (config.stride, config.num_pages, config.recent_pages) == (2, 9, 8)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -102,3 +102,20 @@ def test_traces_file_errors_name_the_line(tmp_path):
     bad.write_text('{"ids": [1, 2]}\n{"ids": []}\n')
     with pytest.raises(ValueError, match=r"t.jsonl:2"):
         read_traces(bad)
+
+
+def test_older_names_of_k_still_read(tmp_path):
+    """``top_pages`` (flag and key) is what older configs and manifests call K; it reads as ``num_pages``."""
+    from calibrate.cli import build_parser, resolve_config
+
+    args = build_parser().parse_args(["--top-pages", "12", "--config", str(_yaml(tmp_path, "top_pages: 9\n"))])
+    config, _ = resolve_config(args)
+    assert config.num_pages == 12  # the flag wins over the file
+    args = build_parser().parse_args(["--config", str(_yaml(tmp_path, "top_pages: 9\nrecent_pages: 2\n"))])
+    assert resolve_config(args)[0].num_pages == 9
+
+
+def _yaml(folder, text):
+    path = folder / "old.yaml"
+    path.write_text(text)
+    return path

@@ -12,7 +12,7 @@ from calibrate.api import record
 from calibrate.config import resolve
 from tests.tiny import tiny_model
 
-CONFIG = {"stride": 5, "min_context": 12, "page_size": 4, "top_pages": 2, "recent_pages": 1, "bins": 3,
+CONFIG = {"stride": 5, "min_context": 12, "page_size": 4, "num_pages": 2, "recent_pages": 1, "bins": 3,
           "chunk_size": 32}
 
 

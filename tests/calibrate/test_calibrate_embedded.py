@@ -13,7 +13,7 @@ def test_embedded_model_calibrates_with_its_shipped_config(tmp_path, cache_dir):
     from runtime.models import load_model
 
     out = tmp_path / "smollm2.delta.safetensors"
-    argv = ["--prompts", "arithmetic:2", "--max-new-tokens", "48", "--min-context", "64", "--top-pages", "2",
+    argv = ["--prompts", "arithmetic:2", "--max-new-tokens", "48", "--min-context", "64", "--num-pages", "2",
             "--recent-pages", "1", "--device", "cpu", "--output", str(out), "--quiet", "--no-plots"]
     assert cli.main(argv) == 0
     m = RoleManifest.load(out)

@@ -61,7 +61,7 @@ def test_recorder_matches_eager_brute_force(family, heads, kv_heads, chunk):
     model = tiny_model(family, layers=3, heads=heads, kv_heads=kv_heads, seed=1)
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = brute_force(model, ids)
-    rec = AttentionRecorder(3, heads, stride=STRIDE, min_context=MIN_CTX, page_size=PAGE, top_pages=TOP,
+    rec = AttentionRecorder(3, heads, stride=STRIDE, min_context=MIN_CTX, page_size=PAGE, num_pages=TOP,
                             recent_pages=RECENT, bins=BINS, query_block=3)
     tot = record_traces(model, [ids], rec, chunk_size=chunk, progress=False)
     q = ref["samples"]
@@ -83,7 +83,7 @@ def test_outputs_unchanged_while_recording_and_restored_after():
     x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         before = model(x).logits
-    rec = AttentionRecorder(2, 4, stride=5, min_context=4, page_size=4, top_pages=2, recent_pages=1)
+    rec = AttentionRecorder(2, 4, stride=5, min_context=4, page_size=4, num_pages=2, recent_pages=1)
     rec.begin_trace(40)
     with rec.attached(model), torch.no_grad():
         assert model.config._attn_implementation == "rolecall-record"

@@ -54,7 +54,7 @@ def test_pages_and_recall_by_hand():
     x = torch.arange(10.0)
     assert page_sums(x, 4).tolist() == [6.0, 22.0, 17.0]  # 0..3, 4..7, 8..9
     score = torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0, 9.0, 0.0]])  # query in page 5; page 6 does not exist yet
-    keep = selected_pages(score, torch.tensor([5]), top_pages=4, recent_pages=2)
+    keep = selected_pages(score, torch.tensor([5]), num_pages=4, recent_pages=2)
     assert keep.tolist() == [[True, False, True, False, True, True, False]]  # recent 4, 5; top-2 older 0, 2
     mass = torch.tensor([[[0.1, 0.2, 0.05, 0.25, 0.1, 0.3, 0.0]]])  # [L=1, Q=1, P]
     assert pair_recall(score[None], mass, torch.tensor([5]), 4, 2)[0, 0, 0].item() == pytest.approx(0.55)
@@ -63,7 +63,7 @@ def test_pages_and_recall_by_hand():
 
 
 def _record(model, traces):
-    rec = AttentionRecorder(3, 4, stride=5, min_context=10, page_size=4, top_pages=2, recent_pages=1, bins=4)
+    rec = AttentionRecorder(3, 4, stride=5, min_context=10, page_size=4, num_pages=2, recent_pages=1, bins=4)
     return record_traces(model, traces, rec, chunk_size=32, progress=False)
 
 

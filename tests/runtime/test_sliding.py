@@ -62,7 +62,7 @@ def test_manifest_records_sliding_layers_and_old_manifests_still_load(model, tmp
 
 # -- calibration ----------------------------------------------------------------------------------------------
 def _calibrate(model, **kw):
-    config = dict(stride=4, min_context=16, page_size=4, top_pages=3, recent_pages=1, warmup=0, num_delta=2,
+    config = dict(stride=4, min_context=16, page_size=4, num_pages=3, recent_pages=1, warmup=0, num_delta=2,
                   min_gap=1, bins=2)
     config.update(kw)
     return calibrate.run(model, tiny_tokenizer(), _traces(), config, progress=False)
