@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime import atomic  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
-from runtime.policies import engine_policies, get_policy  # noqa: E402
+from runtime.policies import PolicyError, engine_policies, get_policy  # noqa: E402
 
 POLICIES = ("full", "delta", "lychee", "lethe", "vattention", "quest")
 BUDGETS = (256, 512, 1024, 2048)
@@ -103,6 +103,28 @@ def parse_heads(pairs: list[str] | None) -> list[tuple[str, str]]:
     return heads
 
 
+def parse_variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any], str]]:
+    """``--variant delta:per_head=true,num_pages=32`` → ``("delta", {"per_head": True, ...}, "-per_head-num_pages32")``:
+    extra rows of a policy with these parameters on top of the budget's."""
+    from runtime.cli.common import parse_params
+
+    out = []
+    for spec in specs or []:
+        policy, sep, pairs = spec.partition(":")
+        if not sep or policy not in POLICIES or not pairs:
+            raise SystemExit(f"--variant {spec!r}: write it as POLICY:KEY=VALUE[,KEY=VALUE], POLICY one of "
+                             f"{', '.join(POLICIES)}, e.g. --variant delta:per_head=true")
+        try:
+            extra = parse_params(pairs.split(","))
+        except ValueError as e:
+            raise SystemExit(f"--variant {spec!r}: {e}") from None
+        suffix = "".join(f"-{k}" if v is True else f"-{k}{v}" for k, v in extra.items())
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", suffix):
+            raise SystemExit(f"--variant {spec!r}: values must be letters, digits, '_', '.' or '-' (they name files)")
+        out.append((policy, extra, suffix))
+    return out
+
+
 def build_cells(args: argparse.Namespace) -> list[Cell]:
     """The grid, in table order; a policy asked for by name without the manifest it needs is an error."""
     heads = parse_heads(args.heads)
@@ -119,25 +141,33 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
         if not have[p]:
             flag = {"delta": "--delta (or --delta-recall)", "lychee": "--heads NAME=PATH"}[p]
             raise SystemExit(f"policy {p} needs {flag}; give the manifest or leave {p} out of --policies")
-    rows: list[tuple[str, str, str | None]] = []
+    base: list[tuple[str, str, str | None]] = []
     for p in POLICIES:
         if p not in wanted:
             continue
         if p == "delta":
-            rows += [(label, p, path) for label, path in (("delta", args.delta), ("delta-recall", args.delta_recall))
+            base += [(label, p, path) for label, path in (("delta", args.delta), ("delta-recall", args.delta_recall))
                      if path]
         elif p == "lychee":
-            rows += [(f"lychee-{name}", p, path) for name, path in heads]
+            base += [(f"lychee-{name}", p, path) for name, path in heads]
         else:
-            rows.append((p, p, args.lethe if p == "lethe" else None))
+            base.append((p, p, args.lethe if p == "lethe" else None))
+    rows: list[tuple[str, str, str | None, dict[str, Any]]] = []
+    variants = parse_variants(args.variant)
+    for label, policy, manifest in base:  # each base row, then its variants
+        rows.append((label, policy, manifest, {}))
+        rows += [(label + suffix, policy, manifest, extra) for p, extra, suffix in variants if p == policy]
     cells = []
-    for label, policy, manifest in rows:
+    for label, policy, manifest, extra in rows:
         if policy == "full":
             cells.append(Cell(label, policy, manifest, None))
             continue
-        cells += [Cell(label, policy, manifest, b, policy_params(policy, b, args)) for b in args.budgets]
+        cells += [Cell(label, policy, manifest, b, {**policy_params(policy, b, args), **extra}) for b in args.budgets]
     for cell in cells:
-        get_policy(cell.policy, **cell.params)  # bad values fail here, before the model loads
+        try:
+            get_policy(cell.policy, **cell.params)  # bad values fail here, before the model loads
+        except PolicyError as e:
+            raise SystemExit(f"{cell.name}: {e}") from None
     return cells
 
 
@@ -430,6 +460,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow code shipped in the model folder to run (never without this flag)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--variant", action="append", metavar="POLICY:KEY=VALUE[,KEY=VALUE]",
+                        help="extra rows: every row of POLICY again with these parameters, its label suffixed by "
+                        "them (e.g. delta:per_head=true → delta-per_head); repeatable")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="prompts of one length decoded together on the engine (default 16 on a GPU)")
     parser.add_argument("--out", required=True, help="output folder; rerunning into it resumes")

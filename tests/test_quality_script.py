@@ -81,8 +81,11 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
 
     table = (out / "TABLE.md").read_text()
     assert table in printed
-    table_rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    main_table = next(block for block in table.split("\n\n") if block.startswith("| policy | budget | score"))
+    table_rows = [line for line in main_table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(table_rows) == len(names)
+    paired = next(block for block in table.split("\n\n") if block.startswith("| policy | budget | − full"))
+    assert len(paired.splitlines()) == 2 + len(names) - 1  # header, rule, every row but full
     assert table_rows[0].split(" | ")[:2] == ["| full", "–"] and "| 1.000 | 1.000 |" in table_rows[0]
     assert "quest: K = ceil(budget / 16) pages" in table
     assert (out / "quality.png").stat().st_size > 1000
@@ -112,6 +115,29 @@ def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
         quality.main([*base, "--heads", "nopath"])
     with pytest.raises(SystemExit, match="unknown policy 'dense'"):
         quality.main([*base, "--policies", "dense"])
+    with pytest.raises(SystemExit, match="write it as POLICY:KEY=VALUE"):
+        quality.main([*base, "--variant", "dense:per_head=true"])
+    with pytest.raises(SystemExit, match="per_head must be true or false"):
+        quality.main([*base, "--policies", "delta", "--delta", str(folder / "delta.safetensors"),
+                      "--variant", "delta:per_head=maybe"])
+
+
+def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
+    import argparse
+
+    quality = load_script()
+    parser = argparse.ArgumentParser()
+    quality.add_arguments(parser)
+    args = parser.parse_args(["--out", "o", "--policies", "full", "delta", "--delta", "a.safetensors", "--delta-recall",
+                              "b.safetensors", "--budgets", "256", "1024", "--variant", "delta:per_head=true,num_pages=9"])
+    cells = quality.build_cells(args)
+    names = [c.name for c in cells]
+    assert names == ["full", "delta-b256", "delta-b1024", "delta-per_head-num_pages9-b256",
+                     "delta-per_head-num_pages9-b1024", "delta-recall-b256", "delta-recall-b1024",
+                     "delta-recall-per_head-num_pages9-b256", "delta-recall-per_head-num_pages9-b1024"]
+    plain, variant = cells[2], cells[4]
+    assert plain.params == {"budget": 1024, "page_size": 16, "recent_pages": 8}
+    assert variant.params == {**plain.params, "per_head": True, "num_pages": 9} and variant.manifest == "a.safetensors"
 
 
 def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, cache_dir):
