@@ -180,8 +180,7 @@ def check_traces(traces: list[list[int]], config, allow_long: bool = False, trus
     """Refuse, in one line and before the model loads, a trace with a token id the model has no embedding for
     or one longer than its context (only a warning with ``allow_long``)."""
     from data.tokens import check_token_ids, vocab_size
-    from runtime.eval import check_context, context_limit
-    from runtime.models import load_config
+    from runtime.models import check_context, context_limit, load_config
 
     if not traces:
         return

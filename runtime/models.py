@@ -18,6 +18,7 @@ import importlib.resources
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import urllib.error
@@ -416,3 +417,34 @@ def sliding_layers(config: Any) -> list[int]:
     if getattr(text, "sliding_window", None) and isinstance(pattern, int) and pattern > 1:
         return [i for i in range(int(text.num_hidden_layers)) if (i + 1) % pattern]
     return []
+
+
+class ContextLengthError(ValueError):
+    """Input longer than the model's context (the message names the length, the limit and the fix)."""
+
+
+def context_limit(config: Any, name: str | None = None) -> int | None:
+    """The model's context in tokens: its (text) config's ``max_position_embeddings``, else the ``context`` of
+    the alias ``name`` (configs/models/); None when neither says."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not limit and name:
+        try:
+            limit = resolve_model(name).context
+        except ModelNotFoundError:
+            limit = None
+    return int(limit) if limit else None
+
+
+def check_context(tokens: int, limit: int | None, what: str, fix: str, allow_long: bool = False,
+                  prog: str = "rolecall") -> None:
+    """Refuse ``tokens`` beyond the model's context ``limit`` in one line (``what`` names the input, ``fix`` the
+    remedy); with ``allow_long`` (``--allow-long-context``: RoPE extended on purpose) print a one-line warning
+    to stderr instead. The one check calibrate-delta, train-heads and eval share."""
+    if limit is None or tokens <= limit:
+        return
+    said = f"{what} is {tokens} tokens, more than the model's context of {limit} (max_position_embeddings)"
+    if allow_long:
+        print(f"{prog}: warning: {said}; going on because of --allow-long-context", file=sys.stderr)
+        return
+    raise ContextLengthError(f"{said}; {fix}, or pass --allow-long-context if you extended RoPE on purpose")

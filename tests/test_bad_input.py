@@ -18,7 +18,7 @@ import runtime.models
 from calibrate import cli as calibrate_cli
 from data.tokens import TokenIdError, check_token_ids
 from runtime.cli import main as rolecall_main
-from runtime.eval import ContextLengthError, check_context, context_limit
+from runtime.models import ContextLengthError, check_context, context_limit
 from tests.tiny import VOCAB_SIZE, tiny_folder, tiny_model
 from train import cli as train_cli
 

@@ -139,7 +139,7 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
 def check_settings(config: TrainConfig, model_cfg, allow_long: bool = False) -> int | None:
     """Refuse, in one line and before any data is built or weights load, a ``target`` the model has no room for
     and passkey ``lengths`` beyond its context (a warning with ``allow_long``). Returns the context limit."""
-    from runtime.eval import check_context, context_limit
+    from runtime.models import check_context, context_limit
     from train.hybrid import GateLayout
 
     text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
@@ -166,7 +166,7 @@ def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, al
     import torch
 
     from data.tokens import check_token_ids, vocab_size
-    from runtime.eval import check_context
+    from runtime.models import check_context
 
     what = "passkey sample {n}" if config.dataset == "passkey" else f"sample {{n}} of {config.dataset}"
     ids = [torch.as_tensor(dataset[i]["input_ids"]).reshape(-1) for i in range(len(dataset))]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("runtime.inspect", "print a manifest's identity, provenance and role map"),
+    "inspect": ("runtime.cli.inspect", "print a manifest's identity, provenance and role map"),
     "calibrate": ("calibrate.cli", "record attention and choose Δ-layers and Lethe budgets (= calibrate-delta)"),
     "train": ("train.cli", "learn retrieval heads with HardKuma gates (= train-heads)"),
     "decode": ("runtime.cli.decode", "generate with a manifest and a sparse-decode policy"),

@@ -85,15 +85,8 @@ def run_reasoning(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.eval import (
-        EvalSettings,
-        check_context,
-        context_limit,
-        evaluate,
-        format_table,
-        suite_prompts,
-    )
-    from runtime.models import load_config, load_tokenizer
+    from runtime.eval import EvalSettings, evaluate, format_table, suite_prompts
+    from runtime.models import check_context, context_limit, load_config, load_tokenizer
 
     if args.max_new_tokens is None:
         args.max_new_tokens = 1024 if args.suite == "reasoning" else 12

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.interop import FORMATS, export_manifest
 from runtime.manifest import RoleManifest
+from runtime.manifest.interop import FORMATS, export_manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

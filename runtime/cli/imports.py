@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.interop import FORMATS, import_manifest
+from runtime.manifest.interop import FORMATS, import_manifest
 from runtime.models import load_config
 
 

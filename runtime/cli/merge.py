@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.interop import merge_manifests
 from runtime.manifest import RoleManifest
+from runtime.manifest.interop import merge_manifests
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

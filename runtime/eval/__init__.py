@@ -18,9 +18,7 @@ Prompts come from ``data.passkey.build_niah_dataset``, ``data.ruler.build_ruler_
 from __future__ import annotations
 
 import json
-import math
 import re
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
 from runtime.session import attach
 
 
@@ -55,76 +54,6 @@ class EvalSettings:
 
 
 SUITES = ("passkey", "ruler")
-
-
-def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval of a proportion (95 % by default). A fractional ``successes`` (RULER's partial
-    scores summed) is used as it is."""
-    if n <= 0:
-        raise ValueError(f"wilson_interval needs n >= 1, got {n}")
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def paired_difference(a: list[float], b: list[float], z: float = 1.959964) -> dict[str, float]:
-    """Mean of ``a[i] − b[i]`` over the same prompts, with its normal 95 % interval (mean ± z·sd/√n). Pairing
-    removes the prompts' own difficulty, so it separates two methods that unpaired intervals cannot."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired_difference needs two equally long non-empty lists, got {len(a)} and {len(b)}")
-    d = [x - y for x, y in zip(a, b)]
-    n = len(d)
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
-    half = z * sd / math.sqrt(n)
-    return {"mean": mean, "interval": [mean - half, mean + half], "n": n}
-
-
-def bootstrap_interval(values: list[float], weights: list[float], reps: int = 2000, seed: int = 0,
-                       level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the weighted mean ``Σ w v / Σ w`` over resampled items (prompts: their
-    steps are not independent, the prompts are). The same inputs give the same interval."""
-    if not values or len(values) != len(weights):
-        raise ValueError("bootstrap_interval needs one weight per value and at least one value")
-    v, w = torch.tensor(values, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
-    picks = torch.randint(0, len(values), (reps, len(values)), generator=torch.Generator().manual_seed(seed))
-    means = (v[picks] * w[picks]).sum(1) / w[picks].sum(1).clamp_min(1e-300)
-    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return float(low), float(high)
-
-
-class ContextLengthError(ValueError):
-    """Input longer than the model's context (the message names the length, the limit and the fix)."""
-
-
-def context_limit(config: Any, name: str | None = None) -> int | None:
-    """The model's context in tokens: its (text) config's ``max_position_embeddings``, else the ``context`` of
-    the alias ``name`` (configs/models/); None when neither says."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if not limit and name:
-        from runtime.models import ModelNotFoundError, resolve_model
-
-        try:
-            limit = resolve_model(name).context
-        except ModelNotFoundError:
-            limit = None
-    return int(limit) if limit else None
-
-
-def check_context(tokens: int, limit: int | None, what: str, fix: str, allow_long: bool = False,
-                  prog: str = "rolecall") -> None:
-    """Refuse ``tokens`` beyond the model's context ``limit`` in one line (``what`` names the input, ``fix`` the
-    remedy); with ``allow_long`` (``--allow-long-context``: RoPE extended on purpose) print a one-line warning
-    to stderr instead. The one check calibrate-delta, train-heads and eval share."""
-    if limit is None or tokens <= limit:
-        return
-    said = f"{what} is {tokens} tokens, more than the model's context of {limit} (max_position_embeddings)"
-    if allow_long:
-        print(f"{prog}: warning: {said}; going on because of --allow-long-context", file=sys.stderr)
-        return
-    raise ContextLengthError(f"{said}; {fix}, or pass --allow-long-context if you extended RoPE on purpose")
 
 
 def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:

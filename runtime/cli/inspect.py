@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(describe(manifest, args.manifest))
     if args.plot:
-        from runtime.plots import plot_manifest
+        from runtime.manifest.plots import plot_manifest
 
         print(f"\nplot: {plot_manifest(manifest, args.plot)}")
     if args.model:
