@@ -154,6 +154,42 @@ def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.T
     return [logits[r, logits.shape[1] - n:] for r, n in enumerate(last)]
 
 
+def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settings: EvalSettings,
+                  on_engine: bool) -> tuple[list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], float | None]:
+    """Decode prompts of one length together; per prompt its record, per-step KL and top-1 agreement, and the
+    fraction of keys the engine's step read (None off the engine)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    prompts = [s["input_ids"].tolist() for s in batch]
+    budgets = [int(s.get("max_new_tokens", settings.max_new_tokens)) for s in batch]
+    width = max(map(len, prompts))
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(prompts):
+        ids[r, width - len(row):] = torch.tensor(row)
+        mask[r, width - len(row):] = 1
+    kwargs = dict(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max(budgets),
+                  do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+    if not on_engine:
+        # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts the
+        # attention mass that fell on evicted tokens.
+        kwargs["past_key_values"] = DynamicCache(config=model.config)
+    out = session.generate(**kwargs)
+    fraction = session.last.info["attended_fraction"] if session.last is not None else None
+    steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
+    news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
+    news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
+    # More than one query token: the engine runs this forward densely (prefill path).
+    dense = _dense_logits(model, [p + n[:-1] for p, n in zip(prompts, news)], [len(n) for n in news])
+    rows = []
+    for r, sample in enumerate(batch):
+        n = len(news[r])
+        kl, top1 = step_divergence(dense[r][1:], steps[r, 1:n].to(dense[r].device))
+        rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
+                     kl.cpu(), top1.cpu()))
+    return rows, fraction
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
              settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None,
@@ -172,8 +208,6 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     params = dict(params or {})
     if samples is None:
         samples = suite_prompts(tokenizer, settings)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     records: list[dict[str, Any] | None] = [None] * len(samples)
     kls: list[torch.Tensor | None] = [None] * len(samples)
     agree: list[torch.Tensor | None] = [None] * len(samples)
@@ -186,35 +220,10 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
             raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
                              "the transformers path evaluates one prompt at a time: pass batch_size=1")
         for batch in _batches(samples, size, settings.max_new_tokens):
-            prompts = [samples[i]["input_ids"].tolist() for i in batch]
-            budgets = [int(samples[i].get("max_new_tokens", settings.max_new_tokens)) for i in batch]
-            width = max(map(len, prompts))
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, row in enumerate(prompts):
-                ids[r, width - len(row):] = torch.tensor(row)
-                mask[r, width - len(row):] = 1
-            kwargs = dict(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                          max_new_tokens=max(budgets), do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=pad)
-            if not on_engine:
-                # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still
-                # counts the attention mass that fell on evicted tokens.
-                kwargs["past_key_values"] = DynamicCache(config=model.config)
-            out = session.generate(**kwargs)
-            if session.last is not None and session.last.info["attended_fraction"] is not None:
-                fractions += [session.last.info["attended_fraction"]] * len(batch)
-            steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
-            news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
-            news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
-            # More than one query token: the engine runs this forward densely (prefill path).
-            dense = _dense_logits(model, [p + n[:-1] for p, n in zip(prompts, news)], [len(n) for n in news])
-            for r, i in enumerate(batch):
-                n = len(news[r])
-                kl, top1 = step_divergence(dense[r][1:], steps[r, 1:n].to(dense[r].device))
-                kls[i], agree[i] = kl.cpu(), top1.cpu()
-                text = tokenizer.decode(news[r], skip_special_tokens=True)
-                records[i] = record_of(samples[i], text, n, kl, top1)
+            rows, fraction = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings, on_engine)
+            fractions += [fraction] * len(batch) if fraction is not None else []
+            for i, (record, kl, top1) in zip(batch, rows):
+                records[i], kls[i], agree[i] = record, kl, top1
         summary = session.summary()
         if fractions:  # the engine ran: what its static step reads, no per-layer measurement
             summary["attended_fraction"] = sum(fractions) / len(fractions)
