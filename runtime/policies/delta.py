@@ -11,6 +11,12 @@ Paper defaults: page size P = 16, K = 64 pages (a 1024-token budget), L = 8 rece
 ``per_head=True`` (not in the paper): a Δ-layer scores pages per KV head (the max over that head's query
 group) and chooses K pages for each, so the sparse layers after it read, per KV head, the pages that head's
 group wanted, at the same budget per head.
+
+``refine=R > 1`` (not in the paper; two-stage selection): a Δ-layer chooses ``R·K`` candidate pages (its last
+``L`` among them), and each sparse layer keeps, per KV head, the ``K`` candidates with the highest Quest bound
+``scale · Σ_d max(q_d · kmin_d, q_d · kmax_d)`` of its own query and keys (the max over the head's query
+group), the ``L`` recent pages always: DELTA's shared selection narrows the search, each layer's own bound
+ranks what is left. Reference path only so far (the engine runs it on the transformers path).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from runtime.kernels.page_bounds import naive as bounds_naive
+from runtime.kernels.page_bounds import page_minmax
 from runtime.kernels.page_scores import attention_probs, head_max_probs, pool_pages
 from runtime.kernels.topk_select import topk_with_recent
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
@@ -46,6 +54,7 @@ class Delta:
     page_size: int = 16  # P
     budget: int | None = None  # tokens; when given, K = ceil(budget / P)
     per_head: bool = False  # Δ-layers choose pages per KV head instead of one set for all heads
+    refine: int = 1  # > 1: Δ-layers choose refine·K candidates, each sparse layer the K best by its own bound
     name: ClassVar[str] = "delta"
 
     def __post_init__(self) -> None:
@@ -57,6 +66,8 @@ class Delta:
         positive("recent_pages", self.recent_pages, allow_zero=True, policy=self.name)
         if not isinstance(self.per_head, bool):
             raise PolicyError(f"policy 'delta': per_head must be true or false, got {self.per_head!r}")
+        if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 1:
+            raise PolicyError(f"policy 'delta': refine must be an integer ≥ 1 (1 = off), got {self.refine!r}")
         self.recent_pages = min(self.recent_pages, self.num_pages)
         self.roles: list[int] = []
 
@@ -91,17 +102,33 @@ class Delta:
                 scores = probs.view(b, hkv, step.groups, t).amax(2)  # [B, Hkv, T]
             else:
                 scores = head_max_probs(step.query, step.key, step.scale, step.keep)  # [B, T]
-            step.scratch["delta.pages"] = select_pages(scores, self.page_size, self.num_pages, self.recent_pages)
+            chosen = self.num_pages * self.refine  # candidates when refining, else the pages themselves
+            step.scratch["delta.pages"] = select_pages(scores, self.page_size, chosen, self.recent_pages)
             return Plan()
         pages = step.scratch["delta.pages"]  # [B, N] or [B, Hkv, N] from this step's nearest Δ-layer
         if pages.dim() == 2:
             pages = pages[:, None, :].expand(b, hkv, pages.shape[-1])
+        if self.refine > 1:
+            pages = self.refined(step, pages)
         return Plan(indices=pages, block_size=self.page_size)
+
+    def refined(self, step: Step, candidates: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, C]`` ascending candidate pages (-1 padded) → per KV head the ``K`` with the highest Quest
+        bound of this layer's query, the last ``L`` candidates (the recent pages) always."""
+        d = step.key.shape[-1]
+        kmin, kmax = page_minmax(step.key, step.keep, self.page_size)  # [B, Hkv, n, D]
+        at = candidates.clamp_min(0)[..., None].expand(-1, -1, -1, d)
+        scores = bounds_naive.page_scores(step.query, kmin.gather(2, at), kmax.gather(2, at), step.scale)
+        valid = candidates >= 0
+        keep = topk_with_recent(scores, self.num_pages, self.recent_pages, valid, last=valid.sum(-1) - 1)
+        return torch.where(keep >= 0, candidates.gather(-1, keep.clamp_min(0)), -1)
 
     def static_step(self, shape: Any) -> DeltaStep:
         if len(self.roles) != shape.layers:
             raise PolicyError(f"policy 'delta' holds {len(self.roles)} layer roles for a {shape.layers}-layer model; "
                               "bind it to a manifest of this model first")
+        if self.refine > 1:
+            raise NotImplementedError("policy 'delta' with refine > 1 has no engine step yet")
         return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages, self.per_head)
 
 

@@ -96,3 +96,50 @@ def test_per_head_pages_follow_each_kv_groups_own_scores():
     assert len({tuple(plan.indices[0, h].tolist()) for h in range(hkv)}) > 1  # the heads do differ here
     with pytest.raises(PolicyError, match="per_head must be true or false"):
         get_policy("delta", per_head="yes")
+
+
+def test_refine_keeps_per_kv_head_the_candidates_with_the_highest_quest_bound():
+    """refine=R: the Δ-layer picks R·K candidates (brute force on its probabilities); each sparse layer keeps, per
+    KV head, the recent page and the K − 1 candidates whose bound max_g scale·Σ_d max(q·kmin, q·kmax), over the
+    page's readable keys of that layer, is highest — all by explicit loops here."""
+    torch.manual_seed(7)
+    b, hq, hkv, t, d, p, k_pages, r = 2, 6, 3, 150, 8, 8, 3, 3
+    g = hq // hkv
+    manifest = RoleManifest(ModelIdentity(3, hq, hkv, d), layer_role=torch.tensor([1, 2, 2], dtype=torch.int8))
+    policy = get_policy("delta", num_pages=k_pages, recent_pages=1, page_size=p, refine=r)
+    policy.bind(manifest, None)
+    keep = torch.ones(b, t, dtype=torch.bool)
+    keep[1, :13] = False  # left padding: a partly readable first page
+    scratch = {}
+    q0, k0 = torch.randn(b, hq, d) * 2, torch.randn(b, hkv, t, d)
+    policy.plan(Step(0, q0, k0, k0, keep, 0.5, scratch))
+    q1, k1 = torch.randn(b, hq, d) * 2, torch.randn(b, hkv, t, d)
+    plan = policy.plan(Step(1, q1, k1, k1, keep, 0.5, scratch))
+    assert plan.indices.shape == (b, hkv, k_pages)
+    n = math.ceil(t / p)
+    for row in range(b):
+        logits = torch.einsum("hd,htd->ht", q0[row], k0[row].repeat_interleave(g, 0)) * 0.5
+        candidates = brute_select(logits.masked_fill(~keep[row], -math.inf).softmax(-1), p, k_pages * r, 1)
+        for h in range(hkv):
+            bound = {}
+            for u in candidates:
+                slots = [i for i in range(u * p, min((u + 1) * p, t)) if keep[row, i]]
+                kk = k1[row, h, slots]  # [S, D]
+                lo, hi = kk.min(0).values, kk.max(0).values
+                bound[u] = max(float(sum(max(q1[row, hh, j] * lo[j], q1[row, hh, j] * hi[j]) for j in range(d)) * 0.5)
+                               for hh in range(h * g, (h + 1) * g))
+            recent = max(candidates)
+            rest = sorted((u for u in candidates if u != recent), key=lambda u: -bound[u])[:k_pages - 1]
+            assert plan.indices[row, h].tolist() == sorted([*rest, recent]), (row, h)
+            assert set(plan.indices[row, h].tolist()) <= set(candidates) and recent == n - 1
+    assert len({tuple(plan.indices[0, h].tolist()) for h in range(hkv)}) > 1  # each head refines its own way
+    with pytest.raises(PolicyError, match="refine must be an integer"):
+        get_policy("delta", refine=0)
+
+
+def test_refine_has_no_engine_step_yet_and_says_so():
+    manifest = RoleManifest(ModelIdentity(3, 6, 3, 8), layer_role=torch.tensor([1, 2, 2], dtype=torch.int8))
+    policy = get_policy("delta", refine=2)
+    policy.bind(manifest, None)
+    with pytest.raises(NotImplementedError, match="refine > 1 has no engine step yet"):  # the session falls back
+        policy.static_step(type("Shape", (), {"layers": 3})())
