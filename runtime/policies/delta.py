@@ -16,7 +16,8 @@ group wanted, at the same budget per head.
 ``L`` among them), and each sparse layer keeps, per KV head, the ``K`` candidates with the highest Quest bound
 ``scale · Σ_d max(q_d · kmin_d, q_d · kmax_d)`` of its own query and keys (the max over the head's query
 group), the ``L`` recent pages always: DELTA's shared selection narrows the search, each layer's own bound
-ranks what is left. Reference path only so far (the engine runs it on the transformers path).
+ranks what is left. On the engine the sparse layers keep page bounds beside the cache, as Quest's step does,
+and read only their candidates' metadata.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from runtime.kernels.topk_select import topk_with_recent
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from runtime.models import sliding_layers
 from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
+from runtime.policies.quest import PageMeta
 
 
 def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, recent_pages: int) -> torch.Tensor:
@@ -45,6 +47,26 @@ def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, rec
     if not isinstance(recent_pages, int) or not 0 <= recent_pages <= num_pages:
         raise PolicyError(f"select_pages: recent_pages must be an integer in [0, num_pages={num_pages}], got {recent_pages!r}")
     return topk_with_recent(pool_pages(token_scores, page_size), num_pages, recent_pages)
+
+
+def refine_pages(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor, scale: float,
+                 num_pages: int, recent_pages: int, last: torch.Tensor | int, impl: Any = None) -> torch.Tensor:
+    """Two-stage selection, second stage: candidate page ids ``[B, Hkv, C]`` (any order, -1 = none) and a layer's
+    page metadata ``[B, Hkv, n, D]`` → per KV head the ``num_pages`` candidates with the highest Quest bound of
+    ``query`` (max over the head's query group), the pages after ``last − recent_pages`` (the recent ones)
+    always; ``[B, Hkv, min(num_pages, C)]`` ascending, -1 padded. ``impl``: the page-bound kernels (the
+    references by default). Reads ``C`` pages of metadata per head, not all of them; no host sync."""
+    impl = impl or bounds_naive
+    at = candidates.clamp_min(0).long()[..., None].expand(-1, -1, -1, kmin.shape[-1])
+    scores = impl.page_scores(query, kmin.gather(2, at), kmax.gather(2, at), scale).float()  # [B, Hkv, C]
+    valid = candidates >= 0
+    last = torch.as_tensor(last, device=candidates.device)
+    ranked = scores.masked_fill(~valid, float("-inf"))
+    ranked = torch.where(valid & (candidates > last - recent_pages), float("inf"), ranked)
+    top = ranked.topk(min(num_pages, ranked.shape[-1]), dim=-1)
+    ids = torch.where(top.values > float("-inf"), candidates.gather(-1, top.indices).long(), kmin.shape[2])
+    ids = ids.sort(dim=-1).values
+    return torch.where(ids < kmin.shape[2], ids, -1)
 
 
 @dataclass
@@ -113,23 +135,18 @@ class Delta:
         return Plan(indices=pages, block_size=self.page_size)
 
     def refined(self, step: Step, candidates: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, C]`` ascending candidate pages (-1 padded) → per KV head the ``K`` with the highest Quest
-        bound of this layer's query, the last ``L`` candidates (the recent pages) always."""
-        d = step.key.shape[-1]
+        """The sparse layer's own choice among the Δ-layer's candidates (:func:`refine_pages`), from page
+        metadata computed over every readable key (the reference: cost is no concern here)."""
         kmin, kmax = page_minmax(step.key, step.keep, self.page_size)  # [B, Hkv, n, D]
-        at = candidates.clamp_min(0)[..., None].expand(-1, -1, -1, d)
-        scores = bounds_naive.page_scores(step.query, kmin.gather(2, at), kmax.gather(2, at), step.scale)
-        valid = candidates >= 0
-        keep = topk_with_recent(scores, self.num_pages, self.recent_pages, valid, last=valid.sum(-1) - 1)
-        return torch.where(keep >= 0, candidates.gather(-1, keep.clamp_min(0)), -1)
+        last = (step.key.shape[2] - 1) // self.page_size  # the new token's page
+        return refine_pages(step.query, kmin, kmax, candidates, step.scale, self.num_pages, self.recent_pages, last)
 
     def static_step(self, shape: Any) -> DeltaStep:
         if len(self.roles) != shape.layers:
             raise PolicyError(f"policy 'delta' holds {len(self.roles)} layer roles for a {shape.layers}-layer model; "
                               "bind it to a manifest of this model first")
-        if self.refine > 1:
-            raise NotImplementedError("policy 'delta' with refine > 1 has no engine step yet")
-        return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages, self.per_head)
+        return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages, self.per_head,
+                         self.refine)
 
 
 @dataclass
@@ -142,8 +159,20 @@ class DeltaStep:
     num_pages: int
     recent_pages: int
     per_head: bool = False
+    refine: int = 1
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.meta = PageMeta(self.page_size) if self.refine > 1 else None
+
+    def prepare(self, dec: Any) -> None:
+        if self.meta is not None:  # refining: each sparse layer keeps its page bounds beside the cache
+            self.meta.prepare(dec, [i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SPARSE])
+
+    def after_fill(self, dec: Any) -> None:
+        if self.meta is not None:
+            self.meta.after_fill(dec)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -158,11 +187,18 @@ class DeltaStep:
         role = self.roles[layer]
         if role == LAYER_ROLE_SELECT:
             out, scores = dec.attend_and_score(q, k, v, span, self.page_size, per_kv_head=self.per_head)
-            pages = dec.select(scores, self.page_size, self.num_pages, self.recent_pages)  # [B, (Hkv,) N]
+            chosen = self.num_pages * self.refine  # candidates when refining
+            pages = dec.select(scores, self.page_size, chosen, self.recent_pages)  # [B, (Hkv,) N]
             if not self.per_head:
                 pages = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
             state["delta.pages"] = pages
             return out
         if role == LAYER_ROLE_SPARSE:
-            return dec.attend(q, k, v, span, state["delta.pages"], self.page_size)
+            pages = state["delta.pages"]
+            if self.meta is not None:
+                kmin, kmax = self.meta.update(dec, layer, k, span)
+                last = torch.div(dec.cache.length, self.page_size, rounding_mode="floor")
+                pages = refine_pages(q, kmin, kmax, pages, dec.shape.attention_scale, self.num_pages,
+                                     self.recent_pages, last, self.meta.impl(dec))
+            return dec.attend(q, k, v, span, pages, self.page_size)
         return dec.attend(q, k, v, span)

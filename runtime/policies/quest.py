@@ -124,16 +124,54 @@ class QuestStep:
         full = [1.0 if i < self.dense_layers else 0.0 for i in range(shape.layers)]
         return mean_tokens_read(shape, context, self.num_pages * self.page_size, full)
 
+    def __post_init__(self) -> None:
+        self.meta = PageMeta(self.page_size)
+
     def prepare(self, dec: Any) -> None:
-        c, n = dec.cache, math.ceil(dec.cache.slots / self.page_size)
-        shape = (c.batch, c.shape.kv_heads, n, c.shape.head_dim)
-        self.kmin = {i: torch.full(shape, math.inf, dtype=c.k[i].dtype, device=c.k[i].device)
-                     for i in range(self.dense_layers, c.shape.layers)}
-        self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
+        self.meta.prepare(dec, range(self.dense_layers, dec.cache.shape.layers))
+
+    def after_fill(self, dec: Any) -> None:
+        self.meta.after_fill(dec)
+
+    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
+        if layer < self.dense_layers or layer not in self.meta.kmin:
+            return dec.attend(q, k, v, span)
+        p = self.page_size
+        kmin, kmax = self.meta.update(dec, layer, k, span)
+        scores = self.meta.impl(dec).page_scores(q, kmin, kmax, dec.shape.attention_scale, self.group)
+        if dec.shape.windows[layer] is not None:  # a window on every layer (Mistral): pages it left are not read
+            starts = torch.arange(scores.shape[-1], device=q.device) * p
+            readable = (starts + p - 1 >= span.first[:, None]) & (starts <= span.last)  # [B, n]: overlaps the span
+            scores = scores.masked_fill(~readable[:, None, :], -math.inf)
+        pages = dec.select(scores, p, self.num_pages, 1)
+        return dec.attend(q, k, v, span, pages, p)
+
+
+class PageMeta:
+    """Per-layer page minima and maxima beside the engine's cache, for the layers given to ``prepare``: filled from
+    the valid slots whenever the engine sets its length (``after_fill``), and each step only the page of the new
+    token is recomputed from the cache (``update``), so they are a function of the cache. Quest's step and
+    DELTA's refining step keep theirs here."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.kmin: dict[int, torch.Tensor] = {}
+        self.kmax: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def impl(dec: Any) -> Any:
+        """The page-bound kernels the decoder runs: Triton's, or the references."""
         if dec.triton:
             from runtime.kernels.page_bounds import triton
 
-            self._triton = triton
+            return triton
+        return bounds_naive
+
+    def prepare(self, dec: Any, layers: Any) -> None:
+        c, n = dec.cache, math.ceil(dec.cache.slots / self.page_size)
+        shape = (c.batch, c.shape.kv_heads, n, c.shape.head_dim)
+        self.kmin = {i: torch.full(shape, math.inf, dtype=c.k[i].dtype, device=c.k[i].device) for i in layers}
+        self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
 
     def after_fill(self, dec: Any) -> None:
         c, p = dec.cache, self.page_size
@@ -144,16 +182,7 @@ class QuestStep:
             self.kmin[i][:, :, :lo.shape[2]] = lo
             self.kmax[i][:, :, :hi.shape[2]] = hi
 
-    def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
-        if layer < self.dense_layers or layer not in self.kmin:
-            return dec.attend(q, k, v, span)
-        p = self.page_size
-        impl = self._triton if dec.triton else bounds_naive
-        impl.update_page(k, self.kmin[layer], self.kmax[layer], span.first, span.last, p)  # the new token's page
-        scores = impl.page_scores(q, self.kmin[layer], self.kmax[layer], dec.shape.attention_scale, self.group)
-        if dec.shape.windows[layer] is not None:  # a window on every layer (Mistral): pages it left are not read
-            starts = torch.arange(scores.shape[-1], device=q.device) * p
-            readable = (starts + p - 1 >= span.first[:, None]) & (starts <= span.last)  # [B, n]: overlaps the span
-            scores = scores.masked_fill(~readable[:, None, :], -math.inf)
-        pages = dec.select(scores, p, self.num_pages, 1)
-        return dec.attend(q, k, v, span, pages, p)
+    def update(self, dec: Any, layer: int, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute the new token's page of ``layer`` from the cache ``k``; its ``(kmin, kmax)`` buffers."""
+        self.impl(dec).update_page(k, self.kmin[layer], self.kmax[layer], span.first, span.last, self.page_size)
+        return self.kmin[layer], self.kmax[layer]

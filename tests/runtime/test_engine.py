@@ -20,11 +20,13 @@ from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
-POLICIES = ["full", "delta", "delta-per-head", "lychee", "quest", "vattention", "vattention-delta", "lethe"]
+POLICIES = ["full", "delta", "delta-per-head", "delta-refine", "lychee", "quest", "vattention", "vattention-delta",
+            "lethe"]
 # Parameters with which the sparse policies really drop tokens at ~90-token contexts.
 PARAMS = {"full": {}, "delta": {"budget": 32, "recent_pages": 1}, "lychee": {"budget": 32, "block_size": 16},
           "quest": {"budget": 32, "page_size": 16, "dense_layers": 1},
           "delta-per-head": {"budget": 32, "recent_pages": 1, "per_head": True},
+          "delta-refine": {"budget": 32, "recent_pages": 1, "refine": 2},
           "vattention": {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8, "max_sample": 24},
           "vattention-delta": {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8,
                                "max_sample": 24},
@@ -71,7 +73,7 @@ def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(model, policy: str, engine_kind: str, ids, mask=None, min_context=0, **gen):
     kw = {} if min_context == "default" else {"min_context": min_context}
-    name = policy.split("-")[0]  # "delta-per-head" is delta with per_head=True
+    name = policy.split("-")[0]  # "delta-per-head" is delta with per_head=True, "delta-refine" with refine=2
     with attach(model, manifest_of(model, policy), name, engine=engine_kind, **kw, **PARAMS[policy]) as s:
         out = s.generate(input_ids=ids, attention_mask=mask, **(gen or WITH_LOGITS))
         last = s.last

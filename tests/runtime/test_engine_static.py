@@ -105,6 +105,8 @@ def test_triton_calls_in_the_interpreter():
         delta.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
         per_head = get_policy("delta", budget=16, recent_pages=1, per_head=True)
         per_head.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
+        refine = get_policy("delta", budget=16, recent_pages=1, refine=2)
+        refine.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
         heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0], [0, 1], [0, 0]][:layers], dtype=torch.int8)
         lychee = get_policy("lychee", budget=16, block_size=16)
         lychee.bind(RoleManifest(identity, head_role=heads), model.config)
@@ -119,7 +121,7 @@ def test_triton_calls_in_the_interpreter():
             combined.bind(RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8)), model.config)
             lethe = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2, segments=3)
             lethe.bind(None, model.config)
-            for p in (delta, per_head, lychee, quest, vatt, combined, lethe):
+            for p in (delta, per_head, refine, lychee, quest, vatt, combined, lethe):
                 check_kernels(weights, p, ids, pads, family)
 
 
@@ -288,8 +290,8 @@ def test_quest_rebuilds_its_pages_after_the_full_fallback():
         dec.step()
     c, static = dec.cache, dec.static
     keep = torch.arange(dec.position)[None, :] >= c.pads[:, None]
-    for i in static.kmin:
+    for i in static.meta.kmin:
         lo, hi = page_minmax(c.k[i][:, :, :dec.position], keep, 16)
         n = lo.shape[2]
-        assert torch.equal(static.kmin[i][:, :, :n], lo) and torch.equal(static.kmax[i][:, :, :n], hi), i
-        assert torch.isinf(static.kmin[i][:, :, n:]).all()  # pages not reached yet stay empty
+        assert torch.equal(static.meta.kmin[i][:, :, :n], lo) and torch.equal(static.meta.kmax[i][:, :, :n], hi), i
+        assert torch.isinf(static.meta.kmin[i][:, :, n:]).all()  # pages not reached yet stay empty

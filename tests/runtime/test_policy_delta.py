@@ -135,11 +135,3 @@ def test_refine_keeps_per_kv_head_the_candidates_with_the_highest_quest_bound():
     assert len({tuple(plan.indices[0, h].tolist()) for h in range(hkv)}) > 1  # each head refines its own way
     with pytest.raises(PolicyError, match="refine must be an integer"):
         get_policy("delta", refine=0)
-
-
-def test_refine_has_no_engine_step_yet_and_says_so():
-    manifest = RoleManifest(ModelIdentity(3, 6, 3, 8), layer_role=torch.tensor([1, 2, 2], dtype=torch.int8))
-    policy = get_policy("delta", refine=2)
-    policy.bind(manifest, None)
-    with pytest.raises(NotImplementedError, match="refine > 1 has no engine step yet"):  # the session falls back
-        policy.static_step(type("Shape", (), {"layers": 3})())
