@@ -460,6 +460,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow code shipped in the model folder to run (never without this flag)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--rope-theta", type=float, default=None,
+                        help="another RoPE base for the model, to run it past its trained context (with "
+                        "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K; part of every cell's settings")
+    parser.add_argument("--allow-long-context", action="store_true",
+                        help="accept lengths past the model's max_position_embeddings (its RoPE extended on purpose)")
     parser.add_argument("--variant", action="append", metavar="POLICY:KEY=VALUE[,KEY=VALUE]",
                         help="extra rows: every row of POLICY again with these parameters, its label suffixed by "
                         "them (e.g. delta:per_head=true → delta-per_head); repeatable")
@@ -527,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         raise SystemExit(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.rope_theta is not None and args.rope_theta <= 0:
+        raise SystemExit(f"--rope-theta must be a positive number, got {args.rope_theta}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise SystemExit(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16")
@@ -537,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     budget, cells = new_tokens(args), build_cells(args)
     out = Path(args.out)
     common = {"model": args.model, "device": args.device, "dtype": dtype}
+    if args.rope_theta is not None:  # another model, in effect: cells made without it are not these
+        common["rope_theta"] = args.rope_theta
     if reasoning:
         common["reasoning"] = {"source": args.reasoning_source, "limit": args.limit, "max_new_tokens": args.max_new_tokens}
     else:
@@ -556,12 +565,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--device cuda: no CUDA device here, and {len(cells) - len(done)} cells are not done; "
                              "use --device cpu")
         trust = args.trust_remote_code
-        model = load_model(args.model, dtype=dtype, trust_remote_code=trust).to(args.device)
+        try:
+            model = load_model(args.model, dtype=dtype, trust_remote_code=trust, rope_theta=args.rope_theta).to(args.device)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit and not (args.prompts or reasoning) and max(args.lengths) + budget > limit:
-            raise SystemExit(f"--lengths: {max(args.lengths)} + {budget} new tokens exceeds the model's "
-                             f"{limit} positions; use shorter lengths")
+            too_long = (f"--lengths: {max(args.lengths)} + {budget} new tokens exceeds the model's {limit} positions")
+            if not args.allow_long_context:
+                raise SystemExit(f"{too_long}; use shorter lengths, or --allow-long-context with --rope-theta")
+            print(f"warning: {too_long} (--allow-long-context)", file=sys.stderr)
         samples = None if reasoning else suite_prompts(tokenizer, settings)
     here = (torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA") if args.device == "cuda" else "CPU"
 

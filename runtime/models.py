@@ -368,16 +368,34 @@ def load_tokenizer(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     return _from_pretrained(AutoTokenizer, name, tokenizer=True, trust_remote_code=trust_remote_code)[1]
 
 
+def rope_base(config: Any, theta: float) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that set the RoPE base of a model of ``config`` to ``theta`` (a model
+    run past its trained context, e.g. SmolLM2's 8K at 16K–32K); the engine takes its cos/sin tables from the
+    model's own rotary module, so both decode paths follow. Refused for per-layer-type RoPE (Gemma 3)."""
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"this model sets RoPE per layer type ({', '.join(rope)}); a single --rope-theta does not "
+                         "apply to it: leave it out")
+    rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = float(theta)
+    return {"rope_parameters": rope}
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = None,
-               trust_remote_code: bool = False, **kwargs: Any):
+               trust_remote_code: bool = False, rope_theta: float | None = None, **kwargs: Any):
     """Load a causal LM in eval mode.
 
     ``dtype``: a torch dtype or its name; defaults to the alias's dtype, else ``"auto"``.
     ``device_map``: passed to ``from_pretrained`` (``"auto"`` shards a large model over the visible GPUs).
-    ``trust_remote_code``: as in :func:`load_tokenizer`.
+    ``trust_remote_code``: as in :func:`load_tokenizer`. ``rope_theta``: another RoPE base (:func:`rope_base`).
     """
     from transformers import AutoModelForCausalLM
 
+    if rope_theta is not None:
+        kwargs.update(rope_base(load_config(name, trust_remote_code=trust_remote_code), rope_theta))
     dtype = dtype or resolve_model(name).dtype or "auto"
     spec, model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, device_map=device_map,
                                    trust_remote_code=trust_remote_code, **kwargs)

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "read (runs the slower transformers path)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="prompts of one length decoded together on the engine [16 on a GPU, 1 elsewhere]")
+    parser.add_argument("--rope-theta", type=float, default=None,
+                        help="another RoPE base for the model (run it past its trained context, with "
+                        "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K")
     parser.add_argument("--allow-long-context", action="store_true",
                         help="run prompts longer than the model's context (max_position_embeddings) with only a "
                         "warning: for a model whose RoPE you extended on purpose")
@@ -51,7 +54,8 @@ def load_for_eval(args: argparse.Namespace):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    return load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code).to(device)
+    return load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code,
+                      rope_theta=getattr(args, "rope_theta", None)).to(device)
 
 
 def write_json(path: str | None, result: dict) -> None:
@@ -90,10 +94,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens is None:
         args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
+    if args.rope_theta is not None and args.rope_theta <= 0:
+        raise ValueError(f"--rope-theta must be a positive number, got {args.rope_theta}")
     if args.suite == "reasoning":
         return run_reasoning(args)
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+
     settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                             passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens, suite=args.suite, tasks=tuple(args.tasks or ()),
@@ -123,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(model, tokenizer, manifest, args.policy, params, settings, samples=samples,
                       measure=args.measure, batch_size=args.batch_size)
     result["model"] = args.model
+    if args.rope_theta is not None:
+        result["rope_theta"] = args.rope_theta
     result["manifest"] = args.manifest
     print(format_table(result))
     write_json(args.json, result)

@@ -145,6 +145,10 @@ class Delta:
         if len(self.roles) != shape.layers:
             raise PolicyError(f"policy 'delta' holds {len(self.roles)} layer roles for a {shape.layers}-layer model; "
                               "bind it to a manifest of this model first")
+        windowed = [i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SPARSE and shape.windows[i] is not None]
+        if self.refine > 1 and windowed:  # page bounds kept beside the cache span whole pages, not the window's part
+            raise NotImplementedError(f"policy 'delta' with refine > 1 has no engine step for sliding-window sparse "
+                                      f"layers ({windowed[:4]}{'…' if len(windowed) > 4 else ''})")
         return DeltaStep(list(self.roles), self.page_size, self.num_pages, self.recent_pages, self.per_head,
                          self.refine)
 

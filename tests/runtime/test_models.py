@@ -94,3 +94,35 @@ def test_embedded_model_loads_offline_and_speaks_english():
         out_ids = model.generate(ids, max_new_tokens=20, do_sample=False)
     text = tok.decode(out_ids[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_a_raised_rope_base_reaches_the_model_and_the_engine(tmp_path):
+    """--rope-theta: the loaded model's rotary frequencies are 1 / θ^(2i/D) for the new θ, its logits change, and
+    the engine's cos/sin tables (taken from the model's own rotary module) follow."""
+    from runtime.engine import Weights
+    from tests.tiny import tiny_folder
+
+    folder = tiny_folder(tmp_path / "m", "llama")
+    base = load_model(str(folder), dtype="float32")
+    raised = load_model(str(folder), dtype="float32", rope_theta=400000.0)
+    d = raised.config.head_dim
+    want = 1.0 / 400000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    assert raised.config.rope_parameters["rope_theta"] == 400000.0
+    torch.testing.assert_close(raised.model.rotary_emb.inv_freq, want)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float((base(ids).logits - raised(ids).logits).abs().max()) > 1e-3
+    cos = Weights.from_model(raised, positions=64).rope["default"][0]  # [positions, D]
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * want[None, :]
+    torch.testing.assert_close(cos, torch.cat([angles, angles], -1).cos(), atol=1e-6, rtol=0)
+
+
+def test_a_rope_base_is_refused_where_it_cannot_apply():
+    from runtime.models import rope_base
+    from tests.tiny import tiny_config
+
+    with pytest.raises(ValueError, match="RoPE per layer type"):
+        rope_base(tiny_config("gemma3", layers=6), 1e6)
+    with pytest.raises(ValueError, match="positive number"):
+        rope_base(tiny_config("llama"), 0)
+    assert rope_base(tiny_config("llama"), 5e5)["rope_parameters"]["rope_theta"] == 5e5

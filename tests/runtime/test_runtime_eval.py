@@ -246,3 +246,14 @@ def test_paired_difference_closed_form():
     assert same["mean"] == 0 and same["interval"] == [0.0, 0.0]
     with pytest.raises(ValueError, match="equally long"):
         paired_difference([1.0], [1.0, 0.0])
+
+
+def test_eval_with_a_raised_rope_base_records_it_and_refuses_a_bad_one(tiny_folder, capsys):
+    code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--rope-theta", "-5",
+                 "--prompts", str(tiny_folder / "prompts.jsonl")])
+    assert code == 2 and "--rope-theta must be a positive number, got -5.0" in capsys.readouterr().err
+    code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--rope-theta", "40000",
+                 "--prompts", str(tiny_folder / "prompts.jsonl"), "--max-new-tokens", "3", "--json",
+                 str(tiny_folder / "rope.json")])
+    assert code == 0
+    assert json.loads((tiny_folder / "rope.json").read_text())["rope_theta"] == 40000.0
