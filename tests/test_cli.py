@@ -85,7 +85,7 @@ def test_unknown_policy_parameter_is_one_plain_line(capsys):
         get_policy("delta", bogus=3)
     message = str(info.value)
     assert message == ("policy 'delta' has no parameter 'bogus'; its parameters are: num_pages, recent_pages, "
-                       "page_size, budget, per_head")
+                       "page_size, budget, per_head, refine")
     assert "__init__" not in message and "keyword argument" not in message
 
 
