@@ -135,6 +135,9 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
     off = [p for p in wanted if p in POLICIES and p not in engine]
     if off:
         raise SystemExit(f"--suite reasoning runs on the engine: leave {' and '.join(off)} out of --policies")
+    if args.combined and not ("vattention" in wanted and (args.delta or args.delta_recall)):
+        raise SystemExit("--combined runs vAttention on a DELTA manifest: give --delta (or --delta-recall) and keep "
+                         "vattention in --policies")
     for p in wanted:
         if p not in POLICIES:
             raise SystemExit(f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}")
@@ -150,6 +153,11 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
                      if path]
         elif p == "lychee":
             base += [(f"lychee-{name}", p, path) for name, path in heads]
+        elif p == "vattention":  # --combined: also DELTA + vAttention on each DELTA manifest
+            base.append((p, p, None))
+            if args.combined:
+                base += [(f"vattention-{label}", p, path) for label, path in
+                         (("delta", args.delta), ("delta-recall", args.delta_recall)) if path]
         else:
             base.append((p, p, args.lethe if p == "lethe" else None))
     rows: list[tuple[str, str, str | None, dict[str, Any]]] = []
@@ -465,6 +473,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K; part of every cell's settings")
     parser.add_argument("--allow-long-context", action="store_true",
                         help="accept lengths past the model's max_position_embeddings (its RoPE extended on purpose)")
+    parser.add_argument("--combined", action="store_true",
+                        help="also the combined DELTA + vAttention policy (vattention on each DELTA manifest: heavy "
+                        "hitters from the nearest Δ-layer's scores), rows vattention-delta[-recall]")
     parser.add_argument("--variant", action="append", metavar="POLICY:KEY=VALUE[,KEY=VALUE]",
                         help="extra rows: every row of POLICY again with these parameters, its label suffixed by "
                         "them (e.g. delta:per_head=true → delta-per_head); repeatable")

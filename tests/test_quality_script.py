@@ -136,6 +136,13 @@ def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
                      "delta-per_head-num_pages9-b1024", "delta-recall-b256", "delta-recall-b1024",
                      "delta-recall-per_head-num_pages9-b256", "delta-recall-per_head-num_pages9-b1024"]
     plain, variant = cells[2], cells[4]
+    args = parser.parse_args(["--out", "o", "--policies", "vattention", "--delta", "a.safetensors", "--budgets", "256",
+                              "--combined"])
+    combined = quality.build_cells(args)
+    assert [(c.name, c.policy, c.manifest) for c in combined] == [
+        ("vattention-b256", "vattention", None), ("vattention-delta-b256", "vattention", "a.safetensors")]
+    with pytest.raises(SystemExit, match="--combined runs vAttention on a DELTA manifest"):
+        quality.build_cells(parser.parse_args(["--out", "o", "--policies", "vattention", "--combined"]))
     assert plain.params == {"budget": 1024, "page_size": 16, "recent_pages": 8}
     assert variant.params == {**plain.params, "per_head": True, "num_pages": 9} and variant.manifest == "a.safetensors"
 
