@@ -90,6 +90,9 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
         policy, manifest = get_policy("full"), None
     elif name == "delta":
         policy, manifest = get_policy("delta", budget=budget, page_size=16, recent_pages=8), delta_manifest(shape)
+    elif name == "delta-refine":  # two-stage: the Δ-layers pick 4·K candidates, each sparse layer its own K
+        policy = get_policy("delta", budget=budget, page_size=16, recent_pages=8, refine=4)
+        manifest = delta_manifest(shape)
     elif name == "lychee":
         heads = spread_heads(shape.layers, shape.kv_heads, retrieval_heads).to(torch.int8)
         policy = get_policy("lychee", budget=budget, block_size=16)
@@ -101,7 +104,7 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
     elif name == "lethe":  # the same budget in every layer
         policy, manifest = get_policy("lethe", budget=budget), None
     else:
-        raise SystemExit(f"unknown policy {name!r}; known: full, delta, lychee, quest, vattention, lethe")
+        raise SystemExit(f"unknown policy {name!r}; known: full, delta, delta-refine, lychee, quest, vattention, lethe")
     policy.bind(manifest, _config(shape))
     return policy
 
@@ -192,6 +195,7 @@ class Bench:
                         policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
                         ms = self.measure(weights, policy, batch, context, start, cache)
                         r = self.row(model, shape, policy, budget, batch, context, ms)
+                        r["policy"] = name  # the case asked for ("delta-refine" is the delta policy refining)
                         if name == "full":
                             full_ms = ms
                         if full_ms is not None:
@@ -371,8 +375,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
     p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8])
-    p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, lychee, quest, "
-                   "vattention (on DELTA's roles, samples up to the budget), lethe")
+    p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, delta-refine "
+                   "(two-stage, 4·K candidates), lychee, quest, vattention (on DELTA's roles, samples up to the "
+                   "budget), lethe")
     p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")

@@ -36,6 +36,8 @@ def test_byte_bounds_of_the_speed_targets():
     assert 1.35 < limit(s7, policy("delta", s7), 1, 131072) < 1.45
     assert 2.3 < limit(s15, policy("delta", s15, budget=1024), 64, 9216) < 2.7
     assert StaticCache.bytes_needed(s7, 8, 131072) == 28 * 2 * 8 * 4 * 131072 * 128 * 2
+    refine = policy("delta-refine", s7).static_step(s7)  # the benchmark's two-stage case: same reads as delta
+    assert refine.refine == 4 and refine.reads(s7, 131072) == policy("delta", s7).static_step(s7).reads(s7, 131072)
 
 
 def test_default_min_context_follows_the_measured_crossovers():
