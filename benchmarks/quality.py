@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import atomic  # noqa: E402
+from runtime.cli.common import add_prompt_arguments, check_prompt_arguments, eval_settings  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
 from runtime.policies import PolicyError, engine_policies, get_policy  # noqa: E402
@@ -447,49 +448,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lethe", default=None, help="manifest with layers.budget (default: the same budget every layer)")
     parser.add_argument("--vattention-epsilon", type=float, default=0.05, help="vAttention's ε (default 0.05)")
     parser.add_argument("--vattention-delta", type=float, default=0.05, help="vAttention's δ (default 0.05)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000], help="passkey prompt lengths")
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey depths in [0, 1]")
-    parser.add_argument("--samples-per-cell", type=int, default=1, help="prompts per (length, depth)")
-    parser.add_argument("--passkey-words", type=int, default=5)
-    parser.add_argument("--alphabet", default="digits", choices=("nato", "digits"),
-                        help="digits for small models (they copy digits, not NATO words)")
-    parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "reasoning"),
-                        help="passkey: the single-passkey grid; ruler: the RULER-style suite of data.ruler; "
-                             "reasoning: long generations (per-step KL, top-1 agreement, divergence point)")
-    parser.add_argument("--reasoning-source", default="champ", help="reasoning prompts (see data.reasoning)")
-    parser.add_argument("--limit", type=int, default=16, help="reasoning prompts per cell (default 16)")
-    parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default all; see data.ruler)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
-    parser.add_argument("--prompts", default=None, help='JSONL of {"prompt", "answer"} instead of generated prompts')
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 12 (passkey and JSONL prompts) or "
-                                                                        "1024 (reasoning); RULER tasks carry their own")
+    add_prompt_arguments(parser, passkey_words=5, alphabet="digits", limit=16)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow code shipped in the model folder to run (never without this flag)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default float32 on CPU, bfloat16 on CUDA)")
-    parser.add_argument("--rope-theta", type=float, default=None,
-                        help="another RoPE base for the model, to run it past its trained context (with "
-                        "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K; part of every cell's settings")
-    parser.add_argument("--allow-long-context", action="store_true",
-                        help="accept lengths past the model's max_position_embeddings (its RoPE extended on purpose)")
     parser.add_argument("--combined", action="store_true",
                         help="also the combined DELTA + vAttention policy (vattention on each DELTA manifest: heavy "
                         "hitters from the nearest Δ-layer's scores), rows vattention-delta[-recall]")
     parser.add_argument("--variant", action="append", metavar="POLICY:KEY=VALUE[,KEY=VALUE]",
                         help="extra rows: every row of POLICY again with these parameters, its label suffixed by "
                         "them (e.g. delta:per_head=true → delta-per_head); repeatable")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="prompts of one length decoded together on the engine (default 16 on a GPU)")
     parser.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
 
 
 def settings_of(args: argparse.Namespace) -> EvalSettings:
     try:
-        return EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
-                            passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
-                            prompts=args.prompts, max_new_tokens=args.max_new_tokens, suite=args.suite,
-                            tasks=tuple(args.tasks or ()), seed=args.seed)
+        return eval_settings(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -541,16 +516,14 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    if args.batch_size is not None and args.batch_size < 1:
-        raise SystemExit(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.rope_theta is not None and args.rope_theta <= 0:
-        raise SystemExit(f"--rope-theta must be a positive number, got {args.rope_theta}")
+    try:
+        check_prompt_arguments(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise SystemExit(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16")
     reasoning = args.suite == "reasoning"
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 1024 if reasoning else 12
     settings = None if reasoning else settings_of(args)
     budget, cells = new_tokens(args), build_cells(args)
     out = Path(args.out)

@@ -51,3 +51,59 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         "full, delta and lychee run on the engine (static cache, CUDA graphs)")
     parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int, alphabet: str, limit: int) -> None:
+    """The prompt, suite and long-context flags that ``rolecall eval`` and ``benchmarks/quality.py`` share; the
+    defaults that differ between them are the arguments."""
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000], help="passkey context lengths")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey depths in [0, 1]")
+    parser.add_argument("--samples-per-cell", type=int, default=1,
+                        help="prompts per (length, depth), or per (task, length) with --suite ruler")
+    parser.add_argument("--passkey-words", type=int, default=passkey_words)
+    parser.add_argument("--alphabet", default=alphabet, choices=("nato", "digits"),
+                        help="passkey words: NATO code words, or digits (small models copy digits, not words)")
+    parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
+    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "reasoning"),
+                        help="passkey: the single-passkey grid (--lengths x --depths); ruler: the RULER-style suite "
+                             "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline; "
+                             "reasoning: full attention's own greedy traces on reasoning prompts, the policy fed the "
+                             "same tokens (per-step KL, top-1 agreement, divergence point)")
+    parser.add_argument("--reasoning-source", default="champ",
+                        help="reasoning prompts: champ, arithmetic[:N] or jsonl:PATH (see data.reasoning)")
+    parser.add_argument("--limit", type=int, default=limit, help=f"reasoning prompts to use (default {limit})")
+    parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; see data.ruler)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
+    parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} (or '
+                                                        '"answers": [...]) instead of generated prompts')
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens generated per prompt (default 12; 1024 for --suite reasoning; RULER tasks carry "
+                             "their own: 128 for needles, 30, 120, 50)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="prompts of one length decoded together on the engine [16 on a GPU, 1 elsewhere]")
+    parser.add_argument("--rope-theta", type=float, default=None,
+                        help="another RoPE base for the model (run it past its trained context, with "
+                        "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K")
+    parser.add_argument("--allow-long-context", action="store_true",
+                        help="run prompts longer than the model's context (max_position_embeddings) with only a "
+                        "warning: for a model whose RoPE you extended on purpose")
+
+
+def check_prompt_arguments(args: argparse.Namespace) -> None:
+    """The defaults that depend on other flags, then bad values refused in one line (``ValueError``)."""
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.rope_theta is not None and args.rope_theta <= 0:
+        raise ValueError(f"--rope-theta must be a positive number, got {args.rope_theta}")
+
+
+def eval_settings(args: argparse.Namespace):
+    """The :class:`runtime.eval.EvalSettings` the flags of :func:`add_prompt_arguments` ask for."""
+    from runtime.eval import EvalSettings
+
+    return EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
+                        passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
+                        prompts=args.prompts, max_new_tokens=args.max_new_tokens, suite=args.suite,
+                        tasks=tuple(args.tasks or ()), seed=args.seed)

@@ -6,45 +6,21 @@ import argparse
 import json
 from pathlib import Path
 
-from runtime.cli.common import add_common, policy_inputs
+from runtime.cli.common import (
+    add_common,
+    add_prompt_arguments,
+    check_prompt_arguments,
+    eval_settings,
+    policy_inputs,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000], help="passkey context lengths")
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey depths in [0, 1]")
-    parser.add_argument("--samples-per-cell", type=int, default=1)
-    parser.add_argument("--passkey-words", type=int, default=2)
-    parser.add_argument("--alphabet", default="nato", choices=("nato", "digits"),
-                        help="passkey words: NATO code words, or digits (small models copy digits, not words)")
-    parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "reasoning"),
-                        help="passkey: the single-passkey grid (--lengths x --depths); ruler: the RULER-style suite "
-                             "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline; "
-                             "reasoning: full attention's own greedy traces on reasoning prompts, the policy fed the "
-                             "same tokens (per-step KL, top-1 agreement, divergence point)")
-    parser.add_argument("--reasoning-source", default="champ",
-                        help="reasoning prompts: champ, arithmetic[:N] or jsonl:PATH (see data.reasoning)")
-    parser.add_argument("--limit", type=int, default=8, help="reasoning prompts to use (default 8)")
-    parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; see data.ruler)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
-    parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} (or '
-                                                        '"answers": [...]) instead of generated prompts')
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="tokens generated per prompt (default 12; 1024 for --suite reasoning; RULER tasks carry "
-                             "their own: 128 for needles, 30, 120, 50)")
+    add_prompt_arguments(parser, passkey_words=2, alphabet="nato", limit=8)
     parser.add_argument("--json", default=None, help="write the full result here")
     parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
                         "read (runs the slower transformers path)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="prompts of one length decoded together on the engine [16 on a GPU, 1 elsewhere]")
-    parser.add_argument("--rope-theta", type=float, default=None,
-                        help="another RoPE base for the model (run it past its trained context, with "
-                        "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K")
-    parser.add_argument("--allow-long-context", action="store_true",
-                        help="run prompts longer than the model's context (max_position_embeddings) with only a "
-                        "warning: for a model whose RoPE you extended on purpose")
-
 
 def load_for_eval(args: argparse.Namespace):
     """The model on ``--device`` (default cuda when there is one) in ``--dtype`` (bf16 on cuda, else fp32)."""
@@ -89,22 +65,13 @@ def run_reasoning(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.eval import EvalSettings, evaluate, format_table, suite_prompts
+    from runtime.eval import evaluate, format_table, suite_prompts
     from runtime.models import check_context, context_limit, load_config, load_tokenizer
 
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
-    if args.rope_theta is not None and args.rope_theta <= 0:
-        raise ValueError(f"--rope-theta must be a positive number, got {args.rope_theta}")
+    check_prompt_arguments(args)
     if args.suite == "reasoning":
         return run_reasoning(args)
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-
-    settings = EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
-                            passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source, prompts=args.prompts,
-                            max_new_tokens=args.max_new_tokens, suite=args.suite, tasks=tuple(args.tasks or ()),
-                            seed=args.seed)
+    settings = eval_settings(args)
     if args.suite == "ruler":
         from data.ruler import TASKS, check_tasks
 
