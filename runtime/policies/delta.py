@@ -57,16 +57,10 @@ def refine_pages(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ca
     always; ``[B, Hkv, min(num_pages, C)]`` ascending, -1 padded. ``impl``: the page-bound kernels (the
     references by default). Reads ``C`` pages of metadata per head, not all of them; no host sync."""
     impl = impl or bounds_naive
-    at = candidates.clamp_min(0).long()[..., None].expand(-1, -1, -1, kmin.shape[-1])
-    scores = impl.page_scores(query, kmin.gather(2, at), kmax.gather(2, at), scale).float()  # [B, Hkv, C]
-    valid = candidates >= 0
-    last = torch.as_tensor(last, device=candidates.device)
-    ranked = scores.masked_fill(~valid, float("-inf"))
-    ranked = torch.where(valid & (candidates > last - recent_pages), float("inf"), ranked)
-    top = ranked.topk(min(num_pages, ranked.shape[-1]), dim=-1)
-    ids = torch.where(top.values > float("-inf"), candidates.gather(-1, top.indices).long(), kmin.shape[2])
-    ids = ids.sort(dim=-1).values
-    return torch.where(ids < kmin.shape[2], ids, -1)
+    candidates = candidates.long()
+    at = candidates.clamp_min(0)[..., None].expand(-1, -1, -1, kmin.shape[-1])
+    scores = impl.page_scores(query, kmin.gather(2, at), kmax.gather(2, at), scale)  # [B, Hkv, C]
+    return topk_with_recent(scores, num_pages, recent_pages, candidates >= 0, last=last, positions=candidates)
 
 
 @dataclass

@@ -133,3 +133,14 @@ def test_page_scores_match_brute_force():
         best = torch.stack(probs).amax(0)
         for u in range(3):
             assert abs(float(got[b, u]) - float(best[u * 16:(u + 1) * 16].sum())) < 1e-5
+
+
+def test_topk_with_recent_over_positions_ranks_what_the_entries_stand_for():
+    """``positions``: the entries are pages 10, 4, 7 and none; the recent window and ``last`` count in pages and
+    the ids returned are pages, ascending (10 is the recent one, 7 beats 4 on score)."""
+    scores = torch.tensor([[3.0, 1.0, 2.0, 5.0]])
+    positions = torch.tensor([[10, 4, 7, -1]])
+    got = topk_with_recent(scores, 2, 1, positions >= 0, positions=positions)  # last: the largest, 10
+    assert got.tolist() == [[7, 10]]
+    assert topk_with_recent(scores, 2, 1, positions >= 0, last=7, positions=positions).tolist() == [[4, 7]]
+    assert topk_with_recent(scores, 4, 0, positions >= 0, positions=positions).tolist() == [[4, 7, 10, -1]]

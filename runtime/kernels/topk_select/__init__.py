@@ -1,6 +1,6 @@
 """Top-k selection with a recency window, over tokens or pages.
 
-``topk_with_recent(scores, k, recent, valid=None, last=None, ascending=True) -> indices``
+``topk_with_recent(scores, k, recent, valid=None, last=None, ascending=True, positions=None) -> indices``
 
 =============  ======================  ===============================================================
 argument       shape                   meaning
@@ -13,6 +13,9 @@ argument       shape                   meaning
                                        never chosen (a static cache's unwritten slots)
 ``ascending``  bool                    False: the chosen ids in any order, -1 anywhere (no sort; the
                                        attention kernels do not care, the engine uses it)
+``positions``  ``[..., n]`` int         what each entry stands for (default: its index; the pages of a
+                                       candidate set): ``recent``, ``last`` and the returned ids are these
+                                       (``last`` then defaults to the largest)
 ``indices``    ``[..., min(k, n)]``    ascending ids, -1 padded at the end when fewer can be chosen
 =============  ======================  ===============================================================
 

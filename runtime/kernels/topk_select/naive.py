@@ -23,13 +23,13 @@ def mask_to_indices(mask: torch.Tensor, width: int | None = None) -> torch.Tenso
     return torch.where(order < n, order, -1)
 
 
-def _ranked(scores: torch.Tensor, recent: int, last: torch.Tensor | int | None,
-            valid: torch.Tensor | None) -> torch.Tensor:
+def _ranked(scores: torch.Tensor, recent: int, last: torch.Tensor | int | None, valid: torch.Tensor | None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
     """Scores with the candidates' rank keys: +inf for the recent window, -inf for what may not be chosen."""
     n = scores.shape[-1]
-    ids = torch.arange(n, device=scores.device)
+    ids = torch.arange(n, device=scores.device) if positions is None else positions
     if last is None:
-        last = n - 1
+        last = n - 1 if positions is None else positions.amax(-1)
     last = torch.as_tensor(last, device=scores.device)[..., None]  # [..., 1] or [1]
     ok = ids <= last
     if valid is not None:
@@ -41,15 +41,17 @@ def _ranked(scores: torch.Tensor, recent: int, last: torch.Tensor | int | None,
 
 
 def topk_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Tensor | None = None,
-                     last: torch.Tensor | int | None = None, ascending: bool = True) -> torch.Tensor:
+                     last: torch.Tensor | int | None = None, ascending: bool = True,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`runtime.kernels.topk_select.topk_with_recent`."""
     n = scores.shape[-1]
-    top = _ranked(scores, recent, last, valid).topk(min(k, n), dim=-1, sorted=False)
+    top = _ranked(scores, recent, last, valid, positions).topk(min(k, n), dim=-1, sorted=False)
+    ids = top.indices if positions is None else positions.gather(-1, top.indices)
     if not ascending:  # the kernels read a set in any order: skip the sort
-        return torch.where(top.values > float("-inf"), top.indices, -1)
-    ids = torch.where(top.values > float("-inf"), top.indices, n)
-    ids = ids.sort(dim=-1).values  # ascending, unchosen (n) at the end
-    return torch.where(ids < n, ids, -1)
+        return torch.where(top.values > float("-inf"), ids, -1)
+    none = torch.iinfo(ids.dtype).max
+    ids = torch.where(top.values > float("-inf"), ids, none).sort(dim=-1).values  # ascending, unchosen at the end
+    return torch.where(ids < none, ids, -1)
 
 
 def topk_mask_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Tensor | None = None,
