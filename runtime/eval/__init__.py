@@ -142,12 +142,10 @@ def _batches(samples: list[dict[str, Any]], size: int, default_budget: int) -> l
 def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.Tensor]:
     """Full attention's logits at the last ``last[r]`` positions of each token list in ``rows``, in one batched
     forward (left-padded, positions counted from each row's first real token)."""
-    width, device = max(map(len, rows)), model.device
-    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for r, row in enumerate(rows):
-        ids[r, width - len(row):] = torch.tensor(row, device=device)
-        mask[r, width - len(row):] = 1
+    from runtime.engine import pad_left
+
+    ids, pads = pad_left(rows, 0, model.device)
+    mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] >= torch.tensor(pads, device=ids.device)[:, None]).long()
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     logits = model(ids, attention_mask=mask, position_ids=positions, use_cache=False,
                    logits_to_keep=max(last)).logits  # [B, max(last), V]
@@ -160,15 +158,11 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     fraction of keys the engine's step read (None off the engine)."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompts = [s["input_ids"].tolist() for s in batch]
+    prompts = [s["input_ids"].tolist() for s in batch]  # one length (see _batches): no padding
     budgets = [int(s.get("max_new_tokens", settings.max_new_tokens)) for s in batch]
-    width = max(map(len, prompts))
-    ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, row in enumerate(prompts):
-        ids[r, width - len(row):] = torch.tensor(row)
-        mask[r, width - len(row):] = 1
-    kwargs = dict(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max(budgets),
+    width = len(prompts[0])
+    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(budgets),
                   do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
     if not on_engine:
         # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts the
