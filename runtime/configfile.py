@@ -5,6 +5,10 @@ the one of that name shipped in ``configs/<folder>/``; ``layered(cls, *layers, w
 a dataclass's defaults, later layers winning, ``None`` values skipped (an unset flag), unknown keys refused.
 Calibration (``configs/calibrate/``), training (``configs/train/``) and DeepSpeed (``configs/deepspeed/``) all
 go through them, so a config problem reads the same in every command.
+
+A command's folder holds ``<model>.yaml`` (that model's defaults, read for ``--model <model>``) and
+``<model>.<variant>.yaml`` (a named variant, read with ``--config <model>.<variant>``). Shipped configs that
+were renamed to follow that rule are still found by their old names (``RENAMED``), with a notice on stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,14 @@ class ConfigError(ValueError):
     """A config file or setting that cannot be used; the message says which and how to fix it."""
 
 
+# old name -> current name of the shipped configs that were renamed, by folder
+RENAMED: dict[str, dict[str, str]] = {
+    "train": {"lycheedecode": "llama3-8b-1048k",
+              "ablation-hardconcrete": "llama3-8b-1048k.hardconcrete",
+              "ablation-sigmoid": "llama3-8b-1048k.sigmoid"},
+}
+
+
 def shipped(folder: str) -> dict[str, Path]:
     """The configs that ship in ``configs/<folder>/``, by name (the file name without its suffix)."""
     root = importlib.resources.files("configs") / folder
@@ -29,15 +42,26 @@ def shipped(folder: str) -> dict[str, Path]:
             if p.name.endswith((".yaml", ".yml", ".json"))}
 
 
+def shipped_path(name: str, kind: str, folder: str) -> Path:
+    """The file of the config named ``name`` in ``configs/<folder>/``; an old name (``RENAMED``) finds the
+    renamed file and says its new name on stderr."""
+    there = shipped(folder)
+    new = RENAMED.get(folder, {}).get(name)
+    if name not in there and new in there:
+        print(f"{kind} {name!r} has been renamed {new!r} (configs/{folder}/{there[new].name}); use the new name",
+              file=sys.stderr)
+        name = new
+    if name not in there:
+        raise ConfigError(f"{kind} {name!r}: no such file, and not one of configs/{folder}/ "
+                          f"({', '.join(sorted(there))})")
+    return there[name]
+
+
 def read_config(name_or_path: str | Path, kind: str, folder: str) -> dict[str, Any]:
     """The mapping in ``name_or_path``: a file, or the name of one in ``configs/<folder>/``."""
     path = Path(name_or_path)
     if not path.is_file():
-        there = shipped(folder)
-        if str(name_or_path) not in there:
-            raise ConfigError(f"{kind} {str(name_or_path)!r}: no such file, and not one of configs/{folder}/ "
-                              f"({', '.join(sorted(there))})")
-        path = there[str(name_or_path)]
+        path = shipped_path(str(name_or_path), kind, folder)
     text = path.read_text()
     try:
         doc = json.loads(text) if path.suffix == ".json" else (yaml.safe_load(text) or {})

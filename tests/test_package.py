@@ -5,6 +5,7 @@ import site
 import subprocess
 import sys
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,45 @@ def test_config_files_read_the_same_way_everywhere(tmp_path):
     assert (config.stride, config.warmup) == (8, 1)
     with pytest.raises(ConfigError, match="c: unknown options 'x', 'y'; known options: "):
         layered(CalibrateConfig, {"x": 1, "y": 2}, what="c")
+
+
+def test_shipped_config_files_are_named_model_or_model_dot_variant():
+    """configs/calibrate/ and configs/train/ hold ``<model>.yaml`` or ``<model>.<variant>.yaml``, where
+    ``<model>`` is an alias in configs/models/ (a dot may sit inside an alias: qwen-1.5b), and the file's own
+    ``model:`` is that alias."""
+    import yaml
+
+    root = Path(ROOT) / "configs"
+    models = {p.name.removesuffix(".yaml") for p in (root / "models").glob("*.yaml")}
+    assert {"smollm2-135m", "llama3-8b-1048k", "qwen-1.5b"} <= models
+    for folder in ("calibrate", "train"):
+        files = sorted((root / folder).iterdir())
+        assert files, folder
+        for path in files:
+            if path.name == "__init__.py":
+                continue
+            assert path.suffix == ".yaml", f"configs/{folder}/{path.name}: not <model>[.<variant>].yaml"
+            stem = path.name.removesuffix(".yaml")
+            owners = [m for m in models if stem == m or (stem.startswith(f"{m}.") and len(stem) > len(m) + 1)]
+            assert owners, f"configs/{folder}/{path.name}: {stem!r} is neither a model in configs/models/ nor <model>.<variant>"
+            doc = yaml.safe_load(path.read_text())
+            assert doc.get("model") in owners, f"configs/{folder}/{path.name}: model {doc.get('model')!r}"
+
+
+def test_renamed_shipped_configs_point_at_files_and_unknown_names_fail_in_one_line(capsys):
+    from runtime.configfile import RENAMED, ConfigError, read_config, shipped
+
+    for folder, names in RENAMED.items():
+        for old, new in names.items():
+            assert old not in shipped(folder) and new in shipped(folder), (folder, old, new)
+    assert read_config("lycheedecode", "training config", "train")["model"] == "llama3-8b-1048k"
+    assert capsys.readouterr().err == ("training config 'lycheedecode' has been renamed 'llama3-8b-1048k' "
+                                       "(configs/train/llama3-8b-1048k.yaml); use the new name\n")
+    for name, folder in (("nope", "train"), ("lycheedecode", "calibrate"), ("llama3-8b-1048k.nope", "train")):
+        with pytest.raises(ConfigError) as e:
+            read_config(name, "a config", folder)
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"a config {name!r}: no such file, and not one of "
+                                                          f"configs/{folder}/ (")
+        assert all(shipped_name in message for shipped_name in shipped(folder))
+    assert capsys.readouterr().err == ""

@@ -37,7 +37,8 @@ def _lengths(text: str) -> tuple[int, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
-    p.add_argument("--config", help="YAML of options: a path or a name in configs/train/ (e.g. lycheedecode)")
+    p.add_argument("--config", help="YAML of options: a path or a name in configs/train/, <model> or "
+                   "<model>.<variant> (e.g. llama3-8b-1048k.sigmoid) [configs/train/<model>.yaml when it exists]")
     p.add_argument("--model", help=f"alias, Hugging Face id, local folder or .gguf file (default {d.model})")
     p.add_argument("--model-name", help="name recorded in the manifest (default: the --model value)")
     p.add_argument("--target", type=int, help=f"retrieval heads wanted among layers >= 1 (default {d.target})")

@@ -125,7 +125,8 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
     """Defaults, then the YAML, then ``overrides`` whose value is not None.
 
     Without ``yaml_config``, a shipped ``configs/train/<model>.yaml`` named after the model alias is the YAML
-    layer, so every model can carry settings that suit it (context length, step cost).
+    layer, so every model can carry settings that suit it (context length, step cost); its variants,
+    ``configs/train/<model>.<variant>.yaml``, are read only when named.
     """
     if yaml_config is None:
         model = overrides.get("model") or TrainConfig.model

@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import pytest
@@ -40,12 +41,42 @@ def _config(tmp_path, **kw):
 
 def test_every_shipped_yaml_is_a_valid_config():
     shipped = shipped_configs()
-    assert {"lycheedecode", "smollm2-135m", "ablation-hardconcrete", "ablation-sigmoid"} <= set(shipped)
+    assert {"llama3-8b-1048k", "smollm2-135m", "llama3-8b-1048k.hardconcrete", "llama3-8b-1048k.sigmoid"} <= set(shipped)
     for name in shipped:
         cfg = build_config(name)
         assert set(read_yaml(name)) <= set(cfg.to_dict())
-    paper = build_config("lycheedecode")
+        assert cfg.model == name.split(".")[0] or name.startswith(f"{cfg.model}.")  # the model the file is named for
+    paper = build_config("llama3-8b-1048k")
     assert (paper.steps, paper.lr, paper.target, paper.token_budget, paper.low, paper.high) == (3000, 0.01, 32, 0.3, -0.1, 1.1)
+
+
+def test_model_alias_picks_its_default_config_and_no_variant(capsys):
+    """``--model llama3-8b-1048k`` alone reads the paper's recipe, as ``--model smollm2-135m`` reads its file;
+    the variants (``llama3-8b-1048k.<gate>``) are read only when named."""
+    paper = build_config(None, model="llama3-8b-1048k")
+    assert paper == build_config("llama3-8b-1048k")
+    assert (paper.model, paper.gate, paper.lambda_lr, paper.mixed_precision) == ("llama3-8b-1048k", "hardkuma", 8.0, "bf16")
+    assert build_config(None, model="smollm2-135m") == build_config("smollm2-135m")
+    assert build_config("llama3-8b-1048k.sigmoid").gate == "sigmoid"
+    assert build_config("llama3-8b-1048k.hardconcrete", model="llama3-8b-1048k").gate == "hardconcrete"
+    assert build_config(None, model="qwen-7b") == TrainConfig(model="qwen-7b")  # no file: the defaults
+    assert capsys.readouterr().err == ""  # current names say nothing
+
+
+@pytest.mark.parametrize("old,new", [("lycheedecode", "llama3-8b-1048k"),
+                                     ("ablation-hardconcrete", "llama3-8b-1048k.hardconcrete"),
+                                     ("ablation-sigmoid", "llama3-8b-1048k.sigmoid")])
+def test_old_recipe_names_read_the_renamed_files_with_a_notice(capsys, old, new):
+    from train.cli import add_arguments, config_from_args
+
+    assert old not in shipped_configs() and new in shipped_configs()
+    assert read_yaml(old) == read_yaml(new)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{old!r} has been renamed {new!r}" in err and f"configs/train/{new}.yaml" in err
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--config", old])) == build_config(new)  # the CLI flag too
+    assert f"renamed {new!r}" in capsys.readouterr().err
 
 
 def test_config_layers_and_errors(tmp_path):
