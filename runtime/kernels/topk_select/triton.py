@@ -1,8 +1,8 @@
 """Triton top-k with a recency window: one program per row, the k-th largest score found by a radix search.
 
 Same choice as :func:`runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
-lower id), returned as ascending ids, -1 padded at the end. The scores map to integers that order as the
-floats do; 16 rounds of "how many are at least each of these four" fix the k-th largest two bits at a time
+lower id), returned as ascending ids, -1 padded at the end. The scores map to unsigned 32-bit integers that order
+as the floats do; 16 rounds of "how many are at least each of these four" fix the k-th largest two bits at a time
 (``bits``), then one prefix sum places every chosen id. Rows run in parallel, so the time does not grow with
 the batch (``torch.topk`` takes one pass per radix digit over every row); a row must fit one program
 (:data:`MAX_N` scores).
@@ -28,11 +28,12 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     x = tl.where(ok & (i > last - RECENT), float("inf"), x)
     x = tl.where(ok, x, float("-inf"))
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # float order, in [0, 2^32)
+    # unsigned 32-bit keys in float order (negative floats: every bit flipped; the others: the sign bit set)
+    key = tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
     # the W-th largest key is the largest t with at least W keys >= t: fixed BITS bits per round, from the top,
     # by counting the keys at or above each of the 2^BITS candidates in one reduction
-    kth = tl.sum(tl.zeros([1], tl.int64), 0)
-    digit = tl.arange(0, 1 << BITS).to(tl.int64)
+    kth = tl.sum(tl.zeros([1], tl.uint32), 0)
+    digit = tl.arange(0, 1 << BITS).to(tl.uint32)
     for r in tl.static_range(0, 32 // BITS):
         shift = 32 - (r + 1) * BITS
         count = tl.sum((key[None, :] >= (kth + (digit << shift))[:, None]).to(tl.int32), 1)  # [2^BITS]
