@@ -1,0 +1,170 @@
+"""Accuracy against cost: each policy's quality-grid rows (one per budget) as a frontier, against the fraction of
+keys it read and against its measured decode time per token.
+
+    python benchmarks/frontier.py --grid artifacts/smollm2-135m/ruler-grid-h200 artifacts/smollm2-135m/ruler-budgets-h200 \\
+        --decode benchmarks/results/decode_budgets_h200.json --context 32768 --batch 8 \\
+        --out artifacts/smollm2-135m/frontier
+
+``--grid``: folders written by ``benchmarks/quality.py`` (their ``summary.json``); a label and budget found in
+several grids is taken from the one with the most prompts, and each point keeps its own Wilson 95 % interval.
+Scores are pooled over every task and length of the grid, or one ``--task``. ``--decode``: a JSON of
+``benchmarks/decode.py``; a row's cost is the TPOT of its decode case at the same budget, ``--context`` and
+``--batch`` (the case is the row's policy, ``delta-refine`` for ``refine`` > 1, ``vattention`` only for
+vAttention on a DELTA manifest, as ``decode.py`` runs it; ``--case LABEL=CASE`` sets it by hand). Writes
+``frontier.png``, ``frontier.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runtime import atomic  # noqa: E402
+
+
+def load_rows(grids: list[str], task: str | None) -> list[dict[str, Any]]:
+    """Rows of every grid, ``{label, policy, budget, params, manifest, score, interval, n, keys, prompts}``;
+    where a (label, budget) repeats, the row with the most prompts."""
+    best: dict[tuple[str, Any], dict[str, Any]] = {}
+    for folder in grids:
+        path = Path(folder) / "summary.json"
+        if not path.exists():
+            raise SystemExit(f"--grid {folder}: no summary.json there; run benchmarks/quality.py into it first")
+        for r in json.loads(path.read_text())["rows"]:
+            cell = r["score"] if task is None else r.get("tasks", {}).get(task)
+            if cell is None:
+                continue
+            row = {"label": r["label"], "policy": r["policy"], "budget": r["budget"], "params": r["params"],
+                   "manifest": r["manifest"], "score": cell["score"], "interval": cell["interval"], "n": cell["n"],
+                   "keys": r["attended_fraction"], "grid": Path(folder).name}
+            key = (r["label"], r["budget"])
+            if key not in best or best[key]["n"] < row["n"]:
+                best[key] = row
+    if not best:
+        raise SystemExit(f"no rows{f' for task {task!r}' if task else ''} in {', '.join(grids)}")
+    return sorted(best.values(), key=lambda r: (r["label"], r["budget"] or 0))
+
+
+def decode_case(row: dict[str, Any], cases: dict[str, str]) -> str | None:
+    """The ``benchmarks/decode.py`` case that times ``row``'s policy, or None when it has none."""
+    if row["label"] in cases:
+        return cases[row["label"]]
+    policy = row["policy"]
+    if policy == "delta" and row["params"].get("refine", 1) > 1:
+        return "delta-refine"
+    if policy == "vattention":
+        return "vattention" if row["manifest"] else None  # decode.py times vAttention on DELTA's roles
+    return policy if policy in ("full", "delta", "quest", "lychee", "lethe") else None
+
+
+def attach_tpot(rows: list[dict[str, Any]], decode: str, context: int, batch: int, cases: dict[str, str]) -> dict:
+    """Sets each row's ``tpot_ms`` (None where the decode JSON has no such case); returns the JSON's header."""
+    data = json.loads(Path(decode).read_text())
+    tpot = {(d["policy"], d["budget"]): d["tpot_ms"] for d in data["rows"]
+            if d["context"] == context and d["batch"] == batch}
+    if not tpot:
+        have = sorted({(d["context"], d["batch"]) for d in data["rows"]})
+        raise SystemExit(f"--decode {decode}: no rows at --context {context} --batch {batch}; it has {have}")
+    for r in rows:
+        case = decode_case(r, cases)
+        r["tpot_ms"] = tpot.get((case, None if case == "full" else r["budget"])) if case else None
+    return {"gpu": data.get("gpu"), "model": next(d["model"] for d in data["rows"]), "context": context, "batch": batch}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| policy | budget | score (Wilson 95 %) | prompts | keys read | TPOT ms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["interval"]
+        tpot = f"{r['tpot_ms']:.2f}" if r.get("tpot_ms") is not None else "–"
+        lines.append(f"| {r['label']} | {r['budget'] or 'all'} | {r['score']:.3f} [{lo:.3f}, {hi:.3f}] | {r['n']} "
+                     f"| {r['keys']:.3f} | {tpot} |")
+    return "\n".join(lines) + "\n"
+
+
+def _panel(ax, rows: list[dict[str, Any]], x_key: str) -> None:
+    """One line per label through its budgets, Wilson bars; full as a dashed line with its interval shaded."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    for label in labels:
+        pts = [r for r in rows if r["label"] == label and r.get(x_key) is not None]
+        if not pts:
+            continue
+        if pts[0]["budget"] is None:
+            ax.axhline(pts[0]["score"], color="black", ls="--", lw=1, label=f"{label} (ceiling)")
+            ax.axhspan(*pts[0]["interval"], color="black", alpha=0.08)
+            ax.axvline(pts[0][x_key], color="black", ls=":", lw=1)  # full's own cost
+            continue
+        pts.sort(key=lambda r: r[x_key])
+        y = [r["score"] for r in pts]
+        err = [[v - r["interval"][0] for v, r in zip(y, pts)], [r["interval"][1] - v for v, r in zip(y, pts)]]
+        line = ax.errorbar([r[x_key] for r in pts], y, yerr=err, marker="o", capsize=3, label=label)
+        for r in pts:
+            ax.annotate(str(r["budget"]), (r[x_key], r["score"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points", color=line[0].get_color())
+    ax.grid(alpha=0.3)
+
+
+def plot(rows: list[dict[str, Any]], header: dict | None, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if header else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    _panel(axes[0][0], rows, "keys")
+    axes[0][0].set_xlabel("fraction of the context's keys read per step (labels: budget in tokens)")
+    axes[0][0].set_ylabel("score (Wilson 95 % bars)")
+    if header:
+        _panel(axes[0][1], rows, "tpot_ms")
+        axes[0][1].set_xlabel(f"TPOT on the engine, ms ({header['model']} shape, {header['context'] // 1024}K × "
+                              f"{header['batch']}, {header['gpu']})")
+    axes[0][0].legend(fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    with atomic.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", nargs="+", required=True, help="benchmarks/quality.py output folders")
+    p.add_argument("--task", default=None, help="one task of the suite (default: every task and length pooled)")
+    p.add_argument("--decode", default=None, help="benchmarks/decode.py JSON for the TPOT panel")
+    p.add_argument("--context", type=int, default=32768, help="context of the decode rows used (default 32768)")
+    p.add_argument("--batch", type=int, default=8, help="batch of the decode rows used (default 8)")
+    p.add_argument("--case", action="append", default=[], metavar="LABEL=CASE",
+                   help="decode.py case timing a row label, repeatable (defaults: see the module docstring)")
+    p.add_argument("--out", required=True, help="output folder")
+    args = p.parse_args(argv)
+    bad = [c for c in args.case if "=" not in c]
+    if bad:
+        p.error(f"--case {bad[0]!r}: expected LABEL=CASE, e.g. lychee-hardkuma=lychee")
+    args.cases = dict(c.split("=", 1) for c in args.case)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = load_rows(args.grid, args.task)
+    header = attach_tpot(rows, args.decode, args.context, args.batch, args.cases) if args.decode else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    first = json.loads((Path(args.grid[0]) / "summary.json").read_text())
+    title = f"{first['model']}: {args.task or 'all tasks and lengths'}, score against cost"
+    plot(rows, header, title, out / "frontier.png")
+    atomic.write_text(out / "frontier.json", json.dumps({"task": args.task, "decode": header, "rows": rows}, indent=1))
+    table = format_table(rows)
+    atomic.write_text(out / "FRONTIER.md", table)
+    print(table, end="")
+    print(f"wrote {out / 'frontier.png'}, frontier.json, FRONTIER.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

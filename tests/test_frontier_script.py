@@ -1,0 +1,87 @@
+"""benchmarks/frontier.py on hand-made grid summaries and decode rows: which row wins, which TPOT it gets."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("frontier_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(label, policy, budget, score, n, keys, params=None, manifest=None, task=None):
+    cell = {"score": score, "n": n, "interval": [score - 0.05, score + 0.05]}
+    return {"label": label, "policy": policy, "budget": budget, "params": params or {}, "manifest": manifest,
+            "score": cell, "tasks": {task: cell} if task else {}, "attended_fraction": keys}
+
+
+def write_grid(folder: Path, rows):
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps({"model": "tiny", "rows": rows}))
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    write_grid(tmp_path / "a", [row("full", "full", None, 0.9, 400, 1.0),
+                                row("quest", "quest", 1024, 0.7, 400, 0.5),
+                                row("delta-refine4", "delta", 1024, 0.8, 400, 0.55, {"refine": 4}, "d.safetensors"),
+                                row("vattention", "vattention", 1024, 0.85, 400, 1.6)])
+    write_grid(tmp_path / "b", [row("full", "full", None, 0.5, 100, 1.0),  # fewer prompts: a's full stays
+                                row("quest", "quest", 256, 0.4, 100, 0.2),
+                                row("vattention-delta", "vattention", 256, 0.6, 100, 0.3, manifest="d.safetensors")])
+    decode = {"gpu": "GPU X", "rows": [
+        {"model": "7b", "policy": "full", "budget": None, "context": 32768, "batch": 8, "tpot_ms": 8.0},
+        {"model": "7b", "policy": "quest", "budget": 1024, "context": 32768, "batch": 8, "tpot_ms": 6.0},
+        {"model": "7b", "policy": "quest", "budget": 256, "context": 32768, "batch": 8, "tpot_ms": 5.0},
+        {"model": "7b", "policy": "delta-refine", "budget": 1024, "context": 32768, "batch": 8, "tpot_ms": 6.5},
+        {"model": "7b", "policy": "vattention", "budget": 256, "context": 32768, "batch": 8, "tpot_ms": 7.0},
+        {"model": "7b", "policy": "quest", "budget": 1024, "context": 131072, "batch": 8, "tpot_ms": 99.0}]}
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    return tmp_path
+
+
+def test_rows_take_the_larger_sample_and_the_matching_decode_case(inputs, capsys):
+    frontier = load_script()
+    out = inputs / "out"
+    assert frontier.main(["--grid", str(inputs / "a"), str(inputs / "b"), "--decode", str(inputs / "decode.json"),
+                          "--out", str(out)]) == 0
+    rows = {(r["label"], r["budget"]): r for r in json.loads((out / "frontier.json").read_text())["rows"]}
+    assert set(rows) == {("full", None), ("quest", 1024), ("quest", 256), ("delta-refine4", 1024),
+                         ("vattention", 1024), ("vattention-delta", 256)}
+    assert rows[("full", None)]["score"] == 0.9 and rows[("full", None)]["n"] == 400
+    tpot = {k: r["tpot_ms"] for k, r in rows.items()}
+    assert tpot == {("full", None): 8.0, ("quest", 1024): 6.0, ("quest", 256): 5.0, ("delta-refine4", 1024): 6.5,
+                    ("vattention", 1024): None,  # standalone vAttention: decode.py times it on DELTA's roles only
+                    ("vattention-delta", 256): 7.0}
+    table = (out / "FRONTIER.md").read_text()
+    assert "| quest | 256 | 0.400 [0.350, 0.450] | 100 | 0.200 | 5.00 |" in table
+    assert "| vattention | 1024 | 0.850 [0.800, 0.900] | 400 | 1.600 | – |" in table
+    assert (out / "frontier.png").stat().st_size > 0 and table in capsys.readouterr().out
+
+
+def test_case_override_task_and_errors(inputs, capsys):
+    frontier = load_script()
+    out = inputs / "out"
+    frontier.main(["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"), "--case", "vattention=quest",
+                   "--out", str(out)])
+    rows = {r["label"]: r for r in json.loads((out / "frontier.json").read_text())["rows"]}
+    assert rows["vattention"]["tpot_ms"] == 6.0  # quest's 1024-budget row, by hand
+    with pytest.raises(SystemExit, match="no rows for task 'niah'"):
+        frontier.main(["--grid", str(inputs / "a"), "--task", "niah", "--out", str(out)])
+    with pytest.raises(SystemExit, match=r"no rows at --context 4096 --batch 8; it has \[\(32768, 8\), \(131072, 8\)\]"):
+        frontier.main(["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"), "--context", "4096",
+                       "--out", str(out)])
+    with pytest.raises(SystemExit, match="no summary.json there"):
+        frontier.main(["--grid", str(inputs / "missing"), "--out", str(out)])
+    with pytest.raises(SystemExit):
+        frontier.main(["--grid", str(inputs / "a"), "--case", "quest", "--out", str(out)])
+    assert "expected LABEL=CASE" in capsys.readouterr().err
