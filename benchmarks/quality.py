@@ -365,6 +365,19 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _finish_pair(fig, left, right, summary: dict[str, Any], ylabels: tuple[str, str], title: str, path: Path,
+                 log: tuple[bool, bool] = (False, True)) -> None:
+    """Budget axes, y labels (log scale where asked), the legend on the left panel, the title; saved to ``path``."""
+    for ax, label, logy in zip((left, right), ylabels, log):
+        _budget_axis(ax, summary["budgets"])
+        ax.set_ylabel(label)
+        if logy:
+            ax.set_yscale("log")
+    left.legend(fontsize=8, frameon=False)
+    fig.suptitle(f"{summary['model']}: {title}", fontsize=10)
+    _save(fig, path)
+
+
 def plot(summary: dict[str, Any], out: Path) -> list[str]:
     """``quality.png`` (score and KL against the budget) and, with several tasks, ``quality-<task>.png``;
     returns the file names written."""
@@ -381,14 +394,8 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
             kl_ax.axhline(rows[0]["kl_mean"], color="black", ls="--", lw=1, label=label)
         elif rows:
             kl_ax.plot([r["budget"] for r in rows], [r["kl_mean"] for r in rows], marker="o", label=label)
-    for ax in (acc_ax, kl_ax):
-        _budget_axis(ax, summary["budgets"])
-    acc_ax.set_ylabel("score (Wilson 95 % bars)")
-    kl_ax.set_yscale("log")
-    kl_ax.set_ylabel("KL(full ‖ policy) per step")
-    acc_ax.legend(fontsize=8, frameon=False)
-    fig.suptitle(f"{summary['model']}: quality against the token budget", fontsize=10)
-    _save(fig, out / "quality.png")
+    _finish_pair(fig, acc_ax, kl_ax, summary, ("score (Wilson 95 % bars)", "KL(full ‖ policy) per step"),
+                 "quality against the token budget", out / "quality.png")
     written = ["quality.png"]
     tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
     for task in tasks if len(tasks) > 1 else []:
@@ -422,14 +429,9 @@ def plot_fidelity(summary: dict[str, Any], out: Path) -> list[str]:
                [(r["kl_interval"] or [v, v])[1] - v for v, r in zip(y, rows)]]
         kl_ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
         top_ax.plot(x, [r["top1_agreement"] for r in rows], marker="o", label=label)
-    for ax in (kl_ax, top_ax):
-        _budget_axis(ax, summary["budgets"])
-    kl_ax.set_yscale("log")
-    kl_ax.set_ylabel("KL(full ‖ policy) per step (95 % bootstrap bars)")
-    top_ax.set_ylabel("top-1 agreement with full")
-    kl_ax.legend(fontsize=8, frameon=False)
-    fig.suptitle(f"{summary['model']}: long generations against the token budget", fontsize=10)
-    _save(fig, out / "fidelity.png")
+    _finish_pair(fig, kl_ax, top_ax, summary, ("KL(full ‖ policy) per step (95 % bootstrap bars)",
+                                               "top-1 agreement with full"),
+                 "long generations against the token budget", out / "fidelity.png", log=(True, False))
     return ["fidelity.png"]
 
 
