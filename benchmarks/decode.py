@@ -194,6 +194,8 @@ class Bench:
                             continue  # reads the whole context anyway
                         policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
                         ms = self.measure(weights, policy, batch, context, start, cache)
+                        if name == "lethe":  # it moved its kept tokens to the front of the shared cache
+                            cache.fill_random()
                         r = self.row(model, shape, policy, budget, batch, context, ms)
                         r["policy"] = name  # the case asked for ("delta-refine" is the delta policy refining)
                         if name == "full":

@@ -16,20 +16,26 @@ from runtime.engine.shape import ModelShape
 
 
 class StaticCache:
-    """``head_order``: per layer, the model's KV head each cache head holds (position j holds head
+    """``layer_slots``: layers that hold fewer slots than ``slots`` (a policy that evicts into a compact buffer,
+    ``lethe``). ``head_order``: per layer, the model's KV head each cache head holds (position j holds head
     ``head_order[l][j]``), or ``None`` for the model's own order. A policy that stores a layer's heads in
     another order (``lychee`` keeps retrieval heads first) gives its order here, so that every decoder reading
     a shared cache sees the same model state."""
 
     def __init__(self, shape: ModelShape, batch: int, slots: int, device: Any, dtype: torch.dtype,
-                 head_order: list[torch.Tensor] | None = None) -> None:
+                 head_order: list[torch.Tensor] | None = None, layer_slots: dict[int, int] | None = None) -> None:
         self.shape, self.batch, self.slots = shape, batch, int(slots)
-        self.k = [torch.zeros(batch, shape.kv_heads, slots, shape.head_dim, device=device, dtype=dtype)
-                  for _ in range(shape.layers)]
+        sizes = [min(int((layer_slots or {}).get(i, slots)), self.slots) for i in range(shape.layers)]
+        self.k = [torch.zeros(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=dtype) for n in sizes]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.pads = torch.zeros(batch, dtype=torch.long, device=device)
         self.head_order = head_order_of(head_order, shape)
+
+    @property
+    def min_slots(self) -> int:
+        """Slots of the smallest layer (a policy that keeps a layer's tokens compact may hold fewer)."""
+        return min(k.shape[2] for k in self.k)
 
     @property
     def nbytes(self) -> int:

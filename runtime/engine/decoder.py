@@ -56,7 +56,8 @@ class StaticDecoder:
 
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
                  cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
-                 sampler: Any = None, stopper: Any = None, compile: bool | None = None) -> None:
+                 sampler: Any = None, stopper: Any = None, compile: bool | None = None,
+                 prompt_tokens: int | None = None) -> None:
         from runtime.policies.full import Full
 
         self.policy = policy if policy is not None else Full()
@@ -71,8 +72,10 @@ class StaticDecoder:
                              f"{weights.max_positions}; ask for fewer tokens")
         self.weights, self.shape, self.batch = weights, s, batch
         device, dtype = weights.device, weights.dtype
-        if cache is None:
-            cache = StaticCache(s, batch, max_len, device, dtype, head_order)
+        if cache is None:  # a policy that keeps some layers compact sizes them to the prompt and its budget
+            sizes = getattr(self.static, "cache_slots", None)
+            cache = StaticCache(s, batch, max_len, device, dtype, head_order,
+                                sizes(max_len, prompt_tokens) if sizes is not None else None)
         elif cache.batch != batch or cache.slots != max_len:
             raise ValueError(f"the shared cache has {cache.batch} rows × {cache.slots} slots, this decoder needs "
                              f"{batch} × {max_len}")
@@ -81,6 +84,11 @@ class StaticDecoder:
                              "(create it with head_order=policy.static_step(shape).head_order)")
         self.cache, self.max_len = cache, max_len
         sparse = self.static.sparse
+        if not getattr(self.static, "full_fallback", True):  # its state follows every step from the first
+            if min_context:
+                raise ValueError(f"policy {self.policy.name!r} runs its own step from the first token (its "
+                                 f"scores and evictions start there); min_context={min_context} needs 0")
+            min_context = 0
         if min_context is None:
             min_context = default_min_context(self.policy.name, batch) if sparse else 0
         self.min_context = min_context if sparse else 0
@@ -171,7 +179,9 @@ class StaticDecoder:
                                f"{self.max_len - self.position} left")
         saved_state = [t.clone() for t in self._state()]
         written = self.position + torch.arange(warmup, device=c.length.device)
-        saved = [(k.index_select(2, written), v.index_select(2, written)) for k, v in zip(c.k, c.v)]
+        owned = getattr(self.static, "owned_layers", set())  # compact layers: whole buffers in the step's state()
+        plain = [i for i in range(len(c.k)) if i not in owned]
+        saved = [(c.k[i].index_select(2, written), c.v[i].index_select(2, written)) for i in plain]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -183,9 +193,9 @@ class StaticDecoder:
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(self._state(), saved_state):
             t.copy_(s)
-        for k, v, (sk, sv) in zip(c.k, c.v, saved):
-            k.index_copy_(2, written, sk)
-            v.index_copy_(2, written, sv)
+        for i, (sk, sv) in zip(plain, saved):
+            c.k[i].index_copy_(2, written, sk)
+            c.v[i].index_copy_(2, written, sv)
         for kind in kinds:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -286,10 +296,11 @@ class StaticDecoder:
         spans = self._spans(length)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
+        slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
         for i, lw in enumerate(w.layers):
             q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
-                           length, lw.q_norm, lw.k_norm, s.eps)  # [B, Hq, D]; the new K/V are in the cache
+                           slots.get(i, length), lw.q_norm, lw.k_norm, s.eps)  # [B, Hq, D]; new K/V in the cache
             window = s.windows[i]
             if self.hybrid and window is not None:
                 span, blocks = spans[window]

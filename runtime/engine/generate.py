@@ -123,7 +123,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     slots = ids.shape[1] + max(limits)
     stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None)
     dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
-                        sampler=Sampler(sampling or Sampling(), device), stopper=stopper)
+                        sampler=Sampler(sampling or Sampling(), device), stopper=stopper, prompt_tokens=ids.shape[1])
     stopper.source = dec.logits
     graphs = device.type == "cuda" if graphs is None else graphs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -154,7 +154,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
         logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits,
-                      {"graphs": bool(dec.graphs), "cache_slots": slots, "min_context": dec.min_context,
+                      {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
+                       "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",
                        "attended_fraction": _fraction(dec, ids.shape[1], steps)})
 
@@ -265,8 +266,8 @@ def lockstep(weights: Weights, policy: Any, prompts: list[list[int]],
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
     ids, pads = pad_left(prompts, pad_token_id, weights.device)
     slots = ids.shape[1] + max_new_tokens
-    decoders = [StaticDecoder(weights, p, len(prompts), slots, min_context=0, kernels=kernels)
-                for p in (Full(), policy)]
+    decoders = [StaticDecoder(weights, p, len(prompts), slots, min_context=0, kernels=kernels,
+                              prompt_tokens=ids.shape[1]) for p in (Full(), policy)]
     for dec in decoders:
         dec.prefill(ids, pads)
         if (weights.device.type == "cuda" if graphs is None else graphs) and max_new_tokens > 1:

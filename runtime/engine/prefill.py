@@ -21,9 +21,10 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
     s, w, c = dec.shape, dec.weights, dec.cache
     b, p = input_ids.shape
     pads = list(pads or [0] * b)
-    if b != dec.batch or p > c.slots or len(pads) != b or any(not 0 <= x < p for x in pads):
+    room = c.min_slots - (c.min_slots < c.slots)  # a compact layer keeps a slot free for the first new token
+    if b != dec.batch or p > room or len(pads) != b or any(not 0 <= x < p for x in pads):
         raise ValueError(f"prefill of [{b}, {p}] with pads {pads} does not fit a cache of {dec.batch} rows × "
-                         f"{c.slots} slots (each row needs at least one token)")
+                         f"{room} slots (each row needs at least one token)")
     if dec.position:
         raise RuntimeError("prefill needs an empty cache; make a new decoder for a new request")
     device = c.length.device

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from runtime.engine.cache import KeySpan
 from runtime.kernels.page_scores import attention_probs
 from runtime.kernels.topk_select import mask_to_indices
 from runtime.models import sliding_layers
@@ -356,50 +357,86 @@ def _segmented_on_device(scores: torch.Tensor, candidates: torch.Tensor, room: t
 
 @dataclass
 class LetheStep:
-    """The engine's step. Each layer holds, beside the cache, which slots it keeps and their decayed scores;
-    every step marks the new token's slot, attends over the kept ones (the probabilities, mean over heads, from
-    :func:`attention_probs` as in the reference), adds them to the scores and, past the layer's capacity,
-    keeps what :func:`keep_on_device` chooses. Evicted slots are masked, not freed: the cache stays the size
-    of the request (the transformers path with the session's cache frees them)."""
+    """The engine's step. Each layer keeps its tokens compact, in position order, in the first slots of its
+    cache buffer, beside them which slots it holds, their decayed scores and the cache position each slot
+    stands for (``pos``), and ``count``, the slots in use: the new token is written at ``count``, the step
+    attends over the held slots (the probabilities, mean over heads, from :func:`attention_probs` as in the
+    reference), adds them to the scores and, past the layer's capacity, keeps what :func:`keep_on_device`
+    chooses and moves the kept slots to the front (one gather), as the transformers path's
+    :class:`LetheCache` rebuilds its tensors. A decoder that makes its own cache sizes these layers to
+    ``max(prompt, capacity) + 1`` slots (:meth:`cache_slots`), so memory stops growing once the prompt is
+    read; with a shared request-sized cache the same happens inside the larger buffer. The step runs from the
+    first token (its scores start there), so it has no full-attention fallback."""
 
     policy: Lethe
     caps: dict[int, int]  # layer -> slots it may hold
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
+    full_fallback: ClassVar[bool] = False
     block_sizes: ClassVar[tuple[int, ...]] = ()
+
+    @property
+    def owned_layers(self) -> set[int]:
+        return set(self.caps)
+
+    def cache_slots(self, max_len: int, prompt_tokens: int | None) -> dict[int, int] | None:
+        """Slots each compact layer needs for a prompt of ``prompt_tokens`` (None: no bound, every slot)."""
+        if prompt_tokens is None:
+            return None
+        return {i: min(max_len, max(prompt_tokens, cap) + 1) for i, cap in self.caps.items()}
 
     def reads(self, shape: Any, context: int) -> float:
         per_layer = [min(context, self.caps[i]) if i in self.caps else context for i in range(shape.layers)]
         return sum(per_layer) / len(per_layer)
 
     def prepare(self, dec: Any) -> None:
-        c = dec.cache
-        self.held = {i: torch.zeros(c.batch, c.slots, dtype=torch.bool, device=c.length.device) for i in self.caps}
-        self.scores = {i: torch.zeros(c.batch, c.slots, device=c.length.device) for i in self.caps}
+        c, device = dec.cache, dec.cache.length.device
+        n = {i: c.k[i].shape[2] for i in self.caps}
+        self.held = {i: torch.zeros(c.batch, n[i], dtype=torch.bool, device=device) for i in self.caps}
+        self.scores = {i: torch.zeros(c.batch, n[i], device=device) for i in self.caps}
+        self.pos = {i: torch.zeros(c.batch, n[i], dtype=torch.long, device=device) for i in self.caps}
+        self.count = {i: torch.zeros((), dtype=torch.long, device=device) for i in self.caps}
+        self.buffers = [t for i in self.caps for t in (c.k[i], c.v[i])]
 
     def state(self) -> list[torch.Tensor]:
         """The buffers a step changes (the engine restores them after a CUDA-graph capture's warm-up)."""
-        return [*self.held.values(), *self.scores.values()]
+        return [*self.held.values(), *self.scores.values(), *self.pos.values(), *self.count.values(), *self.buffers]
+
+    def write_slots(self) -> dict[int, torch.Tensor]:
+        return self.count
 
     def after_fill(self, dec: Any) -> None:
-        for i in self.caps:  # a prefill leaves every slot of the prompt held, its scores at zero
-            self.held[i].zero_()[:, :dec.position] = True
+        for i in self.caps:  # a prefill leaves every slot of the prompt held, in place, its scores at zero
+            slot = torch.arange(self.held[i].shape[1], device=self.held[i].device)
+            self.held[i].copy_((slot < dec.position).expand_as(self.held[i]))
             self.scores[i].zero_()
+            self.pos[i].copy_(slot.expand_as(self.pos[i]))
+            self.count[i].fill_(dec.position)
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer not in self.caps:
             return dec.attend(q, k, v, span)
-        p, held, scores = self.policy, self.held[layer], self.scores[layer]
-        held.index_fill_(1, span.last.view(1), True)  # the new token
+        p, held, scores, pos, count = self.policy, self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
         slot = torch.arange(held.shape[1], device=held.device)
-        keep = (slot >= span.first[:, None]) & (slot <= span.last)  # [B, S]: what the query may read
+        new = slot == count  # the new token's slot (written there by the engine)
+        held.logical_or_(new)
+        pos.copy_(torch.where(new, span.last, pos))
+        keep = (pos >= span.first[:, None]) & (pos <= span.last)  # [B, S]: what the query may read
         mask = keep & held
-        out = dec.attend(q, k, v, span, key_mask=mask)
+        out = dec.attend(q, k, v, KeySpan(torch.zeros_like(span.first), count), key_mask=mask)
         updated = p.gamma * scores + attention_probs(q, k, dec.shape.attention_scale, mask).mean(1)
         cap = self.caps[layer]
         kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
         over = held.sum(-1)[:1, None] > cap  # every row holds as many slots
-        now = torch.where(over, kept, held)
-        held.copy_(now)
-        scores.copy_(torch.where(now, updated, 0.0))
+        now = torch.where(over, kept, held)  # the same count in every row
+        order = torch.sort((~now).to(torch.int8), dim=-1, stable=True).indices  # kept slots first, in order
+        width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
+        at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
+        k[:, :, :width].copy_(k.gather(2, at))
+        v[:, :, :width].copy_(v.gather(2, at))
+        total = now.sum(-1)[0]
+        held.copy_((slot < total).expand_as(held))
+        scores.copy_(torch.where(held, updated.gather(1, order), 0.0))
+        pos.copy_(pos.gather(1, order))
+        count.copy_(total)
         return out

@@ -127,3 +127,26 @@ def test_eviction_on_the_device_equals_the_reference(seed):
     kept = policy._keep(scores.gather(1, slots), valid.gather(1, slots), cap)  # [B, n'] positions in that list
     want = torch.zeros_like(held).scatter_(1, slots.gather(1, kept), True)
     assert torch.equal(got, want)
+
+
+def test_engine_holds_lethe_layers_in_compact_buffers_of_bounded_size():
+    """On the engine a Lethe layer's buffer holds max(prompt, capacity) + 1 slots however many tokens are
+    generated; full attention's cache grows with them. The step has no full fallback to hide behind."""
+    from runtime.engine import StaticDecoder, Weights
+    from runtime.engine.generate import generate
+    from runtime.policies.full import Full
+
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    weights = Weights.from_model(model, positions=512)
+    policy = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2)
+    policy.bind(None, model.config)
+    prompt = [list(range(1, 31))]  # 30 tokens
+    per_slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16 float32 values
+    for new in (8, 200):
+        out = generate(weights, policy, prompt, max_new_tokens=new, kernels="naive")
+        assert len(out.tokens[0]) == new
+        assert out.info["cache_bytes"] == 4 * (30 + 1) * per_slot  # every layer: max(30, 24) + 1 slots
+        dense = generate(weights, Full(), prompt, max_new_tokens=new, kernels="naive")
+        assert dense.info["cache_bytes"] == 4 * (30 + new) * per_slot
+    with pytest.raises(ValueError, match="runs its own step from the first token"):
+        StaticDecoder(weights, policy, 1, 64, min_context=32, kernels="naive")
