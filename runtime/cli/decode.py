@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             "; full attention at every length (no measured crossover)" if fallback else "")
         print(f"\n[engine on {device}: {ids.shape[1]} prompt tokens, {sum(map(len, last.tokens))} generated, "
               f"prefill {last.prefill_s * 1e3:.0f} ms, {last.steps / max(last.decode_s, 1e-9):.1f} tokens/s decoding; "
-              f"policy {args.policy} read {fraction if fraction is not None else 1.0:.3f} of the context{note}]",
+              f"policy {args.policy} read {fraction if fraction is not None else 1.0:.3f} of the context{note}; "
+              f"KV cache {last.info['cache_bytes'] / 2**20:.1f} MiB]",
               file=sys.stderr)
         return 0
     summary = session.summary()
