@@ -104,3 +104,15 @@ def test_export_import_merge_commands(manifest_path, tmp_path):
     assert main(["merge", str(tmp_path / "layers.safetensors"), str(tmp_path / "heads.safetensors"),
                  "-o", str(tmp_path / "both.safetensors")]) == 0
     assert RoleManifest.load(tmp_path / "both.safetensors").sections == ["layers", "heads"]
+
+
+def test_engine_decode_line_names_speed_reads_and_cache_size():
+    from types import SimpleNamespace
+
+    from runtime.cli.decode import engine_line
+
+    last = SimpleNamespace(info={"attended_fraction": 0.25, "min_context": 32768, "cache_bytes": 3 * 2**20},
+                           tokens=[[1, 2, 3]], prefill_s=0.012, steps=3, decode_s=0.5)
+    line = engine_line(last, "cuda", 40, "lethe")
+    assert line == ("\n[engine on cuda: 40 prompt tokens, 3 generated, prefill 12 ms, 6.0 tokens/s decoding; "
+                    "policy lethe read 0.250 of the context; full attention below 32768 tokens; KV cache 3.0 MiB]")

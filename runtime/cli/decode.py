@@ -23,6 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(measured on the transformers path)")
 
 
+def engine_line(last, device: str, prompt_tokens: int, policy: str) -> str:
+    """The closing line of an engine decode: tokens, prefill time, speed, the context read, the cache held."""
+    fraction = last.info["attended_fraction"]
+    fallback = last.info["min_context"]
+    note = f"; full attention below {fallback} tokens" if 0 < fallback < 1 << 40 else (
+        "; full attention at every length (no measured crossover)" if fallback else "")
+    return (f"\n[engine on {device}: {prompt_tokens} prompt tokens, {sum(map(len, last.tokens))} generated, "
+            f"prefill {last.prefill_s * 1e3:.0f} ms, {last.steps / max(last.decode_s, 1e-9):.1f} tokens/s decoding; "
+            f"policy {policy} read {fraction if fraction is not None else 1.0:.3f} of the context{note}; "
+            f"KV cache {last.info['cache_bytes'] / 2**20:.1f} MiB]")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
@@ -63,15 +75,7 @@ def run(args: argparse.Namespace) -> int:
     generated = out.shape[1] - ids.shape[1]
     last = session.last
     if last is not None:
-        fraction = last.info["attended_fraction"]
-        fallback = last.info["min_context"]
-        note = f"; full attention below {fallback} tokens" if 0 < fallback < 1 << 40 else (
-            "; full attention at every length (no measured crossover)" if fallback else "")
-        print(f"\n[engine on {device}: {ids.shape[1]} prompt tokens, {sum(map(len, last.tokens))} generated, "
-              f"prefill {last.prefill_s * 1e3:.0f} ms, {last.steps / max(last.decode_s, 1e-9):.1f} tokens/s decoding; "
-              f"policy {args.policy} read {fraction if fraction is not None else 1.0:.3f} of the context{note}; "
-              f"KV cache {last.info['cache_bytes'] / 2**20:.1f} MiB]",
-              file=sys.stderr)
+        print(engine_line(last, device, ids.shape[1], args.policy), file=sys.stderr)
         return 0
     summary = session.summary()
     fraction = summary["attended_fraction"]
