@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier.py"
 
 
 def load_script():

@@ -15,7 +15,7 @@ from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
 
 
 def load_script():
