@@ -9,7 +9,7 @@ keys it read and against its measured decode time per token.
 several grids is taken from the one with the most prompts, and each point keeps its own Wilson 95 % interval.
 Scores are pooled over every task and length of the grid, or one ``--task``. ``--decode``: a JSON of
 ``benchmarks/decode.py``; a row's cost is the TPOT of its decode case at the same budget, ``--context`` and
-``--batch`` (the case is the row's policy, ``delta-refine`` for ``refine`` > 1, ``vattention`` only for
+``--batch`` (several files may be given: one budget each, say; the case is the row's policy, ``delta-refine`` for ``refine`` > 1, ``vattention`` only for
 vAttention on a DELTA manifest, as ``decode.py`` runs it; ``--case LABEL=CASE`` sets it by hand). Writes
 ``frontier.png``, ``frontier.json`` and prints the table.
 """
@@ -62,14 +62,18 @@ def decode_case(row: dict[str, Any], cases: dict[str, str]) -> str | None:
     return policy if policy in ("full", "delta", "quest", "lychee", "lethe") else None
 
 
-def attach_tpot(rows: list[dict[str, Any]], decode: str, context: int, batch: int, cases: dict[str, str]) -> dict:
-    """Sets each row's ``tpot_ms`` (None where the decode JSON has no such case); returns the JSON's header."""
-    data = json.loads(Path(decode).read_text())
-    tpot = {(d["policy"], d["budget"]): d["tpot_ms"] for d in data["rows"]
-            if d["context"] == context and d["batch"] == batch}
+def attach_tpot(rows: list[dict[str, Any]], decode: list[str], context: int, batch: int,
+                cases: dict[str, str]) -> dict:
+    """Sets each row's ``tpot_ms`` (None where no decode JSON has such a case; a later file's figure wins);
+    returns the header of the first file."""
+    files = [json.loads(Path(f).read_text()) for f in decode]
+    tpot = {(d["policy"], d["budget"]): d["tpot_ms"] for data in files for d in data["rows"]
+            if d.get("context") == context and d.get("batch") == batch and "tpot_ms" in d}
     if not tpot:
-        have = sorted({(d["context"], d["batch"]) for d in data["rows"]})
-        raise SystemExit(f"--decode {decode}: no rows at --context {context} --batch {batch}; it has {have}")
+        have = sorted({(d["context"], d["batch"]) for data in files for d in data["rows"]})
+        raise SystemExit(f"--decode {' '.join(decode)}: no rows at --context {context} --batch {batch}; "
+                         f"they have {have}")
+    data = files[0]
     for r in rows:
         case = decode_case(r, cases)
         r["tpot_ms"] = tpot.get((case, None if case == "full" else r["budget"])) if case else None
@@ -135,7 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", nargs="+", required=True, help="benchmarks/quality.py output folders")
     p.add_argument("--task", default=None, help="one task of the suite (default: every task and length pooled)")
-    p.add_argument("--decode", default=None, help="benchmarks/decode.py JSON for the TPOT panel")
+    p.add_argument("--decode", nargs="+", default=None, help="benchmarks/decode.py JSONs for the TPOT panel")
     p.add_argument("--context", type=int, default=32768, help="context of the decode rows used (default 32768)")
     p.add_argument("--batch", type=int, default=8, help="batch of the decode rows used (default 8)")
     p.add_argument("--case", action="append", default=[], metavar="LABEL=CASE",

@@ -77,7 +77,7 @@ def test_case_override_task_and_errors(inputs, capsys):
     assert rows["vattention"]["tpot_ms"] == 6.0  # quest's 1024-budget row, by hand
     with pytest.raises(SystemExit, match="no rows for task 'niah'"):
         frontier.main(["--grid", str(inputs / "a"), "--task", "niah", "--out", str(out)])
-    with pytest.raises(SystemExit, match=r"no rows at --context 4096 --batch 8; it has \[\(32768, 8\), \(131072, 8\)\]"):
+    with pytest.raises(SystemExit, match=r"no rows at --context 4096 --batch 8; they have \[\(32768, 8\), \(131072, 8\)\]"):
         frontier.main(["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"), "--context", "4096",
                        "--out", str(out)])
     with pytest.raises(SystemExit, match="no summary.json there"):
@@ -85,3 +85,18 @@ def test_case_override_task_and_errors(inputs, capsys):
     with pytest.raises(SystemExit):
         frontier.main(["--grid", str(inputs / "a"), "--case", "quest", "--out", str(out)])
     assert "expected LABEL=CASE" in capsys.readouterr().err
+
+
+def test_several_decode_files_merge_and_a_later_one_wins(inputs):
+    frontier = load_script()
+    extra = {"gpu": "GPU Y", "rows": [
+        {"model": "7b", "policy": "quest", "budget": 1024, "context": 32768, "batch": 8, "tpot_ms": 5.5},
+        {"model": "7b", "policy": "delta-refine", "budget": 2048, "context": 32768, "batch": 8, "tpot_ms": 9.0}]}
+    (inputs / "extra.json").write_text(json.dumps(extra))
+    out = inputs / "out"
+    frontier.main(["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"), str(inputs / "extra.json"),
+                   "--out", str(out)])
+    report = json.loads((out / "frontier.json").read_text())
+    tpot = {r["label"]: r["tpot_ms"] for r in report["rows"]}
+    assert tpot["quest"] == 5.5 and tpot["delta-refine4"] == 6.5 and tpot["full"] == 8.0
+    assert report["decode"]["gpu"] == "GPU X"
