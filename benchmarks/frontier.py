@@ -92,7 +92,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def _panel(ax, rows: list[dict[str, Any]], x_key: str) -> None:
     """One line per label through its budgets, Wilson bars; full as a dashed line with its interval shaded."""
+    import matplotlib.pyplot as plt
+
     labels = list(dict.fromkeys(r["label"] for r in rows))
+    colors = {label: plt.cm.tab20(i % 20) for i, label in enumerate(labels)}  # the same in both panels
     for label in labels:
         pts = [r for r in rows if r["label"] == label and r.get(x_key) is not None]
         if not pts:
@@ -105,10 +108,10 @@ def _panel(ax, rows: list[dict[str, Any]], x_key: str) -> None:
         pts.sort(key=lambda r: r[x_key])
         y = [r["score"] for r in pts]
         err = [[v - r["interval"][0] for v, r in zip(y, pts)], [r["interval"][1] - v for v, r in zip(y, pts)]]
-        line = ax.errorbar([r[x_key] for r in pts], y, yerr=err, marker="o", capsize=3, label=label)
+        ax.errorbar([r[x_key] for r in pts], y, yerr=err, marker="o", capsize=3, label=label, color=colors[label])
         for r in pts:
             ax.annotate(str(r["budget"]), (r[x_key], r["score"]), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points", color=line[0].get_color())
+                        textcoords="offset points", color=colors[label])
     ax.grid(alpha=0.3)
 
 
