@@ -50,17 +50,24 @@ def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, rec
 
 
 def refine_pages(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor, scale: float,
-                 num_pages: int, recent_pages: int, last: torch.Tensor | int, impl: Any = None) -> torch.Tensor:
+                 num_pages: int, recent_pages: int, last: torch.Tensor | int, impl: Any = None,
+                 topk: Any = None) -> torch.Tensor:
     """Two-stage selection, second stage: candidate page ids ``[B, Hkv, C]`` (any order, -1 = none) and a layer's
     page metadata ``[B, Hkv, n, D]`` → per KV head the ``num_pages`` candidates with the highest Quest bound of
     ``query`` (max over the head's query group), the pages after ``last − recent_pages`` (the recent ones)
     always; ``[B, Hkv, min(num_pages, C)]`` ascending, -1 padded. ``impl``: the page-bound kernels (the
-    references by default). Reads ``C`` pages of metadata per head, not all of them; no host sync."""
+    references by default). Reads ``C`` pages of metadata per head, not all of them; no host sync.
+
+    ``topk`` (the engine's Triton top-k, same contract as the reference over indices) may rank the candidates
+    instead, when they are ascending with the ``recent_pages`` recent pages among them, as a Δ-layer's choice
+    is: the recent pages are then the last valid entries, so ranking entry indices gives the same pages."""
     impl = impl or bounds_naive
-    candidates = candidates.long()
-    at = candidates.clamp_min(0)[..., None].expand(-1, -1, -1, kmin.shape[-1])
-    scores = impl.page_scores(query, kmin.gather(2, at), kmax.gather(2, at), scale)  # [B, Hkv, C]
-    return topk_with_recent(scores, num_pages, recent_pages, candidates >= 0, last=last, positions=candidates)
+    scores = impl.page_scores(query, kmin, kmax, scale, pages=candidates)  # [B, Hkv, C], -inf for -1
+    if topk is None:
+        candidates = candidates.long()
+        return topk_with_recent(scores, num_pages, recent_pages, candidates >= 0, last=last, positions=candidates)
+    chosen = topk(scores, num_pages, recent_pages, last=(candidates >= 0).sum(-1) - 1)  # entries, ascending
+    return torch.where(chosen >= 0, candidates.gather(-1, chosen.clamp_min(0).long()).to(chosen.dtype), -1)
 
 
 @dataclass
@@ -196,7 +203,10 @@ class DeltaStep:
             if self.meta is not None:
                 kmin, kmax = self.meta.update(dec, layer, k, span)
                 last = torch.div(dec.cache.length, self.page_size, rounding_mode="floor")
+                # the Triton top-k chose the Δ-layer's candidates (ascending, recent pages last): rank them by entry
+                fast = dec.triton and math.ceil(k.shape[2] / self.page_size) <= dec._topk_triton.MAX_N
                 pages = refine_pages(q, kmin, kmax, pages, dec.shape.attention_scale, self.num_pages,
-                                     self.recent_pages, last, self.meta.impl(dec))
+                                     self.recent_pages, last, self.meta.impl(dec),
+                                     dec._topk_triton.topk_with_recent if fast else None)
             return dec.attend(q, k, v, span, pages, self.page_size)
         return dec.attend(q, k, v, span)

@@ -408,3 +408,31 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))  # the CPU takes F.linear
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers the engine's step")
+def test_refine_ranks_candidates_by_entry_as_the_reference_ranks_pages_in_interpreter():
+    """A Δ-layer's candidates (ascending, the recent pages among them): the Triton top-k over entry indices
+    picks the same pages as the reference over page ids; page_scores over a candidate list equals gathering."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.page_bounds import naive as pb_naive
+    from runtime.kernels.page_bounds import triton as pb_tri
+    from runtime.kernels.topk_select import triton as topk_tri
+    from runtime.policies.delta import refine_pages
+
+    g = torch.Generator().manual_seed(3)
+    b, hkv, groups, d, n = 2, 2, 3, 16, 40
+    kmin = torch.randn(b, hkv, n, d, generator=g)
+    kmax = kmin + torch.rand(b, hkv, n, d, generator=g)
+    query = torch.randn(b, hkv * groups, d, generator=g)
+    for last in (39, 25, 6):  # the new token's page
+        pooled = torch.rand(b, n, generator=g)
+        candidates = topk_tri.topk_with_recent(pooled, 12, 3, last=last)[:, None, :].expand(b, hkv, 12)
+        got = pb_tri.page_scores(query, kmin, kmax, 0.25, pages=candidates)
+        want = pb_naive.page_scores(query, kmin, kmax, 0.25, pages=candidates)
+        assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), (candidates < 0) | want.isinf())
+        ref = refine_pages(query, kmin, kmax, candidates, 0.25, 5, 2, last, pb_naive)
+        fast = refine_pages(query, kmin, kmax, candidates, 0.25, 5, 2, last, pb_tri, topk_tri.topk_with_recent)
+        assert torch.equal(fast.long(), ref.long()), (last, fast, ref)
+        assert (ref[..., -1] >= 0).all() and set(range(last - 1, last + 1)) <= set(ref[0, 0].tolist())

@@ -37,8 +37,13 @@ def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sca
 
 
 def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float,
-                group: str = "max") -> torch.Tensor:
-    """``[B, Hkv, n]``: each KV head's page bounds over its query group, their maximum or their sum."""
+                group: str = "max", pages: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, Hkv, n]``: each KV head's page bounds over its query group, their maximum or their sum. With
+    ``pages [B, Hkv, C]`` (page ids, -1 = none) only those pages: ``[B, Hkv, C]``, ``-inf`` for -1."""
+    if pages is not None:
+        at = pages.long().clamp_min(0)[..., None].expand(-1, -1, -1, kmin.shape[-1])
+        scores = page_scores(query, kmin.gather(2, at), kmax.gather(2, at), scale, group)
+        return scores.masked_fill(pages < 0, -math.inf)
     b, hkv = kmin.shape[:2]
     bounds = page_bounds(query, kmin, kmax, scale).view(b, hkv, query.shape[1] // hkv, -1)
     return bounds.amax(2) if group == "max" else bounds.sum(2)

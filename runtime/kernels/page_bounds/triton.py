@@ -8,16 +8,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _page_scores(Q, KMIN, KMAX, OUT, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_oh, n, scale, HKV,
+def _page_scores(Q, KMIN, KMAX, OUT, IDX, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_oh, s_ib, s_ih, n, scale, HKV,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr,
-                 GROUP_MAX: tl.constexpr):
+                 GROUP_MAX: tl.constexpr, HAS_IDX: tl.constexpr):
     row = tl.program_id(0)  # (sequence, KV head)
     b = row // HKV
     h = row % HKV
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
-    pages = tl.program_id(1) * PB + tl.arange(0, PB)
-    ok = pages < n
+    entry = tl.program_id(1) * PB + tl.arange(0, PB)  # the output column: a page, or a place in IDX's list
+    if HAS_IDX:
+        pages = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=entry < n, other=-1)
+        ok = pages >= 0
+        written = entry < n  # a -1 entry gets -inf
+    else:
+        pages = entry
+        ok = pages < n
+        written = ok
     base = b * s_mb + h * s_mh + pages[:, None] * s_mn + d[None, :]
     lo = tl.load(KMIN + base, mask=ok[:, None] & (d < D)[None, :], other=0.0)
     hi = tl.load(KMAX + base, mask=ok[:, None] & (d < D)[None, :], other=0.0)
@@ -36,24 +43,27 @@ def _page_scores(Q, KMIN, KMAX, OUT, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_oh, n
     else:
         score = tl.sum(tl.where((g < G)[:, None], bound, 0.0), 0)
     score = tl.where(empty, float("-inf"), score)
-    tl.store(OUT + b * s_ob + h * s_oh + pages, score, mask=ok)
+    tl.store(OUT + b * s_ob + h * s_oh + entry, score, mask=written)
 
 
 def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float,
-                group: str = "max") -> torch.Tensor:
-    """See :func:`runtime.kernels.page_bounds.naive.page_scores`."""
+                group: str = "max", pages: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`runtime.kernels.page_bounds.naive.page_scores` (``pages``: read in the kernel, no gather)."""
     b, hq, d = query.shape
     _, hkv, n, dk = kmin.shape
     if dk != d or hq % hkv or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError(f"query [B, {hq}, {d}] does not fit page metadata [B, {hkv}, n, {dk}] with unit last "
                          "strides (kmin and kmax alike)")
     g = hq // hkv
-    out = torch.empty(b, hkv, n, device=query.device, dtype=torch.float32)
+    width = n if pages is None else pages.shape[-1]
+    out = torch.empty(b, hkv, width, device=query.device, dtype=torch.float32)
+    idx = (out, 0, 0) if pages is None else (pages, pages.stride(0), pages.stride(1))
     pb = 64
-    _page_scores[(b * hkv, triton.cdiv(n, pb))](
-        query, kmin, kmax, out, query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        out.stride(0), out.stride(1), n, float(scale), hkv, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d,
-        D_PAD=max(16, triton.next_power_of_2(d)), PB=pb, GROUP_MAX=group == "max",
+    _page_scores[(b * hkv, triton.cdiv(width, pb))](
+        query, kmin, kmax, out, idx[0], query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1),
+        kmin.stride(2), out.stride(0), out.stride(1), idx[1], idx[2], width, float(scale), hkv, G=g,
+        G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), PB=pb,
+        GROUP_MAX=group == "max", HAS_IDX=pages is not None,
     )
     return out
 
