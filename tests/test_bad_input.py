@@ -248,3 +248,14 @@ def test_a_bad_manifest_is_refused_before_the_model_loads(model_dir, tmp_path, c
     assert rolecall_main([command, "--model", str(model_dir), "--policy", "delta", "--manifest", str(missing),
                           *extra]) == 2
     assert one_line(capsys, f"rolecall {command}").endswith(f"{missing}: no such manifest file")
+
+
+def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
+    """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
+    128 tokens) decides whether they fit the model's context."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a" * 20, "answer": "b"}])
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(model_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
+            "--suite", "ruler", "--device", "cpu", "--json", str(out)]
+    assert rolecall_main(argv) == 0
+    assert "warning" not in capsys.readouterr().err and out.is_file()

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "reasoning":
         return run_reasoning(args)
     settings = eval_settings(args)
-    if args.suite == "ruler":
+    if args.suite == "ruler" and not args.prompts:  # a prompt file's rows carry no task: --max-new-tokens
         from data.ruler import TASKS, check_tasks
 
         budget = max(TASKS[t].max_new_tokens for t in check_tasks(settings.tasks or TASKS))
