@@ -132,8 +132,11 @@ class Bench:
                 cache: StaticCache | None) -> float:
         """Median ms per step of ``policy`` with ``start`` valid tokens (the length grows by one per step)."""
         a = self.args
-        dec = StaticDecoder(weights, policy, batch, slots, cache=cache, min_context=0,
-                            compile=self.args.compile and self.device == "cuda")
+        own = policy.name == "lethe"  # its layers hold compact buffers: capacity + 1 slots, a steady state
+        dec = StaticDecoder(weights, policy, batch, slots, cache=None if own else cache, min_context=0,
+                            compile=self.args.compile and self.device == "cuda", prompt_tokens=0 if own else None)
+        if own:
+            dec.cache.fill_random()
         dec.set_length(start)
         if self.graphs:
             dec.capture()
@@ -194,8 +197,6 @@ class Bench:
                             continue  # reads the whole context anyway
                         policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
                         ms = self.measure(weights, policy, batch, context, start, cache)
-                        if name == "lethe":  # it moved its kept tokens to the front of the shared cache
-                            cache.fill_random()
                         r = self.row(model, shape, policy, budget, batch, context, ms)
                         r["policy"] = name  # the case asked for ("delta-refine" is the delta policy refining)
                         if name == "full":

@@ -406,12 +406,17 @@ class LetheStep:
         return self.count
 
     def after_fill(self, dec: Any) -> None:
-        for i in self.caps:  # a prefill leaves every slot of the prompt held, in place, its scores at zero
-            slot = torch.arange(self.held[i].shape[1], device=self.held[i].device)
-            self.held[i].copy_((slot < dec.position).expand_as(self.held[i]))
+        """A prefill leaves every slot of the prompt held, in place, its scores at zero. A length declared past
+        a layer's buffer (``set_length`` over a benchmark's random cache) stands for the steady state instead:
+        the layer holds the most recent ``slots - 1`` positions, one free slot for the next token."""
+        for i in self.caps:
+            n = self.held[i].shape[1]
+            held = min(dec.position, n - 1)
+            slot = torch.arange(n, device=self.held[i].device)
+            self.held[i].copy_((slot < held).expand_as(self.held[i]))
             self.scores[i].zero_()
-            self.pos[i].copy_(slot.expand_as(self.pos[i]))
-            self.count[i].fill_(dec.position)
+            self.pos[i].copy_((slot + dec.position - held).expand_as(self.pos[i]))
+            self.count[i].fill_(held)
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer not in self.caps:

@@ -150,3 +150,26 @@ def test_engine_holds_lethe_layers_in_compact_buffers_of_bounded_size():
         assert dense.info["cache_bytes"] == 4 * (30 + new) * per_slot
     with pytest.raises(ValueError, match="runs its own step from the first token"):
         StaticDecoder(weights, policy, 1, 64, min_context=32, kernels="naive")
+
+
+def test_a_length_past_the_compact_buffer_is_a_steady_state_for_benchmarks():
+    """set_length beyond a Lethe layer's buffer (a benchmark's random cache) holds the most recent positions,
+    and the step then runs at that buffer's size: positions stay in order and the new token is kept."""
+    from runtime.engine import StaticDecoder, Weights
+
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    weights = Weights.from_model(model, positions=512)
+    policy = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2)
+    policy.bind(None, model.config)
+    dec = StaticDecoder(weights, policy, 2, 200, min_context=0, kernels="naive", prompt_tokens=0)
+    assert all(k.shape[2] == 25 for k in dec.cache.k)  # capacity + 1 slots per layer
+    dec.cache.fill_random()
+    dec.set_length(100)
+    step = dec.static
+    assert int(step.count[0]) == 24 and step.pos[0][0, :24].tolist() == list(range(76, 100))
+    for t in range(3):
+        dec.step(torch.tensor([5, 7]))
+        for i in step.caps:
+            held = int(step.count[i])
+            pos = step.pos[i][:, :held]
+            assert held <= 24 and (pos.diff(dim=-1) > 0).all() and (pos[:, -1] == 100 + t).all()
