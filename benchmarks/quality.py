@@ -209,7 +209,7 @@ def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
             "tasks": tasks, "task_lengths": result["tasks"],
             "recall_sparse_layers": sparse_recall(result["layers"]), "kl_mean": result["kl_mean"],
             "top1_agreement": result["top1_agreement"], "attended_fraction": result["attended_fraction"],
-            "wall_s": wall, "passkey_grid": result["passkey_grid"],
+            "kv_bytes_per_prompt": result.get("kv_bytes_per_prompt"), "wall_s": wall, "passkey_grid": result["passkey_grid"],
             # per prompt, in the suite's order (the same prompts in every cell): for paired comparisons
             "scores": [None if r["score"] is None else round(r["score"], 4) for r in result["samples"]]}
 

@@ -153,9 +153,10 @@ def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.T
 
 
 def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settings: EvalSettings,
-                  on_engine: bool) -> tuple[list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], float | None]:
+                  on_engine: bool) -> tuple[list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], dict | None]:
     """Decode prompts of one length together; per prompt its record, per-step KL and top-1 agreement, and the
-    fraction of keys the engine's step read (None off the engine)."""
+    engine's figures (None off the engine): the fraction of keys its step read and the KV cache bytes per
+    prompt."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     prompts = [s["input_ids"].tolist() for s in batch]  # one length (see _batches): no padding
@@ -169,7 +170,9 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
         # attention mass that fell on evicted tokens.
         kwargs["past_key_values"] = DynamicCache(config=model.config)
     out = session.generate(**kwargs)
-    fraction = session.last.info["attended_fraction"] if session.last is not None else None
+    info = session.last.info if session.last is not None else None
+    engine = None if info is None else {"fraction": info["attended_fraction"],
+                                        "kv_bytes": info["cache_bytes"] / len(batch)}
     steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
     news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
     news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
@@ -181,7 +184,7 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
         kl, top1 = step_divergence(dense[r][1:], steps[r, 1:n].to(dense[r].device))
         rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
                      kl.cpu(), top1.cpu()))
-    return rows, fraction
+    return rows, engine
 
 
 @torch.no_grad()
@@ -195,6 +198,9 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     the CPU, where the transformers path runs anyway) records per-layer recall and keys read on that path.
     ``batch_size``: prompts of one length decoded together (default 16 on the engine, 1 elsewhere); each
     prompt's tokens are the ones it generates alone, up to floating-point differences of the batched products.
+    ``params["engine"]`` goes to :func:`runtime.attach` (``"static"`` runs the engine on the CPU too). On the
+    engine the result also gives ``kv_bytes_per_prompt``, the mean KV cache a prompt held (a Lethe layer's
+    compact buffer included), None elsewhere.
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -205,8 +211,8 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     records: list[dict[str, Any] | None] = [None] * len(samples)
     kls: list[torch.Tensor | None] = [None] * len(samples)
     agree: list[torch.Tensor | None] = [None] * len(samples)
-    measure = model.device.type != "cuda" if measure is None else measure
-    fractions = []
+    measure = model.device.type != "cuda" and params.get("engine") != "static" if measure is None else measure
+    fractions, kv = [], []
     with attach(model, manifest, policy, record_recall=measure, min_context=0, **params) as session:
         on_engine = session.engine_reason({"input_ids": None}) is None
         size = batch_size or (16 if on_engine else 1)
@@ -214,8 +220,10 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
             raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
                              "the transformers path evaluates one prompt at a time: pass batch_size=1")
         for batch in _batches(samples, size, settings.max_new_tokens):
-            rows, fraction = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings, on_engine)
-            fractions += [fraction] * len(batch) if fraction is not None else []
+            rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings, on_engine)
+            if figures is not None:
+                fractions += [figures["fraction"]] * len(batch)
+                kv += [figures["kv_bytes"]] * len(batch)
             for i, (record, kl, top1) in zip(batch, rows):
                 records[i], kls[i], agree[i] = record, kl, top1
         summary = session.summary()
@@ -236,6 +244,7 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
         "top1_agreement": float(agree_all.float().mean()) if agree_all.numel() else None,
         "generated_tokens_mean": sum(r["generated_tokens"] for r in records) / len(records),
         "attended_fraction": summary["attended_fraction"],
+        "kv_bytes_per_prompt": sum(kv) / len(kv) if kv else None,
         "layers": summary["layers"],
         "samples": records,
     }
@@ -359,5 +368,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{f(layer['kept_fraction']):>6}")
     lines += ["", f"passkey accuracy {f(result['passkey_accuracy'])}  KL {f(result['kl_mean'], '.3e')}  "
                   f"top-1 agreement {f(result['top1_agreement'])}  attended fraction {f(result['attended_fraction'])}  "
-                  f"generated tokens {result['generated_tokens_mean']:.1f}"]
+                  f"generated tokens {result['generated_tokens_mean']:.1f}"
+                  + (f"  KV cache {result['kv_bytes_per_prompt'] / 2**20:.2f} MiB per prompt"
+                     if result.get("kv_bytes_per_prompt") is not None else "")]
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.cli import main
-from runtime.eval import EvalSettings, answer_correct, evaluate, step_divergence
+from runtime.eval import EvalSettings, answer_correct, evaluate, format_table, step_divergence, suite_prompts
 from runtime.manifest import ModelIdentity, RoleManifest
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -60,6 +60,23 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
     evicting = evaluate(model, tok, None, "lethe", {"budget": 12}, settings)
     assert all(layer["recall"] < 1 for layer in evicting["layers"])  # evicted mass counts as missed
     assert all(layer["kept_fraction"] < 0.5 for layer in evicting["layers"])
+
+
+def test_engine_evaluation_reports_the_kv_cache_a_prompt_held(tiny_folder):
+    """On the engine (forced on the CPU) every prompt's KV cache is counted: full attention holds prompt +
+    new tokens in every layer, Lethe's compact layers max(prompt, capacity) + 1; off the engine: None."""
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    tok = tiny_tokenizer()
+    settings = EvalSettings(prompts=str(tiny_folder / "prompts.jsonl"), max_new_tokens=8)
+    full = evaluate(model, tok, None, "full", {"engine": "static"}, settings, batch_size=1)
+    lethe = evaluate(model, tok, None, "lethe", {"engine": "static", "budget": 12}, settings, batch_size=1)
+    per_slot = 4 * 2 * 2 * 16 * 4  # layers, K and V, 2 KV heads of 16 float32 values
+    prompts = [len(s["input_ids"]) for s in suite_prompts(tok, settings)]
+    assert min(prompts) > 12  # Lethe's budget binds: its layers hold the prompt and one slot, not the new tokens
+    assert full["kv_bytes_per_prompt"] == per_slot * sum(p + 8 for p in prompts) / len(prompts)
+    assert lethe["kv_bytes_per_prompt"] == per_slot * sum(max(p, 12) + 1 for p in prompts) / len(prompts)
+    assert "KV cache" in format_table(lethe)
+    assert evaluate(model, tok, None, "full", settings=settings)["kv_bytes_per_prompt"] is None
 
 
 def test_eval_and_decode_commands(tiny_folder, tmp_path, capsys):
