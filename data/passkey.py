@@ -28,19 +28,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from data import tokens as tk
 from data.corpora import Corpus, load_corpus
 from data.haystack import POOL_TOKENS, Haystack, load_haystack
-from data.tokens import (
-    Piece,
-    TokenDataset,
-    assemble,
-    cached,
-    chat_pieces,
-    encode,
-    plain_pieces,
-    text_piece,
-    tokenizer_fingerprint,
-)
+from data.tokens import Piece, encode, text_piece
 
 NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo",
         "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor",
@@ -124,13 +115,13 @@ def _prompt_pieces(tokenizer, hay: list[int], depths: list[float], passkeys: lis
             pieces += [text_piece(tokenizer, f"{question_text(k, n)}\n{answer_lead(k, n)}"), Piece(keys[k], True)]
             if not (stop_after_answers and k == n - 1):
                 pieces += [dot, text_piece(tokenizer, "\n\n")]
-        return plain_pieces(tokenizer, pieces)
+        return tk.plain_pieces(tokenizer, pieces)
     turns: list[tuple[str, list[Piece]]] = []
     for k in range(n):
         asked = text_piece(tokenizer, question_text(k, n))
         turns.append(("user", [*book, asked] if k == 0 else [asked]))
         turns.append(("assistant", [text_piece(tokenizer, answer_lead(k, n)), Piece(keys[k], True), dot]))
-    pieces = chat_pieces(tokenizer, turns)
+    pieces = tk.chat_pieces(tokenizer, turns)
     if stop_after_answers:  # cut the template's tail after the last answer
         last_label = max(i for i, p in enumerate(pieces) if p.label)
         pieces = pieces[: last_label + 1]
@@ -183,7 +174,7 @@ def _passkey_sample(tokenizer, hay: Haystack, s: PasskeySettings, length: int, r
     depths = sorted(float(x) for x in rng.uniform(*s.depth_range, size=s.num_passkeys))
     passkeys = [make_passkey(rng, s.passkey_words, s.alphabet) for _ in range(s.num_passkeys)]
     pieces = _prompt_pieces(tokenizer, hay.cut(length, rng), depths, passkeys, s.chat_template, False)
-    input_ids, labels, spans = assemble(pieces)
+    input_ids, labels, spans = tk.assemble(pieces)
     return {"input_ids": input_ids, "labels": labels, "context_length": length,
             "depths": torch.tensor(depths, dtype=torch.float32), "answers": passkeys,
             "answer_spans": torch.tensor(spans, dtype=torch.long)}
@@ -193,7 +184,7 @@ def build_passkey_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths
                           num_samples: int = 64, num_passkeys: int = 10, passkey_words: int = 32, seed: int = 0,
                           *, split: str = "train", chat_template: bool = False,
                           depth_range: tuple[float, float] = (0.05, 0.95), pool_tokens: int = POOL_TOKENS,
-                          alphabet: str = "nato", cache: bool = True) -> TokenDataset:
+                          alphabet: str = "nato", cache: bool = True) -> tk.TokenDataset:
     """Multi-passkey retrieval prompts (see the module doc). Samples are dicts with ``input_ids`` and ``labels``
     (1-D LongTensors), ``context_length`` (haystack tokens), ``depths`` [num_passkeys], ``answers`` (the
     passkey strings) and ``answer_spans`` [num_passkeys, 2] (token ``[start, end)`` of each answer).
@@ -201,7 +192,7 @@ def build_passkey_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths
     corpus = load_corpus(source)
     s = PasskeySettings(corpus.spec, tuple(lengths), num_samples, num_passkeys, passkey_words, seed, split,
                         bool(chat_template), tuple(depth_range), pool_tokens, alphabet)
-    key = {**asdict(s), "tokenizer": tokenizer_fingerprint(tokenizer), "corpus": corpus.fingerprint()}
+    key = {**asdict(s), "tokenizer": tk.tokenizer_fingerprint(tokenizer), "corpus": corpus.fingerprint()}
 
     def build() -> list[dict[str, Any]]:
         hay = load_haystack(tokenizer, corpus, pool_tokens, use_cache=cache)
@@ -211,13 +202,13 @@ def build_passkey_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths
         return [_passkey_sample(tokenizer, hay, s, n, np.random.default_rng([seed, SPLITS[split], 1 + i]))
                 for i, n in enumerate(tqdm(sizes, desc="passkey prompts", leave=False))]
 
-    return cached("passkey", key, build, use_cache=cache)
+    return tk.cached("passkey", key, build, use_cache=cache)
 
 
 def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1000, 2000, 4000, 8000),
                        depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples_per_cell: int = 1, passkey_words: int = 32,
                        seed: int = 0, *, chat_template: bool = False, pool_tokens: int = POOL_TOKENS,
-                       alphabet: str = "nato", cache: bool = True) -> TokenDataset:
+                       alphabet: str = "nato", cache: bool = True) -> tk.TokenDataset:
     """Single-passkey needle-in-a-haystack grid. Each sample: ``input_ids`` = prompt + answer, ``labels`` on
     the answer, ``prompt_length`` (= ``context_length``, the cell's length: generate from
     ``input_ids[:prompt_length]``), ``depth`` (0 = start of the haystack, 1 = end), ``answer`` (score with
@@ -232,7 +223,7 @@ def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1
     corpus = load_corpus(source)
     key = {"source": corpus.spec, "lengths": lengths, "depths": depths, "per_cell": samples_per_cell,
            "words": passkey_words, "alphabet": alphabet, "seed": seed, "chat": bool(chat_template), "pool": pool_tokens,
-           "tokenizer": tokenizer_fingerprint(tokenizer), "corpus": corpus.fingerprint()}
+           "tokenizer": tk.tokenizer_fingerprint(tokenizer), "corpus": corpus.fingerprint()}
     def build() -> list[dict[str, Any]]:
         hay = load_haystack(tokenizer, corpus, pool_tokens, use_cache=cache)
         hay.check_length(max(lengths))
@@ -246,16 +237,16 @@ def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1
                 raise ValueError(f"length {n} leaves no room for a haystack: the prompt around it takes {n - room} "
                                  "tokens; use longer lengths or fewer passkey_words")
             pieces = _prompt_pieces(tokenizer, hay.cut(room, rng), [d], [passkey], bool(chat_template), True)
-            input_ids, labels, spans = assemble(pieces)
+            input_ids, labels, spans = tk.assemble(pieces)
             samples.append({"input_ids": input_ids, "labels": labels, "prompt_length": spans[0][0],
                             "context_length": n, "depth": d, "answer": passkey,
                             "answer_spans": torch.tensor(spans, dtype=torch.long)})
         return samples
 
-    return cached("niah", key, build, use_cache=cache)
+    return tk.cached("niah", key, build, use_cache=cache)
 
 
 def _overhead(tokenizer, passkey: str, chat: bool) -> int:
     """Prompt tokens around an empty haystack for this passkey (its length enters the prompt via the needle)."""
     pieces = _prompt_pieces(tokenizer, [], [0.0], [passkey], bool(chat), True)
-    return assemble(pieces)[2][0][0]
+    return tk.assemble(pieces)[2][0][0]

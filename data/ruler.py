@@ -43,19 +43,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from data import tokens as tk
 from data.corpora import load_corpus
 from data.haystack import POOL_TOKENS, Haystack, load_haystack
-from data.tokens import (
-    Piece,
-    TokenDataset,
-    assemble,
-    cached,
-    chat_pieces,
-    encode,
-    plain_pieces,
-    text_piece,
-    tokenizer_fingerprint,
-)
+from data.tokens import Piece, encode, text_piece
 
 NOISE = "The river runs to the sea. The hills stand still. The day goes by and comes again. "
 ADJECTIVES = ("amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
@@ -303,8 +294,8 @@ def _prompt(tokenizer, body: list[Piece], question: str, lead: str, answers: lis
     answer = Piece(tuple(encode(tokenizer, " " + ", ".join(answers) + ".")), True)
     task = [text_piece(tokenizer, INTRO), *body, text_piece(tokenizer, OUTRO + question)]
     if not chat:
-        return plain_pieces(tokenizer, [*task, text_piece(tokenizer, "\n" + lead), answer])
-    pieces = chat_pieces(tokenizer, [("user", task), ("assistant", [text_piece(tokenizer, lead), answer])])
+        return tk.plain_pieces(tokenizer, [*task, text_piece(tokenizer, "\n" + lead), answer])
+    pieces = tk.chat_pieces(tokenizer, [("user", task), ("assistant", [text_piece(tokenizer, lead), answer])])
     return pieces[: max(i for i, p in enumerate(pieces) if p.label) + 1]
 
 
@@ -321,7 +312,7 @@ def _sample(tokenizer, hay: Haystack | None, task: str, length: int, index: int,
                          f"{overhead + 16}")
     body, question, lead, answers, depth = spec.build(Context(tokenizer, hay, np.random.default_rng(rng_seed),
                                                               room, depth))
-    input_ids, labels, spans = assemble(_prompt(tokenizer, body, question, lead, answers, chat))
+    input_ids, labels, spans = tk.assemble(_prompt(tokenizer, body, question, lead, answers, chat))
     return {"input_ids": input_ids, "labels": labels, "prompt_length": spans[0][0], "context_length": length,
             "task": task, "family": spec.family, "depth": depth, "answers": answers,
             "max_new_tokens": spec.max_new_tokens}
@@ -338,7 +329,7 @@ def check_tasks(tasks) -> tuple[str, ...]:
 
 def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_per_cell: int = 10, seed: int = 0,
                         *, source: str = "pg-essays", chat_template: bool = False, pool_tokens: int = POOL_TOKENS,
-                        cache: bool = True) -> TokenDataset:
+                        cache: bool = True) -> tk.TokenDataset:
     """``samples_per_cell`` samples per (task, length). Each: ``input_ids`` = prompt + expected answer,
     ``prompt_length`` (generate from ``input_ids[:prompt_length]``, at most ``context_length`` tokens),
     ``task``, ``family``, ``depth``, ``answers`` (score with :func:`score`) and ``max_new_tokens``."""
@@ -347,7 +338,7 @@ def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_
         raise ValueError("build_ruler_dataset needs positive lengths and samples_per_cell >= 1")
     corpus = load_corpus(source)
     key = {"tasks": tasks, "lengths": lengths, "per_cell": samples_per_cell, "seed": seed, "source": corpus.spec,
-           "chat": bool(chat_template), "pool": pool_tokens, "tokenizer": tokenizer_fingerprint(tokenizer),
+           "chat": bool(chat_template), "pool": pool_tokens, "tokenizer": tk.tokenizer_fingerprint(tokenizer),
            "corpus": corpus.fingerprint(), "version": 1}
 
     def build() -> list[dict[str, Any]]:
@@ -357,7 +348,7 @@ def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_
         return [_sample(tokenizer, hay, t, n, i, seed, bool(chat_template))
                 for t, n, i in tqdm(cells, desc="RULER prompts", leave=False)]
 
-    return cached("ruler", key, build, use_cache=cache)
+    return tk.cached("ruler", key, build, use_cache=cache)
 
 
 def prompt_ids(sample: dict[str, Any]) -> torch.Tensor:

@@ -4,24 +4,13 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
-from data.tokens import (
-    IGNORE,
-    Piece,
-    TokenDataset,
-    assemble,
-    cached,
-    chat_pieces,
-    encode,
-    pad_collate,
-    plain_pieces,
-    prefix_ids,
-    tokenizer_fingerprint,
-)
+from data import tokens as tk
+from data.tokens import IGNORE, Piece, encode
 from tests.tiny import tiny_tokenizer
 
 
 def test_assemble_labels_only_the_labelled_pieces():
-    ids, labels, spans = assemble([Piece((1, 2)), Piece((3, 4, 5), True), Piece((6,)), Piece((7,), True)])
+    ids, labels, spans = tk.assemble([Piece((1, 2)), Piece((3, 4, 5), True), Piece((6,)), Piece((7,), True)])
     assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert labels.tolist() == [IGNORE, IGNORE, 3, 4, 5, IGNORE, 7]
     assert spans == [(2, 5), (6, 7)]
@@ -32,31 +21,31 @@ def test_chat_pieces_splice_turns_into_the_template_unchanged():
     # ids that re-tokenising the text would never give back (a special token inside the user turn)
     odd = Piece((tok.convert_tokens_to_ids("<pad>"),) + encode(tok, "hay"))
     answer = Piece(encode(tok, "42"), True)
-    pieces = chat_pieces(tok, [("user", [odd]), ("assistant", [answer])])
-    ids, labels, spans = assemble(pieces)
+    pieces = tk.chat_pieces(tok, [("user", [odd]), ("assistant", [answer])])
+    ids, labels, spans = tk.assemble(pieces)
     assert tok.decode(ids) == "<|im_start|>user\n<pad>hay<|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
     assert tok.decode(ids[spans[0][0]:spans[0][1]]) == "42" and int((labels != IGNORE).sum()) == 2
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
-        chat_pieces(tok, [("user", [odd])])
+        tk.chat_pieces(tok, [("user", [odd])])
 
 
 def test_plain_prompts_get_the_bos_a_tokenizer_adds_and_not_its_eos():
     tok = tiny_tokenizer()
-    assert prefix_ids(tok) == ()
+    assert tk.prefix_ids(tok) == ()
     bos, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
     tok.backend_tokenizer.post_processor = TemplateProcessing(
         single="<|endoftext|> $A <|im_end|>", special_tokens=[("<|endoftext|>", bos), ("<|im_end|>", eos)])
     assert tok.encode("x")[0] == bos and tok.encode("x")[-1] == eos
-    assert prefix_ids(tok) == (bos,)
-    ids, _, _ = assemble(plain_pieces(tok, [Piece(encode(tok, "ab"))]))
+    assert tk.prefix_ids(tok) == (bos,)
+    ids, _, _ = tk.assemble(tk.plain_pieces(tok, [Piece(encode(tok, "ab"))]))
     assert ids.tolist() == [bos, *encode(tok, "ab")]
 
 
 def test_pad_collate_pads_ids_labels_and_mask():
     a = {"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([IGNORE, 6, 7]), "answer": "x"}
     b = {"input_ids": torch.tensor([8]), "labels": torch.tensor([8]), "answer": "y"}
-    batch = pad_collate([a, b], pad_id=0)
+    batch = tk.pad_collate([a, b], pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -70,22 +59,22 @@ def test_cache_builds_once_and_rebuilds_when_the_file_is_damaged(cache_dir):
         calls.append(1)
         return [{"input_ids": torch.tensor([1, 2]), "labels": torch.tensor([IGNORE, 2]), "note": None}]
 
-    a = cached("unit", {"x": 1}, build)
-    b = cached("unit", {"x": 1}, build)
+    a = tk.cached("unit", {"x": 1}, build)
+    b = tk.cached("unit", {"x": 1}, build)
     assert len(calls) == 1 and torch.equal(a[0]["input_ids"], b[0]["input_ids"]) and b[0]["note"] is None
     path = cache_dir / "data" / f"{a.info['key']}.pt"
     path.write_bytes(b"garbage")
-    c = cached("unit", {"x": 1}, build)
-    assert len(calls) == 2 and isinstance(TokenDataset.load(path), TokenDataset) and len(c) == 1
-    cached("unit", {"x": 2}, build)
+    c = tk.cached("unit", {"x": 1}, build)
+    assert len(calls) == 2 and isinstance(tk.TokenDataset.load(path), tk.TokenDataset) and len(c) == 1
+    tk.cached("unit", {"x": 2}, build)
     assert len(calls) == 3
 
 
 def test_tokenizer_fingerprint_follows_the_chat_template():
     a, b = tiny_tokenizer(), tiny_tokenizer()
-    assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+    assert tk.tokenizer_fingerprint(a) == tk.tokenizer_fingerprint(b)
     b.chat_template = "{{ messages[0]['content'] }}"
-    assert tokenizer_fingerprint(a) != tokenizer_fingerprint(b)
+    assert tk.tokenizer_fingerprint(a) != tk.tokenizer_fingerprint(b)
 
 
 def test_builders_are_found_by_name(cache_dir):
