@@ -18,6 +18,7 @@ import importlib.metadata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from data.jsonl import iter_jsonl
 from runtime.registry import Registry
@@ -75,6 +76,23 @@ class Corpus:
             if doc.text.strip() and doc.sha256 not in seen:
                 seen.add(doc.sha256)
                 yield doc
+
+
+class LocatedCorpus(Corpus):
+    """A corpus named by one location field (``location``): its spec is ``<scheme>:<location>``, and an empty
+    location is refused with ``missing``."""
+
+    scheme: ClassVar[str]
+    location: ClassVar[str]
+    missing: ClassVar[str]
+
+    def __post_init__(self):
+        if not getattr(self, self.location):
+            raise ValueError(self.missing)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.scheme}:{getattr(self, self.location)}"
 
 
 @register_corpus("pg-essays")
@@ -135,7 +153,7 @@ def builder_for(path: Path) -> str | None:
 
 @register_corpus("booksum")
 @dataclass(frozen=True)
-class BookSum(Corpus):
+class BookSum(LocatedCorpus):
     """BookSum chapters through ``datasets``: a Hub id, a local dataset folder or a local data file."""
 
     where: str = "kmfoda/booksum"
@@ -143,13 +161,9 @@ class BookSum(Corpus):
     split: str = "train"
     revision: str | None = None
 
-    def __post_init__(self):
-        if not self.where:
-            raise ValueError("booksum needs a Hub id, a dataset folder or a data file: booksum:WHERE")
-
-    @property
-    def spec(self) -> str:
-        return f"booksum:{self.where}"
+    scheme: ClassVar[str] = "booksum"
+    location: ClassVar[str] = "where"
+    missing: ClassVar[str] = "booksum needs a Hub id, a dataset folder or a data file: booksum:WHERE"
 
     def _local(self) -> Path | None:
         path = Path(self.where).expanduser()
@@ -211,19 +225,15 @@ class BookSum(Corpus):
 
 @register_corpus("text")
 @dataclass(frozen=True)
-class TextFiles(Corpus):
+class TextFiles(LocatedCorpus):
     """A folder of ``.txt`` files, one ``.txt`` file, or a JSONL file (one document per line)."""
 
     path: str = ""
     field: str | None = None  # for JSONL
 
-    def __post_init__(self):
-        if not self.path:
-            raise ValueError("text corpus needs a path: text:/path/to/folder_or_file")
-
-    @property
-    def spec(self) -> str:
-        return f"text:{self.path}"
+    scheme: ClassVar[str] = "text"
+    location: ClassVar[str] = "path"
+    missing: ClassVar[str] = "text corpus needs a path: text:/path/to/folder_or_file"
 
     def _files(self) -> list[Path]:
         root = Path(self.path).expanduser()

@@ -130,3 +130,13 @@ def test_passkey_prompts_build_on_a_local_booksum_file(zst_file, cache_dir):
     for s in ds:
         text = tok.decode(s["input_ids"])
         assert "of the story." in text and all(f"passkey is: {a}." in text for a in s["answers"])
+
+
+def test_located_corpora_name_themselves_by_their_location_and_refuse_an_empty_one():
+    from data.corpora import BookSum, TextFiles
+
+    assert TextFiles(path="notes/").spec == "text:notes/" and BookSum(where="my/sums").spec == "booksum:my/sums"
+    with pytest.raises(ValueError, match=r"^text corpus needs a path: text:/path/to/folder_or_file$"):
+        TextFiles()
+    with pytest.raises(ValueError, match=r"^booksum needs a Hub id, a dataset folder or a data file"):
+        BookSum(where="")
