@@ -258,12 +258,19 @@ class StaticDecoder:
         rest = self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices[:, r:], block_size)
         return torch.cat([out, rest], 1), scores
 
+    def triton_topk(self, n: int) -> Any:
+        """The Triton top-k (ascending ids, -1 padded) when this decoder runs it over rows of ``n`` scores,
+        else None (the reference kernels, or rows longer than one program holds)."""
+        return self._topk_triton.topk_with_recent if self.triton and n <= self._topk_triton.MAX_N else None
+
     def select(self, scores: torch.Tensor, block_size: int, k: int, recent: int) -> torch.Tensor:
         """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
-        blocks up to the new token's, then the highest scores among the existing ones. No sync."""
+        blocks up to the new token's, then the highest scores among the existing ones. No sync; ascending
+        when :meth:`triton_topk` of ``n`` is not None."""
         last = torch.div(self.cache.length, block_size, rounding_mode="floor")
-        if self.triton and scores.shape[-1] <= self._topk_triton.MAX_N:
-            return self._topk_triton.topk_with_recent(scores, k, recent, last=last)
+        fast = self.triton_topk(scores.shape[-1])
+        if fast is not None:
+            return fast(scores, k, recent, last=last)
         return topk_with_recent(scores, k, recent, last=last, ascending=False).to(torch.int32)
 
     # -- one step ----------------------------------------------------------------------------------------------

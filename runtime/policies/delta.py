@@ -203,10 +203,10 @@ class DeltaStep:
             if self.meta is not None:
                 kmin, kmax = self.meta.update(dec, layer, k, span)
                 last = torch.div(dec.cache.length, self.page_size, rounding_mode="floor")
-                # the Triton top-k chose the Δ-layer's candidates (ascending, recent pages last): rank them by entry
-                fast = dec.triton and math.ceil(k.shape[2] / self.page_size) <= dec._topk_triton.MAX_N
+                # where the Triton top-k chose the Δ-layer's candidates (ascending, recent pages last), it ranks
+                # them by entry too
                 pages = refine_pages(q, kmin, kmax, pages, dec.shape.attention_scale, self.num_pages,
                                      self.recent_pages, last, self.meta.impl(dec),
-                                     dec._topk_triton.topk_with_recent if fast else None)
+                                     dec.triton_topk(math.ceil(k.shape[2] / self.page_size)))
             return dec.attend(q, k, v, span, pages, self.page_size)
         return dec.attend(q, k, v, span)
