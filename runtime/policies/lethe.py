@@ -432,7 +432,7 @@ class LetheStep:
         updated = p.gamma * scores + attention_probs(q, k, dec.shape.attention_scale, mask).mean(1)
         cap = self.caps[layer]
         kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
-        over = held.sum(-1)[:1, None] > cap  # every row holds as many slots
+        over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
         now = torch.where(over, kept, held)  # the same count in every row
         order = torch.sort((~now).to(torch.int8), dim=-1, stable=True).indices  # kept slots first, in order
         width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
