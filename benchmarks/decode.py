@@ -132,7 +132,8 @@ class Bench:
                 cache: StaticCache | None) -> float:
         """Median ms per step of ``policy`` with ``start`` valid tokens (the length grows by one per step)."""
         a = self.args
-        own = policy.name == "lethe"  # its layers hold compact buffers: capacity + 1 slots, a steady state
+        # a step that sizes its own layers (lethe's compact buffers) gets a cache of its own, at a steady state
+        own = hasattr(policy.static_step(weights.shape), "cache_slots")
         dec = StaticDecoder(weights, policy, batch, slots, cache=None if own else cache, min_context=0,
                             compile=self.args.compile and self.device == "cuda", prompt_tokens=0 if own else None)
         if own:
