@@ -20,6 +20,9 @@ Every call is captured in a CUDA graph, as a decode step runs, so launch overhea
 
 ``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows): the linear layer the
 engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated past L2.
+``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 1 to 256 rows, k = 128):
+the Triton kernel by radix counting (2 bits a round) and by histogram (8 bits a round) at 4 / 8 / 16 warps,
+against ``torch.topk``.
 
 It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
 each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
@@ -289,6 +292,29 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     return out
 
 
+TOPK_SHAPES = ((9, 8192), (256, 8192), (8, 2048), (64, 2048))  # (rows, scores per row)
+
+
+def topk_rows(k: int = 128, recent: int = 4) -> list[dict]:
+    """The top-k of each row with its recent blocks, graph-captured: the engine's kernel per radix method and
+    warp count, and ``torch.topk`` (unordered) as the baseline."""
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    out = []
+    for rows, n in TOPK_SHAPES:
+        sets = [(torch.randn(rows, n, device="cuda"), None) for _ in range(4)]
+        times = {"torch": graph_ms(lambda s, _: s.topk(k, dim=-1, sorted=False), Rotating.of(sets))}
+        for bits in (2, 8):
+            for warps in (4, 8, 16):
+                times[f"b{bits}w{warps}"] = graph_ms(
+                    lambda s, _, b=bits, w=warps: topk_tri.topk_with_recent(s, k, recent, bits=b, num_warps=w),
+                    Rotating.of(sets))
+        out.append({"rows": rows, "n": n, "k": k, "us": {key: 1e3 * v for key, v in times.items()}})
+        print(f"topk {rows:>3} x {n:>5}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in times.items()) + " µs",
+              flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
@@ -296,6 +322,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--sweep", action="store_true", help="also time tile / chunk / warps / stages per shape")
     parser.add_argument("--linear", action="store_true", help="also time the decode step's linear layers")
+    parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -305,8 +332,11 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
     if not args.attention:
-        report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
-                  "linear": linear_rows(copy_bw)}
+        report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw}
+        if args.linear:
+            report["linear"] = linear_rows(copy_bw)
+        if args.topk:
+            report["topk"] = topk_rows()
         Path(args.out).write_text(json.dumps(report, indent=2))
         return 0
     warps, stages, tuning = tune(copy_bw, g)
@@ -317,6 +347,8 @@ def main() -> int:
               "num_stages": stages, "tuning_ms": tuning, "rows": rows}
     if args.linear:
         report["linear"] = linear_rows(copy_bw)
+    if args.topk:
+        report["topk"] = topk_rows()
     if args.sweep:
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
                            for b in map(int, args.batches.split(","))}

@@ -266,7 +266,7 @@ def _check_topk(shape, k, recent, last, device, bits=2):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
 @pytest.mark.parametrize("shape, k, recent, last", [((2, 3, 50), 8, 2, 40), ((4, 20), 30, 0, 19), ((1, 2, 9), 4, 4, 6),
                                                     ((3, 100), 100, 1, 99)])
-@pytest.mark.parametrize("bits", [1, 2, 4])  # bits of the k-th key fixed per round
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])  # bits of the k-th key fixed per round (8: by histogram)
 def test_topk_matches_reference_in_interpreter(shape, k, recent, last, bits):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
@@ -276,8 +276,9 @@ def test_topk_matches_reference_in_interpreter(shape, k, recent, last, bits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, k, recent, last", [((8, 4, 8192), 128, 4, 8100), ((8, 8192), 64, 8, 8191),
                                                     ((1, 3, 1000), 128, 1, 999), ((2, 16384), 2048, 0, 16000)])
-def test_topk_matches_reference_on_gpu(shape, k, recent, last):
-    _check_topk(shape, k, recent, last, "cuda")
+@pytest.mark.parametrize("bits", [2, 8])
+def test_topk_matches_reference_on_gpu(shape, k, recent, last, bits):
+    _check_topk(shape, k, recent, last, "cuda", bits)
 
 
 def _check_key_span(device, dtype, t, tol):

@@ -3,7 +3,8 @@
 Same choice as :func:`runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
 lower id), returned as ascending ids, -1 padded at the end. The scores map to unsigned 32-bit integers that order
 as the floats do; 16 rounds of "how many are at least each of these four" fix the k-th largest two bits at a time
-(``bits``), then one prefix sum places every chosen id. Rows run in parallel, so the time does not grow with
+(``bits``; from 8 bits a round, a masked histogram of the next digit among the keys that share the prefix so
+far, 4 rounds), then one prefix sum places every chosen id. Rows run in parallel, so the time does not grow with
 the batch (``torch.topk`` takes one pass per radix digit over every row); a row must fit one program
 (:data:`MAX_N` scores).
 """
@@ -30,15 +31,30 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     bits = x.to(tl.int32, bitcast=True)
     # unsigned 32-bit keys in float order (negative floats: every bit flipped; the others: the sign bit set)
     key = tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
-    # the W-th largest key is the largest t with at least W keys >= t: fixed BITS bits per round, from the top,
-    # by counting the keys at or above each of the 2^BITS candidates in one reduction
-    kth = tl.sum(tl.zeros([1], tl.uint32), 0)
-    digit = tl.arange(0, 1 << BITS).to(tl.uint32)
-    for r in tl.static_range(0, 32 // BITS):
-        shift = 32 - (r + 1) * BITS
-        count = tl.sum((key[None, :] >= (kth + (digit << shift))[:, None]).to(tl.int32), 1)  # [2^BITS]
-        kth += tl.max(tl.where(count >= W, digit, 0), 0) << shift
+    # the W-th largest key is the largest t with at least W live keys >= t, fixed BITS bits per round from the top
     live = x > float("-inf")
+    kth = tl.sum(tl.zeros([1], tl.uint32), 0)
+    if BITS >= 8:  # a histogram of the next digit among the keys that share kth's prefix, one pass a round
+        above = tl.sum(tl.zeros([1], tl.int32), 0)  # live keys past kth's prefix so far
+        bin_id = tl.arange(0, 1 << BITS)
+        for r in tl.static_range(0, 32 // BITS):
+            shift = 32 - (r + 1) * BITS
+            if r == 0:
+                match = live
+            else:
+                match = live & ((key >> (shift + BITS)) == (kth >> (shift + BITS)))
+            d = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+            h = tl.histogram(d, 1 << BITS, mask=match)
+            at_least = above + tl.cumsum(h, 0, reverse=True)  # live keys >= prefix·digit, per digit
+            best = tl.max(tl.where(at_least >= W, bin_id, 0), 0)
+            above += tl.sum(tl.where(bin_id > best, h, 0), 0)
+            kth += best.to(tl.uint32) << shift
+    else:  # count the keys at or above each of the 2^BITS candidates in one reduction
+        digit = tl.arange(0, 1 << BITS).to(tl.uint32)
+        for r in tl.static_range(0, 32 // BITS):
+            shift = 32 - (r + 1) * BITS
+            count = tl.sum((key[None, :] >= (kth + (digit << shift))[:, None]).to(tl.int32), 1)  # [2^BITS]
+            kth += tl.max(tl.where(count >= W, digit, 0), 0) << shift
     greater = live & (key > kth)
     equal = live & (key == kth)
     take = W - tl.sum(greater.to(tl.int32), 0)
