@@ -129,7 +129,7 @@ class Bench:
         return torch.cuda.mem_get_info()[0]
 
     def measure(self, weights: Weights, policy, batch: int, slots: int, start: int,
-                cache: StaticCache | None) -> float:
+                cache: StaticCache | None, name: str | None = None) -> float:
         """Median ms per step of ``policy`` with ``start`` valid tokens (the length grows by one per step)."""
         a = self.args
         # a step that sizes its own layers (lethe's compact buffers) gets a cache of its own, at a steady state
@@ -143,7 +143,7 @@ class Bench:
             dec.capture()
         ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))
         if a.profile and self.graphs:
-            self.profile(dec, f"{policy.name} B={batch} T={start}")
+            self.profile(dec, f"{name or policy.name} B={batch} T={start}")
         del dec
         return ms
 
@@ -197,7 +197,7 @@ class Bench:
                         if budget is not None and budget >= context:
                             continue  # reads the whole context anyway
                         policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
-                        ms = self.measure(weights, policy, batch, context, start, cache)
+                        ms = self.measure(weights, policy, batch, context, start, cache, name)
                         r = self.row(model, shape, policy, budget, batch, context, ms)
                         r["policy"] = name  # the case asked for ("delta-refine" is the delta policy refining)
                         if name == "full":

@@ -303,11 +303,12 @@ def topk_rows(k: int = 128, recent: int = 4) -> list[dict]:
     out = []
     for rows, n in TOPK_SHAPES:
         sets = [(torch.randn(rows, n, device="cuda"), None) for _ in range(4)]
+        last = torch.full((rows,), n - 1, device="cuda")
         times = {"torch": graph_ms(lambda s, _: s.topk(k, dim=-1, sorted=False), Rotating.of(sets))}
         for bits in (2, 8):
             for warps in (4, 8, 16):
                 times[f"b{bits}w{warps}"] = graph_ms(
-                    lambda s, _, b=bits, w=warps: topk_tri.topk_with_recent(s, k, recent, bits=b, num_warps=w),
+                    lambda s, _, b=bits, w=warps, e=last: topk_tri.topk_with_recent(s, k, recent, e, num_warps=w, bits=b),
                     Rotating.of(sets))
         out.append({"rows": rows, "n": n, "k": k, "us": {key: 1e3 * v for key, v in times.items()}})
         print(f"topk {rows:>3} x {n:>5}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in times.items()) + " µs",

@@ -23,7 +23,7 @@ masked instead (identical results, no memory saved). Beam search is not supporte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -374,6 +374,7 @@ class LetheStep:
     sparse: ClassVar[bool] = True
     full_fallback: ClassVar[bool] = False
     block_sizes: ClassVar[tuple[int, ...]] = ()
+    _compiled: Any = field(default=None, init=False, repr=False)
 
     @property
     def owned_layers(self) -> set[int]:
@@ -405,6 +406,36 @@ class LetheStep:
     def write_slots(self) -> dict[int, torch.Tensor]:
         return self.count
 
+    def _evictor(self, dec: Any) -> Any:
+        """:meth:`evict`, through ``torch.compile`` where the decoder compiles: its few dozen small ops (scores,
+        the segmented choice, the sorts and gathers) fuse into a handful of kernels. ``dynamic=None``: the first
+        layer's buffer shape compiles static code, the next one recompiles with the shapes and the capacity
+        symbolic, which then serves every layer and request."""
+        if self._compiled is None:
+            self._compiled = (torch.compile(self.evict, dynamic=None, fullgraph=True)
+                              if getattr(dec, "compiles", False) else self.evict)
+        return self._compiled
+
+    def evict(self, q, k, v, held, scores, pos, count, keep, mask, cap: int, scale: float) -> None:
+        """Add this step's attention to the decayed scores and, past ``cap``, keep what :func:`keep_on_device`
+        chooses, moved to the front of the buffers (one gather) in position order; every tensor in place."""
+        p = self.policy
+        slot = torch.arange(held.shape[1], device=held.device)
+        updated = p.gamma * scores + attention_probs(q, k, scale, mask).mean(1)
+        kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
+        over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
+        now = torch.where(over, kept, held)  # the same count in every row
+        order = torch.sort((~now).to(torch.int8), dim=-1, stable=True).indices  # kept slots first, in order
+        width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
+        at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
+        k[:, :, :width].copy_(k.gather(2, at))
+        v[:, :, :width].copy_(v.gather(2, at))
+        total = now.sum(-1)[0]
+        held.copy_((slot < total).expand_as(held))
+        scores.copy_(torch.where(held, updated.gather(1, order), 0.0))
+        pos.copy_(pos.gather(1, order))
+        count.copy_(total)
+
     def after_fill(self, dec: Any) -> None:
         """A prefill leaves every slot of the prompt held, in place, its scores at zero. A length declared past
         a layer's buffer (``set_length`` over a benchmark's random cache) stands for the steady state instead:
@@ -421,7 +452,7 @@ class LetheStep:
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer not in self.caps:
             return dec.attend(q, k, v, span)
-        p, held, scores, pos, count = self.policy, self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
+        held, scores, pos, count = self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
         slot = torch.arange(held.shape[1], device=held.device)
         new = slot == count  # the new token's slot (written there by the engine)
         held.logical_or_(new)
@@ -429,19 +460,5 @@ class LetheStep:
         keep = (pos >= span.first[:, None]) & (pos <= span.last)  # [B, S]: what the query may read
         mask = keep & held
         out = dec.attend(q, k, v, KeySpan(torch.zeros_like(span.first), count), key_mask=mask)
-        updated = p.gamma * scores + attention_probs(q, k, dec.shape.attention_scale, mask).mean(1)
-        cap = self.caps[layer]
-        kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
-        over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
-        now = torch.where(over, kept, held)  # the same count in every row
-        order = torch.sort((~now).to(torch.int8), dim=-1, stable=True).indices  # kept slots first, in order
-        width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
-        at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k[:, :, :width].copy_(k.gather(2, at))
-        v[:, :, :width].copy_(v.gather(2, at))
-        total = now.sum(-1)[0]
-        held.copy_((slot < total).expand_as(held))
-        scores.copy_(torch.where(held, updated.gather(1, order), 0.0))
-        pos.copy_(pos.gather(1, order))
-        count.copy_(total)
+        self._evictor(dec)(q, k, v, held, scores, pos, count, keep, mask, self.caps[layer], dec.shape.attention_scale)
         return out
