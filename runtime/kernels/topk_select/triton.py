@@ -67,7 +67,9 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
 
 def _warps(n: int) -> int:
     """Measured on an H200 (rows of 8192 / 2048 scores, two bits a round): 16 warps 30 µs vs 38 at 8; 8 warps
-    11.9 vs 13.4 at 16 (one bit a round: 33 and 14.4 µs; four: 16.1 µs at 2048)."""
+    11.9 vs 13.4 at 16 (one bit a round: 33 and 14.4 µs; four: 16.1 µs at 2048). By histogram, 8 bits a round
+    (``benchmarks/kernels.py --topk``, ``kernels_topk_h200.json``): 27.5 µs against 26.3 for 9 rows of 8192 at
+    16 warps, 10.8 against 11.3 for 64 rows of 2048 at 8 warps, so two bits a round stays the default."""
     return 16 if n > 4096 else 8 if n > 512 else 4
 
 
