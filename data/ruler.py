@@ -55,6 +55,7 @@ ADJECTIVES = ("amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hol
 NOUNS = ("anchor", "badger", "candle", "desert", "engine", "falcon", "garden", "harbor", "island", "jacket",
          "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "rocket", "saddle", "temple",
          "umbrella", "valley", "walnut", "yarrow", "zephyr", "bridge", "castle", "dragon", "feather", "glacier")
+KEY_PAIRS = len(ADJECTIVES) * len(NOUNS)  # distinct adjective-noun keys
 DEPTHS = tuple(i / 10 for i in range(11))  # where the asked needle sits, cycled over a cell's samples
 
 
@@ -159,13 +160,19 @@ def _multikey(c: Context):
 
 def _dense(key_kind: str):
     def build(c: Context):
-        make_key = (lambda: _uuid(c.rng)) if key_kind == "uuid" else (lambda: _key(c.rng))
+        taken: set[str] = set()
+
+        def word_key() -> str:  # past the adjective-noun pairs (a context of ~900 needles), a numbered pair
+            return _key(c.rng) if len(taken) < KEY_PAIRS else f"{_key(c.rng)}-{int(c.rng.integers(2, 1000))}"
+
+        make_key = (lambda: _uuid(c.rng)) if key_kind == "uuid" else word_key
         make_value = (lambda: _uuid(c.rng)) if key_kind == "uuid" else (lambda: _number(c.rng))
         label = "UUID" if key_kind == "uuid" else "number"
         asked_key, asked_value = make_key(), make_value()
         asked = c.piece(_needle(asked_key, asked_value, label))
         lines: list[Piece] = []
-        used, taken = len(asked.ids), {asked_key}
+        used = len(asked.ids)
+        taken.add(asked_key)
         while True:  # distractor needles until the room is full
             line = c.piece(_needle(_distinct(make_key, 1, taken)[0], make_value(), label))
             if used + len(line.ids) > c.room:

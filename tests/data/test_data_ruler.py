@@ -153,3 +153,15 @@ def test_tokenising_bar_ends_complete_on_a_short_corpus(corpus, monkeypatch):
     monkeypatch.setattr(haystack, "tqdm", spy)
     hay = haystack.load_haystack(tiny_tokenizer(), corpus, use_cache=False)
     assert bars and bars[0].n == bars[0].total == len(hay) < haystack.POOL_TOKENS
+
+
+def test_dense_keys_stay_distinct_past_the_adjective_noun_pairs(corpus):
+    """A context long enough for more distractor needles than there are adjective-noun pairs (a 32K-token
+    prompt of a real tokenizer holds about 2,000) is still built, every key once, the asked one among them."""
+    from data.ruler import KEY_PAIRS
+
+    tok = tiny_tokenizer()
+    (s,) = build_ruler_dataset(tok, tasks=("niah_multikey_dense",), lengths=(60_000,), samples_per_cell=1,
+                               source=corpus, cache=False)
+    keys = re.findall(r"\nThe secret number for (\S+) is \S+\.\n", _text(tok, s))
+    assert len(keys) > KEY_PAIRS and len(set(keys)) == len(keys)
