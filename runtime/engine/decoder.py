@@ -258,6 +258,13 @@ class StaticDecoder:
         rest = self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices[:, r:], block_size)
         return torch.cat([out, rest], 1), scores
 
+    def compiled(self, fn: Any) -> Any:
+        """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its
+        small ops. ``dynamic=None``: the first shape compiles static code, a second one recompiles with the
+        shapes symbolic, which then serves every later one (an evaluation decodes many shapes; static code for
+        each would hit torch.compile's recompile limit)."""
+        return torch.compile(fn, dynamic=None, fullgraph=True) if self.compiles else fn
+
     def triton_topk(self, n: int) -> Any:
         """The Triton top-k (ascending ids, -1 padded) when this decoder runs it over rows of ``n`` scores,
         else None (the reference kernels, or rows longer than one program holds)."""

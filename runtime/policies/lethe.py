@@ -407,13 +407,11 @@ class LetheStep:
         return self.count
 
     def _evictor(self, dec: Any) -> Any:
-        """:meth:`evict`, through ``torch.compile`` where the decoder compiles: its few dozen small ops (scores,
-        the segmented choice, the sorts and gathers) fuse into a handful of kernels. ``dynamic=None``: the first
-        layer's buffer shape compiles static code, the next one recompiles with the shapes and the capacity
-        symbolic, which then serves every layer and request."""
+        """:meth:`evict`, as the decoder compiles it (:meth:`StaticDecoder.compiled`): its few dozen small ops
+        (scores, the segmented choice, the sorts and gathers) fuse into a handful of kernels; the second layer
+        shape makes the buffer sizes and the capacity symbolic, and that graph serves every layer."""
         if self._compiled is None:
-            self._compiled = (torch.compile(self.evict, dynamic=None, fullgraph=True)
-                              if getattr(dec, "compiles", False) else self.evict)
+            self._compiled = dec.compiled(self.evict)
         return self._compiled
 
     def evict(self, q, k, v, held, scores, pos, count, keep, mask, cap: int, scale: float) -> None:

@@ -276,15 +276,10 @@ class VAttentionStep:
         return dec.attend(q, k, v, span, indices, 1, log_weights=log_weights)
 
     def _sample(self, dec: Any) -> Any:
-        """:meth:`draw_sample`, through ``torch.compile`` where the decoder compiles (its small ops fuse into a
-        few kernels; the layer is a device scalar, so one graph serves every layer). ``dynamic=None``: the first
-        shape compiles static code, a second one recompiles with the batch and cache length symbolic, which
-        then serves every request (an evaluation decodes many shapes; static code for each would hit
-        torch.compile's recompile limit)."""
+        """:meth:`draw_sample`, as the decoder compiles it (:meth:`StaticDecoder.compiled`: its small ops fuse
+        into a few kernels; the layer is a device scalar, so one graph serves every layer)."""
         if self._compiled is None:
-            compile_ = getattr(dec, "compiles", False)
-            self._compiled = (torch.compile(self.draw_sample, dynamic=None, fullgraph=True) if compile_
-                              else self.draw_sample)
+            self._compiled = dec.compiled(self.draw_sample)
         return self._compiled
 
     def draw_sample(self, q, k, v, fixed, free, first, last, out, lse, layer, scale: float):
