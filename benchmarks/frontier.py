@@ -12,12 +12,18 @@ Scores are pooled over every task and length of the grid, or one ``--task``. ``-
 ``--batch`` (several files may be given: one budget each, say; the case is the row's policy, ``delta-refine`` for ``refine`` > 1, ``vattention`` only for
 vAttention on a DELTA manifest, as ``decode.py`` runs it; ``--case LABEL=CASE`` sets it by hand). Writes
 ``frontier.png``, ``frontier.json`` and prints the table.
+
+``--reference LABEL`` (default quest, where the grids have it): every other budgeted row also gets its score minus the reference's at the
+same fraction of keys read, the reference's rows interpolated linearly between the two budgets around it, with
+a 95 % interval: paired over the prompts where the three rows come from one grid, else from their Wilson
+intervals as independent errors; none outside the reference's measured range.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime import atomic  # noqa: E402
+from runtime.eval.stats import paired_difference  # noqa: E402
+
+Z = 1.959964
 
 
 def load_rows(grids: list[str], task: str | None) -> list[dict[str, Any]]:
@@ -41,7 +50,8 @@ def load_rows(grids: list[str], task: str | None) -> list[dict[str, Any]]:
                 continue
             row = {"label": r["label"], "policy": r["policy"], "budget": r["budget"], "params": r["params"],
                    "manifest": r["manifest"], "score": cell["score"], "interval": cell["interval"], "n": cell["n"],
-                   "keys": r["attended_fraction"], "grid": Path(folder).name}
+                   "keys": r["attended_fraction"], "grid": Path(folder).name,
+                   "scores": r.get("scores") if task is None else None}  # per prompt, for pairing
             key = (r["label"], r["budget"])
             if key not in best or best[key]["n"] < row["n"]:
                 best[key] = row
@@ -80,13 +90,49 @@ def attach_tpot(rows: list[dict[str, Any]], decode: list[str], context: int, bat
     return {"gpu": data.get("gpu"), "model": next(d["model"] for d in data["rows"]), "context": context, "batch": batch}
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| policy | budget | score (Wilson 95 %) | prompts | keys read | TPOT ms |", "|---|---|---|---|---|---|"]
+def _difference(r: dict[str, Any], lo: dict[str, Any], hi: dict[str, Any], w: float) -> dict[str, Any]:
+    """``r``'s score minus ``w·lo + (1 − w)·hi``: paired over the prompts when the three rows come from one grid
+    (the same prompts, each scored), otherwise from their Wilson half-widths as independent errors."""
+    same = r["grid"] == lo["grid"] == hi["grid"] and all(x["scores"] for x in (r, lo, hi))
+    if same and len(r["scores"]) == len(lo["scores"]) == len(hi["scores"]):
+        keep = [i for i, t in enumerate(zip(r["scores"], lo["scores"], hi["scores"])) if None not in t]
+        d = paired_difference([r["scores"][i] for i in keep],
+                              [w * lo["scores"][i] + (1 - w) * hi["scores"][i] for i in keep])
+        return {"mean": d["mean"], "interval": d["interval"], "paired": True}
+    se = [(x["interval"][1] - x["interval"][0]) / (2 * Z) for x in (r, lo, hi)]
+    mean = r["score"] - (w * lo["score"] + (1 - w) * hi["score"])
+    half = Z * math.sqrt(se[0] ** 2 + (w * se[1]) ** 2 + ((1 - w) * se[2]) ** 2)
+    return {"mean": mean, "interval": [mean - half, mean + half], "paired": False}
+
+
+def equal_keys(rows: list[dict[str, Any]], reference: str) -> None:
+    """Sets each budgeted row's ``vs_reference``: its score minus the ``reference`` label's at the same fraction
+    of keys read, the reference's frontier interpolated linearly between the two budgets around it (None
+    outside the reference's measured range: no extrapolation)."""
+    ref = sorted((r for r in rows if r["label"] == reference and r["budget"] is not None), key=lambda r: r["keys"])
+    for r in rows:
+        r["vs_reference"] = None
+        if r["label"] == reference or r["budget"] is None:
+            continue
+        for lo, hi in zip(ref, ref[1:] or ref):
+            if lo["keys"] <= r["keys"] <= hi["keys"]:
+                w = (hi["keys"] - r["keys"]) / (hi["keys"] - lo["keys"]) if hi["keys"] > lo["keys"] else 1.0
+                r["vs_reference"] = {**_difference(r, lo, hi, w), "between": [lo["budget"], hi["budget"]]}
+                break
+
+
+def format_table(rows: list[dict[str, Any]], reference: str) -> str:
+    lines = [f"| policy | budget | score (Wilson 95 %) | prompts | keys read | TPOT ms | − {reference} at equal keys |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["interval"]
         tpot = f"{r['tpot_ms']:.2f}" if r.get("tpot_ms") is not None else "–"
+        d = r.get("vs_reference")
+        vs = "–" if d is None else (f"{100 * d['mean']:+.1f} [{100 * d['interval'][0]:+.1f}, {100 * d['interval'][1]:+.1f}]"
+                                    f"{' *' if d['interval'][0] > 0 or d['interval'][1] < 0 else ''}"
+                                    f"{'' if d['paired'] else ' (unpaired)'}")
         lines.append(f"| {r['label']} | {r['budget'] or 'all'} | {r['score']:.3f} [{lo:.3f}, {hi:.3f}] | {r['n']} "
-                     f"| {r['keys']:.3f} | {tpot} |")
+                     f"| {r['keys']:.3f} | {tpot} | {vs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="batch of the decode rows used (default 8)")
     p.add_argument("--case", action="append", default=[], metavar="LABEL=CASE",
                    help="decode.py case timing a row label, repeatable (defaults: see the module docstring)")
+    p.add_argument("--reference", default=None,
+                   help="the label whose frontier every other row is compared with at equal keys read (default quest, "
+                   "where the grids have it)")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
     bad = [c for c in args.case if "=" not in c]
@@ -165,8 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     first = json.loads((Path(args.grid[0]) / "summary.json").read_text())
     title = f"{first['model']}: {args.task or 'all tasks and lengths'}, score against cost"
     plot(rows, header, title, out / "frontier.png")
-    atomic.write_text(out / "frontier.json", json.dumps({"task": args.task, "decode": header, "rows": rows}, indent=1))
-    table = format_table(rows)
+    labels = {r["label"] for r in rows if r["budget"] is not None}
+    if args.reference is not None and args.reference not in labels:
+        raise SystemExit(f"--reference {args.reference}: no row of that label with a budget in the grids; choose "
+                         f"from {', '.join(sorted(labels))}")
+    args.reference = args.reference or "quest"
+    equal_keys(rows, args.reference)
+    for r in rows:
+        r.pop("scores")
+    atomic.write_text(out / "frontier.json", json.dumps({"task": args.task, "decode": header,
+                                                         "reference": args.reference, "rows": rows}, indent=1))
+    table = format_table(rows, args.reference)
     atomic.write_text(out / "FRONTIER.md", table)
     print(table, end="")
     print(f"wrote {out / 'frontier.png'}, frontier.json, FRONTIER.md")

@@ -251,6 +251,10 @@ def describe(s: dict[str, Any]) -> str:
     if s["prompts"]:
         return s["prompts"]
     lengths = ", ".join(map(str, s["lengths"]))
+    if s["suite"] == "longbench":
+        return (f"LongBench ({', '.join(s['tasks']) or 'all sixteen English tasks'}), the first "
+                f"{s['samples_per_cell']} of each task cut to {lengths} tokens; each task's own generation budget "
+                "and metric")
     if s["suite"] == "ruler":
         return (f"RULER-style suite ({', '.join(s['tasks']) or 'all eleven tasks'}) in {s['source']}, lengths "
                 f"{lengths}, {s['samples_per_cell']} per task and length, seed {s['seed']}; each task's own "
@@ -462,6 +466,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra rows: every row of POLICY again with these parameters, its label suffixed by "
                         "them (e.g. delta:per_head=true → delta-per_head); repeatable")
     parser.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
+    parser.add_argument("--summarize", action="store_true",
+                        help="run nothing: rewrite the summary, tables and plots from the cells done in --out (cells "
+                             "of this command not done there are left out and counted); no model loads")
 
 
 def settings_of(args: argparse.Namespace) -> EvalSettings:
@@ -473,12 +480,12 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
 
 def new_tokens(args: argparse.Namespace) -> int:
     """The most tokens a prompt generates (RULER tasks carry their own budget)."""
-    if args.suite != "ruler" or args.prompts:
-        return args.max_new_tokens
-    from data.ruler import TASKS, check_tasks
+    from runtime.eval import suite_new_tokens
 
+    if args.suite == "reasoning":
+        return args.max_new_tokens
     try:
-        return max(TASKS[t].max_new_tokens for t in check_tasks(args.tasks or TASKS))
+        return suite_new_tokens(settings_of(args))
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -499,6 +506,12 @@ def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[
     return grids, done
 
 
+def partial_file(out: Path, cell: Cell) -> Path:
+    """Where a cell's finished batches are kept until the cell is written, so a lost machine costs one batch
+    (not on the measuring path)."""
+    return out / "cells" / f"{cell.name}.partial.jsonl"
+
+
 def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, samples, args) -> tuple[dict, dict]:
     """One cell's full result and its table row."""
     from runtime.eval import fidelity
@@ -509,7 +522,7 @@ def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, sample
                           limit=args.limit, max_new_tokens=args.max_new_tokens)
         return result, fidelity_row(cell, result, time.perf_counter() - start)
     result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples,
-                      measure=args.measure, batch_size=args.batch_size)
+                      measure=args.measure, batch_size=args.batch_size, checkpoint=partial_file(Path(args.out), cell))
     return result, row_of(cell, result, time.perf_counter() - start)
 
 
@@ -537,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         common["settings"] = asdict(settings)
     grids, done = resumed(cells, out, common)
+    if args.summarize and not done:
+        raise SystemExit(f"--summarize: none of this command's {len(cells)} cells is done in {out / 'cells'}; "
+                         "run it without --summarize first")
     (out / "cells").mkdir(parents=True, exist_ok=True)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
     atomic.write_text(out / "COMMAND.txt", previous + shlex.join(["python", "benchmarks/quality.py", *argv]) + "\n")
@@ -546,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.models import load_model, load_tokenizer
 
     model = tokenizer = samples = None
-    if len(done) < len(cells):  # a finished grid only rewrites the summary, tables and plots (on any machine)
+    if len(done) < len(cells) and not args.summarize:  # a finished grid only rewrites the summary (any machine)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit(f"--device cuda: no CUDA device here, and {len(cells) - len(done)} cells are not done; "
                              "use --device cpu")
@@ -571,11 +587,14 @@ def main(argv: list[str] | None = None) -> int:
         if cell.name in done:
             rows.append(done[cell.name]["row"])
             continue
+        if args.summarize:
+            continue
         bar.set_postfix_str(cell.name)
         result, row = run_cell(cell, model, tokenizer, settings, samples, args)
         row["device_name"] = here
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
+        partial_file(out, cell).unlink(missing_ok=True)
         rows.append(row)
     bar.close()
     device_name = next((r["device_name"] for r in rows if r.get("device_name")), here)  # where the cells ran
@@ -585,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic.write_text(out / "TABLE.md", table)
     plots = plot_fidelity(summary, out) if reasoning else plot(summary, out)
     print(table)
-    print(f"{len(cells) - len(done)} cells run, {len(done)} resumed from {out / 'cells'}; "
+    ran = f"{len(cells) - len(done)} cells not done, left out" if args.summarize else f"{len(cells) - len(done)} cells run"
+    print(f"{ran}, {len(done)} resumed from {out / 'cells'}; "
           f"wrote summary.json, TABLE.md, {', '.join(plots)}")
     return 0
 

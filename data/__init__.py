@@ -27,6 +27,16 @@ BUILDERS: dict[str, tuple[str, str]] = {  # name -> (module, function)
 }
 
 
+def check_names(kind: str, names, known) -> tuple[str, ...]:
+    """``names`` as a tuple when each is one of ``known``; otherwise one line naming the unknown ones and the
+    choices (``ValueError``)."""
+    names = tuple(names)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown {kind}(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(known)}")
+    return names
+
+
 def builder(name: str) -> Callable[..., Any]:
     import importlib
 

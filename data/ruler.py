@@ -326,12 +326,9 @@ def _sample(tokenizer, hay: Haystack | None, task: str, length: int, index: int,
 
 
 def check_tasks(tasks) -> tuple[str, ...]:
-    tasks = tuple(tasks)
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise ValueError(f"unknown RULER task(s) {', '.join(unknown) or '(none given)'}; choose from: "
-                         f"{', '.join(TASKS)}")
-    return tasks
+    from data import check_names
+
+    return check_names("RULER task", tasks, TASKS)
 
 
 def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_per_cell: int = 10, seed: int = 0,

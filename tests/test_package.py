@@ -40,6 +40,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert ROOT not in where and "site-packages" in where
     aliases = run(str(py), "-c", "from runtime.models import list_aliases; print(' '.join(list_aliases()))")
     assert {"qwen-14b", "smollm2-135m", "llama-70b"} <= set(aliases.split())
+    assert run(str(py), "-c", "import data.longbench as lb; print(len(lb.TASKS))").strip() == "16"  # its table ships
     assert "inspect" in run(str(bin_dir / "rolecall"), "--help")
     assert "--model" in run(str(bin_dir / "calibrate-delta"), "--help")
     assert "--target" in run(str(bin_dir / "train-heads"), "--help")

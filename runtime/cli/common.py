@@ -64,15 +64,21 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int,
     parser.add_argument("--alphabet", default=alphabet, choices=("nato", "digits"),
                         help="passkey words: NATO code words, or digits (small models copy digits, not words)")
     parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
-    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "reasoning"),
+    parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "longbench", "reasoning"),
                         help="passkey: the single-passkey grid (--lengths x --depths); ruler: the RULER-style suite "
                              "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline; "
+                             "longbench: LongBench's English tasks (--data, or the Hugging Face Hub when it answers; "
+                             "the first --samples-per-cell of each task, cut to each of --lengths); "
                              "reasoning: full attention's own greedy traces on reasoning prompts, the policy fed the "
                              "same tokens (per-step KL, top-1 agreement, divergence point)")
+    parser.add_argument("--data", default=None,
+                        help="--suite longbench: LongBench's data.zip or the folder of its <task>.jsonl files "
+                             "(default: download it from the Hugging Face Hub when it answers)")
     parser.add_argument("--reasoning-source", default="champ",
                         help="reasoning prompts: champ, arithmetic[:N] or jsonl:PATH (see data.reasoning)")
     parser.add_argument("--limit", type=int, default=limit, help=f"reasoning prompts to use (default {limit})")
-    parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; see data.ruler)")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help="RULER or LongBench tasks (default: all; see data.ruler, data.longbench)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
     parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} (or '
                                                         '"answers": [...]) instead of generated prompts')
@@ -106,4 +112,4 @@ def eval_settings(args: argparse.Namespace):
     return EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                         passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
                         prompts=args.prompts, max_new_tokens=args.max_new_tokens, suite=args.suite,
-                        tasks=tuple(args.tasks or ()), seed=args.seed)
+                        tasks=tuple(args.tasks or ()), seed=args.seed, data=args.data)

@@ -65,19 +65,14 @@ def run_reasoning(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.eval import evaluate, format_table, suite_prompts
+    from runtime.eval import evaluate, format_table, suite_new_tokens, suite_prompts
     from runtime.models import check_context, context_limit, load_config, load_tokenizer
 
     check_prompt_arguments(args)
     if args.suite == "reasoning":
         return run_reasoning(args)
     settings = eval_settings(args)
-    if args.suite == "ruler" and not args.prompts:  # a prompt file's rows carry no task: --max-new-tokens
-        from data.ruler import TASKS, check_tasks
-
-        budget = max(TASKS[t].max_new_tokens for t in check_tasks(settings.tasks or TASKS))
-    else:
-        budget = args.max_new_tokens
+    budget = suite_new_tokens(settings)  # a prompt file's rows carry no task: --max-new-tokens
     params, manifest = policy_inputs(args)
     # prompts longer than the model's context fail here too, before the haystacks are built or the model loads
     trust = args.trust_remote_code

@@ -18,6 +18,7 @@ Prompts come from ``data.passkey.build_niah_dataset``, ``data.ruler.build_ruler_
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from runtime import atomic
 from runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
 from runtime.session import attach
 
@@ -40,9 +42,10 @@ class EvalSettings:
     source: str = "pg-essays"  # haystack text (see data.corpora)
     prompts: str | None = None  # a JSONL file instead of passkey prompts
     max_new_tokens: int = 12  # RULER prompts carry their own budget (data.ruler.TASKS)
-    suite: str = "passkey"  # "passkey" or "ruler" (data.ruler; lengths and samples_per_cell apply)
-    tasks: tuple[str, ...] = ()  # RULER tasks; () = all
+    suite: str = "passkey"  # "passkey", "ruler" (data.ruler) or "longbench" (data.longbench; lengths truncate)
+    tasks: tuple[str, ...] = ()  # RULER or LongBench tasks; () = all
     seed: int = 0
+    data: str | None = None  # LongBench's data.zip or folder (None: the Hugging Face Hub when it answers)
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
@@ -53,7 +56,7 @@ class EvalSettings:
             raise ValueError("give at least one context length and one depth, or --prompts FILE.jsonl")
 
 
-SUITES = ("passkey", "ruler")
+SUITES = ("passkey", "ruler", "longbench")
 
 
 def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
@@ -97,15 +100,44 @@ def ruler_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
              "max_new_tokens": int(s["max_new_tokens"])} for s in suite]
 
 
+def longbench_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
+    """The first ``samples_per_cell`` samples of each LongBench task, each cut to every length of ``lengths``
+    (its first and last halves); ``context_length`` is that length, the cell it is reported in."""
+    from data.longbench import TASKS, load_tasks, prompt_ids
+
+    rows = load_tasks(settings.tasks or tuple(TASKS), settings.data, limit=settings.samples_per_cell)
+    return [{"input_ids": torch.tensor(prompt_ids(tokenizer, r, n), dtype=torch.long), "answers": r["answers"],
+             "classes": r["all_classes"], "task": r["task"], "suite": "longbench", "context_length": int(n),
+             "depth": None, "max_new_tokens": TASKS[r["task"]].max_new_tokens} for n in settings.lengths for r in rows]
+
+
 def suite_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
-    """The prompts ``settings`` ask for: a JSONL file, the RULER-style suite or the passkey grid."""
+    """The prompts ``settings`` ask for: a JSONL file, the RULER-style suite, LongBench or the passkey grid."""
     if settings.prompts:
         return load_prompts(settings.prompts, tokenizer)
-    return ruler_prompts(tokenizer, settings) if settings.suite == "ruler" else passkey_prompts(tokenizer, settings)
+    build = {"ruler": ruler_prompts, "longbench": longbench_prompts}.get(settings.suite, passkey_prompts)
+    return build(tokenizer, settings)
+
+
+def suite_new_tokens(settings: EvalSettings) -> int:
+    """The most tokens a prompt of ``settings`` generates: a suite's tasks carry their own budgets, a prompt
+    file and the passkey grid use ``max_new_tokens``. Unknown task names are refused (``ValueError``)."""
+    if settings.prompts or settings.suite not in ("ruler", "longbench"):
+        return settings.max_new_tokens
+    if settings.suite == "ruler":
+        from data.ruler import TASKS, check_tasks
+    else:
+        from data.longbench import TASKS, check_tasks
+    return max(TASKS[t].max_new_tokens for t in check_tasks(settings.tasks or TASKS))
 
 
 def sample_score(generated: str, sample: dict[str, Any]) -> float | None:
-    """1/0 for a passkey answer, RULER's share of expected strings for ``answers``, None without either."""
+    """LongBench's metric for its samples, 1/0 for a passkey answer, RULER's share of expected strings for
+    ``answers``, None without either."""
+    if sample.get("suite") == "longbench":
+        from data.longbench import score
+
+        return score(sample["task"], generated, sample["answers"], sample["classes"])
     if sample.get("answers"):
         from data.ruler import score
 
@@ -187,10 +219,75 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     return rows, engine
 
 
+class Checkpoint:
+    """Finished batches of one :func:`evaluate` call, one JSON line each after a header line that names the
+    run (policy, parameters, settings, the batches), so a run stopped midway (a lost machine) resumes at its
+    first unfinished batch with the same result. A torn last line (killed while writing) is dropped; a file
+    of another run is refused, not mixed in."""
+
+    def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
+        self.path, self.done = Path(path), {}
+        header = json.loads(json.dumps(header))  # as it reads back
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        if lines and json.loads(lines[0]) != header:
+            raise ValueError(f"{self.path} holds the batches of another run (other policy, parameters, prompts or "
+                             "batch size); delete it, or pass another checkpoint file")
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            self.done[entry["batch"]] = entry
+        # rewritten without a torn tail, atomically: a kill meanwhile leaves the old file, not a shorter one
+        atomic.write_text(self.path, "\n".join([json.dumps(header)] + [json.dumps(e) for e in self.done.values()]) + "\n")
+
+    def add(self, entry: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[entry["batch"]] = entry
+
+
+def _run_batches(model, tokenizer, session, samples, batches, settings, on_engine, checkpoint) -> list[dict]:
+    """Each batch's entry ``{batch, records, kl, top1, figures}``, from the checkpoint where it holds it."""
+    from tqdm.auto import tqdm
+
+    entries = []
+    with tqdm(total=sum(map(len, batches)), desc="prompts", unit="prompt", leave=False) as bar:
+        for k, batch in enumerate(batches):
+            if checkpoint is not None and k in checkpoint.done:
+                entries.append(checkpoint.done[k])
+            else:
+                rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings,
+                                              on_engine)
+                entries.append({"batch": k, "records": [r for r, _, _ in rows], "kl": [kl.tolist() for _, kl, _ in rows],
+                                "top1": [t.tolist() for _, _, t in rows], "figures": figures})
+                if checkpoint is not None:
+                    checkpoint.add(entries[-1])
+            bar.update(len(batch))
+    return entries
+
+
+def _in_prompt_order(entries: list[dict], batches: list[list[int]], n: int) -> tuple[list, list, list, list, list]:
+    """Per prompt, in the suite's order: its record, per-step KL and top-1 agreement; per prompt on the engine,
+    the fraction of keys its batch read and the KV bytes it held (empty lists off the engine)."""
+    records, kls, agree = [None] * n, [None] * n, [None] * n
+    fractions, kv = [], []
+    for batch, entry in zip(batches, entries):
+        if entry["figures"] is not None:
+            fractions += [entry["figures"]["fraction"]] * len(batch)
+            kv += [entry["figures"]["kv_bytes"]] * len(batch)
+        for i, record, kl, top1 in zip(batch, entry["records"], entry["kl"], entry["top1"]):
+            records[i], kls[i], agree[i] = record, torch.tensor(kl, dtype=torch.float32), torch.tensor(top1, dtype=torch.bool)
+    return records, kls, agree, fractions, kv
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
              settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None,
-             measure: bool | None = None, batch_size: int | None = None) -> dict[str, Any]:
+             measure: bool | None = None, batch_size: int | None = None,
+             checkpoint: str | Path | None = None) -> dict[str, Any]:
     """Run the evaluation; returns a JSON-ready dict (see the module docstring).
 
     On a GPU the policy decodes on the engine (never falling back to full attention at short contexts:
@@ -200,7 +297,9 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     prompt's tokens are the ones it generates alone, up to floating-point differences of the batched products.
     ``params["engine"]`` goes to :func:`runtime.attach` (``"static"`` runs the engine on the CPU too). On the
     engine the result also gives ``kv_bytes_per_prompt``, the mean KV cache a prompt held (a Lethe layer's
-    compact buffer included), None elsewhere.
+    compact buffer included), None elsewhere. ``checkpoint``: a file that keeps every finished batch
+    (:class:`Checkpoint`); a rerun with the same file resumes there. A measuring run keeps none (its per-layer
+    figures would miss the batches before the stop).
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -208,27 +307,22 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     params = dict(params or {})
     if samples is None:
         samples = suite_prompts(tokenizer, settings)
-    records: list[dict[str, Any] | None] = [None] * len(samples)
-    kls: list[torch.Tensor | None] = [None] * len(samples)
-    agree: list[torch.Tensor | None] = [None] * len(samples)
     measure = model.device.type != "cuda" and params.get("engine") != "static" if measure is None else measure
-    fractions, kv = [], []
     with attach(model, manifest, policy, record_recall=measure, min_context=0, **params) as session:
         on_engine = session.engine_reason({"input_ids": None}) is None
         size = batch_size or (16 if on_engine else 1)
         if not on_engine and size > 1:
             raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
                              "the transformers path evaluates one prompt at a time: pass batch_size=1")
-        for batch in _batches(samples, size, settings.max_new_tokens):
-            rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings, on_engine)
-            if figures is not None:
-                fractions += [figures["fraction"]] * len(batch)
-                kv += [figures["kv_bytes"]] * len(batch)
-            for i, (record, kl, top1) in zip(batch, rows):
-                records[i], kls[i], agree[i] = record, kl, top1
+        batches = _batches(samples, size, settings.max_new_tokens)
+        kept = None if checkpoint is None or measure else Checkpoint(
+            checkpoint, {"policy": policy, "params": params, "settings": asdict(settings), "prompts": len(samples),
+                         "batches": batches})
+        entries = _run_batches(model, tokenizer, session, samples, batches, settings, on_engine, kept)
         summary = session.summary()
-        if fractions:  # the engine ran: what its static step reads, no per-layer measurement
-            summary["attended_fraction"] = sum(fractions) / len(fractions)
+    records, kls, agree, fractions, kv = _in_prompt_order(entries, batches, len(samples))
+    if fractions:  # the engine ran: what its static step reads, no per-layer measurement
+        summary["attended_fraction"] = sum(fractions) / len(fractions)
     kl_all, agree_all = torch.cat(kls), torch.cat(agree)
     scored = [r for r in records if r["score"] is not None and r["task"] == "passkey"]
     cells: dict[str, dict[str, list[bool]]] = {}

@@ -355,6 +355,15 @@ def _segmented_on_device(scores: torch.Tensor, candidates: torch.Tensor, room: t
     return picked | torch.zeros_like(picked).scatter_(-1, rest_order, take & (rest.gather(-1, rest_order) > -math.inf))
 
 
+def compaction_order(keep: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` slot indices: the kept slots in order, then the others in order (what a stable sort of
+    ``~keep`` gives), from two running counts and one scatter instead of a sort."""
+    slot = torch.arange(keep.shape[-1], device=keep.device).expand_as(keep)
+    kept = keep.long().cumsum(-1) - 1
+    dropped = keep.sum(-1, keepdim=True) + (~keep).long().cumsum(-1) - 1
+    return torch.empty_like(slot).scatter_(-1, torch.where(keep, kept, dropped), slot)
+
+
 @dataclass
 class LetheStep:
     """The engine's step. Each layer keeps its tokens compact, in position order, in the first slots of its
@@ -423,7 +432,7 @@ class LetheStep:
         kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
         over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
         now = torch.where(over, kept, held)  # the same count in every row
-        order = torch.sort((~now).to(torch.int8), dim=-1, stable=True).indices  # kept slots first, in order
+        order = compaction_order(now)
         width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
         at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
         k[:, :, :width].copy_(k.gather(2, at))

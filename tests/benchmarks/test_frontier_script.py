@@ -63,8 +63,8 @@ def test_rows_take_the_larger_sample_and_the_matching_decode_case(inputs, capsys
                     ("vattention", 1024): None,  # standalone vAttention: decode.py times it on DELTA's roles only
                     ("vattention-delta", 256): 7.0}
     table = (out / "FRONTIER.md").read_text()
-    assert "| quest | 256 | 0.400 [0.350, 0.450] | 100 | 0.200 | 5.00 |" in table
-    assert "| vattention | 1024 | 0.850 [0.800, 0.900] | 400 | 1.600 | – |" in table
+    assert "| quest | 256 | 0.400 [0.350, 0.450] | 100 | 0.200 | 5.00 | – |" in table
+    assert "| vattention | 1024 | 0.850 [0.800, 0.900] | 400 | 1.600 | – | – |" in table  # past Quest's keys
     assert (out / "frontier.png").stat().st_size > 0 and table in capsys.readouterr().out
 
 
@@ -80,6 +80,9 @@ def test_case_override_task_and_errors(inputs, capsys):
     with pytest.raises(SystemExit, match=r"no rows at --context 4096 --batch 8; they have \[\(32768, 8\), \(131072, 8\)\]"):
         frontier.main(["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"), "--context", "4096",
                        "--out", str(out)])
+    with pytest.raises(SystemExit, match="--reference nosuch: no row of that label with a budget.*choose from "
+                                         "delta-refine4, quest, vattention"):
+        frontier.main(["--grid", str(inputs / "a"), "--reference", "nosuch", "--out", str(out)])
     with pytest.raises(SystemExit, match="no summary.json there"):
         frontier.main(["--grid", str(inputs / "missing"), "--out", str(out)])
     with pytest.raises(SystemExit):
@@ -100,3 +103,34 @@ def test_several_decode_files_merge_and_a_later_one_wins(inputs):
     tpot = {r["label"]: r["tpot_ms"] for r in report["rows"]}
     assert tpot["quest"] == 5.5 and tpot["delta-refine4"] == 6.5 and tpot["full"] == 8.0
     assert report["decode"]["gpu"] == "GPU X"
+
+
+def test_rows_against_the_reference_at_equal_keys_paired_within_a_grid(tmp_path):
+    """Quest at keys 0.2 (0.4) and 0.5 (0.7); a row at 0.3 reads Quest's frontier at weight 2/3 on the first:
+    0.5, so it is 10 points ahead, paired over the four prompts of its grid; a row of another grid at 0.35 is
+    compared unpaired; a row past Quest's measured keys is not compared."""
+    frontier = load_script()
+
+    def scored(label, budget, score, keys, scores):
+        return {**row(label, label.split("-")[0], budget, score, len(scores), keys), "scores": scores}
+
+    write_grid(tmp_path / "g", [scored("quest", 256, 0.4, 0.2, [0, 1, 0, 0.6]),
+                                scored("quest", 1024, 0.7, 0.5, [1, 1, 0, 0.8]),
+                                scored("lychee-x", 512, 0.6, 0.3, [1, 1, 0, 0.4]),
+                                scored("delta", 4096, 0.9, 0.9, [1, 1, 1, 0.6])])
+    write_grid(tmp_path / "h", [row("delta-y", "delta", 1024, 0.65, 100, 0.35)])
+    out = tmp_path / "out"
+    assert frontier.main(["--grid", str(tmp_path / "g"), str(tmp_path / "h"), "--out", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads((out / "frontier.json").read_text())["rows"]}
+    paired = rows["lychee-x"]["vs_reference"]
+    # differences 2/3, 0, 0, -4/15: mean 0.1, sample sd 0.39814, half-width 1.959964 * 0.39814 / 2
+    assert paired["paired"] and paired["between"] == [256, 1024] and paired["mean"] == pytest.approx(0.1)
+    assert paired["interval"] == pytest.approx([0.1 - 0.390170, 0.1 + 0.390170], abs=1e-5)
+    unpaired = rows["delta-y"]["vs_reference"]  # weight 1/2; each half-width 0.05, independent
+    assert not unpaired["paired"] and unpaired["mean"] == pytest.approx(0.1)
+    assert unpaired["interval"] == pytest.approx([0.1 - 0.05 * 1.5 ** 0.5, 0.1 + 0.05 * 1.5 ** 0.5])
+    assert rows["delta"]["vs_reference"] is None and rows["quest"]["vs_reference"] is None
+    assert "scores" not in rows["quest"]
+    table = (out / "FRONTIER.md").read_text()
+    assert "| lychee-x | 512 | 0.600 [0.550, 0.650] | 4 | 0.300 | – | +10.0 [-29.0, +49.0] |" in table
+    assert "| delta-y | 1024 | 0.650 [0.600, 0.700] | 100 | 0.350 | – | +10.0 [+3.9, +16.1] * (unpaired) |" in table

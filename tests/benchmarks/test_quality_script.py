@@ -59,6 +59,7 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     labels = ["full", "delta", "lychee-kuma", "lethe", "vattention", "quest"]
     names = ["full"] + [f"{label}-b{b}" for label in labels[1:] for b in (32, 64)]
     assert sorted(p.stem for p in (out / "cells").glob("*.json")) == sorted(names)
+    assert not list((out / "cells").glob("*.partial.jsonl"))  # each batch checkpoint goes once its cell is written
     assert f"{len(names)} cells run, 0 resumed" in printed
 
     summary = json.loads((out / "summary.json").read_text())
@@ -91,19 +92,34 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     assert (out / "quality.png").stat().st_size > 1000
     assert "benchmarks/quality.py --model" in (out / "COMMAND.txt").read_text()
 
-    # A rerun resumes every cell; a removed cell is the only one run again.
+    # A rerun resumes every cell; a removed cell is the only one run again. --summarize first leaves it out
+    # without loading any model.
     (out / "cells" / "quest-b32.json").unlink()
+    import runtime.models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("--summarize loaded a model")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runtime.models, "load_model", no_load)
+        assert quality.main([*argv, "--summarize"]) == 0
+    assert "1 cells not done, left out" in capsys.readouterr().out
+    partial = json.loads((out / "summary.json").read_text())["rows"]
+    assert [r["label"] for r in partial].count("quest") == 1 and len(partial) == len(names) - 1
+    with pytest.raises(SystemExit, match="none of this command's 1 cells is done"):
+        quality.main([*argv[:argv.index("--budgets")], "--budgets", "48", *argv[argv.index("--budgets") + 3:],
+                      "--policies", "quest", "--summarize"])
     stamp = (out / "cells" / "delta-b32.json").stat().st_mtime_ns
     assert quality.main(argv) == 0
     assert f"1 cells run, {len(names) - 1} resumed" in capsys.readouterr().out
     assert (out / "cells" / "delta-b32.json").stat().st_mtime_ns == stamp
     assert json.loads((out / "summary.json").read_text())["rows"][0] == summary["rows"][0]
-    assert len((out / "COMMAND.txt").read_text().splitlines()) == 2
+    assert len((out / "COMMAND.txt").read_text().splitlines()) == 3  # the two runs and the summary
 
     # Other prompts into the same folder are refused rather than mixed with the old cells.
     with pytest.raises(SystemExit, match="made with other settings"):
         quality.main([a if a != "0.8" else "0.5" for a in argv])
-    assert len((out / "COMMAND.txt").read_text().splitlines()) == 2  # refused before anything was written
+    assert len((out / "COMMAND.txt").read_text().splitlines()) == 3  # refused before anything was written
 
 
 def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
@@ -145,6 +161,23 @@ def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
         quality.build_cells(parser.parse_args(["--out", "o", "--policies", "vattention", "--combined"]))
     assert plain.params == {"budget": 1024, "page_size": 16, "recent_pages": 8}
     assert variant.params == {**plain.params, "per_head": True, "num_pages": 9} and variant.manifest == "a.safetensors"
+
+
+def test_longbench_grid_runs_from_a_local_copy(folder, tmp_path, capsys, cache_dir):
+    quality = load_script()
+    data = tmp_path / "longbench"
+    data.mkdir()
+    rows = [{"input": f"q{i}", "context": "river stone lantern " * 40, "answers": ["river"], "_id": str(i)}
+            for i in range(3)]
+    (data / "musique.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "lb"
+    assert quality.main(["--model", str(folder / "model"), "--suite", "longbench", "--data", str(data), "--tasks",
+                         "musique", "--lengths", "150", "--samples-per-cell", "2", "--policies", "full", "quest",
+                         "--budgets", "32", "--device", "cpu", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["label"], r["prompts"], set(r["tasks"])) for r in summary["rows"]] == [
+        ("full", 2, {"musique"}), ("quest", 2, {"musique"})]
+    assert "LongBench (musique), the first 2 of each task cut to 150 tokens" in (out / "TABLE.md").read_text()
 
 
 def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, cache_dir):

@@ -126,3 +126,24 @@ def test_a_rope_base_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="positive number"):
         rope_base(tiny_config("llama"), 0)
     assert rope_base(tiny_config("llama"), 5e5)["rope_parameters"]["rope_theta"] == 5e5
+
+
+@pytest.mark.slow
+def test_a_gguf_file_by_path_converts_once_and_loads_as_its_alias_does(cache_dir, monkeypatch):
+    import runtime.models as models
+
+    conversions = []  # the tokenizer check runs once per conversion
+    check = models._check_tokenizer
+    monkeypatch.setattr(models, "_check_tokenizer", lambda spec, tok: (conversions.append(spec.name), check(spec, tok)))
+    path = models._packaged_gguf(resolve_model(DEFAULT_MODEL))  # the embedded model's file, named by its path
+    model = load_model(str(path))
+    folder = embedded_folder(resolve_model(str(path)))
+    assert folder.parent == cache_dir / "models" and folder.name.startswith(path.stem + "-")
+    # what the folder says about its origin holds no directory of this machine
+    assert str(path.parent) not in (folder / "SOURCE").read_text() + (folder / "config.json").read_text()
+    again, alias = load_model(str(path)), load_model(DEFAULT_MODEL)  # the alias converts its own copy
+    assert conversions == [str(path), DEFAULT_MODEL]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]) and torch.equal(tensor, alias.state_dict()[name]), name
+    probe = "The capital of France is Paris"
+    assert load_tokenizer(str(path))(probe)["input_ids"] == load_tokenizer(DEFAULT_MODEL)(probe)["input_ids"]

@@ -198,3 +198,13 @@ def test_compiled_eviction_equals_the_eager_step():
             runs.append((logits, [dec.static.pos[i].clone() for i in sorted(dec.static.caps)]))
         assert torch.allclose(runs[0][0], runs[1][0], atol=1e-5)
         assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_compaction_order_is_a_stable_sort_of_the_dropped_slots():
+    from runtime.policies.lethe import compaction_order
+
+    g = torch.Generator().manual_seed(3)
+    for width in (1, 2, 7, 64):
+        keep = torch.rand(5, width, generator=g) < torch.tensor([0.0, 0.3, 0.5, 0.9, 1.0])[:, None]
+        expected = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        assert torch.equal(compaction_order(keep), expected), width

@@ -183,6 +183,35 @@ def test_unknown_ruler_task_is_one_line_before_loading(tiny_folder, capsys):
     assert "unknown RULER task(s) niah" in err and "niah_single_noise" in err and "\n" not in err
 
 
+def test_eval_runs_longbench_from_a_local_copy_and_scores_with_each_task_metric(tiny_folder, tmp_path, capsys,
+                                                                                 monkeypatch):
+    from data.longbench import score
+
+    data = tmp_path / "longbench"
+    data.mkdir()
+    for task, answers, classes in (("hotpotqa", ["river"], None), ("trec", ["Number"], ["Number", "Location"])):
+        rows = [{"input": f"q{i}", "context": "the river runs to the sea " * 30, "answers": answers,
+                 "all_classes": classes, "_id": str(i)} for i in range(3)]
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "lb.json"
+    code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--suite", "longbench", "--data", str(data),
+                 "--tasks", "hotpotqa", "trec", "--lengths", "120", "--samples-per-cell", "2", "--json", str(out)])
+    assert code == 0
+    capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert {t: by_length["120"]["n"] for t, by_length in result["tasks"].items()} == {"hotpotqa": 2, "trec": 2}
+    for r in result["samples"]:
+        assert r["context_length"] == 120
+        classes = ["Number", "Location"] if r["task"] == "trec" else None
+        assert r["score"] == score(r["task"], r["generated"], r["answer"], classes)
+    assert max(r["generated_tokens"] for r in result["samples"] if r["task"] == "hotpotqa") <= 32  # its budget
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no --data, no Hub: one line, before the model loads
+    code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--suite", "longbench", "--lengths", "120"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "THUDM/LongBench" in err and "--data PATH" in err and "\n" not in err
+
+
 def test_reasoning_fidelity_full_is_exact_and_a_small_budget_diverges(tiny_folder, tmp_path, capsys):
     out = tmp_path / "fidelity.json"
     common = ["eval", "--model", str(tiny_folder), "--suite", "reasoning", "--reasoning-source", "arithmetic:3",
@@ -226,15 +255,19 @@ def test_bootstrap_interval_matches_the_normal_approximation():
         bootstrap_interval([1.0], [])
 
 
+def _delta_on_the_engine(tiny_folder):
+    """A tiny model, its tokenizer, passkey settings at two lengths, a DELTA manifest and engine parameters."""
+    settings = EvalSettings(lengths=(260, 330), depths=(0.2, 0.8), samples_per_cell=2, max_new_tokens=5,
+                            alphabet="digits")
+    params = {"engine": "static", "num_pages": 3, "recent_pages": 1, "page_size": 8}
+    return (tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16), tiny_tokenizer(), settings,
+            tiny_folder / "delta.safetensors", params)
+
+
 def test_a_batched_evaluation_scores_every_prompt_as_one_at_a_time(tiny_folder):
     """Batches on the engine (CPU, naive kernels), full and partial: the same generations, scores and per-step
     KL as evaluating each prompt alone, reported in the prompts' own order."""
-    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
-    tok = tiny_tokenizer()
-    settings = EvalSettings(lengths=(260, 330), depths=(0.2, 0.8), samples_per_cell=2, max_new_tokens=5,
-                            alphabet="digits")
-    manifest = tiny_folder / "delta.safetensors"
-    params = {"engine": "static", "num_pages": 3, "recent_pages": 1, "page_size": 8}
+    model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     alone = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=1)
     batched = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
     assert len(alone["samples"]) == len(batched["samples"]) == 8  # per length a batch of 3 and one of 1
@@ -274,3 +307,38 @@ def test_eval_with_a_raised_rope_base_records_it_and_refuses_a_bad_one(tiny_fold
                  str(tiny_folder / "rope.json")])
     assert code == 0
     assert json.loads((tiny_folder / "rope.json").read_text())["rope_theta"] == 40000.0
+
+
+def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_result(tiny_folder, tmp_path,
+                                                                                      monkeypatch):
+    """The engine path keeps each finished batch; a run killed in its second batch, its file's last line
+    torn, resumes at that batch and gives exactly the uninterrupted result. Another run's file is refused."""
+    import runtime.eval as ev
+
+    model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
+    whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)  # 4 batches
+
+    decode, calls = ev._decode_batch, []
+
+    def stop_at_second(*args, **kwargs):
+        calls.append(len(args[3]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "_decode_batch", stop_at_second)
+    file = tmp_path / "cell.partial.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2, checkpoint=file)
+    assert len(file.read_text().splitlines()) == 2  # the header and the first batch
+    with open(file, "a") as f:
+        f.write('{"batch": 1, "records": [')  # killed while writing
+    calls.clear()
+    monkeypatch.setattr(ev, "_decode_batch", lambda *a, **k: (calls.append(len(a[3])), decode(*a, **k))[1])
+    resumed = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2, checkpoint=file)
+    assert calls == [2, 2, 2]  # batches 2-4 only
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
+    assert len(file.read_text().splitlines()) == 5
+    with pytest.raises(ValueError, match="holds the batches of another run"):
+        evaluate(model, tok, manifest, "delta", {**params, "num_pages": 2}, settings, measure=False, batch_size=2,
+                 checkpoint=file)
