@@ -49,27 +49,6 @@ def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, rec
     return topk_with_recent(pool_pages(token_scores, page_size), num_pages, recent_pages)
 
 
-def refine_pages(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor, scale: float,
-                 num_pages: int, recent_pages: int, last: torch.Tensor | int, impl: Any = None,
-                 topk: Any = None) -> torch.Tensor:
-    """Two-stage selection, second stage: candidate page ids ``[B, Hkv, C]`` (any order, -1 = none) and a layer's
-    page metadata ``[B, Hkv, n, D]`` → per KV head the ``num_pages`` candidates with the highest Quest bound of
-    ``query`` (max over the head's query group), the pages after ``last − recent_pages`` (the recent ones)
-    always; ``[B, Hkv, min(num_pages, C)]`` ascending, -1 padded. ``impl``: the page-bound kernels (the
-    references by default). Reads ``C`` pages of metadata per head, not all of them; no host sync.
-
-    ``topk`` (the engine's Triton top-k, same contract as the reference over indices) may rank the candidates
-    instead, when they are ascending with the ``recent_pages`` recent pages among them, as a Δ-layer's choice
-    is: the recent pages are then the last valid entries, so ranking entry indices gives the same pages."""
-    impl = impl or bounds_naive
-    scores = impl.page_scores(query, kmin, kmax, scale, pages=candidates)  # [B, Hkv, C], -inf for -1
-    if topk is None:
-        candidates = candidates.long()
-        return topk_with_recent(scores, num_pages, recent_pages, candidates >= 0, last=last, positions=candidates)
-    chosen = topk(scores, num_pages, recent_pages, last=(candidates >= 0).sum(-1) - 1)  # entries, ascending
-    return torch.where(chosen >= 0, candidates.gather(-1, chosen.clamp_min(0).long()).to(chosen.dtype), -1)
-
-
 @dataclass
 class Delta:
     num_pages: int = 64  # K: pages read by sparse layers, recent ones included
@@ -136,11 +115,12 @@ class Delta:
         return Plan(indices=pages, block_size=self.page_size)
 
     def refined(self, step: Step, candidates: torch.Tensor) -> torch.Tensor:
-        """The sparse layer's own choice among the Δ-layer's candidates (:func:`refine_pages`), from page
-        metadata computed over every readable key (the reference: cost is no concern here)."""
+        """The sparse layer's own choice among the Δ-layer's candidates (``refine_candidates`` of
+        :mod:`runtime.kernels.page_bounds`), from page metadata computed over every readable key (the
+        reference: cost is no concern here)."""
         kmin, kmax = page_minmax(step.key, step.keep, self.page_size)  # [B, Hkv, n, D]
-        last = (step.key.shape[2] - 1) // self.page_size  # the new token's page
-        return refine_pages(step.query, kmin, kmax, candidates, step.scale, self.num_pages, self.recent_pages, last)
+        return bounds_naive.refine_candidates(step.query, kmin, kmax, candidates, step.scale, self.num_pages,
+                                              self.recent_pages)
 
     def static_step(self, shape: Any) -> DeltaStep:
         if len(self.roles) != shape.layers:
@@ -202,11 +182,7 @@ class DeltaStep:
             pages = state["delta.pages"]
             if self.meta is not None:
                 kmin, kmax = self.meta.update(dec, layer, k, span)
-                last = torch.div(dec.cache.length, self.page_size, rounding_mode="floor")
-                # where the Triton top-k chose the Δ-layer's candidates (ascending, recent pages last), it ranks
-                # them by entry too
-                pages = refine_pages(q, kmin, kmax, pages, dec.shape.attention_scale, self.num_pages,
-                                     self.recent_pages, last, self.meta.impl(dec),
-                                     dec.triton_topk(math.ceil(k.shape[2] / self.page_size)))
+                pages = self.meta.impl(dec).refine_candidates(q, kmin, kmax, pages, dec.shape.attention_scale,
+                                                              self.num_pages, self.recent_pages)
             return dec.attend(q, k, v, span, pages, self.page_size)
         return dec.attend(q, k, v, span)

@@ -167,7 +167,7 @@ def gpu_decoders(name, kernels="auto", min_context=0, batch=3, max_len=3000, sta
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["full", "delta", "lychee", "quest", "vattention", "lethe"])
+@pytest.mark.parametrize("name", ["full", "delta", "delta-refine", "lychee", "quest", "vattention", "lethe"])
 def test_graph_replay_equals_eager_step_on_gpu(name):
     eager, graphed = gpu_decoders(name)
     graphed.capture()
@@ -198,7 +198,7 @@ def test_fallback_graphs_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["delta", "lychee"])
+@pytest.mark.parametrize("name", ["delta", "delta-refine", "lychee"])
 def test_triton_decoder_matches_the_references_on_gpu(name):
     """With a budget covering the context a sparse policy equals full; Triton against the PyTorch references."""
     fast, _ = gpu_decoders(name, kernels="triton", budget=4096)

@@ -5,6 +5,7 @@ GPU run covers the odd shapes and dtypes that matter for speed (T up to 131072, 
 """
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -411,29 +412,71 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))  # the CPU takes F.linear
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hkv, groups, n, width, k", [(8, 4, 7, 8192, 512, 128), (3, 8, 4, 2049, 1000, 64),
+                                                         (1, 2, 1, 40, 17, 5)])
+def test_refine_candidates_on_gpu(b, hkv, groups, n, width, k):
+    """bf16 metadata at the benchmark's shape (8 × 4 KV heads, 8K pages, 4·128 candidates) and odd ones: each
+    head keeps its recent pages and a top-k of the reference's scores (up to bf16 ties), in ascending order."""
+    from runtime.kernels.page_bounds import naive as pb_naive
+    from runtime.kernels.page_bounds import triton as pb_tri
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    kmin = torch.randn(b, hkv, n, 128, generator=g)
+    kmax = (kmin + torch.rand(b, hkv, n, 128, generator=g)).cuda().bfloat16()
+    kmin = kmin.cuda().bfloat16()
+    query = torch.randn(b, hkv * groups, 128, generator=g).cuda().bfloat16()
+    last = n - 1 - torch.arange(b, device="cuda")  # ragged: each row's new page
+    candidates = topk_tri.topk_with_recent(torch.rand(b, hkv, n, device="cuda"), width, 8, last=last[:, None])
+    fast = pb_tri.refine_candidates(query, kmin, kmax, candidates, 0.088, k, 8)
+    scores = pb_naive.page_scores(query, kmin, kmax, 0.088, pages=candidates)  # [B, Hkv, C]
+    ref = pb_naive.refine_candidates(query, kmin, kmax, candidates, 0.088, k, 8)
+    assert fast.shape == ref.shape == (b, hkv, min(k, width))
+    for row in range(b):
+        for h in range(hkv):
+            got = [u for u in fast[row, h].tolist() if u >= 0]
+            assert got == sorted(got) and len(got) == len([u for u in ref[row, h].tolist() if u >= 0])
+            cand = candidates[row, h].tolist()
+            score = {u: float(x) for u, x in zip(cand, scores[row, h].tolist()) if u >= 0}
+            recent = {u for u in score if u > int(last[row]) - 8}
+            assert recent <= set(got)
+            kept, left = set(got) - recent, set(score) - set(got)
+            if kept and left:
+                assert min(score[u] for u in kept) >= max(score[u] for u in left) - 0.02 * (1 + abs(max(score.values())))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers the engine's step")
-def test_refine_ranks_candidates_by_entry_as_the_reference_ranks_pages_in_interpreter():
-    """A Δ-layer's candidates (ascending, the recent pages among them): the Triton top-k over entry indices
-    picks the same pages as the reference over page ids; page_scores over a candidate list equals gathering."""
+def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
+    """The fused second stage (bounds of the candidates, then the top-k rule, in one program per KV head) picks
+    the reference's pages: a Δ-layer's ascending choice shared by the heads or per head, -1 padded rows, and
+    the same candidates shuffled (the rule is by page id, not by place); page_scores over a candidate list
+    equals gathering."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     from runtime.kernels.page_bounds import naive as pb_naive
     from runtime.kernels.page_bounds import triton as pb_tri
     from runtime.kernels.topk_select import triton as topk_tri
-    from runtime.policies.delta import refine_pages
 
     g = torch.Generator().manual_seed(3)
     b, hkv, groups, d, n = 2, 2, 3, 16, 40
     kmin = torch.randn(b, hkv, n, d, generator=g)
     kmax = kmin + torch.rand(b, hkv, n, d, generator=g)
+    kmin[1, :, :2], kmax[1, :, :2] = math.inf, -math.inf  # empty pages (left padding)
     query = torch.randn(b, hkv * groups, d, generator=g)
-    for last in (39, 25, 6):  # the new token's page
-        pooled = torch.rand(b, n, generator=g)
-        candidates = topk_tri.topk_with_recent(pooled, 12, 3, last=last)[:, None, :].expand(b, hkv, 12)
+    for last, width, per_head in ((39, 12, False), (25, 12, True), (6, 12, False), (39, 150, True)):
+        pooled = torch.rand(b, hkv if per_head else 1, n, generator=g)
+        candidates = topk_tri.topk_with_recent(pooled, width, 3, last=last).expand(b, hkv, -1)  # -1 past last + 1
         got = pb_tri.page_scores(query, kmin, kmax, 0.25, pages=candidates)
         want = pb_naive.page_scores(query, kmin, kmax, 0.25, pages=candidates)
         assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), (candidates < 0) | want.isinf())
-        ref = refine_pages(query, kmin, kmax, candidates, 0.25, 5, 2, last, pb_naive)
-        fast = refine_pages(query, kmin, kmax, candidates, 0.25, 5, 2, last, pb_tri, topk_tri.topk_with_recent)
-        assert torch.equal(fast.long(), ref.long()), (last, fast, ref)
-        assert (ref[..., -1] >= 0).all() and set(range(last - 1, last + 1)) <= set(ref[0, 0].tolist())
+        ref = pb_naive.refine_candidates(query, kmin, kmax, candidates, 0.25, 5, 2)
+        fast = pb_tri.refine_candidates(query, kmin, kmax, candidates.contiguous(), 0.25, 5, 2)
+        assert fast.dtype == torch.int32 and torch.equal(fast.long(), ref.long()), (last, fast, ref)
+        assert (ref[..., -1] >= 0).all() and {last - 1, last} <= set(ref[0, 0].tolist())
+        shuffled = candidates.gather(-1, torch.randperm(candidates.shape[-1], generator=g).expand_as(candidates))
+        fast = pb_tri.refine_candidates(query, kmin, kmax, shuffled.contiguous(), 0.25, 5, 2)
+        def chosen(pages):
+            return [sorted(u for u in row if u >= 0) for row in pages.reshape(-1, pages.shape[-1]).tolist()]
+
+        assert chosen(fast) == chosen(ref)

@@ -9,12 +9,22 @@ token's logit in the page.
                                                        group, combined by ``"max"`` or ``"sum"``
 ``update_page(key, kmin, kmax, first, last, P)``       recompute, in place, the page holding slot ``last``
                                                        from the keys in ``first[b]..last``
+``refine_candidates(query, kmin, kmax, candidates,     ``[B, Hkv, C]`` ascending candidate pages (a Δ-layer's
+scale, K, L)``                                         choice) → each KV head's ``K`` best by ``page_scores``,
+                                                       its last ``L`` always: ``[B, Hkv, min(K, C)]``
 =====================================================  ====================================================
 
-The references are in ``naive.py``; the engine's step runs ``page_scores`` and ``update_page`` from
-``triton.py`` on the GPU (one launch each, instead of two float32 matrix products and a dozen small kernels).
+The references are in ``naive.py``; the engine's step runs ``page_scores``, ``update_page`` and
+``refine_candidates`` from ``triton.py`` on the GPU (one launch each, instead of two float32 matrix products and a
+dozen small kernels).
 """
 
-from runtime.kernels.page_bounds.naive import page_bounds, page_minmax, page_scores, update_page
+from runtime.kernels.page_bounds.naive import (
+    page_bounds,
+    page_minmax,
+    page_scores,
+    refine_candidates,
+    update_page,
+)
 
-__all__ = ["page_bounds", "page_minmax", "page_scores", "update_page"]
+__all__ = ["page_bounds", "page_minmax", "page_scores", "refine_candidates", "update_page"]

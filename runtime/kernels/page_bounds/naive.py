@@ -60,3 +60,17 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
     keys = key.index_select(2, slots)  # [B, Hkv, P, D]
     kmin.index_copy_(2, page, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True))
     kmax.index_copy_(2, page, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True))
+
+
+def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
+                      scale: float, num_pages: int, recent_pages: int, group: str = "max") -> torch.Tensor:
+    """Two-stage selection's second stage: candidate page ids ``[B, Hkv, C]`` (any order, -1 = none; a Δ-layer's
+    choice, whose largest page is the new token's) → per KV head at most ``num_pages`` of them: the candidates
+    within ``recent_pages`` of the largest always (the recent pages), then those of highest :func:`page_scores`;
+    ``[B, Hkv, min(num_pages, C)]`` ascending page ids, -1 padded. Reads the metadata of the candidates only;
+    no host sync."""
+    from runtime.kernels.topk_select import topk_with_recent
+
+    scores = page_scores(query, kmin, kmax, scale, group, pages=candidates)  # [B, Hkv, C], -inf for -1
+    ids = candidates.long()
+    return topk_with_recent(scores, num_pages, recent_pages, ids >= 0, positions=ids).to(candidates.dtype)

@@ -6,31 +6,22 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.topk_select.triton import MAX_N, store_ascending, top_w
+
 
 @triton.jit
-def _page_scores(Q, KMIN, KMAX, OUT, IDX, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_oh, s_ib, s_ih, n, scale, HKV,
-                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr,
-                 GROUP_MAX: tl.constexpr, HAS_IDX: tl.constexpr):
-    row = tl.program_id(0)  # (sequence, KV head)
-    b = row // HKV
-    h = row % HKV
+def _group_bounds(Q, KMIN, KMAX, b, h, pages, ok, s_qb, s_qh, s_mb, s_mh, s_mn, scale, G: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUP_MAX: tl.constexpr):
+    """``[PB]`` scores of ``pages`` (where ``ok``) for KV head ``h`` of sequence ``b``: the query group's bounds,
+    their max or sum; ``-inf`` for empty pages and where not ``ok``."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
-    entry = tl.program_id(1) * PB + tl.arange(0, PB)  # the output column: a page, or a place in IDX's list
-    if HAS_IDX:
-        pages = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=entry < n, other=-1)
-        ok = pages >= 0
-        written = entry < n  # a -1 entry gets -inf
-    else:
-        pages = entry
-        ok = pages < n
-        written = ok
     base = b * s_mb + h * s_mh + pages[:, None] * s_mn + d[None, :]
     lo = tl.load(KMIN + base, mask=ok[:, None] & (d < D)[None, :], other=0.0)
     hi = tl.load(KMAX + base, mask=ok[:, None] & (d < D)[None, :], other=0.0)
     lo0 = tl.load(KMIN + b * s_mb + h * s_mh + pages * s_mn, mask=ok, other=1.0)
     hi0 = tl.load(KMAX + b * s_mb + h * s_mh + pages * s_mn, mask=ok, other=0.0)
-    empty = hi0 < lo0  # also the pages past n
+    empty = hi0 < lo0  # also where not ok
     lo = tl.where(empty[:, None], 0.0, lo)
     hi = tl.where(empty[:, None], 0.0, hi)
     q = tl.load(Q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
@@ -42,7 +33,27 @@ def _page_scores(Q, KMIN, KMAX, OUT, IDX, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_
         score = tl.max(tl.where((g < G)[:, None], bound, float("-inf")), 0)
     else:
         score = tl.sum(tl.where((g < G)[:, None], bound, 0.0), 0)
-    score = tl.where(empty, float("-inf"), score)
+    return tl.where(empty, float("-inf"), score)
+
+
+@triton.jit
+def _page_scores(Q, KMIN, KMAX, OUT, IDX, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_oh, s_ib, s_ih, n, scale, HKV,
+                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr,
+                 GROUP_MAX: tl.constexpr, HAS_IDX: tl.constexpr):
+    row = tl.program_id(0)  # (sequence, KV head)
+    b = row // HKV
+    h = row % HKV
+    entry = tl.program_id(1) * PB + tl.arange(0, PB)  # the output column: a page, or a place in IDX's list
+    if HAS_IDX:
+        pages = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=entry < n, other=-1)
+        ok = pages >= 0
+        written = entry < n  # a -1 entry gets -inf
+    else:
+        pages = entry
+        ok = pages < n
+        written = ok
+    score = _group_bounds(Q, KMIN, KMAX, b, h, pages, ok, s_qb, s_qh, s_mb, s_mh, s_mn, scale, G, G_PAD, D, D_PAD,
+                          GROUP_MAX)
     tl.store(OUT + b * s_ob + h * s_oh + entry, score, mask=written)
 
 
@@ -97,3 +108,57 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
     _update_page[(b * hkv,)](key, kmin, kmax, first, last, key.stride(0), key.stride(1), key.stride(2),
                              kmin.stride(0), kmin.stride(1), kmin.stride(2), t, hkv, P=page_size, D=d,
                              D_PAD=triton.next_power_of_2(d))
+
+
+@triton.jit
+def _refine(Q, KMIN, KMAX, CAND, SCORES, OUT, s_qb, s_qh, s_mb, s_mh, s_mn, s_cb, s_ch, C, scale, HKV,
+            G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr,
+            C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr,
+            GROUP_MAX: tl.constexpr):
+    row = tl.program_id(0)  # (sequence, KV head): scores its candidates, then chooses among them
+    b = row // HKV
+    h = row % HKV
+    for start in range(0, C, PB):
+        entry = start + tl.arange(0, PB)
+        pages = tl.load(CAND + b * s_cb + h * s_ch + entry, mask=entry < C, other=-1)
+        score = _group_bounds(Q, KMIN, KMAX, b, h, pages, pages >= 0, s_qb, s_qh, s_mb, s_mh, s_mn, scale, G, G_PAD,
+                              D, D_PAD, GROUP_MAX)
+        tl.store(SCORES + row * C_PAD + entry, score, mask=entry < C)
+    tl.debug_barrier()  # the scores written above by every thread of this program, read below by others
+    i = tl.arange(0, C_PAD)
+    cand = tl.load(CAND + b * s_cb + h * s_ch + i, mask=i < C, other=-1)
+    live = cand >= 0
+    last = tl.max(cand, 0)  # the new token's page: the recent pages are the candidates within RECENT of it
+    x = tl.load(SCORES + row * C_PAD + i, mask=live, other=float("-inf"))
+    x = tl.where(live & (cand > last - RECENT), float("inf"), x)
+    x = tl.where(live, x, float("-inf"))
+    store_ascending(OUT + row * W, cand.to(tl.int32), top_w(x, W, BITS), W, W_PAD)
+
+
+def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
+                      scale: float, num_pages: int, recent_pages: int, group: str = "max") -> torch.Tensor:
+    """See :func:`runtime.kernels.page_bounds.naive.refine_candidates`: one program per (sequence, KV head)
+    scores its candidates (in blocks, kept in a float32 scratch row) and chooses among them with the top-k
+    kernel's rule (ties to the earlier entry), so the choice is one launch instead of a scoring kernel, a top-k
+    kernel and a gather. The pages come out in the candidates' order: ascending for a Δ-layer's choice on the
+    GPU, and in any order the attention kernels read them."""
+    b, hq, d = query.shape
+    _, hkv, n, dk = kmin.shape
+    c = candidates.shape[-1]
+    if dk != d or hq % hkv or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or query.stride(-1) != 1:
+        raise ValueError(f"query [B, {hq}, {d}] does not fit page metadata [B, {hkv}, n, {dk}] with unit last "
+                         "strides (kmin and kmax alike)")
+    if c > MAX_N or candidates.stride(-1) != 1:
+        raise ValueError(f"{c} candidates per head (at most {MAX_N}, contiguous) do not fit one program; use the "
+                         "reference")
+    g, w, c_pad = hq // hkv, min(num_pages, c), triton.next_power_of_2(c)
+    out = torch.empty(b, hkv, w, device=query.device, dtype=torch.int32)
+    scratch = torch.empty(b * hkv, c_pad, device=query.device, dtype=torch.float32)
+    _refine[(b * hkv,)](
+        query, kmin, kmax, candidates, scratch, out, query.stride(0), query.stride(1), kmin.stride(0),
+        kmin.stride(1), kmin.stride(2), candidates.stride(0), candidates.stride(1), c, float(scale), hkv, G=g,
+        G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        PB=min(128, max(16, c_pad)), C_PAD=c_pad, W=w, W_PAD=triton.next_power_of_2(w), RECENT=recent_pages, BITS=2,
+        GROUP_MAX=group == "max", num_warps=8 if c_pad > 512 else 4,
+    )
+    return out

@@ -19,15 +19,10 @@ MAX_N = 16384  # scores per row one program holds in registers
 
 
 @triton.jit
-def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr,
-                 N_PAD: tl.constexpr, BITS: tl.constexpr):
-    row = tl.program_id(0)
-    i = tl.arange(0, N_PAD)
-    last = tl.load(LAST + row * s_last)
-    ok = (i < n) & (i <= last)
-    x = tl.load(S + row * s_row + i, mask=ok, other=float("-inf")).to(tl.float32)
-    x = tl.where(ok & (i > last - RECENT), float("inf"), x)
-    x = tl.where(ok, x, float("-inf"))
+def top_w(x, W: tl.constexpr, BITS: tl.constexpr):
+    """``[N_PAD]`` float32 ranks (``+inf``: always taken, ``-inf``: never) → a mask of the ``W`` largest (ties to
+    the lower index; fewer where fewer are above ``-inf``). Shared with the kernels that choose inside a larger
+    program (:func:`runtime.kernels.page_bounds.triton.refine_candidates`)."""
     bits = x.to(tl.int32, bitcast=True)
     # unsigned 32-bit keys in float order (negative floats: every bit flipped; the others: the sign bit set)
     key = tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
@@ -58,11 +53,29 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     greater = live & (key > kth)
     equal = live & (key == kth)
     take = W - tl.sum(greater.to(tl.int32), 0)
-    chosen = greater | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= take))
+    return greater | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= take))
+
+
+@triton.jit
+def store_ascending(OUT, values, chosen, W: tl.constexpr, W_PAD: tl.constexpr):
+    """Write ``values`` where ``chosen`` to ``OUT[0:W]`` in their order, then -1 up to ``W``."""
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(OUT + row * W + slot, i, mask=chosen)
+    tl.store(OUT + slot, values, mask=chosen)
     j = tl.arange(0, W_PAD)
-    tl.store(OUT + row * W + j, tl.full([W_PAD], -1, tl.int32), mask=(j < W) & (j >= tl.sum(chosen.to(tl.int32), 0)))
+    tl.store(OUT + j, tl.full([W_PAD], -1, tl.int32), mask=(j < W) & (j >= tl.sum(chosen.to(tl.int32), 0)))
+
+
+@triton.jit
+def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr,
+                 N_PAD: tl.constexpr, BITS: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N_PAD)
+    last = tl.load(LAST + row * s_last)
+    ok = (i < n) & (i <= last)
+    x = tl.load(S + row * s_row + i, mask=ok, other=float("-inf")).to(tl.float32)
+    x = tl.where(ok & (i > last - RECENT), float("inf"), x)
+    x = tl.where(ok, x, float("-inf"))
+    store_ascending(OUT + row * W, i, top_w(x, W, BITS), W, W_PAD)
 
 
 def _warps(n: int) -> int:
