@@ -96,7 +96,9 @@ class Session:
 
     def generate(self, *args: Any, **kwargs: Any):
         """``model.generate``'s arguments and outputs; the engine when :meth:`engine_reason` allows (then also
-        ``seed=`` for sampling), else ``model.generate`` on the reference path with a cache from :meth:`cache`."""
+        ``seed=`` for sampling, and ``reference_logits=True`` for full attention's logits along the generated
+        tokens in ``self.last.reference_logits``), else ``model.generate`` on the reference path with a cache from
+        :meth:`cache`."""
         why = self.engine_reason(kwargs, args)
         if why is None:
             return self._generate_static(**kwargs)
@@ -146,7 +148,8 @@ class Session:
                          top_p: float | None = None, top_k: int | None = None, seed: int = 0,
                          eos_token_id: Any = None, pad_token_id: int | None = None, stop_strings: Any = None,
                          tokenizer: Any = None, streamer: Any = None, output_logits: bool = False,
-                         return_dict_in_generate: bool = False, num_beams: int = 1, use_cache: bool = True):
+                         return_dict_in_generate: bool = False, num_beams: int = 1, use_cache: bool = True,
+                         reference_logits: bool = False):
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         from runtime.engine import Sampling, Weights, generate
@@ -169,7 +172,7 @@ class Session:
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
         out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
                        pad_token_id=int(pad), stop_strings=stops, tokenizer=tokenizer, streamer=streamer,
-                       output_logits=output_logits, min_context=self.min_context)
+                       output_logits=output_logits, min_context=self.min_context, reference_logits=reference_logits)
         self.last = out
         width = max(len(t) for t in out.tokens)
         rows = [t + [int(pad)] * (width - len(t)) for t in out.tokens]
@@ -251,7 +254,7 @@ SESSION_PARAMS = ("record_recall", "record_error", "engine", "min_context")
 # model.generate arguments the engine honours (the rest send a request to the reference path)
 ENGINE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                  "seed", "eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "streamer", "output_logits",
-                 "return_dict_in_generate", "num_beams", "use_cache"}
+                 "return_dict_in_generate", "num_beams", "use_cache", "reference_logits"}
 
 
 def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleManifest | None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from runtime.engine.decoder import StaticDecoder, pad_left
+from runtime.engine.prefill import dense_logits, keeps_prompt
 from runtime.engine.sampling import Sampler, Sampling
 from runtime.engine.weights import Weights
 
@@ -64,6 +65,9 @@ class Generation:
     decode_s: float
     steps: int
     logits: list[torch.Tensor] | None = None  # per row [steps + 1, V] float32 on the device, when asked for
+    # per row [steps, V]: full attention's logits along the generated tokens (the reference of logits[1:]), when
+    # asked for and the policy kept the prompt's K/V
+    reference_logits: list[torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -109,7 +113,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
              stop_strings: list[str] | tuple[str, ...] = (), tokenizer: Any = None, streamer: Any = None,
              check_every: int = 8, kernels: str = "auto", min_context: int | None = None,
              graphs: bool | None = None, prefill_chunk: int | None = None,
-             output_logits: bool = False) -> Generation:
+             output_logits: bool = False, reference_logits: bool = False) -> Generation:
     """Generate for every prompt (token id lists of any lengths: a ragged batch is left-padded).
 
     ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
@@ -153,7 +157,11 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     logits = None
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
         logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
-    return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits,
+    reference = None
+    if reference_logits and keeps_prompt(dec):  # the tokens the steps after the first read, in the same slots
+        dense = dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]) if count > 1 else None
+        reference = [dense[r] if dense is not None else dec.logits.new_empty(0, dec.shape.vocab) for r in range(b)]
+    return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits, reference,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
                        "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",

@@ -18,7 +18,7 @@ DEFAULT_CHUNK = 4096
 
 def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: int | None = None) -> torch.Tensor:
     """See :meth:`runtime.engine.decoder.StaticDecoder.prefill`."""
-    s, w, c = dec.shape, dec.weights, dec.cache
+    c = dec.cache
     b, p = input_ids.shape
     pads = list(pads or [0] * b)
     room = c.min_slots - (c.min_slots < c.slots)  # a compact layer keeps a slot free for the first new token
@@ -27,48 +27,79 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
                          f"{room} slots (each row needs at least one token)")
     if dec.position:
         raise RuntimeError("prefill needs an empty cache; make a new decoder for a new request")
-    device = c.length.device
-    input_ids = input_ids.to(device)
-    c.pads.copy_(torch.tensor(pads, device=device))
+    input_ids = input_ids.to(c.length.device)
+    c.pads.copy_(torch.tensor(pads, device=c.length.device))
     chunk = chunk or DEFAULT_CHUNK
-    pad_t = c.pads[:, None]  # [B, 1]
-    g = s.heads // s.kv_heads
     h_last = None
     for start in range(0, p, chunk):
         end = min(start + chunk, p)
-        q_slots = torch.arange(start, end, device=device)  # [C]
-        k_slots = torch.arange(end, device=device)  # [T]
-        positions = (q_slots[None, :] - pad_t).clamp_min(0)  # [B, C]
-        plain = start == 0 and not any(pads)
-        masks = {}
-        for window in set(s.windows):
-            if plain and window is None:
-                masks[window] = None  # SDPA's causal kernel
-                continue
-            m = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad_t[:, :, None])
-            if window is not None:
-                m = m & (k_slots[None, None, :] > q_slots[None, :, None] - window)
-            # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
-            m = m | (k_slots[None, None, :] == q_slots[None, :, None])
-            masks[window] = m[:, None]  # [B, 1, C, T]
-        rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
-        x, h = L.first_input(w, input_ids[:, start:end])  # [B, C, H]
-        for i, lw in enumerate(w.layers):
-            q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
-            c.k[i][:, :, start:end] = k.transpose(1, 2)
-            c.v[i][:, :, start:end] = v.transpose(1, 2)
-            keys, values = c.k[i][:, :, :end], c.v[i][:, :, :end]
-            mask = masks[s.windows[i]]
-            if mask is None:
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True,
-                                                   scale=s.attention_scale, enable_gqa=g > 1)
-            else:
-                if g > 1:
-                    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                   scale=s.attention_scale)
-            x, h = L.finish_layer(w, i, x, o.transpose(1, 2).flatten(2))
-        h_last = h[:, -1]
-    dec.choose(L.logits(w, h_last))
+        h_last = _forward(dec, input_ids[:, start:end], start, plain=start == 0 and not any(pads))[:, -1]
+    dec.choose(L.logits(dec.weights, h_last))
     dec.set_length(p)
     return dec.logits
+
+
+def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None) -> torch.Tensor:
+    """Full attention's logits ``[B, C, V]`` along ``tokens [B, C]`` fed at slots ``start, start + 1, …`` (``start``:
+    the prefill's padded width) over the prompt's K/V in the cache, by the prefill's dense pass: the
+    teacher-forced reference of a trace a policy generated, without reading the prompt again. Their K/V overwrite
+    what the decode steps wrote there, so the decoder's generation is over. A policy that evicts prompt tokens
+    (compact layers) leaves no prompt to score against."""
+    if not keeps_prompt(dec):
+        raise ValueError(f"policy {dec.policy.name!r} keeps compact layers: the prompt keys it evicted are gone")
+    c, (b, n) = dec.cache, tokens.shape
+    if b != dec.batch or not 0 < start <= dec.position or start + n > c.slots:
+        raise ValueError(f"{n} tokens at slot {start} do not fit a cache of {dec.batch} rows × {c.slots} slots "
+                         f"holding {dec.position}")
+    tokens = tokens.to(c.length.device)
+    chunk = chunk or DEFAULT_CHUNK
+    return torch.cat([L.logits(dec.weights, _forward(dec, tokens[:, k:k + chunk], start + k, plain=False))
+                      for k in range(0, n, chunk)], 1)
+
+
+def keeps_prompt(dec) -> bool:
+    """Whether the prompt's K/V are still in the cache after decoding (no layer of the policy's is compact)."""
+    return not getattr(dec.static, "owned_layers", None)
+
+
+def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Tensor:
+    """The dense pass of ``input_ids [B, C]`` at slots ``start …``: writes their K/V into the cache and returns the
+    last layer's normed hidden states ``[B, C, H]``. ``plain`` (a first chunk, no padding): SDPA's causal kernel
+    where no window applies."""
+    s, w, c = dec.shape, dec.weights, dec.cache
+    device = c.length.device
+    end = start + input_ids.shape[1]
+    pad_t = c.pads[:, None]  # [B, 1]
+    g = s.heads // s.kv_heads
+    q_slots = torch.arange(start, end, device=device)  # [C]
+    k_slots = torch.arange(end, device=device)  # [T]
+    positions = (q_slots[None, :] - pad_t).clamp_min(0)  # [B, C]
+    masks = {}
+    for window in set(s.windows):
+        if plain and window is None:
+            masks[window] = None  # SDPA's causal kernel
+            continue
+        m = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad_t[:, :, None])
+        if window is not None:
+            m = m & (k_slots[None, None, :] > q_slots[None, :, None] - window)
+        # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
+        m = m | (k_slots[None, None, :] == q_slots[None, :, None])
+        masks[window] = m[:, None]  # [B, 1, C, T]
+    rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
+    x, h = L.first_input(w, input_ids)  # [B, C, H]
+    for i, lw in enumerate(w.layers):
+        q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
+        c.k[i][:, :, start:end] = k.transpose(1, 2)
+        c.v[i][:, :, start:end] = v.transpose(1, 2)
+        keys, values = c.k[i][:, :, :end], c.v[i][:, :, :end]
+        mask = masks[s.windows[i]]
+        if mask is None:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True,
+                                               scale=s.attention_scale, enable_gqa=g > 1)
+        else:
+            if g > 1:
+                keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                               scale=s.attention_scale)
+        x, h = L.finish_layer(w, i, x, o.transpose(1, 2).flatten(2))
+    return h

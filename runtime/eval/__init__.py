@@ -1,7 +1,8 @@
 """Evaluate a policy against dense attention on held-out prompts.
 
-For each prompt the policy generates greedily (``evaluate``); one dense forward pass over the prompt and that
-generation then gives the full-attention logits at the very same positions, so every decode step yields
+For each prompt the policy generates greedily (``evaluate``); a dense pass then gives the full-attention logits
+at the very same positions (on the engine over the generated tokens alone, on the prompt's K/V it already
+holds; elsewhere one forward over the prompt and that generation), so every decode step yields
 
 * the KL divergence ``KL(p_full ‖ p_policy)`` and whether both pick the same top-1 token;
 * per layer, the attention recall (true attention mass inside the set the layer read) and the fraction of
@@ -197,7 +198,9 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(budgets),
                   do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
-    if not on_engine:
+    if on_engine:  # full attention's logits along the trace, from the prompt's K/V the engine already holds
+        kwargs["reference_logits"] = True
+    else:
         # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts the
         # attention mass that fell on evicted tokens.
         kwargs["past_key_values"] = DynamicCache(config=model.config)
@@ -208,12 +211,16 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
     news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
     news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
-    # More than one query token: the engine runs this forward densely (prefill path).
-    dense = _dense_logits(model, [p + n[:-1] for p, n in zip(prompts, news)], [len(n) for n in news])
+    # the reference of steps 1 … n − 1: the engine's dense pass over the generated tokens, or (off the engine, and
+    # for a policy that evicted prompt keys) one transformers forward over prompt and trace
+    dense = session.last.reference_logits if session.last is not None else None
+    if dense is None:
+        dense = [d[1:] for d in _dense_logits(model, [p + n[:-1] for p, n in zip(prompts, news)],
+                                              [len(n) for n in news])]
     rows = []
     for r, sample in enumerate(batch):
         n = len(news[r])
-        kl, top1 = step_divergence(dense[r][1:], steps[r, 1:n].to(dense[r].device))
+        kl, top1 = step_divergence(dense[r][:n - 1], steps[r, 1:n].to(dense[r].device))
         rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
                      kl.cpu(), top1.cpu()))
     return rows, engine

@@ -288,6 +288,33 @@ def test_sampler_draws_follow_the_softmax(top_k):
     assert int(Sampler(Sampling(), "cpu")(logits)) == 0  # do_sample=False: greedy
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_reference_logits_are_full_attention_along_the_generated_tokens(family):
+    """``reference_logits``: one dense pass over the generated tokens on the prompt's cached K/V gives what one
+    transformers forward over prompt and trace gives at those positions (a ragged batch; Gemma 3's windows); for
+    ``full`` they are its own step logits, for ``delta`` they differ from its steps; Lethe, which evicts prompt
+    keys, gives none."""
+    model = model_of(family)
+    rows = prompts()
+    w = Weights.from_model(model, positions=256)
+    for policy in ("full", "delta", "lethe"):
+        pol = get_policy(policy.split("-")[0], **PARAMS[policy])
+        pol.bind(manifest_of(model, policy), model.config)
+        out = engine.generate(w, pol, rows, max_new_tokens=NEW, pad_token_id=PAD, kernels="naive", output_logits=True,
+                              reference_logits=True, min_context=0)
+        if policy == "lethe":
+            assert out.reference_logits is None
+            continue
+        for r, prompt in enumerate(rows):
+            ref = out.reference_logits[r]
+            assert ref.shape == (NEW - 1, model.config.vocab_size)
+            with torch.no_grad():
+                want = model(torch.tensor([prompt + out.tokens[r][:-1]])).logits[0, len(prompt):]
+            assert float((ref - want).abs().max()) < 1e-4, (family, policy, r)
+            gap = float((ref - out.logits[r][1:]).abs().max())
+            assert gap < 1e-4 if policy == "full" else gap > 1e-2, (family, policy, r, gap)
+
+
 # -- 4. stopping -----------------------------------------------------------------------------------------------
 def test_per_row_eos_equals_reference():
     model = model_of("llama")
