@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("calibrate.cli", "record attention and choose Δ-layers and Lethe budgets (= calibrate-delta)"),
     "train": ("train.cli", "learn retrieval heads with HardKuma gates (= train-heads)"),
     "decode": ("runtime.cli.decode", "generate with a manifest and a sparse-decode policy"),
-    "eval": ("runtime.cli.eval", "compare policies on passkey prompts"),
+    "eval": ("runtime.cli.eval", "compare policies on passkey, RULER-style, LongBench or reasoning prompts"),
     "export": ("runtime.cli.export", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
     "import": ("runtime.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
     "merge": ("runtime.cli.merge", "combine a layers manifest and a heads manifest of one model"),
