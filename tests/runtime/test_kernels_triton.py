@@ -414,7 +414,7 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, hkv, groups, n, width, k", [(8, 4, 7, 8192, 512, 128), (3, 8, 4, 2049, 1000, 64),
-                                                         (1, 2, 1, 40, 17, 5)])
+                                                         (1, 2, 1, 40, 17, 9)])
 def test_refine_candidates_on_gpu(b, hkv, groups, n, width, k):
     """bf16 metadata at the benchmark's shape (8 × 4 KV heads, 8K pages, 4·128 candidates) and odd ones: each
     head keeps its recent pages and a top-k of the reference's scores (up to bf16 ties), in ascending order."""
