@@ -182,7 +182,10 @@ class DeltaStep:
             pages = state["delta.pages"]
             if self.meta is not None:
                 kmin, kmax = self.meta.update(dec, layer, k, span)
-                pages = self.meta.impl(dec).refine_candidates(q, kmin, kmax, pages, dec.shape.attention_scale,
-                                                              self.num_pages, self.recent_pages)
+                # the Triton program holds a row of candidates as the top-k kernel holds one of scores: the
+                # decoder's one rule on row sizes says whether it runs, else the reference does
+                impl = self.meta.impl(dec) if dec.triton_topk(pages.shape[-1]) is not None else bounds_naive
+                pages = impl.refine_candidates(q, kmin, kmax, pages, dec.shape.attention_scale, self.num_pages,
+                                               self.recent_pages)
             return dec.attend(q, k, v, span, pages, self.page_size)
         return dec.attend(q, k, v, span)

@@ -127,6 +127,27 @@ def test_triton_calls_in_the_interpreter():
                 check_kernels(weights, p, ids, pads, family)
 
 
+def test_refine_past_one_program_takes_the_reference_in_the_interpreter(monkeypatch):
+    """More candidates per head than one Triton program holds: the refining step takes the reference choice
+    (as the top-k does over long rows) instead of failing mid-step, and still equals the naive decoder."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.page_bounds import triton as pb_triton
+    from runtime.kernels.topk_select import triton as topk_triton
+    from runtime.manifest import ModelIdentity, RoleManifest
+    from runtime.policies import get_policy
+
+    monkeypatch.setattr(topk_triton, "MAX_N", 2)  # fewer than the 3 candidates below (3 pages of 16 at 42 tokens)
+    monkeypatch.setattr(pb_triton, "MAX_N", 2)
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    weights = Weights.from_model(model, positions=128)
+    refine = get_policy("delta", budget=16, recent_pages=1, refine=4)
+    refine.bind(RoleManifest(ModelIdentity.from_config(model.config),
+                             layer_role=torch.tensor([0, 1, 2, 2], dtype=torch.int8)), model.config)
+    ids = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(0))
+    check_kernels(weights, refine, ids, [0, 5], "qwen2")
+
+
 def check_kernels(weights, p, ids, pads, family):
     out = {}
     for kernels in ("naive", "triton"):
