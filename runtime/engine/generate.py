@@ -159,8 +159,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
     reference = None
     if reference_logits and keeps_prompt(dec):  # the tokens the steps after the first read, in the same slots
-        dense = dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]) if count > 1 else None
-        reference = [dense[r] if dense is not None else dec.logits.new_empty(0, dec.shape.vocab) for r in range(b)]
+        reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits, reference,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
                        "min_context": dec.min_context,

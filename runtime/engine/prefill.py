@@ -53,8 +53,9 @@ def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None
                          f"holding {dec.position}")
     tokens = tokens.to(c.length.device)
     chunk = chunk or DEFAULT_CHUNK
-    return torch.cat([L.logits(dec.weights, _forward(dec, tokens[:, k:k + chunk], start + k, plain=False))
-                      for k in range(0, n, chunk)], 1)
+    parts = [L.logits(dec.weights, _forward(dec, tokens[:, k:k + chunk], start + k, plain=False))
+             for k in range(0, n, chunk)]
+    return torch.cat(parts, 1) if parts else dec.logits.new_empty(b, 0, dec.shape.vocab)
 
 
 def keeps_prompt(dec) -> bool:
