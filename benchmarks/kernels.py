@@ -23,6 +23,10 @@ engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuB
 ``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 1 to 256 rows, k = 128):
 the Triton kernel by radix counting (2 bits a round) and by histogram (8 bits a round) at 4 / 8 / 16 warps,
 against ``torch.topk``.
+``--refine`` adds DELTA's two-stage second stage (``runtime.kernels.page_bounds.refine_candidates``: the Quest
+bounds of 512 candidate pages of 8,192 per KV head, DS-Qwen-7B heads, then the choice of 128), scored by 1, 2, 4
+or 8 programs per head; the page-metadata update (``update_page``) alone; and both in one launch (``new_page=``),
+as the engine's step runs them.
 
 It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
 each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
@@ -316,6 +320,44 @@ def topk_rows(k: int = 128, recent: int = 4) -> list[dict]:
     return out
 
 
+REFINE_SHAPES = ((8, 4, 7), (1, 4, 7))  # (batch, KV heads, query heads per KV head): DS-Qwen-7B at 8 and 1 rows
+
+
+def refine_rows(pages: int = 8192, candidates: int = 512, k: int = 128, recent: int = 8) -> list[dict]:
+    """The refining step of one sparse layer, graph-captured, metadata rotated past L2: ``refine_candidates``
+    by how many programs score each head's candidates, and the new token's page update beside it."""
+    from runtime.kernels.page_bounds import triton as pb_tri
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    out = []
+    for b, hkv, groups in REFINE_SHAPES:
+        copies = max(2, math.ceil(L2_BYTES / (2 * b * hkv * pages * D * 2)))
+        sets = []
+        for _ in range(copies):
+            kmin = torch.randn(b, hkv, pages, D, device="cuda", dtype=torch.bfloat16)
+            sets.append((kmin, kmin + torch.rand_like(kmin)))
+        query = torch.randn(b, hkv * groups, D, device="cuda", dtype=torch.bfloat16)
+        cand = topk_tri.topk_with_recent(torch.rand(b, 1, pages, device="cuda"), candidates, recent)
+        cand = cand.expand(b, hkv, candidates)  # a Δ-layer's choice, shared by the heads
+        times = {}
+        for parts in (1, 2, 4, 8):
+            times[f"parts{parts}"] = graph_ms(lambda lo, hi, n=parts, q=query, c=cand: pb_tri.refine_candidates(
+                q, lo, hi, c, 0.088, k, recent, parts=n), Rotating.of(sets))
+        key = torch.randn(b, hkv, pages * 16, D, device="cuda", dtype=torch.bfloat16)
+        first = torch.zeros(b, device="cuda", dtype=torch.long)
+        last = torch.tensor(pages * 16 - 5, device="cuda")
+        times["update_page"] = graph_ms(lambda lo, hi, kc=key, f=first, e=last: pb_tri.update_page(kc, lo, hi, f, e, 16),
+                                        Rotating.of(sets))
+        times["fused_update"] = graph_ms(lambda lo, hi, q=query, c=cand, kc=key, f=first, e=last: pb_tri.refine_candidates(
+            q, lo, hi, c, 0.088, k, recent, new_page=(kc, f, e, 16)), Rotating.of(sets))
+        out.append({"batch": b, "kv_heads": hkv, "groups": groups, "pages": pages, "candidates": candidates,
+                    "k": k, "us": {name: 1e3 * v for name, v in times.items()}})
+        print(f"refine {b} x {hkv} heads, {candidates} of {pages} pages: "
+              + ", ".join(f"{name} {1e3 * v:.1f}" for name, v in times.items()) + " µs", flush=True)
+        del sets, key
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
@@ -324,6 +366,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time tile / chunk / warps / stages per shape")
     parser.add_argument("--linear", action="store_true", help="also time the decode step's linear layers")
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
+    parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -338,6 +381,8 @@ def main() -> int:
             report["linear"] = linear_rows(copy_bw)
         if args.topk:
             report["topk"] = topk_rows()
+        if args.refine:
+            report["refine"] = refine_rows()
         Path(args.out).write_text(json.dumps(report, indent=2))
         return 0
     warps, stages, tuning = tune(copy_bw, g)
@@ -350,6 +395,8 @@ def main() -> int:
         report["linear"] = linear_rows(copy_bw)
     if args.topk:
         report["topk"] = topk_rows()
+    if args.refine:
+        report["refine"] = refine_rows()
     if args.sweep:
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
                            for b in map(int, args.batches.split(","))}

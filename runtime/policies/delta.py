@@ -180,12 +180,12 @@ class DeltaStep:
             return out
         if role == LAYER_ROLE_SPARSE:
             pages = state["delta.pages"]
-            if self.meta is not None:
-                kmin, kmax = self.meta.update(dec, layer, k, span)
+            if self.meta is not None:  # the new token's page metadata, then the choice: one launch on the GPU
                 # the Triton program holds a row of candidates as the top-k kernel holds one of scores: the
                 # decoder's one rule on row sizes says whether it runs, else the reference does
                 impl = self.meta.impl(dec) if dec.triton_topk(pages.shape[-1]) is not None else bounds_naive
-                pages = impl.refine_candidates(q, kmin, kmax, pages, dec.shape.attention_scale, self.num_pages,
-                                               self.recent_pages)
+                pages = impl.refine_candidates(q, self.meta.kmin[layer], self.meta.kmax[layer], pages,
+                                               dec.shape.attention_scale, self.num_pages, self.recent_pages,
+                                               new_page=self.meta.new_page(k, span))
             return dec.attend(q, k, v, span, pages, self.page_size)
         return dec.attend(q, k, v, span)

@@ -186,3 +186,8 @@ class PageMeta:
         """Recompute the new token's page of ``layer`` from the cache ``k``; its ``(kmin, kmax)`` buffers."""
         self.impl(dec).update_page(k, self.kmin[layer], self.kmax[layer], span.first, span.last, self.page_size)
         return self.kmin[layer], self.kmax[layer]
+
+    def new_page(self, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """What :func:`~runtime.kernels.page_bounds.update_page` reads besides the buffers (keys, first and last
+        readable slot, page size): for a kernel that updates the new token's page itself."""
+        return k, span.first, span.last, self.page_size

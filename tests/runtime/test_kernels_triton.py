@@ -430,6 +430,8 @@ def test_refine_candidates_on_gpu(b, hkv, groups, n, width, k):
     last = n - 1 - torch.arange(b, device="cuda")  # ragged: each row's new page
     candidates = topk_tri.topk_with_recent(torch.rand(b, hkv, n, device="cuda"), width, 8, last=last[:, None])
     fast = pb_tri.refine_candidates(query, kmin, kmax, candidates, 0.088, k, 8)
+    for parts in (1, 3):  # fewer programs scoring each head's candidates: the same scores, so the same choice
+        assert torch.equal(pb_tri.refine_candidates(query, kmin, kmax, candidates, 0.088, k, 8, parts=parts), fast)
     scores = pb_naive.page_scores(query, kmin, kmax, 0.088, pages=candidates)  # [B, Hkv, C]
     ref = pb_naive.refine_candidates(query, kmin, kmax, candidates, 0.088, k, 8)
     assert fast.shape == ref.shape == (b, hkv, min(k, width))
@@ -480,3 +482,22 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
             return [sorted(u for u in row if u >= 0) for row in pages.reshape(-1, pages.shape[-1]).tolist()]
 
         assert chosen(fast) == chosen(ref)
+        for parts in (1, 2):  # the candidates scored by fewer programs, each looping over its share
+            fast = pb_tri.refine_candidates(query, kmin, kmax, candidates.contiguous(), 0.25, 5, 2, parts=parts)
+            assert torch.equal(fast.long(), ref.long()), (parts, fast, ref)
+    # the last program of each row set its arrival counter back to zero, ready for the next launch
+    assert not pb_tri.arrival_counters(query.device, b * hkv).any()
+    # the new token's page updated in the same launch (recent pages ≥ 1), or before it (none): the metadata and
+    # the choice equal the reference's update, then refinement
+    p = 4
+    key = torch.randn(b, hkv, n * p, d, generator=g)
+    first, last = torch.tensor([0, 9]), torch.tensor(n * p - 3)
+    candidates = topk_tri.topk_with_recent(torch.rand(b, 1, n, generator=g), 12, 3, last=n - 1).expand(b, hkv, -1)
+    for recent in (2, 0):
+        ref_meta, meta = (kmin.clone(), kmax.clone()), (kmin.clone(), kmax.clone())
+        ref = pb_naive.refine_candidates(query, *ref_meta, candidates, 0.25, 5, recent, new_page=(key, first, last, p))
+        fast = pb_tri.refine_candidates(query, *meta, candidates.contiguous(), 0.25, 5, recent,
+                                        new_page=(key, first, last, p))
+        assert torch.equal(meta[0], ref_meta[0]) and torch.equal(meta[1], ref_meta[1])
+        assert not torch.equal(meta[0], kmin)  # the page of slot `last` changed
+        assert torch.equal(fast.long(), ref.long()), (recent, fast, ref)

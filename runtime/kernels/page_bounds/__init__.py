@@ -10,8 +10,10 @@ token's logit in the page.
 ``update_page(key, kmin, kmax, first, last, P)``       recompute, in place, the page holding slot ``last``
                                                        from the keys in ``first[b]..last``
 ``refine_candidates(query, kmin, kmax, candidates,     ``[B, Hkv, C]`` ascending candidate pages (a Δ-layer's
-scale, K, L)``                                         choice) → each KV head's ``K`` best by ``page_scores``,
-                                                       its last ``L`` always: ``[B, Hkv, min(K, C)]``
+scale, K, L, new_page=None)``                          choice) → each KV head's ``K`` best by ``page_scores``,
+                                                       its last ``L`` always: ``[B, Hkv, min(K, C)]``; with
+                                                       ``new_page = (key, first, last, P)`` after
+                                                       ``update_page`` (one launch on the GPU)
 =====================================================  ====================================================
 
 The references are in ``naive.py``; the engine's step runs ``page_scores``, ``update_page`` and

@@ -63,13 +63,17 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
 
 
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
-                      scale: float, num_pages: int, recent_pages: int, group: str = "max") -> torch.Tensor:
+                      scale: float, num_pages: int, recent_pages: int, group: str = "max",
+                      new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """Two-stage selection's second stage: candidate page ids ``[B, Hkv, C]`` (any order, -1 = none; a Δ-layer's
     choice, whose largest page is the new token's) → per KV head at most ``num_pages`` of them: the candidates
     within ``recent_pages`` of the largest always (the recent pages), then those of highest :func:`page_scores`;
     ``[B, Hkv, min(num_pages, C)]`` ascending page ids, -1 padded. Reads the metadata of the candidates only;
-    no host sync."""
+    no host sync. ``new_page = (key, first, last, page_size)``: first :func:`update_page` the metadata in place."""
     from runtime.kernels.topk_select import topk_with_recent
+
+    if new_page is not None:
+        update_page(new_page[0], kmin, kmax, new_page[1], new_page[2], new_page[3])
 
     scores = page_scores(query, kmin, kmax, scale, group, pages=candidates)  # [B, Hkv, C], -inf for -1
     ids = candidates.long()

@@ -80,11 +80,9 @@ def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sca
 
 
 @triton.jit
-def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, HKV,
-                 P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    row = tl.program_id(0)
-    b = row // HKV
-    h = row % HKV
+def _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, P: tl.constexpr,
+                D: tl.constexpr, D_PAD: tl.constexpr):
+    """Recompute the minimum and maximum of KV head ``h``'s page that holds slot ``LAST`` (sequence ``b``)."""
     last = tl.load(LAST)
     page = last // P
     slots = page * P + tl.arange(0, P)
@@ -99,6 +97,13 @@ def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn,
     tl.store(KMAX + dst, hi.to(KMAX.dtype.element_ty), mask=d < D)
 
 
+@triton.jit
+def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, HKV,
+                 P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    _store_page(K, KMIN, KMAX, FIRST, LAST, row // HKV, row % HKV, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, P, D, D_PAD)
+
+
 def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
                 page_size: int) -> None:
     """See :func:`runtime.kernels.page_bounds.naive.update_page`."""
@@ -111,37 +116,68 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
 
 
 @triton.jit
-def _refine(Q, KMIN, KMAX, CAND, SCORES, OUT, s_qb, s_qh, s_mb, s_mh, s_mn, s_cb, s_ch, C, scale, HKV,
-            G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr,
-            C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr,
-            GROUP_MAX: tl.constexpr):
-    row = tl.program_id(0)  # (sequence, KV head): scores its candidates, then chooses among them
+def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, s_qb, s_qh, s_mb, s_mh, s_mn, s_cb, s_ch,
+            s_kb, s_kh, s_kt, T, C, scale, HKV, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+            D_PAD: tl.constexpr, PB: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, C_PAD: tl.constexpr,
+            W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP_MAX: tl.constexpr,
+            UPDATE: tl.constexpr, P: tl.constexpr):
+    row = tl.program_id(0)  # (sequence, KV head)
+    part = tl.program_id(1)  # SPAN of its candidates: every part scores its own, the last to finish chooses
     b = row // HKV
     h = row % HKV
-    for start in range(0, C, PB):
-        entry = start + tl.arange(0, PB)
+    if UPDATE and part == 0:  # the new token's page first; parts that read its bounds meanwhile rank it recent anyway
+        _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, P, D, D_PAD)
+    for off in range(0, SPAN, PB):
+        entry = part * SPAN + off + tl.arange(0, PB)
         pages = tl.load(CAND + b * s_cb + h * s_ch + entry, mask=entry < C, other=-1)
-        score = _group_bounds(Q, KMIN, KMAX, b, h, pages, pages >= 0, s_qb, s_qh, s_mb, s_mh, s_mn, scale, G, G_PAD,
-                              D, D_PAD, GROUP_MAX)
+        score = _group_bounds(Q, KMIN, KMAX, b, h, pages, pages >= 0, s_qb, s_qh, s_mb, s_mh, s_mn, scale, G,
+                              G_PAD, D, D_PAD, GROUP_MAX)
         tl.store(SCORES + row * C_PAD + entry, score, mask=entry < C)
-    tl.debug_barrier()  # the scores written above by every thread of this program, read below by others
-    i = tl.arange(0, C_PAD)
-    cand = tl.load(CAND + b * s_cb + h * s_ch + i, mask=i < C, other=-1)
-    live = cand >= 0
-    last = tl.max(cand, 0)  # the new token's page: the recent pages are the candidates within RECENT of it
-    x = tl.load(SCORES + row * C_PAD + i, mask=live, other=float("-inf"))
-    x = tl.where(live & (cand > last - RECENT), float("inf"), x)
-    x = tl.where(live, x, float("-inf"))
-    store_ascending(OUT + row * W, cand.to(tl.int32), top_w(x, W, BITS), W, W_PAD)
+    tl.debug_barrier()  # every thread's scores stored before the arrival is counted (released by the atomic)
+    if tl.atomic_add(ARRIVED + row, 1, sem="acq_rel") == PARTS - 1:
+        tl.store(ARRIVED + row, 0)  # every part has arrived: the counter is ready for the next launch
+        i = tl.arange(0, C_PAD)
+        cand = tl.load(CAND + b * s_cb + h * s_ch + i, mask=i < C, other=-1)
+        live = cand >= 0
+        last = tl.max(cand, 0)  # the new token's page: the recent pages are the candidates within RECENT of it
+        # .cg: read the other parts' scores from L2, past this SM's L1
+        x = tl.load(SCORES + row * C_PAD + i, mask=live, other=float("-inf"), cache_modifier=".cg")
+        x = tl.where(live & (cand > last - RECENT), float("inf"), x)
+        x = tl.where(live, x, float("-inf"))
+        store_ascending(OUT + row * W, cand.to(tl.int32), top_w(x, W, BITS), W, W_PAD)
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """``rows`` zeroed int32 counters that a kernel whose last program per row finishes the work counts its
+    programs' arrivals in, and sets back to zero itself, so one buffer per device serves every launch on a
+    stream (a CUDA graph captures the same buffer). Kept from the first call; grown when a launch needs more
+    rows (the new buffer zeroed; while a graph is captured that zeroing is captured too, and harmless)."""
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < rows:
+        have = torch.zeros(max(rows, 1024), device=device, dtype=torch.int32)
+        _ARRIVALS[device] = have
+    return have
 
 
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
-                      scale: float, num_pages: int, recent_pages: int, group: str = "max") -> torch.Tensor:
-    """See :func:`runtime.kernels.page_bounds.naive.refine_candidates`: one program per (sequence, KV head)
-    scores its candidates (in blocks, kept in a float32 scratch row) and chooses among them with the top-k
-    kernel's rule (ties to the earlier entry), so the choice is one launch instead of a scoring kernel, a top-k
-    kernel and a gather. The pages come out in the candidates' order: ascending for a Δ-layer's choice on the
-    GPU, and in any order the attention kernels read them."""
+                      scale: float, num_pages: int, recent_pages: int, group: str = "max",
+                      new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+                      parts: int | None = None) -> torch.Tensor:
+    """See :func:`runtime.kernels.page_bounds.naive.refine_candidates`: one launch. ``parts`` programs per
+    (sequence, KV head) each score their share of its candidates into a float32 scratch row; the last of them to
+    finish chooses among all with the top-k kernel's rule (ties to the earlier entry). The pages come out in the
+    candidates' order: ascending for a Δ-layer's choice on the GPU, and in any order the attention kernels read
+    them.
+
+    ``new_page = (key, first, last, page_size)`` updates the metadata of the new token's page first
+    (:func:`update_page`) in the same launch: its bounds do not matter to the choice, since the newest page is
+    always among the recent ones (``recent_pages ≥ 1``; with none, the update runs as its own launch first).
+
+    ``parts`` defaults to one per 64 candidates: scoring in parallel instead of in one program's loop (H200,
+    DS-Qwen-7B heads, 8 × 4 rows of 512 candidates: ``benchmarks/kernels.py --refine`` times 1 to 8 parts)."""
     b, hq, d = query.shape
     _, hkv, n, dk = kmin.shape
     c = candidates.shape[-1]
@@ -151,14 +187,26 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     if c > MAX_N or candidates.stride(-1) != 1:
         raise ValueError(f"{c} candidates per head (at most {MAX_N}, contiguous) do not fit one program; use the "
                          "reference")
+    fused = new_page is not None and recent_pages >= 1
+    if new_page is not None and not fused:
+        update_page(new_page[0], kmin, kmax, new_page[1], new_page[2], new_page[3])
+    key, first, last, page_size = new_page if fused else (query[:, None], query, query, 1)  # unread unless fused
+    if fused and (page_size & (page_size - 1) or key.stride(-1) != 1):
+        raise ValueError(f"page_size {page_size} must be a power of two and the keys contiguous in D")
     g, w, c_pad = hq // hkv, min(num_pages, c), triton.next_power_of_2(c)
+    pb = min(64, max(16, c_pad))
+    blocks = triton.cdiv(c, pb)
+    parts = blocks if parts is None else max(1, min(parts, blocks))
+    span = pb * triton.cdiv(blocks, parts)  # candidates a part scores, PB at a time
+    parts = triton.cdiv(c, span)
     out = torch.empty(b, hkv, w, device=query.device, dtype=torch.int32)
     scratch = torch.empty(b * hkv, c_pad, device=query.device, dtype=torch.float32)
-    _refine[(b * hkv,)](
-        query, kmin, kmax, candidates, scratch, out, query.stride(0), query.stride(1), kmin.stride(0),
-        kmin.stride(1), kmin.stride(2), candidates.stride(0), candidates.stride(1), c, float(scale), hkv, G=g,
-        G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        PB=min(128, max(16, c_pad)), C_PAD=c_pad, W=w, W_PAD=triton.next_power_of_2(w), RECENT=recent_pages, BITS=2,
-        GROUP_MAX=group == "max", num_warps=8 if c_pad > 512 else 4,
+    _refine[(b * hkv, parts)](
+        query, kmin, kmax, candidates, scratch, arrival_counters(query.device, b * hkv), out, key, first, last,
+        query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), candidates.stride(0),
+        candidates.stride(1), key.stride(0), key.stride(1), key.stride(2), key.shape[2], c, float(scale), hkv, G=g,
+        G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), PB=pb, SPAN=span,
+        PARTS=parts, C_PAD=c_pad, W=w, W_PAD=triton.next_power_of_2(w), RECENT=recent_pages, BITS=2,
+        GROUP_MAX=group == "max", UPDATE=fused, P=page_size, num_warps=8 if c_pad > 512 else 4,
     )
     return out
