@@ -500,10 +500,19 @@ def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[
         path = out / "cells" / f"{cell.name}.json"
         if path.exists():
             done[cell.name] = json.loads(path.read_text())
-            if done[cell.name]["grid"] != grids[cell.name]:
+            if _comparable(done[cell.name]["grid"]) != _comparable(grids[cell.name]):
                 raise SystemExit(f"{path} was made with other settings (model, device, prompts, parameters or "
                                  "manifest); use another --out or delete the file")
     return grids, done
+
+
+def _comparable(grid: dict[str, Any]) -> dict[str, Any]:
+    """A cell's settings without the ones left unset (None): a setting added since a cell was written, at its
+    default, does not make the cell another one."""
+    settings = grid.get("settings")
+    if not isinstance(settings, dict):
+        return grid
+    return {**grid, "settings": {k: v for k, v in settings.items() if v is not None}}
 
 
 def partial_file(out: Path, cell: Cell) -> Path:

@@ -121,6 +121,18 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
         quality.main([a if a != "0.8" else "0.5" for a in argv])
     assert len((out / "COMMAND.txt").read_text().splitlines()) == 3  # refused before anything was written
 
+    # A cell written before a setting existed (absent from its file, unset now) is the same cell; one that
+    # holds another value for it is not.
+    cell = out / "cells" / "delta-b32.json"
+    doc = json.loads(cell.read_text())
+    assert doc["grid"]["settings"].pop("data") is None
+    cell.write_text(json.dumps(doc))
+    assert quality.main([*argv, "--summarize"]) == 0
+    doc["grid"]["settings"]["data"] = "other.zip"
+    cell.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="delta-b32.json was made with other settings"):
+        quality.main([*argv, "--summarize"])
+
 
 def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
     quality = load_script()
