@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -263,7 +264,7 @@ class StaticDecoder:
         small ops. ``dynamic=None``: the first shape compiles static code, a second one recompiles with the
         shapes symbolic, which then serves every later one (an evaluation decodes many shapes; static code for
         each would hit torch.compile's recompile limit)."""
-        return torch.compile(fn, dynamic=None, fullgraph=True) if self.compiles else fn
+        return _FallsBackToEager(fn, torch.compile(fn, dynamic=None, fullgraph=True)) if self.compiles else fn
 
     def triton_topk(self, n: int) -> Any:
         """The Triton top-k (ascending ids, -1 padded) when this decoder runs it over rows of ``n`` scores,
@@ -354,3 +355,38 @@ def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[t
 
 
 __all__ = ["StaticDecoder", "pad_left", "static_step_of"]
+
+
+class _FallsBackToEager:
+    """A compiled function that runs its eager original from the first call whose compilation fails (an error of
+    torch.compile's own, such as inductor's codegen failing for one shape: seen with torch 2.11 on lethe's
+    eviction over 16,001 slots), with one line saying so. The eager function computes the same values, so only
+    speed changes; an error of the function itself is raised again by the eager call."""
+
+    def __init__(self, eager: Any, compiled: Any) -> None:
+        self.eager, self.compiled, self.failed = eager, compiled, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - narrowed below to torch.compile's own errors
+                if not _compile_error(e):
+                    raise
+                self.failed = True
+                name = getattr(self.eager, "__qualname__", repr(self.eager))
+                print(f"rolecall: torch.compile failed on {name} ({type(e).__name__}); running it eagerly",
+                      file=sys.stderr)
+        return self.eager(*args, **kwargs)
+
+
+def _compile_error(e: BaseException) -> bool:
+    """Whether ``e`` is torch.compile failing (dynamo or a backend), not the compiled function raising."""
+    kinds = []
+    for module, name in (("torch._dynamo.exc", "BackendCompilerFailed"), ("torch._dynamo.exc", "Unsupported"),
+                         ("torch._inductor.exc", "InductorError")):
+        try:
+            kinds.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            continue
+    return isinstance(e, tuple(kinds))

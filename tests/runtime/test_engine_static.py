@@ -318,3 +318,34 @@ def test_quest_rebuilds_its_pages_after_the_full_fallback():
         n = lo.shape[2]
         assert torch.equal(static.meta.kmin[i][:, :, :n], lo) and torch.equal(static.meta.kmax[i][:, :, :n], hi), i
         assert torch.isinf(static.meta.kmin[i][:, :, n:]).all()  # pages not reached yet stay empty
+
+
+def test_a_step_whose_compilation_fails_runs_eagerly_with_one_line(capsys):
+    """``StaticDecoder.compiled``: when torch.compile itself fails on a call (inductor's codegen error seen on
+    lethe's eviction at 16K slots), that call and every later one run the eager function, with one notice; an
+    error of the function itself still reaches the caller."""
+    from torch._inductor.exc import InductorError
+
+    from runtime.engine.decoder import _FallsBackToEager
+
+    calls = []
+
+    def broken_compile(*args):
+        calls.append("compiled")
+        raise InductorError(TypeError("list indices must be integers"), None)
+
+    def evict(x):
+        calls.append("eager")
+        if x < 0:
+            raise ValueError("bad input")
+        return 2 * x
+
+    step = _FallsBackToEager(evict, broken_compile)
+    assert step(3) == 6 and step(4) == 8
+    assert calls == ["compiled", "eager", "eager"]  # compiled once, eager from then on
+    err = capsys.readouterr().err
+    assert err.count("torch.compile failed on") == 1 and "InductorError" in err and "evict" in err
+    with pytest.raises(ValueError, match="bad input"):
+        step(-1)
+    with pytest.raises(ValueError, match="bad input"):  # the function's own error is not a compile failure
+        _FallsBackToEager(evict, evict)(-1)
