@@ -357,14 +357,21 @@ def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[t
 __all__ = ["StaticDecoder", "pad_left", "static_step_of"]
 
 
+_COMPILE_FAILED: set[Any] = set()  # the code of functions whose compilation failed once in this process
+
+
 class _FallsBackToEager:
     """A compiled function that runs its eager original from the first call whose compilation fails (an error of
     torch.compile's own, such as inductor's codegen failing for one shape: seen with torch 2.11 on lethe's
     eviction over 16,001 slots), with one line saying so. The eager function computes the same values, so only
-    speed changes; an error of the function itself is raised again by the eager call."""
+    speed changes; an error of the function itself is raised again by the eager call. The failure is remembered
+    for the function's code, so the next decoder (an evaluation makes one per batch) does not spend another
+    compilation on it."""
 
     def __init__(self, eager: Any, compiled: Any) -> None:
-        self.eager, self.compiled, self.failed = eager, compiled, False
+        self.eager, self.compiled = eager, compiled
+        self.code = getattr(getattr(eager, "__func__", eager), "__code__", eager)
+        self.failed = self.code in _COMPILE_FAILED
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.failed:
@@ -374,6 +381,7 @@ class _FallsBackToEager:
                 if not _compile_error(e):
                     raise
                 self.failed = True
+                _COMPILE_FAILED.add(self.code)
                 name = getattr(self.eager, "__qualname__", repr(self.eager))
                 print(f"rolecall: torch.compile failed on {name} ({type(e).__name__}); running it eagerly",
                       file=sys.stderr)

@@ -347,5 +347,11 @@ def test_a_step_whose_compilation_fails_runs_eagerly_with_one_line(capsys):
     assert err.count("torch.compile failed on") == 1 and "InductorError" in err and "evict" in err
     with pytest.raises(ValueError, match="bad input"):
         step(-1)
+    def strict(x):
+        raise ValueError("bad input")
+
     with pytest.raises(ValueError, match="bad input"):  # the function's own error is not a compile failure
-        _FallsBackToEager(evict, evict)(-1)
+        _FallsBackToEager(strict, strict)(-1)
+    calls.clear()
+    assert _FallsBackToEager(evict, broken_compile)(5) == 10  # a later decoder's step: no second compilation
+    assert calls == ["eager"] and not capsys.readouterr().err
