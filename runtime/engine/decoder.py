@@ -371,16 +371,14 @@ class _FallsBackToEager:
     def __init__(self, eager: Any, compiled: Any) -> None:
         self.eager, self.compiled = eager, compiled
         self.code = getattr(getattr(eager, "__func__", eager), "__code__", eager)
-        self.failed = self.code in _COMPILE_FAILED
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.failed:
+        if self.code not in _COMPILE_FAILED:
             try:
                 return self.compiled(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - narrowed below to torch.compile's own errors
                 if not _compile_error(e):
                     raise
-                self.failed = True
                 _COMPILE_FAILED.add(self.code)
                 name = getattr(self.eager, "__qualname__", repr(self.eager))
                 print(f"rolecall: torch.compile failed on {name} ({type(e).__name__}); running it eagerly",

@@ -184,7 +184,8 @@ class PageMeta:
 
     def update(self, dec: Any, layer: int, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute the new token's page of ``layer`` from the cache ``k``; its ``(kmin, kmax)`` buffers."""
-        self.impl(dec).update_page(k, self.kmin[layer], self.kmax[layer], span.first, span.last, self.page_size)
+        key, first, last, page_size = self.new_page(k, span)
+        self.impl(dec).update_page(key, self.kmin[layer], self.kmax[layer], first, last, page_size)
         return self.kmin[layer], self.kmax[layer]
 
     def new_page(self, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

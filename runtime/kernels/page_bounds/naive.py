@@ -73,7 +73,8 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     from runtime.kernels.topk_select import topk_with_recent
 
     if new_page is not None:
-        update_page(new_page[0], kmin, kmax, new_page[1], new_page[2], new_page[3])
+        key, first, last, page_size = new_page
+        update_page(key, kmin, kmax, first, last, page_size)
 
     scores = page_scores(query, kmin, kmax, scale, group, pages=candidates)  # [B, Hkv, C], -inf for -1
     ids = candidates.long()

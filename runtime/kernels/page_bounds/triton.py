@@ -108,11 +108,16 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
                 page_size: int) -> None:
     """See :func:`runtime.kernels.page_bounds.naive.update_page`."""
     b, hkv, t, d = key.shape
-    if page_size & (page_size - 1) or kmin.stride() != kmax.stride() or key.stride(-1) != 1:
-        raise ValueError(f"page_size {page_size} must be a power of two, kmin and kmax alike, keys contiguous in D")
+    _check_page_update(key, kmin, kmax, page_size)
     _update_page[(b * hkv,)](key, kmin, kmax, first, last, key.stride(0), key.stride(1), key.stride(2),
                              kmin.stride(0), kmin.stride(1), kmin.stride(2), t, hkv, P=page_size, D=d,
                              D_PAD=triton.next_power_of_2(d))
+
+
+def _check_page_update(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int) -> None:
+    """What the kernels that recompute a page's metadata (:func:`_store_page`) need of their arguments."""
+    if page_size & (page_size - 1) or kmin.stride() != kmax.stride() or key.stride(-1) != 1:
+        raise ValueError(f"page_size {page_size} must be a power of two, kmin and kmax alike, keys contiguous in D")
 
 
 @triton.jit
@@ -189,10 +194,11 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
                          "reference")
     fused = new_page is not None and recent_pages >= 1
     if new_page is not None and not fused:
-        update_page(new_page[0], kmin, kmax, new_page[1], new_page[2], new_page[3])
+        key, first, last, page_size = new_page
+        update_page(key, kmin, kmax, first, last, page_size)
     key, first, last, page_size = new_page if fused else (query[:, None], query, query, 1)  # unread unless fused
-    if fused and (page_size & (page_size - 1) or key.stride(-1) != 1):
-        raise ValueError(f"page_size {page_size} must be a power of two and the keys contiguous in D")
+    if fused:
+        _check_page_update(key, kmin, kmax, page_size)
     g, w, c_pad = hq // hkv, min(num_pages, c), triton.next_power_of_2(c)
     pb = min(64, max(16, c_pad))
     blocks = triton.cdiv(c, pb)
