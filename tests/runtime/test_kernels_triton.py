@@ -169,10 +169,11 @@ def _check_decode_and_score(b, hq, hkv, t, d, page, dtype, device, per_kv):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
 @pytest.mark.parametrize("per_kv", [False, True])
-def test_decode_and_score_in_interpreter(per_kv):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # a 16-bit model keeps float16 logits
+def test_decode_and_score_in_interpreter(per_kv, dtype):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    _check_decode_and_score(2, 8, 2, 150, 16, 16, torch.float32, "cpu", per_kv)
+    _check_decode_and_score(2, 8, 2, 150, 16, 16, dtype, "cpu", per_kv)
 
 
 @pytest.mark.gpu
@@ -250,7 +251,8 @@ def test_combine_matches_logsumexp_on_gpu(splits, d):
     _check_combine(splits, "cuda", d)
 
 
-def _check_topk(shape, k, recent, last, device, bits=2):
+def _check_topk(shape, k, recent, last, device, bits=2, parts=None):
+    from runtime.kernels.arrivals import arrival_counters
     from runtime.kernels.topk_select import naive as topk_naive
     from runtime.kernels.topk_select import triton as topk_tri
 
@@ -259,9 +261,11 @@ def _check_topk(shape, k, recent, last, device, bits=2):
     scores[..., 3] = float("-inf")  # a block with no valid token
     last_t = torch.as_tensor(last)
     want = topk_naive.topk_with_recent(scores, k, recent, last=last_t)
-    got = topk_tri.topk_with_recent(scores.to(device), k, recent, last=last_t.to(device), bits=bits).cpu()
+    on_device = scores.to(device)
+    got = topk_tri.topk_with_recent(on_device, k, recent, last=last_t.to(device), bits=bits, parts=parts).cpu()
     assert got.dtype == torch.int32 and got.shape == want.shape
     assert torch.equal(got.long(), want)  # both ascending, -1 padded
+    assert not arrival_counters(on_device.device, 1).any()  # the last part of each row set it back to zero
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
@@ -274,12 +278,34 @@ def test_topk_matches_reference_in_interpreter(shape, k, recent, last, bits):
     _check_topk(shape, k, recent, last, "cpu", bits)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("shape, k, recent, last", [((2, 3, 200), 16, 2, 150), ((3, 100), 30, 0, 99),
+                                                    ((1, 64), 8, 8, 63)])
+@pytest.mark.parametrize("parts", [2, 4])
+def test_split_topk_matches_reference_in_interpreter(shape, k, recent, last, parts):
+    """A row split over programs: each part keeps its k largest, the last to finish chooses among them."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_topk(shape, k, recent, last, "cpu", 2, parts)
+
+
+def test_split_parts_sizes_both_stages():
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    assert topk_tri.split_parts(8, 8192, 128, 132) == (8, 1024)  # a final row of 8 x 128 kept scores
+    assert topk_tri.split_parts(8, 8192, 512, 132) == (4, 2048)
+    assert topk_tri.split_parts(256, 8192, 128, 132) == (1, 8192)  # the rows alone fill the GPU
+    assert topk_tri.split_parts(8, 512, 128, 132) == (1, 512)  # a part would keep half of what it reads
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, k, recent, last", [((8, 4, 8192), 128, 4, 8100), ((8, 8192), 64, 8, 8191),
-                                                    ((1, 3, 1000), 128, 1, 999), ((2, 16384), 2048, 0, 16000)])
+                                                    ((1, 3, 1000), 128, 1, 999), ((2, 16384), 2048, 0, 16000),
+                                                    ((8, 8192), 512, 8, 8000)])
 @pytest.mark.parametrize("bits", [2, 8])
-def test_topk_matches_reference_on_gpu(shape, k, recent, last, bits):
-    _check_topk(shape, k, recent, last, "cuda", bits)
+@pytest.mark.parametrize("parts", [None, 1, 4])
+def test_topk_matches_reference_on_gpu(shape, k, recent, last, bits, parts):
+    _check_topk(shape, k, recent, last, "cuda", bits, parts)
 
 
 def _check_key_span(device, dtype, t, tol):
@@ -325,6 +351,12 @@ def test_topk_breaks_ties_toward_lower_ids_in_interpreter():
     assert got.tolist() == [[0, 1, 2, 7]]
     got = topk_tri.topk_with_recent(torch.zeros(1, 6), 3, 0, last=5)  # all equal
     assert got.tolist() == [[0, 1, 2]]
+    # a row split over 4 programs of 16: ties that cross the parts still go to the lower ids
+    scores = torch.zeros(1, 64)
+    scores[0, [5, 40]] = 1.0
+    scores[0, 10:50] = torch.where(scores[0, 10:50] > 0, 1.0, 0.5)
+    got = topk_tri.topk_with_recent(scores, 6, 1, last=63, parts=4)  # 63 recent, 5 and 40, then 10, 11, 12
+    assert got.tolist() == [[5, 10, 11, 12, 40, 63]]
 
 
 def _check_page_bounds(b, hq, hkv, t, d, p, group, dtype, device, tol):
@@ -456,6 +488,7 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
     equals gathering."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.arrivals import arrival_counters
     from runtime.kernels.page_bounds import naive as pb_naive
     from runtime.kernels.page_bounds import triton as pb_tri
     from runtime.kernels.topk_select import triton as topk_tri
@@ -486,7 +519,7 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
             fast = pb_tri.refine_candidates(query, kmin, kmax, candidates.contiguous(), 0.25, 5, 2, parts=parts)
             assert torch.equal(fast.long(), ref.long()), (parts, fast, ref)
     # the last program of each row set its arrival counter back to zero, ready for the next launch
-    assert not pb_tri.arrival_counters(query.device, b * hkv).any()
+    assert not arrival_counters(query.device, b * hkv).any()
     # the new token's page updated in the same launch (recent pages ≥ 1), or before it (none): the metadata and
     # the choice equal the reference's update, then refinement
     p = 4

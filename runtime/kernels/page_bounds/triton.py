@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.arrivals import arrival_counters
 from runtime.kernels.topk_select.triton import MAX_N, store_ascending, top_w
 
 
@@ -150,21 +151,6 @@ def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, s_qb, s_q
         x = tl.where(live & (cand > last - RECENT), float("inf"), x)
         x = tl.where(live, x, float("-inf"))
         store_ascending(OUT + row * W, cand.to(tl.int32), top_w(x, W, BITS), W, W_PAD)
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
-    """``rows`` zeroed int32 counters that a kernel whose last program per row finishes the work counts its
-    programs' arrivals in, and sets back to zero itself, so one buffer per device serves every launch on a
-    stream (a CUDA graph captures the same buffer). Kept from the first call; grown when a launch needs more
-    rows (the new buffer zeroed; while a graph is captured that zeroing is captured too, and harmless)."""
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < rows:
-        have = torch.zeros(max(rows, 1024), device=device, dtype=torch.int32)
-        _ARRIVALS[device] = have
-    return have
 
 
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,

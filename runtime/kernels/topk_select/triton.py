@@ -1,4 +1,4 @@
-"""Triton top-k with a recency window: one program per row, the k-th largest score found by a radix search.
+"""Triton top-k with a recency window: the k-th largest score of a row found by a radix search.
 
 Same choice as :func:`runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
 lower id), returned as ascending ids, -1 padded at the end. The scores map to unsigned 32-bit integers that order
@@ -6,14 +6,20 @@ as the floats do; 16 rounds of "how many are at least each of these four" fix th
 (``bits``; from 8 bits a round, a masked histogram of the next digit among the keys that share the prefix so
 far, 4 rounds), then one prefix sum places every chosen id. Rows run in parallel, so the time does not grow with
 the batch (``torch.topk`` takes one pass per radix digit over every row); a row must fit one program
-(:data:`MAX_N` scores).
+(:data:`MAX_N` scores). When there are too few rows to fill the GPU, each row is split over several programs
+that keep their part's k largest, and the last of them to finish chooses among those
+(:mod:`runtime.kernels.arrivals`): two searches over short rows instead of one over a long row.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+
+from runtime.kernels.arrivals import arrival_counters
 
 MAX_N = 16384  # scores per row one program holds in registers
 
@@ -78,6 +84,51 @@ def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.cons
     store_ascending(OUT + row * W, i, top_w(x, W, BITS), W, W_PAD)
 
 
+@triton.jit
+def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr,
+                       RECENT: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, BITS: tl.constexpr):
+    """A row split over PARTS programs: each keeps the W largest of its SPAN scores (in id order) in a scratch row;
+    the last to arrive chooses among the PARTS·W_PAD kept ones, which are in id order too, so ties still go to
+    the lower id and the ids come out ascending."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    i = part * SPAN + tl.arange(0, SPAN)
+    last = tl.load(LAST + row * s_last)
+    ok = (i < n) & (i <= last)
+    x = tl.load(S + row * s_row + i, mask=ok, other=float("-inf")).to(tl.float32)
+    x = tl.where(ok & (i > last - RECENT), float("inf"), x)
+    x = tl.where(ok, x, float("-inf"))
+    kept = top_w(x, W, BITS)
+    base = (row * PARTS + part) * W_PAD
+    slot = tl.cumsum(kept.to(tl.int32), 0) - 1
+    tl.store(CAND_S + base + slot, x, mask=kept)
+    tl.store(CAND_I + base + slot, i, mask=kept)
+    j = tl.arange(0, W_PAD)
+    tl.store(CAND_S + base + j, tl.full([W_PAD], float("-inf"), tl.float32),
+             mask=j >= tl.sum(kept.to(tl.int32), 0))
+    tl.debug_barrier()  # every thread's candidates stored before the arrival is counted (released by the atomic)
+    if tl.atomic_add(ARRIVED + row, 1, sem="acq_rel") == PARTS - 1:
+        tl.store(ARRIVED + row, 0)  # every part has arrived: the counter is ready for the next launch
+        c = row * PARTS * W_PAD + tl.arange(0, PARTS * W_PAD)
+        xs = tl.load(CAND_S + c, cache_modifier=".cg")  # the other parts' candidates, from L2
+        ids = tl.load(CAND_I + c, cache_modifier=".cg")
+        store_ascending(OUT + row * W, ids, top_w(xs, W, BITS), W, W_PAD)
+
+
+def split_parts(rows: int, n: int, w: int, sms: int) -> tuple[int, int]:
+    """``(parts, span)``: programs per row and scores per program. Few rows leave most of the GPU idle while one
+    program per row searches its whole row, so a row is split in parts of about ``√(n · w)`` scores (the two
+    stages then hold rows of similar size), as long as each part keeps at most a quarter of what it reads and the rows' parts
+    still fit the GPU; ``(1, n)`` where that does not pay."""
+    w_pad = triton.next_power_of_2(w)
+    span = max(4 * w_pad, triton.next_power_of_2(int(math.sqrt(n * w_pad))))
+    parts = min(triton.cdiv(n, span), max(1, sms // max(rows, 1)), MAX_N // w_pad)
+    parts = 1 << (max(parts, 1).bit_length() - 1)  # a power of two: the final row is PARTS · W_PAD
+    if parts < 2:
+        return 1, n
+    return parts, triton.next_power_of_2(triton.cdiv(n, parts))
+
+
 def _warps(n: int) -> int:
     """Measured on an H200 (rows of 8192 / 2048 scores, two bits a round): 16 warps 30 µs vs 38 at 8; 8 warps
     11.9 vs 13.4 at 16 (one bit a round: 33 and 14.4 µs; four: 16.1 µs at 2048). By histogram, 8 bits a round
@@ -87,8 +138,10 @@ def _warps(n: int) -> int:
 
 
 def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tensor | int | None = None,
-                     num_warps: int | None = None, bits: int = 2) -> torch.Tensor:
-    """``[..., n]`` scores → ``[..., min(k, n)]`` int32 ascending ids, -1 padded (see the module docstring)."""
+                     num_warps: int | None = None, bits: int = 2, parts: int | None = None) -> torch.Tensor:
+    """``[..., n]`` scores → ``[..., min(k, n)]`` int32 ascending ids, -1 padded (see the module docstring).
+
+    ``parts``: programs per row (default :func:`split_parts`, by the GPU's size; 1 = one program per row)."""
     n = scores.shape[-1]
     if n > MAX_N:
         raise ValueError(f"{n} scores per row exceed the {MAX_N} one program holds; use the reference")
@@ -101,10 +154,25 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
     last = torch.as_tensor(last, device=scores.device).to(torch.int64)
     last = last.expand(lead).reshape(-1) if last.dim() else last  # one for all rows: read with stride 0
     w = min(k, n)
-    out = torch.empty(rows.shape[0], w, device=scores.device, dtype=torch.int32)
-    if rows.shape[0]:
-        _topk_recent[(rows.shape[0],)](rows, last, out, rows.stride(0), last.stride(0) if last.dim() else 0, n, W=w,
-                                       W_PAD=triton.next_power_of_2(w), RECENT=recent,
-                                       N_PAD=triton.next_power_of_2(n), BITS=bits,
-                                       num_warps=num_warps or _warps(n))
+    w_pad = triton.next_power_of_2(w)
+    r = rows.shape[0]
+    out = torch.empty(r, w, device=scores.device, dtype=torch.int32)
+    if not r:
+        return out.view(*lead, w)
+    if parts is None:
+        sms = torch.cuda.get_device_properties(scores.device).multi_processor_count if scores.is_cuda else 8
+        parts, span = split_parts(r, n, w, sms)
+    else:
+        parts = 1 << (max(1, min(parts, MAX_N // w_pad)).bit_length() - 1)
+        span = triton.next_power_of_2(triton.cdiv(n, parts))
+    s_last = last.stride(0) if last.dim() else 0
+    if parts == 1:
+        _topk_recent[(r,)](rows, last, out, rows.stride(0), s_last, n, W=w, W_PAD=w_pad, RECENT=recent,
+                           N_PAD=triton.next_power_of_2(n), BITS=bits, num_warps=num_warps or _warps(n))
+        return out.view(*lead, w)
+    cand_s = torch.empty(r, parts * w_pad, device=scores.device, dtype=torch.float32)
+    cand_i = torch.empty(r, parts * w_pad, device=scores.device, dtype=torch.int32)
+    _topk_recent_parts[(r, parts)](rows, last, cand_s, cand_i, arrival_counters(scores.device, r), out,
+                                   rows.stride(0), s_last, n, W=w, W_PAD=w_pad, RECENT=recent, SPAN=span, PARTS=parts,
+                                   BITS=bits, num_warps=num_warps or _warps(max(span, parts * w_pad)))
     return out.view(*lead, w)

@@ -1,0 +1,26 @@
+"""Arrival counters: how a kernel lets the last of a row's programs finish the row's work in the same launch.
+
+Each program of a row does its share, stores it, then adds one to the row's counter (an acquire-release atomic,
+after a barrier so every thread's stores are counted); the program that reads ``parts − 1`` knows every share is
+stored, reads them from L2 and finishes (a choice among candidates, a merge of split-K partials). It then sets
+the counter back to zero, so one buffer per device serves every launch on a stream, and a CUDA graph captures
+the same buffer. Used by :mod:`runtime.kernels.topk_select.triton`, :mod:`runtime.kernels.page_bounds.triton`
+and :mod:`runtime.kernels.sparse_attention.triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """``rows`` zeroed int32 counters (see the module docstring). Kept from the first call; grown when a launch
+    needs more rows (the new buffer zeroed; while a graph is captured that zeroing is captured too, and
+    harmless: the counters are zero between launches anyway)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < rows:
+        have = torch.zeros(max(rows, 1024), device=device, dtype=torch.int32)
+        _COUNTERS[device] = have
+    return have
