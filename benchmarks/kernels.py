@@ -8,7 +8,8 @@ timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve
 Every call is captured in a CUDA graph, as a decode step runs, so launch overhead does not count.
 
 * ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
-* ``ours_dense``: the Triton kernel reading every token;
+* ``ours_dense``: the Triton kernel reading every token (``_separate``: its partials merged by a second launch
+  instead of by each row's last program);
 * ``sparse_r``: the Triton kernel where r of the 8 KV heads read 10 % of the blocks and the others read
   everything, in one launch (LycheeDecode's mixed retrieval/sparse layer; r = 8 is a fully sparse layer);
 * ``gather_sdpa``: the naive route, gathering 10 % of the blocks of every head and running SDPA on them;
@@ -20,9 +21,9 @@ Every call is captured in a CUDA graph, as a decode step runs, so launch overhea
 
 ``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows): the linear layer the
 engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated past L2.
-``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 1 to 256 rows, k = 128):
-the Triton kernel by radix counting (2 bits a round) and by histogram (8 bits a round) at 4 / 8 / 16 warps,
-against ``torch.topk``.
+``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 8 to 256 rows, k = 128 and
+512): the Triton kernel as the engine runs it (``split``), and in one program per row by radix counting (2 bits a
+round) and by histogram (8 bits a round) at 4 / 8 / 16 warps, against ``torch.topk``.
 ``--refine`` adds DELTA's two-stage second stage (``runtime.kernels.page_bounds.refine_candidates``: the Quest
 bounds of 512 candidate pages of 8,192 per KV head, DS-Qwen-7B heads, then the choice of 128), scored by 1, 2, 4
 or 8 programs per head; the page-metadata update (``update_page``) alone; and both in one launch (``new_page=``),
@@ -147,6 +148,8 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     row["sdpa_ms"] = graph_ms(run_sdpa, kv)
     row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
         q, k, v, scale=scale, num_warps=warps, num_stages=stages), kv)
+    row["ours_dense_separate_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
+        q, k, v, scale=scale, num_warps=warps, num_stages=stages, fused=False), kv)
     for r in (0, 4, 8):
         # r = 8 is a fully sparse layer, called as the engine calls it (no full_rows)
         full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous() if r < HKV else None
@@ -168,6 +171,8 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
         vb = v[:, :, : blocks * BLOCK].view(b, HKV, blocks, BLOCK, D)[bi, hi, blk].flatten(2, 3)
         return sdpa_dense(q4, kb, vb)
 
+    row["sparse_8_separate_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
+        q, k, v, idx, scale=scale, block_size=BLOCK, num_warps=warps, num_stages=stages, fused=False), kv)
     row["gather_sdpa_ms"] = graph_ms(gather_then_sdpa, kv)
     _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
     row["page_scores_ms"] = graph_ms(lambda k, v: page_tri.page_scores(q, k, lse, scale, 16), kv)
@@ -296,27 +301,34 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     return out
 
 
-TOPK_SHAPES = ((9, 8192), (256, 8192), (8, 2048), (64, 2048))  # (rows, scores per row)
+TOPK_SHAPES = ((8, 8192, 128), (8, 8192, 512), (9, 8192, 128), (256, 8192, 128), (8, 2048, 128),
+               (64, 2048, 128))  # (rows, scores per row, k): a Δ-layer's choice at 128K x 8 (512: refine=4), ...
 
 
-def topk_rows(k: int = 128, recent: int = 4) -> list[dict]:
-    """The top-k of each row with its recent blocks, graph-captured: the engine's kernel per radix method and
-    warp count, and ``torch.topk`` (unordered) as the baseline."""
+def topk_rows(recent: int = 4) -> list[dict]:
+    """The top-k of each row with its recent blocks, graph-captured: the engine's kernel as it runs (``split``:
+    rows split over programs where few rows leave the GPU idle), one program per row by radix method and warp
+    count, and ``torch.topk`` (unordered) as the baseline."""
     from runtime.kernels.topk_select import triton as topk_tri
 
     out = []
-    for rows, n in TOPK_SHAPES:
+    for rows, n, k in TOPK_SHAPES:
         sets = [(torch.randn(rows, n, device="cuda"), None) for _ in range(4)]
         last = torch.full((rows,), n - 1, device="cuda")
-        times = {"torch": graph_ms(lambda s, _: s.topk(k, dim=-1, sorted=False), Rotating.of(sets))}
+        times = {"torch": graph_ms(lambda s, _, w=k: s.topk(w, dim=-1, sorted=False), Rotating.of(sets))}
+        times["split"] = graph_ms(lambda s, _, e=last, w=k: topk_tri.topk_with_recent(s, w, recent, e),
+                                  Rotating.of(sets))
         for bits in (2, 8):
             for warps in (4, 8, 16):
                 times[f"b{bits}w{warps}"] = graph_ms(
-                    lambda s, _, b=bits, w=warps, e=last: topk_tri.topk_with_recent(s, k, recent, e, num_warps=w, bits=b),
+                    lambda s, _, b=bits, w=warps, e=last, top=k: topk_tri.topk_with_recent(
+                        s, top, recent, e, num_warps=w, bits=b, parts=1),
                     Rotating.of(sets))
-        out.append({"rows": rows, "n": n, "k": k, "us": {key: 1e3 * v for key, v in times.items()}})
-        print(f"topk {rows:>3} x {n:>5}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in times.items()) + " µs",
-              flush=True)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        out.append({"rows": rows, "n": n, "k": k, "parts": topk_tri.split_parts(rows, n, k, sms)[0],
+                    "us": {key: 1e3 * v for key, v in times.items()}})
+        print(f"topk {rows:>3} x {n:>5}, k {k}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in times.items())
+              + " µs", flush=True)
     return out
 
 
@@ -407,12 +419,13 @@ def main() -> int:
 
     print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
           f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
-    head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%",
-            "fused", "fsel%", "FI dense", "FI sp8")
+    head = ("T", "B", "sdpa", "ours", "ours 2L", "sp0", "sp4", "sp8", "sp8 2L", "sp8 x", "limit", "sp8 bw", "gather",
+            "pages", "sel%", "fused", "fsel%", "FI dense", "FI sp8")
     print(" ".join(f"{h:>8}" for h in head))
     for r in rows:
-        vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["sparse_0_ms"], r["sparse_4_ms"],
-                r["sparse_8_ms"], r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
+        vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["ours_dense_separate_ms"],
+                r["sparse_0_ms"], r["sparse_4_ms"], r["sparse_8_ms"], r["sparse_8_separate_ms"],
+                r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
                 r["sparse_8_bandwidth_fraction"], r["gather_sdpa_ms"], r["page_scores_ms"],
                 100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"],
                 r.get("flashinfer_dense_ms", float("nan")), r.get("flashinfer_sparse_ms", float("nan")))
