@@ -8,8 +8,7 @@ timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve
 Every call is captured in a CUDA graph, as a decode step runs, so launch overhead does not count.
 
 * ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
-* ``ours_dense``: the Triton kernel reading every token (``_separate``: its partials merged by a second launch
-  instead of by each row's last program);
+* ``ours_dense``: the Triton kernel reading every token;
 * ``sparse_r``: the Triton kernel where r of the 8 KV heads read 10 % of the blocks and the others read
   everything, in one launch (LycheeDecode's mixed retrieval/sparse layer; r = 8 is a fully sparse layer);
 * ``gather_sdpa``: the naive route, gathering 10 % of the blocks of every head and running SDPA on them;
@@ -148,8 +147,6 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     row["sdpa_ms"] = graph_ms(run_sdpa, kv)
     row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
         q, k, v, scale=scale, num_warps=warps, num_stages=stages), kv)
-    row["ours_dense_separate_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
-        q, k, v, scale=scale, num_warps=warps, num_stages=stages, fused=False), kv)
     for r in (0, 4, 8):
         # r = 8 is a fully sparse layer, called as the engine calls it (no full_rows)
         full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous() if r < HKV else None
@@ -171,8 +168,6 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
         vb = v[:, :, : blocks * BLOCK].view(b, HKV, blocks, BLOCK, D)[bi, hi, blk].flatten(2, 3)
         return sdpa_dense(q4, kb, vb)
 
-    row["sparse_8_separate_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
-        q, k, v, idx, scale=scale, block_size=BLOCK, num_warps=warps, num_stages=stages, fused=False), kv)
     row["gather_sdpa_ms"] = graph_ms(gather_then_sdpa, kv)
     _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
     row["page_scores_ms"] = graph_ms(lambda k, v: page_tri.page_scores(q, k, lse, scale, 16), kv)
@@ -419,13 +414,12 @@ def main() -> int:
 
     print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
           f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
-    head = ("T", "B", "sdpa", "ours", "ours 2L", "sp0", "sp4", "sp8", "sp8 2L", "sp8 x", "limit", "sp8 bw", "gather",
-            "pages", "sel%", "fused", "fsel%", "FI dense", "FI sp8")
+    head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%",
+            "fused", "fsel%", "FI dense", "FI sp8")
     print(" ".join(f"{h:>8}" for h in head))
     for r in rows:
-        vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["ours_dense_separate_ms"],
-                r["sparse_0_ms"], r["sparse_4_ms"], r["sparse_8_ms"], r["sparse_8_separate_ms"],
-                r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
+        vals = (r["context"], r["batch"], r["sdpa_ms"], r["ours_dense_ms"], r["sparse_0_ms"], r["sparse_4_ms"],
+                r["sparse_8_ms"], r["sparse_8_speedup_vs_sdpa"], r["sparse_8_byte_limit"],
                 r["sparse_8_bandwidth_fraction"], r["gather_sdpa_ms"], r["page_scores_ms"],
                 100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"],
                 r.get("flashinfer_dense_ms", float("nan")), r.get("flashinfer_sparse_ms", float("nan")))

@@ -4,8 +4,12 @@ Each program of a row does its share, stores it, then adds one to the row's coun
 after a barrier so every thread's stores are counted); the program that reads ``parts − 1`` knows every share is
 stored, reads them from L2 and finishes (a choice among candidates, a merge of split-K partials). It then sets
 the counter back to zero, so one buffer per device serves every launch on a stream, and a CUDA graph captures
-the same buffer. Used by :mod:`runtime.kernels.topk_select.triton`, :mod:`runtime.kernels.page_bounds.triton`
-and :mod:`runtime.kernels.sparse_attention.triton`.
+the same buffer. Used by :mod:`runtime.kernels.topk_select.triton` and :mod:`runtime.kernels.page_bounds.triton`.
+
+Where it does not pay: merging the decode-attention kernel's split-K partials in each row's last program, instead
+of a small launch of its own, measured slower at every shape (H200, 32 / 8 heads, bf16, graph-captured: a 10 %
+block-sparse layer at 32K × 1 took 22.8 against 11.3 µs, at 128K × 8 119 against 114 µs; dense 128K × 8 0.974
+against 0.970 ms): the last program merges its row alone, and every program pays the fence of the atomic.
 """
 
 from __future__ import annotations

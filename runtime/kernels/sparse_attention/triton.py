@@ -19,8 +19,7 @@ How it works: one program per (sequence, KV head, chunk of ``chunk`` tokens of t
 GQA decoding). Tiles are gathered rows of the cache, so token sets (block size 1) and block sets (16, 64) use
 the same code. Rows that read fewer tokens have fewer busy chunks; idle programs exit after writing an empty
 partial, so full and sparse heads in one launch are balanced by construction: every busy program does the
-same amount of work. The chunk partials are merged by their log-sum-exp: by the last program of the row to finish,
-in the same launch, or (many chunks a row) by a small launch of its own.
+same amount of work. A small combine step merges the chunk partials by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels.arrivals import arrival_counters
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -67,13 +64,12 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
         w = tl.load(LOGW + b * s_ib + h * s_ih + entry, mask=valid & ~is_full, other=0.0)
         s += w.to(tl.float32)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
-    if WRITE_LOGITS:  # a selection layer keeps its logits (2 or 4 bytes per head and token, vs 2·D·2 of K/V)
+    if WRITE_LOGITS:  # a selection layer keeps its logits (4 bytes per head and token, vs 2·D·2 of K/V)
         g = tl.arange(0, G_PAD)
         keep = live
         if HAS_IDX:  # a mixed launch: only the rows that read everything keep theirs
             keep = keep & is_full
-        tl.store(lg_base + g[:, None] * s_gh + tok[None, :], s.to(lg_base.dtype.element_ty),
-                 mask=(g < G)[:, None] & keep[None, :])
+        tl.store(lg_base + g[:, None] * s_gh + tok[None, :], s, mask=(g < G)[:, None] & keep[None, :])
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing valid keeps the state
     alpha = tl.exp(m_i - m_safe)
@@ -86,7 +82,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
 
 @triton.jit
 def _sparse_decode_partial(
-    Q, K, V, IDX, LOGW, KMASK, FIRST, LAST, FULL, OUT, LSE, LOGITS, ARRIVED, OUT_F, LSE_F,
+    Q, K, V, IDX, LOGW, KMASK, FIRST, LAST, FULL, OUT, LSE, LOGITS,
     s_qb, s_qh,
     s_kb, s_kh, s_kt,
     s_vb, s_vh, s_vt,
@@ -95,12 +91,11 @@ def _sparse_decode_partial(
     s_ob, s_oh, s_os, s_og,
     s_lb, s_lh, s_ls,
     s_gb, s_gh,
-    T, N, HKV, scale, S,
+    T, N, HKV, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
     HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr,
-    FUSED: tl.constexpr, GM_PAD: tl.constexpr, SB: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -156,63 +151,6 @@ def _sparse_decode_partial(
     o_ptr = OUT + b * s_ob + h * s_oh + split * s_os + g[:, None] * s_og + d[None, :]
     tl.store(o_ptr, out, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(LSE + b * s_lb + h * s_lh + split * s_ls + g, lse, mask=g_ok)
-    if FUSED:  # the row's last program to finish merges its S partials: no second launch
-        tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
-        if tl.atomic_add(ARRIVED + row, 1, sem="acq_rel") == S - 1:
-            tl.store(ARRIVED + row, 0)  # every split has arrived: the counter is ready for the next launch
-            _merge(OUT + b * s_ob + h * s_oh, LSE + b * s_lb + h * s_lh, OUT_F + row * G * D, LSE_F + row * G,
-                   s_os, s_og, s_ls, D, S, 0, G, GM_PAD, D, D_PAD, SB)
-
-
-@triton.jit
-def _merge(OUT_P, LSE_P, OUT, LSE, s_os, s_og, s_ls, s_fg, S, d0, G: tl.constexpr, G_PAD: tl.constexpr,
-           D: tl.constexpr, DB: tl.constexpr, SB: tl.constexpr):
-    """Merge the ``S`` split-K partials of one (sequence, KV head), dims ``d0 .. d0 + DB`` of its ``G`` query
-    heads, by their log-sum-exp: the largest first, then each partial weighted by ``exp(lse − max)``, ``SB`` of
-    them at a time. Writes ``OUT`` (``s_fg`` apart per head) and, from the program with ``d0 = 0``, ``LSE``.
-    Reads through L2 (``.cg``): in the fused launch the partials were stored by other programs."""
-    g = tl.arange(0, G_PAD)
-    g_ok = g < G
-    d = d0 + tl.arange(0, DB)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    for s0 in range(0, S, SB):
-        s = s0 + tl.arange(0, SB)
-        lse = tl.load(LSE_P + s[:, None] * s_ls + g[None, :], mask=(s < S)[:, None] & g_ok[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, tl.max(lse, 0))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DB], tl.float32)
-    for s0 in range(0, S, SB):
-        s = s0 + tl.arange(0, SB)
-        lse = tl.load(LSE_P + s[:, None] * s_ls + g[None, :], mask=(s < S)[:, None] & g_ok[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp(lse - m_safe[None, :])  # [SB, G_PAD]; 0 for empty partials
-        o = tl.load(OUT_P + s[:, None, None] * s_os + g[None, :, None] * s_og + d[None, None, :],
-                    mask=(w > 0)[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * w[:, :, None], 0)
-        total += tl.sum(w, 0)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(OUT + g[:, None] * s_fg + d[None, :], out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & (d < D)[None, :])
-    lse_out = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-    tl.store(LSE + g, lse_out, mask=g_ok & ((tl.zeros([G_PAD], tl.int32) + d0) == 0))  # masks must be tensors
-
-
-def _merge_block(g: int, db: int, splits: int) -> tuple[int, int]:
-    """``(G_PAD, SB)`` of :func:`_merge`: partials merged at a time so that a block holds about 4K floats."""
-    g_pad = triton.next_power_of_2(g)
-    return g_pad, max(1, min(triton.next_power_of_2(splits), 4096 // (g_pad * db)))
-
-
-def logits_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What a selection layer keeps its logits in: float16 for a 16-bit model, float32 for a float32 one. float16
-    keeps 11 bits of each scaled logit (far below its range); the bf16 queries and keys they come from carry 8,
-    so the rounding it adds is of the order the model's own dtype already puts in the logits, and the page
-    scores' extra pass reads half the bytes (DS-Qwen-7B shape, 128K × 8: 117 of 234 MB per selection layer)."""
-    return torch.float32 if dtype == torch.float32 else torch.float16
-
-
-FUSED_MAX_SPLITS = 32  # partials a row's last program merges itself; more go to a launch of their own
 
 
 def _next_pow2(x: int, floor: int = 16) -> int:
@@ -236,16 +174,11 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
                             tile: int = 64, num_warps: int = 4, num_stages: int = 2,
                             logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                            key_span: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            key_span: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
-    ``fused``: the last program of each (sequence, KV head) to finish merges the row's partials in the same
-    launch (:mod:`runtime.kernels.arrivals`) instead of a second kernel (:func:`combine_partials`); default: up
-    to :data:`FUSED_MAX_SPLITS` partials a row, past which one program's merge costs more than a launch.
-
-    ``logits_out``: a float32 or float16 ``[B, Hq, T]`` buffer (:func:`logits_dtype`) that receives every scaled
-    logit (−inf where masked) of the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query heads, the
+    ``logits_out``: a float32 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where masked) of
+    the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query heads, the
     others' entries are left as they are), so a selection layer or a retrieval head scores pages without
     reading K again.
     """
@@ -256,9 +189,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if indices is None and (log_weights is not None or full_rows is not None):
         raise ValueError("log_weights and full_rows need indices (without indices every row reads every token)")
     if logits_out is not None and ((indices is not None and full_rows is None) or logits_out.shape != (b, hq, t)
-                                   or logits_out.dtype not in (torch.float32, torch.float16)
-                                   or logits_out.stride(-1) != 1):
-        raise ValueError(f"logits_out must be a float32 or float16 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call or "
+                                   or logits_out.dtype != torch.float32 or logits_out.stride(-1) != 1):
+        raise ValueError(f"logits_out must be a float32 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call or "
                          "a call with full_rows")
     g = hq // hkv
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -284,19 +216,11 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     fr = full_rows.to(torch.int8).contiguous() if full_rows is not None else None
     first, last = key_span if key_span is not None else (dummy, dummy)
-    fused = splits <= FUSED_MAX_SPLITS if fused is None else fused
-    if fused:
-        out = torch.empty(b, hq, d, device=query.device, dtype=out_dtype)
-        lse = torch.empty(b, hq, device=query.device, dtype=torch.float32)
-        arrived = arrival_counters(query.device, b * hkv)
-    else:
-        out, lse, arrived = out_p, lse_p, lse_p  # not read
-    gm_pad, sb = _merge_block(g, _next_pow2(d), splits)
     _sparse_decode_partial[(b * hkv, splits)](
         query, key, value,
         idx if idx is not None else dummy, logw if logw is not None else dummy,
         km if km is not None else dummy, first, last, fr if fr is not None else dummy,
-        out_p, lse_p, logits_out if logits_out is not None else out_p, arrived, out, lse,
+        out_p, lse_p, logits_out if logits_out is not None else out_p,
         query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -305,43 +229,65 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
         lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
         logits_out.stride(0) if logits_out is not None else 0, logits_out.stride(1) if logits_out is not None else 0,
-        t, n, hkv, float(scale), splits,
+        t, n, hkv, float(scale),
         G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile, CHUNK=chunk,
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
         HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
-        WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, FUSED=fused, GM_PAD=gm_pad, SB=sb,
-        num_warps=num_warps, num_stages=num_stages,
+        WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
     )
-    return (out, lse) if fused else combine_partials(out_p, lse_p, out_dtype)
+    return combine_partials(out_p, lse_p, out_dtype)
 
 
 @triton.jit
-def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, HKV, S, G: tl.constexpr,
-             G_PAD: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, SB: tl.constexpr):
-    """One (sequence, KV head) and DB of its D dims: :func:`_merge` as a launch of its own."""
-    row = tl.program_id(0)
-    b = row // HKV
-    h = row % HKV
-    _merge(OUT_P + b * s_ob + h * s_oh, LSE_P + b * s_lb + h * s_lh, OUT + row * G * D, LSE + row * G, s_os, s_og,
-           s_ls, D, S, tl.program_id(1) * DB, G, G_PAD, D, DB, SB)
+def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, HKV, G, S,
+             SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
+    """One (sequence, query head, DB of its D dims): merge its S partials, SB at a time (usually all at once),
+    by an online log-sum-exp (each block rescales what came before)."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    b = pid // (HKV * G)
+    h = (pid // G) % HKV
+    g = pid % G
+    d = part * DB + tl.arange(0, DB)
+    lse_base = LSE_P + b * s_lb + h * s_lh + g
+    m = tl.max(tl.full([SB], float("-inf"), tl.float32), 0)  # 0-d float32 tensors: the loop's carried state
+    total = tl.sum(tl.zeros([SB], tl.float32), 0)
+    acc = tl.zeros([DB], tl.float32)
+    for s0 in range(0, S, SB):
+        s = s0 + tl.arange(0, SB)
+        lse = tl.load(lse_base + s * s_ls, mask=s < S, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse - m_safe)  # 0 for empty partials
+        o = tl.load(OUT_P + b * s_ob + h * s_oh + s[:, None] * s_os + g * s_og + d[None, :],
+                    mask=(w > 0)[:, None] & (d < D)[None, :], other=0.0)
+        alpha = tl.exp(m - m_safe)
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + pid * D + d, out, mask=d < D)
+    if part == 0:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                      parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``) /
-    ``[B, Hq]`` (float32). ``parts``: programs per KV head, each merging a slice of D (default: by the GPU's
-    size, so that few heads, at batch 1, still spread over more of the GPU)."""
+    ``[B, Hq]`` (float32). ``parts``: programs per head, each merging a slice of D (default: by the GPU's size)."""
     b, hkv, splits, g, d = out_p.shape
     out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
+    sb = min(128, max(16, triton.next_power_of_2(splits)))  # every partial in one block up to 128 of them
     d_pad = triton.next_power_of_2(d)
+    # Few heads (batch 1): split D too, so the merge spreads over more of the GPU than one program per head
     if parts is None:
         sms = torch.cuda.get_device_properties(out_p.device).multi_processor_count if out_p.is_cuda else 8
-        parts = max(1, min(8, d_pad // 16, 2 * sms // max(1, b * hkv)))
+        parts = max(1, min(4, d_pad // 32, 2 * sms // max(1, b * hkv * g)))
     parts = 1 << (min(parts, d_pad).bit_length() - 1)  # a power of two that divides d_pad
     db = d_pad // parts
-    g_pad, sb = _merge_block(g, db, splits)
-    _combine[(b * hkv, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
-                               out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, splits, G=g,
-                               G_PAD=g_pad, D=d, DB=db, SB=sb, num_warps=4)
+    _combine[(b * hkv * g, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
+                                   out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
+                                   SB=sb, D=d, DB=db, num_warps=4 if sb * db <= 4096 else 8)
     return out, lse

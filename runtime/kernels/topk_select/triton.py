@@ -124,7 +124,7 @@ def split_parts(rows: int, n: int, w: int, sms: int) -> tuple[int, int]:
     span = max(4 * w_pad, triton.next_power_of_2(int(math.sqrt(n * w_pad))))
     parts = min(triton.cdiv(n, span), max(1, sms // max(rows, 1)), MAX_N // w_pad)
     parts = 1 << (max(parts, 1).bit_length() - 1)  # a power of two: the final row is PARTS · W_PAD
-    if parts < 2:
+    if parts < 2 or n <= 4096:  # rows that one program of 8 warps holds: its one search was faster
         return 1, n
     return parts, triton.next_power_of_2(triton.cdiv(n, parts))
 
