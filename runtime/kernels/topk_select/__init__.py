@@ -21,7 +21,8 @@ argument       shape                   meaning
 
 The one selection rule of calibration (``topk_mask_with_recent``, the same choice as a boolean ``[..., n]``),
 the reference policies and the engine's graph-captured step: no host sync, fixed output width. On the GPU the
-engine runs the same choice as one Triton program per row (``triton.py``, rows up to ``MAX_N`` scores).
+engine runs the same choice in Triton (``triton.py``, rows up to ``MAX_N`` scores): one program a row, or several
+when few rows leave the GPU idle.
 ``mask_to_indices(mask, width=None)`` turns a boolean selection ``[..., n]`` into the padded form.
 """
 
