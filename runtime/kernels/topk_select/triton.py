@@ -72,16 +72,22 @@ def store_ascending(OUT, values, chosen, W: tl.constexpr, W_PAD: tl.constexpr):
 
 
 @triton.jit
-def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr,
-                 N_PAD: tl.constexpr, BITS: tl.constexpr):
-    row = tl.program_id(0)
-    i = tl.arange(0, N_PAD)
+def _ranks(S, LAST, row, s_row, s_last, i, n, RECENT: tl.constexpr):
+    """Row ``row``'s scores at ids ``i`` as ranks: ``+inf`` for the ``RECENT`` ids up to its last, ``-inf`` past the
+    last or the row's end."""
     last = tl.load(LAST + row * s_last)
     ok = (i < n) & (i <= last)
     x = tl.load(S + row * s_row + i, mask=ok, other=float("-inf")).to(tl.float32)
     x = tl.where(ok & (i > last - RECENT), float("inf"), x)
-    x = tl.where(ok, x, float("-inf"))
-    store_ascending(OUT + row * W, i, top_w(x, W, BITS), W, W_PAD)
+    return tl.where(ok, x, float("-inf"))
+
+
+@triton.jit
+def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr,
+                 N_PAD: tl.constexpr, BITS: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N_PAD)
+    store_ascending(OUT + row * W, i, top_w(_ranks(S, LAST, row, s_row, s_last, i, n, RECENT), W, BITS), W, W_PAD)
 
 
 @triton.jit
@@ -93,11 +99,7 @@ def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, s_row, s_last, n, 
     row = tl.program_id(0)
     part = tl.program_id(1)
     i = part * SPAN + tl.arange(0, SPAN)
-    last = tl.load(LAST + row * s_last)
-    ok = (i < n) & (i <= last)
-    x = tl.load(S + row * s_row + i, mask=ok, other=float("-inf")).to(tl.float32)
-    x = tl.where(ok & (i > last - RECENT), float("inf"), x)
-    x = tl.where(ok, x, float("-inf"))
+    x = _ranks(S, LAST, row, s_row, s_last, i, n, RECENT)
     kept = top_w(x, W, BITS)
     base = (row * PARTS + part) * W_PAD
     slot = tl.cumsum(kept.to(tl.int32), 0) - 1
@@ -118,8 +120,10 @@ def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, s_row, s_last, n, 
 def split_parts(rows: int, n: int, w: int, sms: int) -> tuple[int, int]:
     """``(parts, span)``: programs per row and scores per program. Few rows leave most of the GPU idle while one
     program per row searches its whole row, so a row is split in parts of about ``√(n · w)`` scores (the two
-    stages then hold rows of similar size), as long as each part keeps at most a quarter of what it reads and the rows' parts
-    still fit the GPU; ``(1, n)`` where that does not pay."""
+    stages then hold rows of similar size), as long as each part keeps at most a quarter of what it reads and
+    the rows' parts still fit the GPU; ``(1, n)`` where that does not pay. H200, ``benchmarks/kernels.py --topk``
+    (``kernels_topk_split_h200.json``): 8 rows of 8,192, k = 128, 17.3 µs in 8 parts against 26.7 in one program
+    a row; k = 512, 22.3 in 4 parts against 26.8; rows of 2,048 were faster in one program (11.5 against 14.6)."""
     w_pad = triton.next_power_of_2(w)
     span = max(4 * w_pad, triton.next_power_of_2(int(math.sqrt(n * w_pad))))
     parts = min(triton.cdiv(n, span), max(1, sms // max(rows, 1)), MAX_N // w_pad)
