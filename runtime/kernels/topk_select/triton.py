@@ -123,7 +123,7 @@ def split_parts(rows: int, n: int, w: int, sms: int) -> tuple[int, int]:
     stages then hold rows of similar size), as long as each part keeps at most a quarter of what it reads and
     the rows' parts still fit the GPU; ``(1, n)`` where that does not pay. H200, ``benchmarks/kernels.py --topk``
     (``kernels_topk_split_h200.json``): 8 rows of 8,192, k = 128, 17.3 µs in 8 parts against 26.7 in one program
-    a row; k = 512, 22.3 in 4 parts against 26.8; rows of 2,048 were faster in one program (11.5 against 14.6)."""
+    a row; k = 512, 22.3 in 4 parts against 26.8; rows of 2,048 were faster in one program (11.4 against 14.6)."""
     w_pad = triton.next_power_of_2(w)
     span = max(4 * w_pad, triton.next_power_of_2(int(math.sqrt(n * w_pad))))
     parts = min(triton.cdiv(n, span), max(1, sms // max(rows, 1)), MAX_N // w_pad)
