@@ -17,14 +17,18 @@ from __future__ import annotations
 import torch
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: a CUDA graph captured before a buffer grew still launches on it
 
 
 def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
     """``rows`` zeroed int32 counters (see the module docstring). Kept from the first call; grown when a launch
     needs more rows (the new buffer zeroed; while a graph is captured that zeroing is captured too, and
-    harmless: the counters are zero between launches anyway)."""
+    harmless: the counters are zero between launches anyway). An outgrown buffer is never freed, so graphs
+    captured on it stay valid."""
     have = _COUNTERS.get(device)
     if have is None or have.numel() < rows:
+        if have is not None:
+            _OUTGROWN.append(have)
         have = torch.zeros(max(rows, 1024), device=device, dtype=torch.int32)
         _COUNTERS[device] = have
     return have

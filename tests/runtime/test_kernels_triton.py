@@ -533,3 +533,17 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
         assert torch.equal(meta[0], ref_meta[0]) and torch.equal(meta[1], ref_meta[1])
         assert not torch.equal(meta[0], kmin)  # the page of slot `last` changed
         assert torch.equal(fast.long(), ref.long()), (recent, fast, ref)
+
+
+def test_arrival_counters_grow_and_keep_what_graphs_hold():
+    """A launch with more rows gets a larger zeroed buffer; the outgrown one stays allocated (a captured graph
+    may still launch on it) and later calls reuse the larger one."""
+    from runtime.kernels import arrivals
+
+    device = torch.device("cpu")
+    small = arrivals.arrival_counters(device, 8)
+    assert small.numel() >= 8 and not small.any()
+    big = arrivals.arrival_counters(device, small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any()
+    assert any(t is small for t in arrivals._OUTGROWN)
+    assert arrivals.arrival_counters(device, 8) is big
