@@ -307,6 +307,7 @@ def topk_rows(recent: int = 4) -> list[dict]:
     from runtime.kernels.topk_select import triton as topk_tri
 
     out = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows, n, k in TOPK_SHAPES:
         sets = [(torch.randn(rows, n, device="cuda"), None) for _ in range(4)]
         last = torch.full((rows,), n - 1, device="cuda")
@@ -319,7 +320,6 @@ def topk_rows(recent: int = 4) -> list[dict]:
                     lambda s, _, b=bits, w=warps, e=last, top=k: topk_tri.topk_with_recent(
                         s, top, recent, e, num_warps=w, bits=b, parts=1),
                     Rotating.of(sets))
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         out.append({"rows": rows, "n": n, "k": k, "parts": topk_tri.split_parts(rows, n, k, sms)[0],
                     "us": {key: 1e3 * v for key, v in times.items()}})
         print(f"topk {rows:>3} x {n:>5}, k {k}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in times.items())
