@@ -319,25 +319,24 @@ def real_model(args: argparse.Namespace) -> dict:
         print(f"real {name} B={batch}: transformers generate {row['transformers_tokens_per_s']:.0f} tok/s, "
               f"rolecall {row['rolecall_tokens_per_s']:.0f} tok/s ({row['speedup']:.2f}×; decode steps alone "
               f"{row['rolecall_decode_only_tokens_per_s']:.0f} tok/s)", flush=True)
-    # prefill: the engine's chunked prefill against one transformers forward (SDPA causal attention)
-    p = args.real_prefill
-    ids = torch.randint(0, model.config.vocab_size, (1, p), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    weights = EngineWeights.from_model(model, positions=p + 8)
-    decoders = []
+    # prefill: the engine's chunked prefill against one transformers forward (SDPA causal attention), per length
+    prefill = []
+    for p in args.real_prefill:
+        ids = torch.randint(0, model.config.vocab_size, (1, p), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(0))
+        weights = EngineWeights.from_model(model, positions=p + 8)
 
-    def ours() -> None:
-        dec = StaticDecoder(weights, None, 1, p + 8)
-        decoders.append(dec)
-        dec.prefill(ids)
-        decoders.clear()
+        def ours(p=p, ids=ids, weights=weights) -> None:
+            StaticDecoder(weights, None, 1, p + 8).prefill(ids)
 
-    with torch.no_grad():
-        hf_s = wall(lambda: model(ids, use_cache=False, logits_to_keep=1), args.real_reps)
-    ours_s = wall(ours, args.real_reps)
-    prefill = {"model": name, "prompt_tokens": p, "transformers_sdpa_tokens_per_s": p / hf_s,
-               "rolecall_tokens_per_s": p / ours_s, "ratio": hf_s / ours_s}
-    print(f"prefill {p} tokens: transformers (SDPA) {prefill['transformers_sdpa_tokens_per_s']:.0f} tok/s, "
-          f"rolecall {prefill['rolecall_tokens_per_s']:.0f} tok/s", flush=True)
+        with torch.no_grad():
+            hf_s = wall(lambda ids=ids: model(ids, use_cache=False, logits_to_keep=1), args.real_reps)
+        ours_s = wall(ours, args.real_reps)
+        prefill.append({"model": name, "prompt_tokens": p, "transformers_sdpa_tokens_per_s": p / hf_s,
+                        "rolecall_tokens_per_s": p / ours_s, "ratio": hf_s / ours_s})
+        print(f"prefill {p} tokens: transformers (SDPA) {prefill[-1]['transformers_sdpa_tokens_per_s']:.0f} tok/s, "
+              f"rolecall {prefill[-1]['rolecall_tokens_per_s']:.0f} tok/s", flush=True)
+        del weights
     return {"generate": rows, "prefill": prefill}
 
 
@@ -401,7 +400,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="append each configuration's kernel table to this file")
     p.add_argument("--real", default=None, help="also time generate and prefill on this real model (alias)")
     p.add_argument("--real-new", type=int, default=256, help="tokens generated per prompt in --real")
-    p.add_argument("--real-prefill", type=int, default=4096, help="prompt tokens of the --real prefill timing")
+    p.add_argument("--real-prefill", type=int, nargs="+", default=[4096, 32768],
+                   help="prompt lengths of the --real prefill timing (the engine prefills in chunks of 4,096)")
     p.add_argument("--real-reps", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")

@@ -650,3 +650,50 @@ def test_embedded_model_engine_equals_generate(name):
             assert isinstance(s.last, Generation)
         assert torch.equal(got, want), (text, tok.decode(got[0, ids.shape[1]:]), tok.decode(want[0, ids.shape[1]:]))
         assert math.isfinite(s.last.tokens_per_s)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch):
+    """An unpadded prompt in chunks: each chunk after the first reads the keys before it through SDPA's causal
+    kernel aligned to the lower right (no boolean mask on layers without a window), and the last position's
+    logits and every cached key equal one transformers forward over the whole prompt."""
+    import types
+
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+
+    from runtime.engine import StaticDecoder
+    from runtime.engine import prefill as prefill_module
+
+    model = model_of(family)
+    rows = prompts(lengths=(90, 90), seed=3)
+    ids = torch.tensor(rows)
+    kinds = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        kinds.append("causal" if is_causal else type(attn_mask).__name__ if isinstance(attn_mask, CausalBias)
+                     else "mask")
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(prefill_module, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    dec = StaticDecoder(Weights.from_model(model, positions=128), get_policy("full"), batch=2, max_len=96,
+                        kernels="naive")
+    logits = dec.prefill(ids, chunk=32).clone()  # chunks of 32, 32, 26 tokens
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    assert float((logits - out.logits[:, -1]).abs().max()) < 1e-4, family
+    layers = model.config.num_hidden_layers
+    dense = [i for i in range(layers) if dec.shape.windows[i] is None]  # Mistral: a window on every layer
+    assert bool(dense) == (family != "mistral"), family
+    assert kinds == ["causal" if i in dense else "mask" for i in range(layers)] + \
+        ["CausalBias" if i in dense else "mask" for i in range(layers)] * 2, (family, kinds)
+    for i in range(layers):
+        k = out.past_key_values.layers[i].keys[:, :, -90:]  # a sliding layer's cache holds its window
+        assert float((dec.cache.k[i][:, :, 90 - k.shape[2]:90] - k).abs().max()) < 1e-4, (family, i)
+
+
+def test_prefill_chunk_grows_when_few_rows():
+    from runtime.engine.prefill import chunk_for
+
+    assert [chunk_for(b) for b in (1, 2, 8, 32)] == [32768, 16384, 4096, 4096]
