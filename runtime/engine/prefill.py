@@ -5,7 +5,8 @@ of an unpadded batch runs SDPA's causal kernel on the layers without a sliding w
 GPU): the first with ``is_causal``, a later one with a causal mask aligned to the lower right
 (``torch.nn.attention.bias.causal_lower_right``: the chunk's queries are the last of the keys it reads), so a
 long prompt never leaves the fused kernel. Padded rows and windows pass a boolean mask (then grouped K/V heads
-are repeated for the masked kernel, which does not take grouped heads).
+are repeated for the masked kernel, which does not take grouped heads); a sliding-window layer's chunk reads
+only the keys its window reaches (the chunk and the ``window - 1`` slots before it), not the whole prefix.
 """
 
 from __future__ import annotations
@@ -86,27 +87,28 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
     pad_t = c.pads[:, None]  # [B, 1]
     g = s.heads // s.kv_heads
     q_slots = torch.arange(start, end, device=device)  # [C]
-    k_slots = torch.arange(end, device=device)  # [T]
     positions = (q_slots[None, :] - pad_t).clamp_min(0)  # [B, C]
-    masks = {}
+    masks = {}  # window -> (first key slot read, mask [B, 1, C, end - first] or None for the causal kernel)
     for window in set(s.windows):
         if plain and window is None:
-            masks[window] = None  # SDPA's causal kernel
+            masks[window] = (0, None)  # SDPA's causal kernel
             continue
+        first = 0 if window is None else max(0, start - window + 1)  # a window reads no key before this
+        k_slots = torch.arange(first, end, device=device)
         m = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad_t[:, :, None])
         if window is not None:
             m = m & (k_slots[None, None, :] > q_slots[None, :, None] - window)
         # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
         m = m | (k_slots[None, None, :] == q_slots[None, :, None])
-        masks[window] = m[:, None]  # [B, 1, C, T]
+        masks[window] = (first, m[:, None])
     rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
     x, h = L.first_input(w, input_ids)  # [B, C, H]
     for i, lw in enumerate(w.layers):
         q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
         c.k[i][:, :, start:end] = k.transpose(1, 2)
         c.v[i][:, :, start:end] = v.transpose(1, 2)
-        keys, values = c.k[i][:, :, :end], c.v[i][:, :, :end]
-        mask = masks[s.windows[i]]
+        first, mask = masks[s.windows[i]]
+        keys, values = c.k[i][:, :, first:end], c.v[i][:, :, first:end]
         if mask is None:
             causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(end - start, end)}
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, **causal,

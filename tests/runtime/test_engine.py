@@ -668,12 +668,13 @@ def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch
     model = model_of(family)
     rows = prompts(lengths=(90, 90), seed=3)
     ids = torch.tensor(rows)
-    kinds = []
+    kinds, reads = [], []
     sdpa = F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
         kinds.append("causal" if is_causal else type(attn_mask).__name__ if isinstance(attn_mask, CausalBias)
                      else "mask")
+        reads.append(k.shape[2])
         return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
 
     monkeypatch.setattr(prefill_module, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
@@ -688,6 +689,10 @@ def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch
     assert bool(dense) == (family != "mistral"), family
     assert kinds == ["causal" if i in dense else "mask" for i in range(layers)] + \
         ["CausalBias" if i in dense else "mask" for i in range(layers)] * 2, (family, kinds)
+    # a sliding layer reads only what its window reaches (Gemma 3's tiny window: 8; Mistral's 4,096 covers all)
+    want = [end if dec.shape.windows[i] is None else end - max(0, start - dec.shape.windows[i] + 1)
+            for start, end in ((0, 32), (32, 64), (64, 90)) for i in range(layers)]
+    assert reads == want, (family, reads)
     for i in range(layers):
         k = out.past_key_values.layers[i].keys[:, :, -90:]  # a sliding layer's cache holds its window
         assert float((dec.cache.k[i][:, :, 90 - k.shape[2]:90] - k).abs().max()) < 1e-4, (family, i)
