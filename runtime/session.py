@@ -96,8 +96,9 @@ class Session:
 
     def generate(self, *args: Any, **kwargs: Any):
         """``model.generate``'s arguments and outputs; the engine when :meth:`engine_reason` allows (then also
-        ``seed=`` for sampling, and ``reference_logits=True`` for full attention's logits along the generated
-        tokens in ``self.last.reference_logits``), else ``model.generate`` on the reference path with a cache from
+        ``seed=`` for sampling, ``reference_logits=True`` for full attention's logits along the generated
+        tokens in ``self.last.reference_logits``, and ``keep_prefill=True`` / ``prefilled=`` to share one prefill
+        between sessions, see :func:`runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
         :meth:`cache`."""
         why = self.engine_reason(kwargs, args)
         if why is None:
@@ -149,7 +150,7 @@ class Session:
                          eos_token_id: Any = None, pad_token_id: int | None = None, stop_strings: Any = None,
                          tokenizer: Any = None, streamer: Any = None, output_logits: bool = False,
                          return_dict_in_generate: bool = False, num_beams: int = 1, use_cache: bool = True,
-                         reference_logits: bool = False):
+                         reference_logits: bool = False, prefilled: Any = None, keep_prefill: bool = False):
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         from runtime.engine import Sampling, Weights, generate
@@ -172,7 +173,8 @@ class Session:
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
         out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
                        pad_token_id=int(pad), stop_strings=stops, tokenizer=tokenizer, streamer=streamer,
-                       output_logits=output_logits, min_context=self.min_context, reference_logits=reference_logits)
+                       output_logits=output_logits, min_context=self.min_context, reference_logits=reference_logits,
+                       prefilled=prefilled, keep_prefill=keep_prefill)
         self.last = out
         width = max(len(t) for t in out.tokens)
         rows = [t + [int(pad)] * (width - len(t)) for t in out.tokens]
@@ -254,7 +256,7 @@ SESSION_PARAMS = ("record_recall", "record_error", "engine", "min_context")
 # model.generate arguments the engine honours (the rest send a request to the reference path)
 ENGINE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                  "seed", "eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "streamer", "output_logits",
-                 "return_dict_in_generate", "num_beams", "use_cache", "reference_logits"}
+                 "return_dict_in_generate", "num_beams", "use_cache", "reference_logits", "prefilled", "keep_prefill"}
 
 
 def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleManifest | None:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from runtime.engine.decoder import StaticDecoder, pad_left
-from runtime.engine.prefill import dense_logits, keeps_prompt
+from runtime.engine.prefill import dense_logits, keeps_prompt, snapshot
+from runtime.engine.prefill import load as load_prefill
 from runtime.engine.sampling import Sampler, Sampling
 from runtime.engine.weights import Weights
 
@@ -69,6 +70,7 @@ class Generation:
     # asked for and the policy kept the prompt's K/V
     reference_logits: list[torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    prefilled: Any = None  # the prefill it ran or loaded (runtime.engine.prefill.Prefilled), when kept
 
     @property
     def tokens_per_s(self) -> float:
@@ -113,17 +115,22 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
              stop_strings: list[str] | tuple[str, ...] = (), tokenizer: Any = None, streamer: Any = None,
              check_every: int = 8, kernels: str = "auto", min_context: int | None = None,
              graphs: bool | None = None, prefill_chunk: int | None = None,
-             output_logits: bool = False, reference_logits: bool = False) -> Generation:
+             output_logits: bool = False, reference_logits: bool = False, prefilled: Any = None,
+             keep_prefill: bool = False) -> Generation:
     """Generate for every prompt (token id lists of any lengths: a ragged batch is left-padded).
 
     ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
     (transformers' ``TextStreamer`` works), fed row 0's prompt first, as ``model.generate`` does, then its new
     tokens at every check. The cache holds
-    ``longest prompt + max(max_new_tokens)`` tokens per row.
+    ``longest prompt + max(max_new_tokens)`` tokens per row. ``keep_prefill``: keep a copy of the prefill in
+    ``Generation.prefilled``; ``prefilled``: such a copy, made for the same prompts on the same model (with any
+    policy), loaded instead of prefilling again.
     """
     limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     b, device = len(prompts), weights.device
     ids, pads = pad_left(prompts, pad_token_id, device)
+    if prefilled is not None and not prefilled.matches(ids, pads):
+        raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
     slots = ids.shape[1] + max(limits)
     stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None)
     dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
@@ -132,7 +139,11 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     graphs = device.type == "cuda" if graphs is None else graphs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    dec.prefill(ids, pads, prefill_chunk)
+    if prefilled is not None:
+        load_prefill(dec, prefilled)
+    else:
+        dec.prefill(ids, pads, prefill_chunk)
+        prefilled = snapshot(dec, ids, pads) if keep_prefill else None
     sync()
     t1 = time.perf_counter()
     if graphs and max(limits) > 1:
@@ -164,7 +175,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
                        "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",
-                       "attended_fraction": _fraction(dec, ids.shape[1], steps)})
+                       "attended_fraction": _fraction(dec, ids.shape[1], steps)},
+                      prefilled if keep_prefill else None)
 
 
 def _request(prompts: list[list[int]], max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,

@@ -11,6 +11,8 @@ only the keys its window reaches (the chunk and the ``window - 1`` slots before 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -48,6 +50,65 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
         end = min(start + chunk, p)
         h_last = _forward(dec, input_ids[:, start:end], start, plain=not any(pads))[:, -1]
     dec.choose(L.logits(dec.weights, h_last))
+    dec.set_length(p)
+    return dec.logits
+
+
+@dataclass
+class Prefilled:
+    """A prefill's result in the model's own KV head order, which another decoder over the same weights loads
+    instead of reading the prompts again (:func:`load`): several policies evaluated on one batch share one
+    prefill, the dense pass that every policy starts from."""
+
+    ids: torch.Tensor  # [B, P] the left-padded prompt ids
+    pads: list[int]
+    k: list[torch.Tensor]  # per layer [B, Hkv, P, D]
+    v: list[torch.Tensor]
+    logits: torch.Tensor  # [B, V] the last prompt position's
+
+    def matches(self, ids: torch.Tensor, pads: list[int]) -> bool:
+        return self.ids.shape == ids.shape and list(self.pads) == list(pads) and \
+            bool(torch.equal(self.ids, ids.to(self.ids.device)))
+
+
+def snapshot(dec, ids: torch.Tensor, pads: list[int]) -> Prefilled:
+    """The prompt's K/V and last logits of a decoder that has just prefilled ``ids`` (copies, model head order)."""
+    c, p = dec.cache, ids.shape[1]
+    if dec.position != p:
+        raise RuntimeError(f"snapshot needs the decoder right after its prefill of {p} tokens (it holds {dec.position})")
+    k, v = [], []
+    for i in range(len(c.k)):
+        ki, vi = c.k[i][:, :, :p], c.v[i][:, :, :p]
+        if c.head_order is not None:  # slot j holds the model's head order[j]: back to the model's order
+            back = torch.argsort(c.head_order[i]).to(ki.device)
+            ki, vi = ki.index_select(1, back), vi.index_select(1, back)
+        k.append(ki.clone())
+        v.append(vi.clone())
+    return Prefilled(ids.clone(), list(pads), k, v, dec.logits.clone())
+
+
+def load(dec, pre: Prefilled) -> torch.Tensor:
+    """:func:`prefill` from a :class:`Prefilled` of the same prompts and model: the K/V copied into this
+    decoder's cache (in its head order), the next tokens chosen from the kept logits."""
+    c = dec.cache
+    b, p = pre.ids.shape
+    room = c.min_slots - (c.min_slots < c.slots)
+    if b != dec.batch or p > room:
+        raise ValueError(f"a prefill of [{b}, {p}] does not fit a cache of {dec.batch} rows × {room} slots")
+    if dec.position:
+        raise RuntimeError("loading a prefill needs an empty cache; make a new decoder for a new request")
+    want = (b, dec.shape.kv_heads, p, dec.shape.head_dim)
+    if len(pre.k) != len(c.k) or any(tuple(t.shape) != want or t.dtype != c.k[0].dtype for t in pre.k + pre.v):
+        raise ValueError(f"the prefill's K/V are not this model's: {len(c.k)} layers of {want} in {c.k[0].dtype} needed")
+    c.pads.copy_(torch.tensor(pre.pads, device=c.length.device))
+    for i in range(len(c.k)):
+        k, v = pre.k[i], pre.v[i]
+        if c.head_order is not None:
+            order = c.head_order[i].to(k.device)
+            k, v = k.index_select(1, order), v.index_select(1, order)
+        c.k[i][:, :, :p].copy_(k)
+        c.v[i][:, :, :p].copy_(v)
+    dec.choose(pre.logits)
     dec.set_length(p)
     return dec.logits
 

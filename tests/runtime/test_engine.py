@@ -702,3 +702,31 @@ def test_prefill_chunk_grows_when_few_rows():
     from runtime.engine.prefill import chunk_for
 
     assert [chunk_for(b) for b in (1, 2, 8, 32)] == [32768, 16384, 4096, 4096]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_kept_prefill_serves_every_policy(family):
+    """One prefill kept (``keep_prefill``) and loaded by decoders of other policies (``prefilled``), whatever
+    order their caches keep the KV heads in (lychee puts retrieval heads first) or however they size their layers
+    (lethe's compact ones), generates what each policy generates from its own prefill; other prompts are
+    refused before any work."""
+    model = model_of(family)
+    rows = prompts()
+    w = Weights.from_model(model, positions=256)
+    bound = {}
+    for policy in ("full", "lychee", "lethe", "quest", "delta"):
+        pol = get_policy(policy, **PARAMS[policy])
+        pol.bind(manifest_of(model, policy), model.config)
+        bound[policy] = pol
+    common = dict(max_new_tokens=NEW, pad_token_id=PAD, kernels="naive", output_logits=True, min_context=0)
+    kept = engine.generate(w, bound["full"], rows, keep_prefill=True, **common).prefilled
+    assert kept is not None and kept.k[0].shape[2] == max(LENGTHS)
+    for policy, pol in bound.items():
+        own = engine.generate(w, pol, rows, **common)
+        shared = engine.generate(w, pol, rows, prefilled=kept, **common)
+        assert shared.tokens == own.tokens, (family, policy)
+        gap = max(float((a - b).abs().max()) for a, b in zip(shared.logits, own.logits))
+        assert gap < 1e-4, (family, policy, gap)
+        assert shared.prefilled is None  # kept only when asked
+    with pytest.raises(ValueError, match="other prompts"):
+        engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
