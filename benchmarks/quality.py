@@ -7,7 +7,10 @@
 
 Every (policy, budget) cell runs ``runtime.eval.evaluate`` on the same prompts (the passkey grid, lengths ×
 depths × samples, or with ``--suite ruler`` the RULER-style suite, tasks × lengths × samples; built once)
-and gets one JSON file in ``--out/cells/``, written atomically as soon as the cell is done. A second run with
+and gets one JSON file in ``--out/cells/``, written atomically as soon as the cell is done. On a GPU the cells
+still to run go through the batches together (``runtime.eval.evaluate_many``): each batch is prefilled once for
+all of them, most of the time at long contexts; their files are written when all are done, and each keeps its
+finished batches in ``cells/<cell>.partial.jsonl`` meanwhile. A second run with
 the same settings skips the cells whose file exists, so a killed run continues where it stopped; a cell made
 with other settings is refused rather than mixed in. At the end it writes ``summary.json``, ``TABLE.md`` (also
 printed; every score with its Wilson 95 % interval and sample count), ``quality.png`` (score with interval
@@ -535,6 +538,16 @@ def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, sample
     return result, row_of(cell, result, time.perf_counter() - start)
 
 
+def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, samples, args) -> dict[str, tuple]:
+    """The cells' results and rows from one :func:`runtime.eval.evaluate_many` call: on the engine each batch is
+    prefilled once for all of them. Each cell keeps its own checkpoint file, so a stop resumes every one."""
+    from runtime.eval import Job, evaluate_many
+
+    jobs = [Job(c.policy, c.manifest, c.params, partial_file(Path(args.out), c)) for c in cells]
+    results = evaluate_many(model, tokenizer, jobs, settings, samples, measure=args.measure, batch_size=args.batch_size)
+    return {c.name: (r, row_of(c, r, j.seconds)) for c, j, r in zip(cells, jobs, results)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
@@ -590,7 +603,11 @@ def main(argv: list[str] | None = None) -> int:
         samples = None if reasoning else suite_prompts(tokenizer, settings)
     here = (torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA") if args.device == "cuda" else "CPU"
 
-    rows = []
+    rows, shared = [], {}
+    todo = [c for c in cells if c.name not in done]
+    if not (args.summarize or reasoning or args.measure) and args.device == "cuda" and len(todo) > 1:
+        print(f"{len(todo)} cells decode together: each batch is prefilled once for all of them", file=sys.stderr)
+        shared = run_together(todo, model, tokenizer, settings, samples, args)
     bar = tqdm(cells, desc="quality grid", unit="cell")
     for cell in bar:
         if cell.name in done:
@@ -599,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.summarize:
             continue
         bar.set_postfix_str(cell.name)
-        result, row = run_cell(cell, model, tokenizer, settings, samples, args)
+        result, row = shared.pop(cell.name) if cell.name in shared else run_cell(cell, model, tokenizer, settings,
+                                                                                  samples, args)
         row["device_name"] = here
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +187,12 @@ def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.T
 
 
 def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settings: EvalSettings,
-                  on_engine: bool) -> tuple[list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], dict | None]:
+                  on_engine: bool, share: dict[str, Any] | None = None
+                  ) -> tuple[list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], dict | None]:
     """Decode prompts of one length together; per prompt its record, per-step KL and top-1 agreement, and the
     engine's figures (None off the engine): the fraction of keys its step read and the KV cache bytes per
-    prompt."""
+    prompt. ``share`` (on the engine): ``{"prefilled": ...}`` from an earlier policy on this batch, loaded instead
+    of a prefill, or an empty dict that receives this call's prefill."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     prompts = [s["input_ids"].tolist() for s in batch]  # one length (see _batches): no padding
@@ -200,11 +203,17 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
                   do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
     if on_engine:  # full attention's logits along the trace, from the prompt's K/V the engine already holds
         kwargs["reference_logits"] = True
+        if share:
+            kwargs["prefilled"] = share["prefilled"]
+        elif share is not None:
+            kwargs["keep_prefill"] = True
     else:
         # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts the
         # attention mass that fell on evicted tokens.
         kwargs["past_key_values"] = DynamicCache(config=model.config)
     out = session.generate(**kwargs)
+    if share is not None and not share and session.last is not None:
+        share["prefilled"] = session.last.prefilled
     info = session.last.info if session.last is not None else None
     engine = None if info is None else {"fraction": info["attended_fraction"],
                                         "kv_bytes": info["cache_bytes"] / len(batch)}
@@ -256,6 +265,11 @@ class Checkpoint:
         self.done[entry["batch"]] = entry
 
 
+def _entry(k: int, rows: list, figures: dict | None) -> dict[str, Any]:
+    return {"batch": k, "records": [r for r, _, _ in rows], "kl": [kl.tolist() for _, kl, _ in rows],
+            "top1": [t.tolist() for _, _, t in rows], "figures": figures}
+
+
 def _run_batches(model, tokenizer, session, samples, batches, settings, on_engine, checkpoint) -> list[dict]:
     """Each batch's entry ``{batch, records, kl, top1, figures}``, from the checkpoint where it holds it."""
     from tqdm.auto import tqdm
@@ -268,8 +282,7 @@ def _run_batches(model, tokenizer, session, samples, batches, settings, on_engin
             else:
                 rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings,
                                               on_engine)
-                entries.append({"batch": k, "records": [r for r, _, _ in rows], "kl": [kl.tolist() for _, kl, _ in rows],
-                                "top1": [t.tolist() for _, _, t in rows], "figures": figures})
+                entries.append(_entry(k, rows, figures))
                 if checkpoint is not None:
                     checkpoint.add(entries[-1])
             bar.update(len(batch))
@@ -290,6 +303,37 @@ def _in_prompt_order(entries: list[dict], batches: list[list[int]], n: int) -> t
     return records, kls, agree, fractions, kv
 
 
+@dataclass
+class Job:
+    """One evaluation of :func:`evaluate_many`: a policy, its manifest (a path or a ``RoleManifest``) and
+    parameters, and the file that keeps its finished batches (:class:`Checkpoint`)."""
+
+    policy: str = "delta"
+    manifest: Any = None
+    params: dict[str, Any] | None = None
+    checkpoint: str | Path | None = None
+    seconds: float = 0.0  # set by evaluate_many: the seconds of this job's batches in that call
+
+
+@dataclass(eq=False)
+class _Run:
+    """A job as :func:`evaluate_many` runs it."""
+
+    job: Job
+    params: dict[str, Any]
+    measure: bool
+    on_engine: bool
+    batches: list[list[int]]
+    kept: Checkpoint | None
+    summary: dict[str, Any]
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def session(self, model):
+        return attach(model, self.job.manifest, self.job.policy, record_recall=self.measure, min_context=0,
+                      **self.params)
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
              settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None,
@@ -308,42 +352,108 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     (:class:`Checkpoint`); a rerun with the same file resumes there. A measuring run keeps none (its per-layer
     figures would miss the batches before the stop).
     """
+    return evaluate_many(model, tokenizer, [Job(policy, manifest, params, checkpoint)], settings, samples, measure,
+                         batch_size)[0]
+
+
+@torch.no_grad()
+def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | None = None,
+                  samples: list[dict[str, Any]] | None = None, measure: bool | None = None,
+                  batch_size: int | None = None, share_prefill: bool = True) -> list[dict[str, Any]]:
+    """:func:`evaluate` for several policies on the same prompts; one result per job, in order.
+
+    The jobs that decode on the engine without measuring go through the batches together: each batch is
+    prefilled once, by the first of them that still needs it, and the others load that prefill
+    (``Session.generate(prefilled=...)``) instead of reading the prompts again, which is most of the time at
+    long contexts. Every policy then starts from the very same dense pass (up to rounding, it is the one
+    each would compute: the order of KV heads in a policy's cache changes the order of some sums).
+    ``Job.seconds``: each job's own time; a shared prefill counts to the job that ran it. ``share_prefill=False``
+    runs each job on its own, one after the other, as the others (measuring, off the engine) always do."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     settings = settings or EvalSettings()
-    params = dict(params or {})
     if samples is None:
         samples = suite_prompts(tokenizer, settings)
+    runs = [_plan(model, job, settings, samples, measure, batch_size) for job in jobs]
+    together = [r for r in runs if r.on_engine and not r.measure] if share_prefill else []
+    together = together if len(together) > 1 else []
+    for r in runs:
+        if r not in together:
+            with r.session(model) as session:
+                start = time.perf_counter()
+                r.entries = _run_batches(model, tokenizer, session, samples, r.batches, settings, r.on_engine, r.kept)
+                r.seconds = time.perf_counter() - start
+                r.summary = session.summary()
+    if together:
+        _run_together(model, tokenizer, together, samples, settings)
+    for r in runs:
+        r.job.seconds = r.seconds
+    return [_result(r, samples, settings) for r in runs]
+
+
+def _plan(model, job: Job, settings: EvalSettings, samples: list[dict[str, Any]], measure: bool | None,
+          batch_size: int | None) -> _Run:
+    """A job's path (engine or not, measuring or not), its batches and its checkpoint, before any decoding."""
+    params = dict(job.params or {})
     measure = model.device.type != "cuda" and params.get("engine") != "static" if measure is None else measure
-    with attach(model, manifest, policy, record_recall=measure, min_context=0, **params) as session:
+    with attach(model, job.manifest, job.policy, record_recall=measure, min_context=0, **params) as session:
         on_engine = session.engine_reason({"input_ids": None}) is None
-        size = batch_size or (16 if on_engine else 1)
-        if not on_engine and size > 1:
-            raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
-                             "the transformers path evaluates one prompt at a time: pass batch_size=1")
-        batches = _batches(samples, size, settings.max_new_tokens)
-        kept = None if checkpoint is None or measure else Checkpoint(
-            checkpoint, {"policy": policy, "params": params, "settings": asdict(settings), "prompts": len(samples),
-                         "batches": batches})
-        entries = _run_batches(model, tokenizer, session, samples, batches, settings, on_engine, kept)
         summary = session.summary()
-    records, kls, agree, fractions, kv = _in_prompt_order(entries, batches, len(samples))
+    size = batch_size or (16 if on_engine else 1)
+    if not on_engine and size > 1:
+        raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
+                         "the transformers path evaluates one prompt at a time: pass batch_size=1")
+    batches = _batches(samples, size, settings.max_new_tokens)
+    kept = None if job.checkpoint is None or measure else Checkpoint(
+        job.checkpoint, {"policy": job.policy, "params": params, "settings": asdict(settings), "prompts": len(samples),
+                         "batches": batches})
+    return _Run(job, params, measure, on_engine, batches, kept, summary)
+
+
+def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSettings) -> None:
+    """Batch by batch, every run in turn, one prefill a batch (see :func:`evaluate_many`)."""
+    from tqdm.auto import tqdm
+
+    batches = runs[0].batches
+    with tqdm(total=sum(map(len, batches)) * len(runs), desc=f"prompts × {len(runs)} policies", unit="prompt",
+              leave=False) as bar:
+        for k, batch in enumerate(batches):
+            share: dict[str, Any] = {}
+            for r in runs:
+                if r.kept is not None and k in r.kept.done:
+                    r.entries.append(r.kept.done[k])
+                else:
+                    start = time.perf_counter()
+                    with r.session(model) as session:
+                        rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch],
+                                                      settings, True, share)
+                    r.entries.append(_entry(k, rows, figures))
+                    if r.kept is not None:
+                        r.kept.add(r.entries[-1])
+                    r.seconds += time.perf_counter() - start
+                bar.update(len(batch))
+
+
+def _result(r: _Run, samples: list[dict[str, Any]], settings: EvalSettings) -> dict[str, Any]:
+    records, kls, agree, fractions, kv = _in_prompt_order(r.entries, r.batches, len(samples))
+    summary = dict(r.summary)
     if fractions:  # the engine ran: what its static step reads, no per-layer measurement
         summary["attended_fraction"] = sum(fractions) / len(fractions)
     kl_all, agree_all = torch.cat(kls), torch.cat(agree)
-    scored = [r for r in records if r["score"] is not None and r["task"] == "passkey"]
+    scored = [x for x in records if x["score"] is not None and x["task"] == "passkey"]
     cells: dict[str, dict[str, list[bool]]] = {}
-    for r in scored:
-        cells.setdefault(str(r["context_length"]), {}).setdefault(f"{r['depth']}", []).append(r["correct"])
+    for x in scored:
+        cells.setdefault(str(x["context_length"]), {}).setdefault(f"{x['depth']}", []).append(x["correct"])
+    manifest = r.job.manifest
     return {
-        "policy": policy, "params": params, "settings": asdict(settings),
+        "policy": r.job.policy, "params": r.params, "settings": asdict(settings),
         "manifest": getattr(getattr(manifest, "model", None), "name", None),
-        "passkey_accuracy": sum(r["correct"] for r in scored) / len(scored) if scored else None,
+        "passkey_accuracy": sum(x["correct"] for x in scored) / len(scored) if scored else None,
         "passkey_grid": {n: {d: sum(v) / len(v) for d, v in row.items()} for n, row in cells.items()},
         "tasks": task_scores(records),
         "kl_mean": float(kl_all.mean()) if kl_all.numel() else None,
         "top1_agreement": float(agree_all.float().mean()) if agree_all.numel() else None,
-        "generated_tokens_mean": sum(r["generated_tokens"] for r in records) / len(records),
+        "generated_tokens_mean": sum(x["generated_tokens"] for x in records) / len(records),
         "attended_fraction": summary["attended_fraction"],
         "kv_bytes_per_prompt": sum(kv) / len(kv) if kv else None,
         "layers": summary["layers"],

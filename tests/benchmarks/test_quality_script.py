@@ -259,3 +259,35 @@ def test_reasoning_grid_reports_kl_with_bootstrap_intervals(folder, tmp_path, ca
     from runtime.policies import engine_policies
 
     assert set(engine_policies()) == {"full", "delta", "lychee", "lethe", "vattention", "quest"}  # none left out
+
+
+def test_cells_run_together_prefill_each_batch_once(folder, tmp_path, cache_dir, monkeypatch):
+    """What the grid does on a GPU (here the engine on the CPU): the cells still to run decode each batch from
+    one prefill, every cell keeps its own checkpoint, and each row gets its own time."""
+    from runtime.engine import StaticDecoder
+    from runtime.eval import suite_prompts
+    from runtime.models import load_model, load_tokenizer
+
+    quality = load_script()
+    out = tmp_path / "out"
+    (out / "cells").mkdir(parents=True)
+    parser = quality.argparse.ArgumentParser()
+    quality.add_arguments(parser)
+    args = parser.parse_args(["--model", str(folder / "model"), "--source", f"text:{folder / 'books'}", "--lengths",
+                              "400", "--depths", "0.2", "0.8", "--budgets", "32", "--max-new-tokens", "4", "--device",
+                              "cpu", "--delta", str(folder / "delta.safetensors"), "--policies", "full", "delta",
+                              "quest", "--batch-size", "2", "--out", str(out)])
+    settings, cells = quality.settings_of(args), quality.build_cells(args)
+    for cell in cells:
+        cell.params["engine"] = "static"
+    model, tok = load_model(str(folder / "model")), load_tokenizer(str(folder / "model"))
+    samples = suite_prompts(tok, settings)
+    prefill, calls = StaticDecoder.prefill, []
+    monkeypatch.setattr(StaticDecoder, "prefill", lambda self, *a, **k: (calls.append(1), prefill(self, *a, **k))[1])
+    done = quality.run_together(cells, model, tok, settings, samples, args)
+    assert len(samples) == 2 and len(calls) == 1  # one batch, prefilled once for three cells
+    assert sorted(done) == ["delta-b32", "full", "quest-b32"]
+    for cell in cells:
+        result, row = done[cell.name]
+        assert row["prompts"] == 2 and row["wall_s"] > 0 and row["label"] == cell.label
+        assert quality.partial_file(out, cell).exists()

@@ -360,3 +360,29 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     with pytest.raises(ValueError, match="holds the batches of another run"):
         evaluate(model, tok, manifest, "delta", {**params, "num_pages": 2}, settings, measure=False, batch_size=2,
                  checkpoint=file)
+
+
+def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monkeypatch):
+    """evaluate_many on the engine: every batch is prefilled once for all policies (the others load it), and
+    each policy's result equals its own evaluation; a measuring job still runs alone."""
+    from runtime.engine import StaticDecoder
+    from runtime.eval import Job, evaluate_many
+
+    model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
+    jobs = [Job("full", None, {"engine": "static"}), Job("delta", manifest, params),
+            Job("lethe", None, {"engine": "static", "budget": 12})]
+    alone = [evaluate(model, tok, j.manifest, j.policy, j.params, settings, measure=False, batch_size=2) for j in jobs]
+    prefill, calls = StaticDecoder.prefill, []
+    monkeypatch.setattr(StaticDecoder, "prefill", lambda self, *a, **k: (calls.append(1), prefill(self, *a, **k))[1])
+    together = evaluate_many(model, tok, jobs, settings, measure=False, batch_size=2)
+    assert len(calls) == 4  # 8 prompts in batches of 2, once each (12 without sharing)
+    assert all(j.seconds > 0 for j in jobs)
+    for a, b in zip(alone, together):
+        assert a["policy"] == b["policy"]
+        for x, y in zip(a["samples"], b["samples"]):
+            assert (x["generated"], x["score"]) == (y["generated"], y["score"])
+            assert y["kl_mean"] == pytest.approx(x["kl_mean"], rel=1e-3, abs=1e-6)
+        assert b["kv_bytes_per_prompt"] == a["kv_bytes_per_prompt"]
+    calls.clear()
+    evaluate_many(model, tok, jobs, settings, measure=False, batch_size=2, share_prefill=False)
+    assert len(calls) == 12
