@@ -23,12 +23,13 @@ DEFAULT_CHUNK = 4096  # tokens per row of a chunk, at least
 CHUNK_TOKENS = 32768  # tokens of a chunk over all rows: fewer rows take longer chunks
 
 
-def chunk_for(rows: int) -> int:
+def chunk_for(rows: int, padded: bool = False) -> int:
     """Tokens per row of a prefill chunk for ``rows`` rows: ``max(DEFAULT_CHUNK, CHUNK_TOKENS // rows)``. A chunk
     past the first runs the causal kernel over every key before it, and a short chunk of one row leaves most
     of the GPU idle there (SmolLM2-135M, 32K-token prompt, one row, H200: 145K tokens/s in chunks of 4,096
-    against 261K for transformers' one pass); a batch of rows fills it with short chunks."""
-    return max(DEFAULT_CHUNK, CHUNK_TOKENS // max(rows, 1))
+    against 261K for transformers' one pass); a batch of rows fills it with short chunks. A padded batch passes
+    a boolean mask of chunk × keys per row instead, so it keeps ``DEFAULT_CHUNK``."""
+    return DEFAULT_CHUNK if padded else max(DEFAULT_CHUNK, CHUNK_TOKENS // max(rows, 1))
 
 
 def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: int | None = None) -> torch.Tensor:
@@ -44,7 +45,7 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
         raise RuntimeError("prefill needs an empty cache; make a new decoder for a new request")
     input_ids = input_ids.to(c.length.device)
     c.pads.copy_(torch.tensor(pads, device=c.length.device))
-    chunk = chunk or chunk_for(b)
+    chunk = chunk or chunk_for(b, padded=any(pads))
     h_last = None
     for start in range(0, p, chunk):
         end = min(start + chunk, p)
@@ -126,8 +127,8 @@ def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None
         raise ValueError(f"{n} tokens at slot {start} do not fit a cache of {dec.batch} rows × {c.slots} slots "
                          f"holding {dec.position}")
     tokens = tokens.to(c.length.device)
-    chunk = chunk or chunk_for(b)
     plain = not bool(c.pads.any())
+    chunk = chunk or chunk_for(b, padded=not plain)
     parts = [L.logits(dec.weights, _forward(dec, tokens[:, k:k + chunk], start + k, plain=plain))
              for k in range(0, n, chunk)]
     return torch.cat(parts, 1) if parts else dec.logits.new_empty(b, 0, dec.shape.vocab)

@@ -702,6 +702,7 @@ def test_prefill_chunk_grows_when_few_rows():
     from runtime.engine.prefill import chunk_for
 
     assert [chunk_for(b) for b in (1, 2, 8, 32)] == [32768, 16384, 4096, 4096]
+    assert chunk_for(1, padded=True) == chunk_for(2, padded=True) == 4096  # a padded batch reads a mask
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
