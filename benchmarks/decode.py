@@ -401,7 +401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", default=None, help="also time generate and prefill on this real model (alias)")
     p.add_argument("--real-new", type=int, default=256, help="tokens generated per prompt in --real")
     p.add_argument("--real-prefill", type=int, nargs="+", default=[4096, 32768],
-                   help="prompt lengths of the --real prefill timing (the engine prefills in chunks of 4,096)")
+                   help="prompt lengths of the --real prefill timing (one row: the engine prefills up to 32,768 "
+                        "tokens a chunk)")
     p.add_argument("--real-reps", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")

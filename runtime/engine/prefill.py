@@ -37,12 +37,7 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
     c = dec.cache
     b, p = input_ids.shape
     pads = list(pads or [0] * b)
-    room = c.min_slots - (c.min_slots < c.slots)  # a compact layer keeps a slot free for the first new token
-    if b != dec.batch or p > room or len(pads) != b or any(not 0 <= x < p for x in pads):
-        raise ValueError(f"prefill of [{b}, {p}] with pads {pads} does not fit a cache of {dec.batch} rows × "
-                         f"{room} slots (each row needs at least one token)")
-    if dec.position:
-        raise RuntimeError("prefill needs an empty cache; make a new decoder for a new request")
+    _check_fits(dec, b, p, pads)
     input_ids = input_ids.to(c.length.device)
     c.pads.copy_(torch.tensor(pads, device=c.length.device))
     chunk = chunk or chunk_for(b, padded=any(pads))
@@ -53,6 +48,17 @@ def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: 
     dec.choose(L.logits(dec.weights, h_last))
     dec.set_length(p)
     return dec.logits
+
+
+def _check_fits(dec, b: int, p: int, pads: list[int]) -> None:
+    """A prefill of ``[b, p]`` with ``pads`` fits this decoder's empty cache, or a one-line error."""
+    c = dec.cache
+    room = c.min_slots - (c.min_slots < c.slots)  # a compact layer keeps a slot free for the first new token
+    if b != dec.batch or p > room or len(pads) != b or any(not 0 <= x < p for x in pads):
+        raise ValueError(f"prefill of [{b}, {p}] with pads {pads} does not fit a cache of {dec.batch} rows × "
+                         f"{room} slots (each row needs at least one token)")
+    if dec.position:
+        raise RuntimeError("prefill needs an empty cache; make a new decoder for a new request")
 
 
 @dataclass
@@ -93,11 +99,7 @@ def load(dec, pre: Prefilled) -> torch.Tensor:
     decoder's cache (in its head order), the next tokens chosen from the kept logits."""
     c = dec.cache
     b, p = pre.ids.shape
-    room = c.min_slots - (c.min_slots < c.slots)
-    if b != dec.batch or p > room:
-        raise ValueError(f"a prefill of [{b}, {p}] does not fit a cache of {dec.batch} rows × {room} slots")
-    if dec.position:
-        raise RuntimeError("loading a prefill needs an empty cache; make a new decoder for a new request")
+    _check_fits(dec, b, p, pre.pads)
     want = (b, dec.shape.kv_heads, p, dec.shape.head_dim)
     if len(pre.k) != len(c.k) or any(tuple(t.shape) != want or t.dtype != c.k[0].dtype for t in pre.k + pre.v):
         raise ValueError(f"the prefill's K/V are not this model's: {len(c.k)} layers of {want} in {c.k[0].dtype} needed")
