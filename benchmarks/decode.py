@@ -421,6 +421,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
         args.delta_batch, args.delta_budget, args.delta_prompt, args.delta_total = 2, 32, 40, 160
         args.delta_samples, args.min_context = 3, 64
+    if any(n < 1 for n in args.real_prefill):
+        p.error(f"--real-prefill: every length must be at least 1 token, got {args.real_prefill}")
     if args.delta_samples < 2:
         p.error("--delta-samples must be at least 2 (the first and the last length)")
     return args
