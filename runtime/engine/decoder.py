@@ -10,7 +10,9 @@ policy's own file); sliding-window layers of hybrid models read their window the
 Short contexts: a sparse policy reads nothing less than full below its budget and pays for selection, so
 below ``min_context`` tokens :meth:`step` runs the full step instead (two graphs over the same buffers; the
 host knows the length because it issued every step). The default threshold is the measured crossover for
-the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`).
+the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`). A policy whose held state
+stops growing may offer a narrower step for the steady state (lethe's ``steady``), a third graph that serves
+from a few steps after each fill on.
 """
 
 from __future__ import annotations
@@ -97,11 +99,16 @@ class StaticDecoder:
         prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
         if prepare is not None:
             prepare(self)
+        # A policy whose state stops growing may have a narrower step for the steady state (lethe's), which
+        # serves from ``steps_to_steady`` steps after each fill on.
+        steady = getattr(self.static, "steady", None)
+        self.steady = steady(self) if steady is not None else None
+        self._steady_from = 0
         self.sampler, self.stopper = sampler, stopper
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # the next step's input
         self.logits = torch.zeros(batch, s.vocab, dtype=dtype, device=device)  # the last step's output
         self.position = 0  # host mirror of cache.length: the host issued every step
-        self._last_kind: str | None = None  # "full" or "policy": the step that ran last
+        self._last_kind: str | None = None  # "full", "policy" or "steady": the step that ran last
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
@@ -145,6 +152,8 @@ class StaticDecoder:
         after_fill = getattr(self.static, "after_fill", None)
         if after_fill is not None:
             after_fill(self)
+        if self.steady is not None:
+            self._steady_from = self.position + self.static.steps_to_steady(self)
 
     def uses_full(self) -> bool:
         """Whether the next step falls back to full attention (a sparse policy below ``min_context``)."""
@@ -160,11 +169,13 @@ class StaticDecoder:
         which = "full" if self.uses_full() else "policy"
         if which == "policy" and self._last_kind == "full":
             self._after_fill()  # the full steps did not keep the policy's cache-derived state
+        if which == "policy" and self.steady is not None and self.position >= self._steady_from:
+            which = "steady"
         self._last_kind = which
         if which in self.graphs:
             self.graphs[which].replay()
         else:
-            self._run(self.full if which == "full" else self.static)
+            self._run(self._step_of(which))
         self.position += 1
         return self.logits
 
@@ -173,7 +184,8 @@ class StaticDecoder:
 
         Warm-up runs (on a side stream) compile the kernels; afterwards the length, the next tokens, the
         sampler's and stopper's state and the cache slots they wrote are restored."""
-        kinds = ["policy"] + (["full"] if self.static.sparse and self.min_context > self.position else [])
+        kinds = ["policy"] + (["steady"] if self.steady is not None else []) + (
+            ["full"] if self.static.sparse and self.min_context > self.position else [])
         c = self.cache
         if self.max_len - self.position < warmup:
             raise RuntimeError(f"capture needs {warmup} free cache slots for its warm-up, "
@@ -188,7 +200,7 @@ class StaticDecoder:
         with torch.cuda.stream(side):
             for kind in kinds:
                 for _ in range(warmup):
-                    self._run(self.full if kind == "full" else self.static)
+                    self._run(self._step_of(kind))
                 for t, s in zip(self._state(), saved_state):  # each kind warms up from the same state
                     t.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
@@ -200,8 +212,11 @@ class StaticDecoder:
         for kind in kinds:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._run(self.full if kind == "full" else self.static)
+                self._run(self._step_of(kind))
             self.graphs[kind] = graph
+
+    def _step_of(self, kind: str) -> Any:
+        return {"full": self.full, "policy": self.static, "steady": self.steady}[kind]
 
     def _state(self) -> list[torch.Tensor]:
         """What a step changes besides the cache slots it writes: restored after the capture's warm-up (a policy

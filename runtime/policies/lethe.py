@@ -22,6 +22,7 @@ masked instead (identical results, no memory saved). Beam search is not supporte
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -375,10 +376,16 @@ class LetheStep:
     :class:`LetheCache` rebuilds its tensors. A decoder that makes its own cache sizes these layers to
     ``max(prompt, capacity) + 1`` slots (:meth:`cache_slots`), so memory stops growing once the prompt is
     read; with a shared request-sized cache the same happens inside the larger buffer. The step runs from the
-    first token (its scores start there), so it has no full-attention fallback."""
+    first token (its scores start there), so it has no full-attention fallback.
+
+    After its first step a layer never holds more than ``cap`` slots (the step that reaches ``cap + 1`` evicts),
+    so from then on :meth:`steady`'s step serves: the same step over the first ``cap + 1`` slots of each buffer
+    (views, the same state), instead of a prompt-sized buffer (16,001 slots at 16K against 1,025 at a 1K
+    budget) whose unused slots every sort and the attention would otherwise still cover."""
 
     policy: Lethe
     caps: dict[int, int]  # layer -> slots it may hold
+    narrow: bool = False  # the steady step: each layer reads its first cap + 1 slots only
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
     full_fallback: ClassVar[bool] = False
@@ -414,6 +421,24 @@ class LetheStep:
 
     def write_slots(self) -> dict[int, torch.Tensor]:
         return self.count
+
+    def steady(self, dec: Any) -> LetheStep | None:
+        """The step once every layer holds at most its capacity (after :meth:`steps_to_steady` steps): over the
+        first ``cap + 1`` slots of each buffer, sharing this step's state. None where no buffer is wider."""
+        if all(self.held[i].shape[1] <= cap + 1 for i, cap in self.caps.items()):
+            return None
+        step = copy.copy(self)
+        step.narrow, step._compiled = True, None  # its own compiled eviction (other shapes)
+        # This step now runs once a fill: eagerly, rather than compiling code for the prompt's width (and
+        # torch.compile's inductor failed on 16,001 slots, which made every later eviction eager as well).
+        self._compiled = self.evict
+        return step
+
+    def steps_to_steady(self, dec: Any) -> int:
+        """Steps after a fill before :meth:`steady`'s step may serve: none when every layer already holds at
+        most its capacity (its new token then lands inside the first ``cap + 1`` slots), else one."""
+        held = {i: min(dec.position, self.held[i].shape[1] - 1) for i in self.caps}
+        return 0 if all(held[i] <= cap for i, cap in self.caps.items()) else 1
 
     def _evictor(self, dec: Any) -> Any:
         """:meth:`evict`, as the decoder compiles it (:meth:`StaticDecoder.compiled`): its few dozen small ops
@@ -460,6 +485,9 @@ class LetheStep:
         if layer not in self.caps:
             return dec.attend(q, k, v, span)
         held, scores, pos, count = self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
+        if self.narrow:
+            w = self.caps[layer] + 1
+            k, v, held, scores, pos = k[:, :, :w], v[:, :, :w], held[:, :w], scores[:, :w], pos[:, :w]
         slot = torch.arange(held.shape[1], device=held.device)
         new = slot == count  # the new token's slot (written there by the engine)
         held.logical_or_(new)

@@ -208,3 +208,45 @@ def test_compaction_order_is_a_stable_sort_of_the_dropped_slots():
         keep = torch.rand(5, width, generator=g) < torch.tensor([0.0, 0.3, 0.5, 0.9, 1.0])[:, None]
         expected = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
         assert torch.equal(compaction_order(keep), expected), width
+
+
+def test_after_its_first_step_lethe_runs_over_capacity_plus_one_slots():
+    """Past a prompt longer than the capacity, the first step reads the whole prompt-sized buffer and evicts;
+    every later step reads only the first cap + 1 slots of each buffer (the steady step), and gives the same
+    logits and held positions as the wide step run every time. A prompt within the capacity starts steady."""
+    from runtime.engine import StaticDecoder, Weights
+
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    weights = Weights.from_model(model, positions=512)
+    policy = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2)
+    policy.bind(None, model.config)
+    ids = torch.randint(1, 200, (2, 60), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for steady in (True, False):
+        dec = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive", prompt_tokens=60)
+        if not steady:
+            dec.steady = None
+        widths: list[int] = []
+
+        def attend(q, k, v, *a, _attend=dec.attend, _widths=widths, **kw):
+            _widths.append(k.shape[2])
+            return _attend(q, k, v, *a, **kw)
+
+        dec.attend = attend
+        dec.prefill(ids)
+        logits = []
+        for t in range(10):
+            widths.clear()
+            logits.append(dec.step().clone())
+            if steady:
+                assert widths == ([61] * 4 if t == 0 else [25] * 4), (t, widths)
+        runs.append((torch.stack(logits), [dec.static.pos[i].clone() for i in sorted(dec.static.caps)]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-5, rtol=1e-5)  # sums over other widths
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+    short = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive")  # buffers of every slot
+    assert short.steady is not None
+    short.prefill(ids[:, :20])
+    assert short._steady_from == 20  # 20 slots held, within the capacity: steady from the first step
+    tight = StaticDecoder(weights, policy, 2, 40, min_context=0, kernels="naive", prompt_tokens=20)
+    assert tight.steady is None  # max(20, 24) + 1 slots: nothing narrower to run
