@@ -67,7 +67,7 @@ class Generation:
     steps: int
     logits: list[torch.Tensor] | None = None  # per row [steps + 1, V] float32 on the device, when asked for
     # per row [steps, V]: full attention's logits along the generated tokens (the reference of logits[1:]), when
-    # asked for and the policy kept the prompt's K/V
+    # asked for (a policy that evicted prompt keys: from a copy of the prefill, in a full-attention cache)
     reference_logits: list[torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     prefilled: Any = None  # the prefill it ran or loaded (runtime.engine.prefill.Prefilled), when kept
@@ -109,6 +109,19 @@ def _cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None
     return lo
 
 
+def _with_prompt(dec: StaticDecoder, weights: Weights, prefilled: Any) -> StaticDecoder:
+    """``dec`` when its cache still holds the prompt's K/V; else a full-attention decoder over ``weights`` (the
+    model's) with the prefill loaded, for the dense pass only (a policy that evicted prompt keys: its reference
+    reads them all)."""
+    if keeps_prompt(dec):
+        return dec
+    from runtime.policies.full import Full
+
+    full = StaticDecoder(weights, Full(), dec.batch, dec.max_len, kernels="naive", compile=False)  # no step runs
+    load_prefill(full, prefilled)
+    return full
+
+
 @torch.no_grad()
 def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new_tokens: int | list[int] = 64,
              sampling: Sampling | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
@@ -143,7 +156,9 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         load_prefill(dec, prefilled)
     else:
         dec.prefill(ids, pads, prefill_chunk)
-        prefilled = snapshot(dec, ids, pads) if keep_prefill else None
+        # a policy that evicts prompt keys leaves no prompt for the reference: keep the prefill's copy for it
+        evicts = reference_logits and not keeps_prompt(dec)
+        prefilled = snapshot(dec, ids, pads) if keep_prefill or evicts else None
     sync()
     t1 = time.perf_counter()
     if graphs and max(limits) > 1:
@@ -169,8 +184,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
         logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
     reference = None
-    if reference_logits and keeps_prompt(dec):  # the tokens the steps after the first read, in the same slots
-        reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
+    if reference_logits:  # the tokens the steps after the first read, in the same slots
+        reference = list(dense_logits(_with_prompt(dec, weights, prefilled), stopper.out[:, :count - 1], ids.shape[1]))
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits, reference,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
                        "min_context": dec.min_context,

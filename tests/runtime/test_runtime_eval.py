@@ -280,20 +280,33 @@ def test_a_batched_evaluation_scores_every_prompt_as_one_at_a_time(tiny_folder):
 
 def test_the_engine_reference_of_a_trace_equals_one_transformers_forward(tiny_folder, monkeypatch):
     """On the engine the full-attention reference of each step comes from a dense pass over the generated tokens
-    on the prompt's cached K/V; per prompt its KL and top-1 agreement equal those against one transformers
-    forward over prompt and trace (what runs when the engine keeps no prompt to score against)."""
+    on the prompt's cached K/V; per prompt its KL and top-1 agreement equal those of the path a policy that
+    evicted prompt keys takes (the same pass over a copy of the prefill, in a full-attention cache), and those
+    against one transformers forward over prompt and trace (the path off the engine)."""
     import importlib
 
     engine_generate = importlib.import_module("runtime.engine.generate")  # the module, not the function
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     cached = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
     monkeypatch.setattr(engine_generate, "keeps_prompt", lambda dec: False)
+    copied = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
+    monkeypatch.setattr(engine_generate, "Generation", _without_reference(engine_generate.Generation))
     forward = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
     assert cached["kl_mean"] > 1e-5
-    for a, b in zip(cached["samples"], forward["samples"]):
-        assert a["generated"] == b["generated"]
-        assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=1e-7)
-        assert a["top1_agreement"] == b["top1_agreement"]
+    for other in (copied, forward):
+        for a, b in zip(cached["samples"], other["samples"]):
+            assert a["generated"] == b["generated"]
+            assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=1e-7)
+            assert a["top1_agreement"] == b["top1_agreement"]
+
+
+def _without_reference(cls):
+    """``Generation`` that drops its reference logits, so an evaluation falls back to one transformers forward."""
+    def make(*args, **kwargs):
+        out = cls(*args, **kwargs)
+        out.reference_logits = None
+        return out
+    return make
 
 
 def test_a_batch_on_the_transformers_path_is_refused_in_one_line(tiny_folder):
