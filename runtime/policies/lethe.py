@@ -365,6 +365,28 @@ def compaction_order(keep: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(slot).scatter_(-1, torch.where(keep, kept, dropped), slot)
 
 
+def evict(p: Lethe, q, k, v, held, scores, pos, count, keep, mask, cap: int, scale: float) -> None:
+    """Lethe ``p``'s eviction in the engine's step: add this step's attention to the decayed scores and, past
+    ``cap``, keep what :func:`keep_on_device` chooses, moved to the front of the buffers (one gather) in
+    position order; every tensor in place. A function, not a method: a step that kept its own bound method
+    (compiled) would form a reference cycle, and its cache buffers would then wait for the garbage collector."""
+    slot = torch.arange(held.shape[1], device=held.device)
+    updated = p.gamma * scores + attention_probs(q, k, scale, mask).mean(1)
+    kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
+    over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
+    now = torch.where(over, kept, held)  # the same count in every row
+    order = compaction_order(now)
+    width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
+    at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
+    k[:, :, :width].copy_(k.gather(2, at))
+    v[:, :, :width].copy_(v.gather(2, at))
+    total = now.sum(-1)[0]
+    held.copy_((slot < total).expand_as(held))
+    scores.copy_(torch.where(held, updated.gather(1, order), 0.0))
+    pos.copy_(pos.gather(1, order))
+    count.copy_(total)
+
+
 @dataclass
 class LetheStep:
     """The engine's step. Each layer keeps its tokens compact, in position order, in the first slots of its
@@ -431,7 +453,7 @@ class LetheStep:
         step.narrow, step._compiled = True, None  # its own compiled eviction (other shapes)
         # This step now runs once a fill: eagerly, rather than compiling code for the prompt's width (and
         # torch.compile's inductor failed on 16,001 slots, which made every later eviction eager as well).
-        self._compiled = self.evict
+        self._compiled = evict
         return step
 
     def steps_to_steady(self, dec: Any) -> int:
@@ -441,32 +463,12 @@ class LetheStep:
         return 0 if all(held[i] <= cap for i, cap in self.caps.items()) else 1
 
     def _evictor(self, dec: Any) -> Any:
-        """:meth:`evict`, as the decoder compiles it (:meth:`StaticDecoder.compiled`): its few dozen small ops
+        """:func:`evict`, as the decoder compiles it (:meth:`StaticDecoder.compiled`): its few dozen small ops
         (scores, the segmented choice, the sorts and gathers) fuse into a handful of kernels; the second layer
         shape makes the buffer sizes and the capacity symbolic, and that graph serves every layer."""
         if self._compiled is None:
-            self._compiled = dec.compiled(self.evict)
+            self._compiled = dec.compiled(evict)
         return self._compiled
-
-    def evict(self, q, k, v, held, scores, pos, count, keep, mask, cap: int, scale: float) -> None:
-        """Add this step's attention to the decayed scores and, past ``cap``, keep what :func:`keep_on_device`
-        chooses, moved to the front of the buffers (one gather) in position order; every tensor in place."""
-        p = self.policy
-        slot = torch.arange(held.shape[1], device=held.device)
-        updated = p.gamma * scores + attention_probs(q, k, scale, mask).mean(1)
-        kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
-        over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
-        now = torch.where(over, kept, held)  # the same count in every row
-        order = compaction_order(now)
-        width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
-        at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k[:, :, :width].copy_(k.gather(2, at))
-        v[:, :, :width].copy_(v.gather(2, at))
-        total = now.sum(-1)[0]
-        held.copy_((slot < total).expand_as(held))
-        scores.copy_(torch.where(held, updated.gather(1, order), 0.0))
-        pos.copy_(pos.gather(1, order))
-        count.copy_(total)
 
     def after_fill(self, dec: Any) -> None:
         """A prefill leaves every slot of the prompt held, in place, its scores at zero. A length declared past
@@ -495,5 +497,6 @@ class LetheStep:
         keep = (pos >= span.first[:, None]) & (pos <= span.last)  # [B, S]: what the query may read
         mask = keep & held
         out = dec.attend(q, k, v, KeySpan(torch.zeros_like(span.first), count), key_mask=mask)
-        self._evictor(dec)(q, k, v, held, scores, pos, count, keep, mask, self.caps[layer], dec.shape.attention_scale)
+        self._evictor(dec)(self.policy, q, k, v, held, scores, pos, count, keep, mask, self.caps[layer],
+                           dec.shape.attention_scale)
         return out
