@@ -10,9 +10,11 @@ policy's own file); sliding-window layers of hybrid models read their window the
 Short contexts: a sparse policy reads nothing less than full below its budget and pays for selection, so
 below ``min_context`` tokens :meth:`step` runs the full step instead (two graphs over the same buffers; the
 host knows the length because it issued every step). The default threshold is the measured crossover for
-the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`). A policy whose held state
-stops growing may offer a narrower step for the steady state (lethe's ``steady``), a third graph that serves
-from a few steps after each fill on.
+the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`).
+
+A policy whose held state stops growing may settle a few steps after each fill (``steps_to_settle``, then
+``settle``: lethe shrinks its prompt-sized buffers to its capacity there); the step's graphs are captured once
+it has, over the buffers it keeps.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class StaticDecoder:
                              f"{weights.max_positions}; ask for fewer tokens")
         self.weights, self.shape, self.batch = weights, s, batch
         device, dtype = weights.device, weights.dtype
+        shared = cache is not None
         if cache is None:  # a policy that keeps some layers compact sizes them to the prompt and its budget
             sizes = getattr(self.static, "cache_slots", None)
             cache = StaticCache(s, batch, max_len, device, dtype, head_order,
@@ -86,6 +89,7 @@ class StaticDecoder:
             raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
                              "(create it with head_order=policy.static_step(shape).head_order)")
         self.cache, self.max_len = cache, max_len
+        self.owns_cache = not shared  # a policy may resize only a cache of its own
         sparse = self.static.sparse
         if not getattr(self.static, "full_fallback", True):  # its state follows every step from the first
             if min_context:
@@ -99,16 +103,13 @@ class StaticDecoder:
         prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
         if prepare is not None:
             prepare(self)
-        # A policy whose state stops growing may have a narrower step for the steady state (lethe's), which
-        # serves from ``steps_to_steady`` steps after each fill on.
-        steady = getattr(self.static, "steady", None)
-        self.steady = steady(self) if steady is not None else None
-        self._steady_from = 0
         self.sampler, self.stopper = sampler, stopper
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # the next step's input
         self.logits = torch.zeros(batch, s.vocab, dtype=dtype, device=device)  # the last step's output
         self.position = 0  # host mirror of cache.length: the host issued every step
-        self._last_kind: str | None = None  # "full", "policy" or "steady": the step that ran last
+        self._last_kind: str | None = None  # "full" or "policy": the step that ran last
+        self._settle_at: int | None = None  # the position at which the policy settles (see _after_fill)
+        self._capture_when_settled: int | None = None  # capture()'s warm-up, deferred until then
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
@@ -152,8 +153,17 @@ class StaticDecoder:
         after_fill = getattr(self.static, "after_fill", None)
         if after_fill is not None:
             after_fill(self)
-        if self.steady is not None:
-            self._steady_from = self.position + self.static.steps_to_steady(self)
+        settle = getattr(self.static, "steps_to_settle", None)
+        self._settle_at = self.position + settle(self) if settle is not None else None
+
+    def _settle(self) -> None:
+        """The policy settles (its buffers may change: graphs over the old ones go), then the deferred capture."""
+        self._settle_at = None
+        if self.static.settle(self):
+            self.graphs.clear()
+        warmup, self._capture_when_settled = self._capture_when_settled, None
+        if warmup is not None and self.max_len - self.position >= warmup:
+            self.capture(warmup)
 
     def uses_full(self) -> bool:
         """Whether the next step falls back to full attention (a sparse policy below ``min_context``)."""
@@ -166,16 +176,16 @@ class StaticDecoder:
             raise RuntimeError(f"the cache is full: {self.max_len} tokens")
         if tokens is not None:
             self.tokens.copy_(tokens, non_blocking=True)
+        if self._settle_at is not None and self.position >= self._settle_at:
+            self._settle()
         which = "full" if self.uses_full() else "policy"
         if which == "policy" and self._last_kind == "full":
             self._after_fill()  # the full steps did not keep the policy's cache-derived state
-        if which == "policy" and self.steady is not None and self.position >= self._steady_from:
-            which = "steady"
         self._last_kind = which
         if which in self.graphs:
             self.graphs[which].replay()
         else:
-            self._run(self._step_of(which))
+            self._run(self.full if which == "full" else self.static)
         self.position += 1
         return self.logits
 
@@ -183,9 +193,12 @@ class StaticDecoder:
         """Capture the step (and the full fallback when the policy can use it) in CUDA graphs.
 
         Warm-up runs (on a side stream) compile the kernels; afterwards the length, the next tokens, the
-        sampler's and stopper's state and the cache slots they wrote are restored."""
-        kinds = ["policy"] + (["steady"] if self.steady is not None else []) + (
-            ["full"] if self.static.sparse and self.min_context > self.position else [])
+        sampler's and stopper's state and the cache slots they wrote are restored. Before a policy settles
+        (lethe's first step) the capture waits for it, and the steps up to it run eagerly."""
+        if self._settle_at is not None:
+            self._capture_when_settled = warmup
+            return
+        kinds = ["policy"] + (["full"] if self.static.sparse and self.min_context > self.position else [])
         c = self.cache
         if self.max_len - self.position < warmup:
             raise RuntimeError(f"capture needs {warmup} free cache slots for its warm-up, "
@@ -200,7 +213,7 @@ class StaticDecoder:
         with torch.cuda.stream(side):
             for kind in kinds:
                 for _ in range(warmup):
-                    self._run(self._step_of(kind))
+                    self._run(self.full if kind == "full" else self.static)
                 for t, s in zip(self._state(), saved_state):  # each kind warms up from the same state
                     t.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
@@ -212,11 +225,8 @@ class StaticDecoder:
         for kind in kinds:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._run(self._step_of(kind))
+                self._run(self.full if kind == "full" else self.static)
             self.graphs[kind] = graph
-
-    def _step_of(self, kind: str) -> Any:
-        return {"full": self.full, "policy": self.static, "steady": self.steady}[kind]
 
     def _state(self) -> list[torch.Tensor]:
         """What a step changes besides the cache slots it writes: restored after the capture's warm-up (a policy

@@ -22,7 +22,6 @@ masked instead (identical results, no memory saved). Beam search is not supporte
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -396,18 +395,18 @@ class LetheStep:
     reference), adds them to the scores and, past the layer's capacity, keeps what :func:`keep_on_device`
     chooses and moves the kept slots to the front (one gather), as the transformers path's
     :class:`LetheCache` rebuilds its tensors. A decoder that makes its own cache sizes these layers to
-    ``max(prompt, capacity) + 1`` slots (:meth:`cache_slots`), so memory stops growing once the prompt is
-    read; with a shared request-sized cache the same happens inside the larger buffer. The step runs from the
-    first token (its scores start there), so it has no full-attention fallback.
+    ``max(prompt, capacity) + 1`` slots for the prefill (:meth:`cache_slots`); with a shared request-sized
+    cache the same happens inside the larger buffer. The step runs from the first token (its scores start
+    there), so it has no full-attention fallback.
 
     After its first step a layer never holds more than ``cap`` slots (the step that reaches ``cap + 1`` evicts),
-    so from then on :meth:`steady`'s step serves: the same step over the first ``cap + 1`` slots of each buffer
-    (views, the same state), instead of a prompt-sized buffer (16,001 slots at 16K against 1,025 at a 1K
-    budget) whose unused slots every sort and the attention would otherwise still cover."""
+    so there the decoder lets it :meth:`settle`: each prompt-sized buffer (16,001 slots at 16K against 1,025 at
+    a 1K budget) is replaced by a copy of its first ``cap + 1`` slots and freed, and the step is captured over
+    the small buffers. The memory held while decoding is then bounded by the budget, and no sort or attention
+    covers the unused slots. A cache shared with other decoders (benchmarks) keeps its size."""
 
     policy: Lethe
     caps: dict[int, int]  # layer -> slots it may hold
-    narrow: bool = False  # the steady step: each layer reads its first cap + 1 slots only
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
     full_fallback: ClassVar[bool] = False
@@ -444,23 +443,28 @@ class LetheStep:
     def write_slots(self) -> dict[int, torch.Tensor]:
         return self.count
 
-    def steady(self, dec: Any) -> LetheStep | None:
-        """The step once every layer holds at most its capacity (after :meth:`steps_to_steady` steps): over the
-        first ``cap + 1`` slots of each buffer, sharing this step's state. None where no buffer is wider."""
-        if all(self.held[i].shape[1] <= cap + 1 for i, cap in self.caps.items()):
-            return None
-        step = copy.copy(self)
-        step.narrow, step._compiled = True, None  # its own compiled eviction (other shapes)
-        # This step now runs once a fill: eagerly, rather than compiling code for the prompt's width (and
-        # torch.compile's inductor failed on 16,001 slots, which made every later eviction eager as well).
-        self._compiled = evict
-        return step
-
-    def steps_to_steady(self, dec: Any) -> int:
-        """Steps after a fill before :meth:`steady`'s step may serve: none when every layer already holds at
-        most its capacity (its new token then lands inside the first ``cap + 1`` slots), else one."""
+    def steps_to_settle(self, dec: Any) -> int:
+        """Steps after a fill before :meth:`settle`: none when every layer already holds at most its capacity
+        (its new token then lands inside the first ``cap + 1`` slots), else one."""
         held = {i: min(dec.position, self.held[i].shape[1] - 1) for i in self.caps}
         return 0 if all(held[i] <= cap for i, cap in self.caps.items()) else 1
+
+    def settle(self, dec: Any) -> bool:
+        """Each layer of a cache of the decoder's own keeps only its first ``cap + 1`` slots (new, smaller
+        buffers; the old ones are freed); returns whether any buffer changed."""
+        c, changed = dec.cache, False
+        for i, cap in self.caps.items():
+            w = cap + 1
+            if not dec.owns_cache or c.k[i].shape[2] <= w:
+                continue
+            c.k[i], c.v[i] = c.k[i][:, :, :w].clone(), c.v[i][:, :, :w].clone()
+            for state in (self.held, self.scores, self.pos):
+                state[i] = state[i][:, :w].clone()
+            changed = True
+        if changed:
+            self.buffers = [t for i in self.caps for t in (c.k[i], c.v[i])]
+            self._compiled = None  # compiled for the small buffers from here on
+        return changed
 
     def _evictor(self, dec: Any) -> Any:
         """:func:`evict`, as the decoder compiles it (:meth:`StaticDecoder.compiled`): its few dozen small ops
@@ -482,14 +486,15 @@ class LetheStep:
             self.scores[i].zero_()
             self.pos[i].copy_((slot + dec.position - held).expand_as(self.pos[i]))
             self.count[i].fill_(held)
+        if dec.owns_cache and any(self.held[i].shape[1] > cap + 1 for i, cap in self.caps.items()):
+            # the step over prompt-sized buffers runs once, before settle(): eagerly, not compiled for that width
+            # (torch.compile's inductor failed on 16,001 slots, which then made every later eviction eager too)
+            self._compiled = evict
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer not in self.caps:
             return dec.attend(q, k, v, span)
         held, scores, pos, count = self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
-        if self.narrow:
-            w = self.caps[layer] + 1
-            k, v, held, scores, pos = k[:, :, :w], v[:, :, :w], held[:, :w], scores[:, :w], pos[:, :w]
         slot = torch.arange(held.shape[1], device=held.device)
         new = slot == count  # the new token's slot (written there by the engine)
         held.logical_or_(new)

@@ -130,8 +130,9 @@ def test_eviction_on_the_device_equals_the_reference(seed):
 
 
 def test_engine_holds_lethe_layers_in_compact_buffers_of_bounded_size():
-    """On the engine a Lethe layer's buffer holds max(prompt, capacity) + 1 slots however many tokens are
-    generated; full attention's cache grows with them. The step has no full fallback to hide behind."""
+    """On the engine a Lethe layer's buffer holds the prompt and one slot until its first step, and capacity + 1
+    slots from then on, however many tokens are generated; full attention's cache grows with them. The step
+    has no full fallback to hide behind."""
     from runtime.engine import StaticDecoder, Weights
     from runtime.engine.generate import generate
     from runtime.policies.full import Full
@@ -145,7 +146,7 @@ def test_engine_holds_lethe_layers_in_compact_buffers_of_bounded_size():
     for new in (8, 200):
         out = generate(weights, policy, prompt, max_new_tokens=new, kernels="naive")
         assert len(out.tokens[0]) == new
-        assert out.info["cache_bytes"] == 4 * (30 + 1) * per_slot  # every layer: max(30, 24) + 1 slots
+        assert out.info["cache_bytes"] == 4 * (24 + 1) * per_slot  # every layer: capacity + 1 slots
         dense = generate(weights, Full(), prompt, max_new_tokens=new, kernels="naive")
         assert dense.info["cache_bytes"] == 4 * (30 + new) * per_slot
     with pytest.raises(ValueError, match="runs its own step from the first token"):
@@ -211,53 +212,11 @@ def test_compaction_order_is_a_stable_sort_of_the_dropped_slots():
         assert torch.equal(compaction_order(keep), expected), width
 
 
-def test_after_its_first_step_lethe_runs_over_capacity_plus_one_slots():
+def test_after_its_first_step_lethe_settles_into_capacity_plus_one_slots():
     """Past a prompt longer than the capacity, the first step reads the whole prompt-sized buffer and evicts;
-    every later step reads only the first cap + 1 slots of each buffer (the steady step), and gives the same
-    logits and held positions as the wide step run every time. A prompt within the capacity starts steady."""
-    from runtime.engine import StaticDecoder, Weights
-
-    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
-    weights = Weights.from_model(model, positions=512)
-    policy = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2)
-    policy.bind(None, model.config)
-    ids = torch.randint(1, 200, (2, 60), generator=torch.Generator().manual_seed(0))
-    runs = []
-    for steady in (True, False):
-        dec = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive", prompt_tokens=60)
-        if not steady:
-            dec.steady = None
-        widths: list[int] = []
-
-        def attend(q, k, v, *a, _attend=dec.attend, _widths=widths, **kw):
-            _widths.append(k.shape[2])
-            return _attend(q, k, v, *a, **kw)
-
-        dec.attend = attend
-        dec.prefill(ids)
-        logits = []
-        for t in range(10):
-            widths.clear()
-            logits.append(dec.step().clone())
-            if steady:
-                assert widths == ([61] * 4 if t == 0 else [25] * 4), (t, widths)
-        runs.append((torch.stack(logits), [dec.static.pos[i].clone() for i in sorted(dec.static.caps)]))
-    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-5, rtol=1e-5)  # sums over other widths
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-
-    short = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive")  # buffers of every slot
-    assert short.steady is not None
-    short.prefill(ids[:, :20])
-    assert short._steady_from == 20  # 20 slots held, within the capacity: steady from the first step
-    tight = StaticDecoder(weights, policy, 2, 40, min_context=0, kernels="naive", prompt_tokens=20)
-    assert tight.steady is None  # max(20, 24) + 1 slots: nothing narrower to run
-
-
-def test_a_finished_lethe_decoder_frees_its_buffers_without_the_garbage_collector():
-    """A decoder's Lethe steps (wide and steady, with their evictions) form no reference cycle, so the cache
-    buffers go as soon as the decoder does; an evaluation makes one decoder per batch, and buffers left to the
-    collector piled up to an out-of-memory error at 32K × 32 on an H200."""
-    import gc
+    then each layer's buffers are replaced by capacity + 1 slots (the prompt-sized ones freed), every later
+    step reads only those, and the logits and held positions equal those of the step kept over the large
+    buffers. A prompt within the capacity settles before its first step, with nothing to shrink."""
     import weakref
 
     from runtime.engine import StaticDecoder, Weights
@@ -266,16 +225,64 @@ def test_a_finished_lethe_decoder_frees_its_buffers_without_the_garbage_collecto
     weights = Weights.from_model(model, positions=512)
     policy = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2)
     policy.bind(None, model.config)
+    ids = torch.randint(1, 200, (2, 60), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for settles in (True, False):
+        dec = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive", prompt_tokens=60)
+        if not settles:
+            dec.static.settle = lambda dec: False
+        widths: list[int] = []
+
+        def attend(q, k, v, *a, _attend=dec.attend, _widths=widths, **kw):
+            _widths.append(k.shape[2])
+            return _attend(q, k, v, *a, **kw)
+
+        dec.attend = attend
+        dec.prefill(ids)
+        prompt_sized = [weakref.ref(t) for t in dec.cache.k + dec.cache.v]
+        logits = []
+        for t in range(10):
+            widths.clear()
+            logits.append(dec.step().clone())
+            if settles:
+                assert widths == ([61] * 4 if t == 0 else [25] * 4), (t, widths)
+        if settles:
+            assert dec.cache.nbytes == 2 * 4 * 2 * 2 * 25 * 16 * 4  # K, V × 4 layers × 2 rows × 2 heads × 25 slots
+            assert all(r() is None for r in prompt_sized)  # freed
+        runs.append((torch.stack(logits), [dec.static.pos[i][:, :25].clone() for i in sorted(dec.static.caps)]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-5, rtol=1e-5)  # sums over other widths
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+    short = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive")  # buffers of every slot
+    short.prefill(ids[:, :20])
+    assert short._settle_at == 20  # 20 slots held, within the capacity: settles at its first step
+    short.step()
+    assert all(k.shape[2] == 25 for k in short.cache.k)
+
+
+def test_a_finished_lethe_decoder_frees_its_buffers_without_the_garbage_collector():
+    """A decoder's Lethe step (with its compiled eviction) forms no reference cycle, so the cache
+    buffers go as soon as the decoder does; an evaluation makes one decoder per batch, and buffers left to the
+    collector piled up to an out-of-memory error at 32K × 32 on an H200."""
+    import gc
+    import weakref
+
+    from runtime.engine import StaticDecoder, Weights
+    from runtime.policies.lethe import evict
+
+    model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
+    weights = Weights.from_model(model, positions=512)
+    policy = get_policy("lethe", budget=24, sinks=2, recent_ratio=0.2)
+    policy.bind(None, model.config)
     gc.disable()
     try:
         dec = StaticDecoder(weights, policy, 2, 80, min_context=0, kernels="naive", prompt_tokens=60)
-        dec.steady._compiled = dec.compiled(lambda *a: None)  # what a compiling decoder keeps
         dec.prefill(torch.randint(1, 200, (2, 60), generator=torch.Generator().manual_seed(0)))
         for _ in range(3):
             dec.step()
-        assert dec.steady is not None and dec.static._compiled is not None
+        dec.static._compiled = dec.compiled(evict)  # what a compiling decoder keeps
         buffers = [weakref.ref(t) for t in dec.static.buffers]
-        steps = [weakref.ref(dec.static), weakref.ref(dec.steady)]
+        steps = [weakref.ref(dec.static)]
         del dec
         assert all(r() is None for r in buffers + steps)
     finally:

@@ -64,7 +64,8 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
 
 def test_engine_evaluation_reports_the_kv_cache_a_prompt_held(tiny_folder):
     """On the engine (forced on the CPU) every prompt's KV cache is counted: full attention holds prompt +
-    new tokens in every layer, Lethe's compact layers max(prompt, capacity) + 1; off the engine: None."""
+    new tokens in every layer, Lethe's compact layers capacity + 1 once its first step has evicted (the prompt's
+    K/V are held in full only until then); off the engine: None."""
     model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
     tok = tiny_tokenizer()
     settings = EvalSettings(prompts=str(tiny_folder / "prompts.jsonl"), max_new_tokens=8)
@@ -72,9 +73,9 @@ def test_engine_evaluation_reports_the_kv_cache_a_prompt_held(tiny_folder):
     lethe = evaluate(model, tok, None, "lethe", {"engine": "static", "budget": 12}, settings, batch_size=1)
     per_slot = 4 * 2 * 2 * 16 * 4  # layers, K and V, 2 KV heads of 16 float32 values
     prompts = [len(s["input_ids"]) for s in suite_prompts(tok, settings)]
-    assert min(prompts) > 12  # Lethe's budget binds: its layers hold the prompt and one slot, not the new tokens
+    assert min(prompts) > 12  # Lethe's budget binds: its layers end with 13 slots, not the prompt or new tokens
     assert full["kv_bytes_per_prompt"] == per_slot * sum(p + 8 for p in prompts) / len(prompts)
-    assert lethe["kv_bytes_per_prompt"] == per_slot * sum(max(p, 12) + 1 for p in prompts) / len(prompts)
+    assert lethe["kv_bytes_per_prompt"] == per_slot * 13
     assert "KV cache" in format_table(lethe)
     assert evaluate(model, tok, None, "full", settings=settings)["kv_bytes_per_prompt"] is None
 
