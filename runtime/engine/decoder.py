@@ -77,7 +77,7 @@ class StaticDecoder:
                              f"{weights.max_positions}; ask for fewer tokens")
         self.weights, self.shape, self.batch = weights, s, batch
         device, dtype = weights.device, weights.dtype
-        shared = cache is not None
+        self.owns_cache = cache is None  # a policy may resize only a cache of its own
         if cache is None:  # a policy that keeps some layers compact sizes them to the prompt and its budget
             sizes = getattr(self.static, "cache_slots", None)
             cache = StaticCache(s, batch, max_len, device, dtype, head_order,
@@ -89,7 +89,6 @@ class StaticDecoder:
             raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
                              "(create it with head_order=policy.static_step(shape).head_order)")
         self.cache, self.max_len = cache, max_len
-        self.owns_cache = not shared  # a policy may resize only a cache of its own
         sparse = self.static.sparse
         if not getattr(self.static, "full_fallback", True):  # its state follows every step from the first
             if min_context:

@@ -449,22 +449,23 @@ class LetheStep:
         held = {i: min(dec.position, self.held[i].shape[1] - 1) for i in self.caps}
         return 0 if all(held[i] <= cap for i, cap in self.caps.items()) else 1
 
+    def _oversized(self, dec: Any) -> list[int]:
+        """The layers whose buffers :meth:`settle` shrinks: wider than ``cap + 1``, in a cache of the decoder's own."""
+        return [i for i, cap in self.caps.items() if dec.owns_cache and dec.cache.k[i].shape[2] > cap + 1]
+
     def settle(self, dec: Any) -> bool:
         """Each layer of a cache of the decoder's own keeps only its first ``cap + 1`` slots (new, smaller
         buffers; the old ones are freed); returns whether any buffer changed."""
-        c, changed = dec.cache, False
-        for i, cap in self.caps.items():
-            w = cap + 1
-            if not dec.owns_cache or c.k[i].shape[2] <= w:
-                continue
+        c, layers = dec.cache, self._oversized(dec)
+        for i in layers:
+            w = self.caps[i] + 1
             c.k[i], c.v[i] = c.k[i][:, :, :w].clone(), c.v[i][:, :, :w].clone()
             for state in (self.held, self.scores, self.pos):
                 state[i] = state[i][:, :w].clone()
-            changed = True
-        if changed:
+        if layers:
             self.buffers = [t for i in self.caps for t in (c.k[i], c.v[i])]
             self._compiled = None  # compiled for the small buffers from here on
-        return changed
+        return bool(layers)
 
     def _evictor(self, dec: Any) -> Any:
         """:func:`evict`, as the decoder compiles it (:meth:`StaticDecoder.compiled`): its few dozen small ops
@@ -486,7 +487,7 @@ class LetheStep:
             self.scores[i].zero_()
             self.pos[i].copy_((slot + dec.position - held).expand_as(self.pos[i]))
             self.count[i].fill_(held)
-        if dec.owns_cache and any(self.held[i].shape[1] > cap + 1 for i, cap in self.caps.items()):
+        if self._oversized(dec):
             # the step over prompt-sized buffers runs once, before settle(): eagerly, not compiled for that width
             # (torch.compile's inductor failed on 16,001 slots, which then made every later eviction eager too)
             self._compiled = evict
