@@ -563,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     reasoning = args.suite == "reasoning"
     settings = None if reasoning else settings_of(args)
     budget, cells = new_tokens(args), build_cells(args)
+    missing = next((c for c in cells if c.manifest and not Path(c.manifest).is_file()), None)
+    if missing is not None:
+        raise SystemExit(f"{missing.name}: no manifest file at {missing.manifest}; give the path that calibrate-delta "
+                         "or train-heads wrote")
     out = Path(args.out)
     common = {"model": args.model, "device": args.device, "dtype": dtype}
     if args.rope_theta is not None:  # another model, in effect: cells made without it are not these
