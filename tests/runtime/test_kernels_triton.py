@@ -85,6 +85,34 @@ def test_sparse_decode_matches_reference_in_interpreter(monkeypatch, b, hq, hkv,
     _check(_case(b, hq, hkv, t, d, n, bs, torch.float32, "cpu", **extra), bs, 1e-4, chunk=64)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+def test_sparse_decode_with_uneven_chunks_matches_reference_in_interpreter():
+    """A chunk of three tiles (not a power of two), so programs start mid-way through a power-of-two range."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    case = _case(1, 4, 2, 1100, 16, 30, 16, torch.float32, "cpu", full=True, mask=True)
+    _check(case, 16, 1e-4, chunk=192)
+
+
+@pytest.mark.parametrize("tokens, rows, dense, tile, expected", [
+    (18432, 128, True, 64, 4608),  # 1.5B heads at 18K x 64: four even chunks (a power of two gave three)
+    (13120, 64, False, 64, 1664),  # 10 % of 64-token blocks at 128K x 8: eight chunks
+    (2048, 32, False, 64, 128),  # 7B sparse layer at 8 rows: 16 chunks of two tiles
+    (131072, 32, True, 64, 8192),
+    (100, 1, True, 64, 256),  # the floor for rows that stream the cache
+    (1000, 4, False, 128, 128),  # gathered sets: floor 128, one tile
+])
+def test_choose_chunk_splits_rows_evenly_in_whole_tiles(tokens, rows, dense, tile, expected):
+    from runtime.kernels.sparse_attention.triton import choose_chunk
+
+    chunk = choose_chunk(tokens, rows, 132, dense=dense, tile=tile)
+    assert chunk == expected
+    assert chunk % tile == 0 and chunk >= (256 if dense else 128)
+    splits = math.ceil(tokens / chunk)
+    assert (splits - 1) * chunk < tokens <= splits * chunk  # no program of a full row is left without tokens
+    assert rows * splits <= 8 * 132 or chunk == (256 if dense else 128)  # about four programs per SM, not more
+
+
 GPU_CASES = [
     (b, hq, hkv, t, d, bs, dtype)
     for (b, hq, hkv) in [(1, 8, 8), (3, 32, 8), (2, 28, 4)]  # GQA ratios 1, 4, 7

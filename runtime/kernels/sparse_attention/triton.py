@@ -91,7 +91,7 @@ def _sparse_decode_partial(
     s_ob, s_oh, s_os, s_og,
     s_lb, s_lh, s_ls,
     s_gb, s_gh,
-    T, N, HKV, scale,
+    T, N, HKV, scale, chunk,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
@@ -111,8 +111,8 @@ def _sparse_decode_partial(
     else:
         full = 1
     n_tok = full * T + (1 - full) * N * BS
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, n_tok)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_tok)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -132,7 +132,7 @@ def _sparse_decode_partial(
     if HAS_SPAN:  # the row's valid slots are first..last: no mask to read
         first = tl.load(FIRST + b)
         last = tl.load(LAST)
-    if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2)
+    if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2): CHUNK = chunk there
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
                                   b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
@@ -157,15 +157,21 @@ def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << (x - 1).bit_length())
 
 
-def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True) -> int:
-    """Tokens per program (a power of two): enough programs to fill the GPU about four times over, at least 256
-    tokens each for rows that stream the cache and 128 for gathered sets, whose programs wait on their block
-    ids (a 2K-token set of 16-token pages at 128K × 8, DS-Qwen-7B heads, H200: 12.5 µs a layer at 128 vs 14.2
-    at 256). One wave of longer programs in 128-token tiles was faster for the 7B's 4 KV heads at batch 1 and
-    slower for Llama's 8 (H200, 128K × 8: 1.050 vs 0.963 ms; 128K × 1: 0.151 vs 0.132), so 64-token tiles
-    and four waves stay."""
-    chunk = max(256 if dense else 128, math.ceil(tokens * max(rows, 1) / (4 * sms)))
-    return 1 << (chunk - 1).bit_length()
+def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int = 64) -> int:
+    """Tokens per program, a multiple of ``tile``: each row's ``tokens`` split evenly over enough programs to
+    fill the GPU about four times over, at least 256 tokens each for rows that stream the cache and 128 for
+    gathered sets, whose programs wait on their block ids (a 2K-token set of 16-token pages at 128K × 8,
+    DS-Qwen-7B heads, H200: 12.5 µs a layer at 128 vs 14.2 at 256).
+
+    Even splits, not a power of two: rounding a chunk up to one halved the programs of some shapes (H200, whole
+    call with the merge: DS-Qwen-1.5B heads at 18K × 64, dense, 300.8 µs with 3 chunks of 8,192 against 280.8
+    with 4 of 4,608; 10 % of 64-token blocks at 128K × 8, 8 KV heads, 110.8 against 109.0 µs). The chunk is a
+    runtime argument of the kernel, so a new length compiles nothing. One wave of longer programs in 128-token
+    tiles was faster for the 7B's 4 KV heads at batch 1 and slower for Llama's 8 (H200, 128K × 8: 1.050 vs
+    0.963 ms; 128K × 1: 0.151 vs 0.132), so 64-token tiles and four waves stay."""
+    splits = max(1, round(4 * sms / max(rows, 1)))
+    chunk = max(256 if dense else 128, math.ceil(tokens / splits))
+    return tile * math.ceil(chunk / tile)
 
 
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -202,8 +208,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if chunk is None:
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None)
-    chunk = max(chunk, tile)
+        chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile)
+    chunk = tile * max(1, triton.cdiv(chunk, tile))  # whole tiles: a program's tiles never cross into the next's
     splits = max(1, triton.cdiv(max_read, chunk))
     out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
     lse_p = torch.empty(b, hkv, splits, g, device=query.device, dtype=torch.float32)
@@ -229,8 +235,9 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
         lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
         logits_out.stride(0) if logits_out is not None else 0, logits_out.stride(1) if logits_out is not None else 0,
-        t, n, hkv, float(scale),
-        G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile, CHUNK=chunk,
+        t, n, hkv, float(scale), chunk,
+        G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile,
+        CHUNK=chunk if INTERPRETING else 0,
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
         HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
