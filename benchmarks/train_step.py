@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import event_times  # noqa: E402
+from runtime.models import cache_keyword  # noqa: E402
 from train.distill import distill_loss, prefill, split_sample  # noqa: E402
 from train.gates import GateParameters  # noqa: E402
 from train.hybrid import HybridAttention, fast_float32_matmul  # noqa: E402
@@ -97,7 +98,7 @@ def main() -> int:
             s = split_sample(ids, labels)
             with torch.no_grad():
                 cache = prefill(model, s.prompt, args.prefill_chunk)
-                model(input_ids=s.span, past_key_values=cache, use_cache=True).logits.float()
+                model(input_ids=s.span, **{cache_keyword(model): cache}, use_cache=True).logits.float()
 
         lam = 0.0
 

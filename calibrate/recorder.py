@@ -22,6 +22,7 @@ from calibrate.stats import cosine_shift, head_max, hoyer_sparsity, page_sums, p
 from calibrate.totals import CalibrationTotals
 from runtime.attention import keep_mask, use_attention
 from runtime.distributed import model_device
+from runtime.models import cache_keyword
 
 ATTENTION_NAME = "rolecall-record"
 
@@ -194,6 +195,7 @@ def record_traces(model: torch.nn.Module, traces: list[list[int]], recorder: Att
         recorder.totals = CalibrationTotals.zeros(recorder.num_layers, recorder.num_heads, recorder.bins, device=device)
     # no_grad, not inference_mode: ZeRO-3 re-partitions the weights after each forward, and under inference_mode
     # their shards would become inference tensors that no later autograd pass (train-heads) can use
+    keyword = cache_keyword(model)
     with recorder.attached(model), torch.no_grad():
         for ids in tqdm(traces, desc="recording attention", unit="trace", disable=not progress):
             recorder.begin_trace(len(ids))
@@ -205,7 +207,7 @@ def record_traces(model: torch.nn.Module, traces: list[list[int]], recorder: Att
                 cache = DynamicCache() if recorder.full_keys else DynamicCache(config=model.config)
             for c0 in range(0, len(ids), chunk_size):
                 # logits_to_keep=1: the vocabulary projection of every position would dwarf the recording.
-                model(input_ids=x[:, c0 : c0 + chunk_size], past_key_values=cache, use_cache=cache is not None,
+                model(input_ids=x[:, c0 : c0 + chunk_size], **{keyword: cache}, use_cache=cache is not None,
                       logits_to_keep=1)
                 recorder.flush()
             recorder.totals.traces += 1

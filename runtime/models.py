@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.resources
+import inspect
 import json
 import os
 import shutil
@@ -445,6 +446,19 @@ def sliding_layers(config: Any) -> list[int]:
     if getattr(text, "sliding_window", None) and isinstance(pattern, int) and pattern > 1:
         return [i for i in range(int(text.num_hidden_layers)) if (i + 1) % pattern]
     return []
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model``'s forward (and so ``generate``) takes its KV cache: ``cache`` in the
+    newest transformers 5 releases, ``past_key_values`` before them. The newer releases still accept the old
+    name but warn on every call, and a caller that passes the new name beside the old one is refused, so every
+    cache rolecall hands to a model goes under the name that model's forward declares. A forward whose
+    signature cannot be read (a wrapper taking ``*args``) gets the old name, which every 5.x release accepts."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class ContextLengthError(ValueError):

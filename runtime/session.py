@@ -29,7 +29,7 @@ from runtime.attention import keep_mask, use_attention
 from runtime.kernels.page_scores import attention_probs
 from runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
 from runtime.manifest import RoleManifest
-from runtime.models import sliding_layers
+from runtime.models import cache_keyword, sliding_layers
 from runtime.policies import Plan, PolicyError, Step, get_policy
 
 
@@ -110,7 +110,8 @@ class Session:
             print(f"rolecall: decoding on the transformers path ({why})", file=sys.stderr)
             self._notice_given = True
         kwargs.pop("seed", None)
-        kwargs.setdefault("past_key_values", self.cache())
+        if "cache" not in kwargs and "past_key_values" not in kwargs:  # a cache the caller gave, by either name
+            kwargs[cache_keyword(self.model)] = self.cache()
         return self.model.generate(*args, **kwargs)
 
     def engine_reason(self, kwargs: dict[str, Any] | None = None, args: tuple = ()) -> str | None:

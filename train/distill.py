@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from runtime.attention import use_attention
 from runtime.distributed import model_device, pad_forwards
-from runtime.models import sliding_layers
+from runtime.models import cache_keyword, sliding_layers
 from train.hybrid import ATTENTION_NAME, HybridAttention
 
 
@@ -74,7 +74,8 @@ def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> Dyna
     cache = DynamicCache() if sliding_layers(model) else DynamicCache(config=model.config)
     for start in range(0, prompt.shape[1], chunk):
         # logits_to_keep=1: the prompt's logits are never used, so skip the [chunk, vocab] projection
-        model(input_ids=prompt[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=prompt[:, start : start + chunk], **{cache_keyword(model): cache}, use_cache=True,
+              logits_to_keep=1)
     pad_forwards(model, prompt, (calls or 0) - prefill_calls(prompt.shape[1], chunk))
     return cache
 
@@ -97,13 +98,14 @@ def distill_loss(model, hybrid: HybridAttention, z: Tensor, input_ids: Tensor, l
     sample = split_sample(input_ids.to(device), labels.to(device))
     cache = prefill(model, sample.prompt, prefill_chunk, calls)
     prompt_len = sample.prompt.shape[1]
+    keyword = cache_keyword(model)
     with torch.no_grad():
-        teacher = model(input_ids=sample.span, past_key_values=cache, use_cache=True).logits[0].float()  # [S, V]
+        teacher = model(input_ids=sample.span, **{keyword: cache}, use_cache=True).logits[0].float()  # [S, V]
     _drop_after(cache, prompt_len)
     hybrid.gates = z
     try:
         with use_attention(model, hybrid, ATTENTION_NAME):
-            student = model(input_ids=sample.span, past_key_values=cache, use_cache=True).logits[0].float()  # [S, V]
+            student = model(input_ids=sample.span, **{keyword: cache}, use_cache=True).logits[0].float()  # [S, V]
     finally:
         hybrid.gates = None
     diff = (student - teacher)[sample.mask]  # [N, V]

@@ -147,3 +147,51 @@ def test_a_gguf_file_by_path_converts_once_and_loads_as_its_alias_does(cache_dir
         assert torch.equal(tensor, again.state_dict()[name]) and torch.equal(tensor, alias.state_dict()[name]), name
     probe = "The capital of France is Paris"
     assert load_tokenizer(str(path))(probe)["input_ids"] == load_tokenizer(DEFAULT_MODEL)(probe)["input_ids"]
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    """``cache`` where a forward declares it (the newest transformers 5), ``past_key_values`` where it declares
+    that or cannot be read."""
+    from runtime.models import cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(Wrapper()) == "past_key_values"
+    assert cache_keyword(object()) == "past_key_values"
+
+
+def test_the_reference_path_hands_its_cache_over_without_a_deprecation_warning_and_keeps_a_given_one():
+    """session.generate on the transformers path passes the policy's cache under the name this transformers
+    release declares (no warning about the other name), and a cache the caller gives under that name is the
+    one the model fills, not refused as a second cache."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    from runtime import attach
+    from runtime.models import cache_keyword
+    from tests.tiny import tiny_model
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+    ids = torch.arange(5, 25)[None]
+    with attach(model, None, "full") as session, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = session.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        given = DynamicCache(config=model.config)
+        again = session.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                 **{cache_keyword(model): given})
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert torch.equal(plain, again)
+    assert given.get_seq_length() == ids.shape[1] + 3  # the prompt and every new token but the last

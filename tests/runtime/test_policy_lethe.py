@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from runtime import attach
 from runtime.manifest import ModelIdentity, RoleManifest
+from runtime.models import cache_keyword
 from runtime.policies import get_policy
 from runtime.policies.lethe import LetheCache
 from tests.tiny import tiny_model
@@ -38,7 +39,7 @@ def test_freeing_equals_masking_and_respects_the_budget(family, params):
     with attach(model, man, "lethe", **params) as session:
         cache = session.cache()
         assert isinstance(cache, LetheCache)
-        freed = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, **GEN)
+        freed = model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): cache}, max_new_tokens=16, **GEN)
         logical = 40 + 15  # the last generated token is never fed back
         caps = [session.policy.capacity(layer, logical) for layer in range(4)]
         slots = cache.slots()
@@ -48,7 +49,7 @@ def test_freeing_equals_masking_and_respects_the_budget(family, params):
     assert kept == pytest.approx([s / logical for s in slots])
     assert cache.get_seq_length() == logical  # positions stay logical for transformers
     with attach(model, man, "lethe", **params):
-        masked = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+        masked = model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): DynamicCache(config=model.config)},
                                 max_new_tokens=16, **GEN)
     assert torch.equal(freed.sequences, masked.sequences)
     for a, b in zip(freed.logits, masked.logits):
@@ -60,9 +61,9 @@ def test_memory_is_lower_and_plateaus():
     ids, mask = padded(2, 64)
     with attach(model, None, "lethe", budget=32) as session:
         cache = session.cache()
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, **GEN)
+        model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): cache}, max_new_tokens=40, **GEN)
     dense = DynamicCache(config=model.config)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=dense, max_new_tokens=40, **GEN)
+    model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): dense}, max_new_tokens=40, **GEN)
     full_bytes = sum(layer.keys.numel() * 4 * 2 for layer in dense.layers)
     assert cache.slots() == [32] * 4 and dense.layers[0].keys.shape[-2] == 64 + 39
     assert cache.nbytes() == full_bytes * 32 // (64 + 39)
