@@ -213,6 +213,7 @@ def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
             "recall_sparse_layers": sparse_recall(result["layers"]), "kl_mean": result["kl_mean"],
             "top1_agreement": result["top1_agreement"], "attended_fraction": result["attended_fraction"],
             "kv_bytes_per_prompt": result.get("kv_bytes_per_prompt"), "wall_s": wall, "passkey_grid": result["passkey_grid"],
+            "seconds": result.get("seconds"),
             # per prompt, in the suite's order (the same prompts in every cell): for paired comparisons
             "scores": [None if r["score"] is None else round(r["score"], 4) for r in result["samples"]]}
 
@@ -288,7 +289,7 @@ def format_table(summary: dict[str, Any]) -> str:
         for r in summary["rows"]:
             lines.append(f"| {r['label']} | {r['budget'] or '–'} | "
                          + " | ".join(with_interval(r["tasks"].get(t)) for t in tasks) + " |")
-    lines += paired_lines(summary["rows"])
+    lines += paired_lines(summary["rows"]) + time_lines(summary["rows"])
     total = sum(r["wall_s"] for r in summary["rows"])
     prompts = sum(r["prompts"] for r in summary["rows"])
     lines += ["", f"{len(summary['rows'])} cells, {prompts} prompts, {total:.0f} s of evaluation in all "
@@ -300,6 +301,25 @@ def format_table(summary: dict[str, Any]) -> str:
     if manifests:
         lines += ["", "Manifests: " + "; ".join(f"{label} `{path}`" for label, path in manifests)]
     return "\n".join(lines) + "\n"
+
+
+def time_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where each cell's time went on the engine (``runtime.eval.time_split``), for the cells that recorded it."""
+    from runtime.eval import TIME_PARTS
+
+    timed = [r for r in rows if r.get("seconds")]
+    if not timed:
+        return []
+    parts = [*TIME_PARTS[:-1], "other"]
+    lines = ["", "Where the time went (seconds summed over a cell's batches; a shared prefill counts to the cell that "
+             "ran it; setup = the decoder and its cache, other = attaching the policy, KL against the reference, "
+             "bookkeeping):", "", "| policy | budget | batches | " + " | ".join(parts) + " | total |",
+             "| --- | --- | --- |" + " --- |" * (len(parts) + 1)]
+    for r in timed:
+        t = r["seconds"]
+        lines.append(f"| {r['label']} | {r['budget'] or '–'} | {t['batches']} | "
+                     + " | ".join(f"{t[p]:.1f}" for p in parts) + f" | {t['total']:.1f} |")
+    return lines
 
 
 def paired_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -139,6 +139,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     ``Generation.prefilled``; ``prefilled``: such a copy, made for the same prompts on the same model (with any
     policy), loaded instead of prefilling again.
     """
+    start = time.perf_counter()
     limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     b, device = len(prompts), weights.device
     ids, pads = pad_left(prompts, pad_token_id, device)
@@ -163,6 +164,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     t1 = time.perf_counter()
     if graphs and max(limits) > 1:
         dec.capture()
+        sync()
+    captured = time.perf_counter()
     if streamer is not None:  # as transformers does: the prompt first (TextStreamer(skip_prompt=True) drops it)
         streamer.put(torch.tensor(prompts[0]))
     t2 = time.perf_counter()
@@ -184,10 +187,13 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
         logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
     reference = None
+    t4 = time.perf_counter()
     if reference_logits:  # the tokens the steps after the first read, in the same slots
         reference = list(dense_logits(_with_prompt(dec, weights, prefilled), stopper.out[:, :count - 1], ids.shape[1]))
+        sync()
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits, reference,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
+                       "setup_s": t0 - start, "capture_s": captured - t1, "reference_s": time.perf_counter() - t4,
                        "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",
                        "attended_fraction": _fraction(dec, ids.shape[1], steps)},

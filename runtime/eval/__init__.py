@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from runtime import atomic
 from runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
+from runtime.models import cache_keyword
 from runtime.session import attach
 
 
@@ -210,13 +211,16 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     else:
         # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts the
         # attention mass that fell on evicted tokens.
-        kwargs["past_key_values"] = DynamicCache(config=model.config)
+        kwargs[cache_keyword(model)] = DynamicCache(config=model.config)
     out = session.generate(**kwargs)
     if share is not None and not share and session.last is not None:
         share["prefilled"] = session.last.prefilled
     info = session.last.info if session.last is not None else None
     engine = None if info is None else {"fraction": info["attended_fraction"],
-                                        "kv_bytes": info["cache_bytes"] / len(batch)}
+                                        "kv_bytes": info["cache_bytes"] / len(batch),
+                                        "seconds": {"setup": info["setup_s"], "prefill": session.last.prefill_s,
+                                                    "capture": info["capture_s"], "decode": session.last.decode_s,
+                                                    "reference": info["reference_s"]}}
     steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
     news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
     news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
@@ -265,9 +269,29 @@ class Checkpoint:
         self.done[entry["batch"]] = entry
 
 
-def _entry(k: int, rows: list, figures: dict | None) -> dict[str, Any]:
+def _entry(k: int, rows: list, figures: dict | None, seconds: float) -> dict[str, Any]:
+    """A finished batch as its checkpoint line keeps it. ``seconds``: the batch's wall time (with the session's
+    attach where each batch opens its own), kept beside the engine's split of it."""
+    if figures is not None and "seconds" in figures:
+        figures["seconds"]["total"] = seconds
     return {"batch": k, "records": [r for r, _, _ in rows], "kl": [kl.tolist() for _, kl, _ in rows],
             "top1": [t.tolist() for _, _, t in rows], "figures": figures}
+
+
+TIME_PARTS = ("setup", "prefill", "capture", "decode", "reference", "total")
+
+
+def time_split(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where an evaluation's time went on the engine: the seconds of every part summed over the batches that
+    recorded them (``batches`` of them; batches kept by an earlier version of the checkpoint have none), and
+    ``other`` = total − the parts: attaching the policy, KL against the reference and the host's bookkeeping.
+    None off the engine."""
+    timed = [e["figures"]["seconds"] for e in entries if (e.get("figures") or {}).get("seconds")]
+    if not timed:
+        return None
+    split = {part: sum(t[part] for t in timed) for part in TIME_PARTS}
+    split["other"] = max(0.0, split["total"] - sum(split[p] for p in TIME_PARTS[:-1]))
+    return {"batches": len(timed), **split}
 
 
 def _run_batches(model, tokenizer, session, samples, batches, settings, on_engine, checkpoint) -> list[dict]:
@@ -280,9 +304,10 @@ def _run_batches(model, tokenizer, session, samples, batches, settings, on_engin
             if checkpoint is not None and k in checkpoint.done:
                 entries.append(checkpoint.done[k])
             else:
+                start = time.perf_counter()
                 rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings,
                                               on_engine)
-                entries.append(_entry(k, rows, figures))
+                entries.append(_entry(k, rows, figures, time.perf_counter() - start))
                 if checkpoint is not None:
                     checkpoint.add(entries[-1])
             bar.update(len(batch))
@@ -427,10 +452,11 @@ def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSet
                     with r.session(model) as session:
                         rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch],
                                                       settings, True, share)
-                    r.entries.append(_entry(k, rows, figures))
+                    seconds = time.perf_counter() - start
+                    r.entries.append(_entry(k, rows, figures, seconds))
                     if r.kept is not None:
                         r.kept.add(r.entries[-1])
-                    r.seconds += time.perf_counter() - start
+                    r.seconds += seconds
                 bar.update(len(batch))
 
 
@@ -456,6 +482,7 @@ def _result(r: _Run, samples: list[dict[str, Any]], settings: EvalSettings) -> d
         "generated_tokens_mean": sum(x["generated_tokens"] for x in records) / len(records),
         "attended_fraction": summary["attended_fraction"],
         "kv_bytes_per_prompt": sum(kv) / len(kv) if kv else None,
+        "seconds": time_split(r.entries),
         "layers": summary["layers"],
         "samples": records,
     }
@@ -582,4 +609,8 @@ def format_table(result: dict[str, Any]) -> str:
                   f"generated tokens {result['generated_tokens_mean']:.1f}"
                   + (f"  KV cache {result['kv_bytes_per_prompt'] / 2**20:.2f} MiB per prompt"
                      if result.get("kv_bytes_per_prompt") is not None else "")]
+    split = result.get("seconds")
+    if split:
+        lines.append(f"time {split['total']:.1f} s over {split['batches']} batches: "
+                     + ", ".join(f"{part} {split[part]:.1f}" for part in (*TIME_PARTS[1:-1], "setup", "other")))
     return "\n".join(lines)

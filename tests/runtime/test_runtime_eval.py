@@ -62,6 +62,23 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
     assert all(layer["kept_fraction"] < 0.5 for layer in evicting["layers"])
 
 
+def test_time_split_sums_the_timed_batches_and_leaves_out_the_others():
+    """Closed form over hand-made checkpoint entries: the parts are summed over the batches that carry them
+    (an entry kept before timings were recorded has none), ``other`` is what the parts leave of the total."""
+    from runtime.eval import time_split
+
+    def entry(prefill, decode, total):
+        seconds = {"setup": 0.5, "prefill": prefill, "capture": 0.25, "decode": decode, "reference": 0.25,
+                   "total": total}
+        return {"figures": {"fraction": 1.0, "kv_bytes": 1.0, "seconds": seconds}}
+
+    old = {"figures": {"fraction": 1.0, "kv_bytes": 1.0}}
+    split = time_split([entry(1.0, 2.0, 5.0), old, entry(3.0, 4.0, 9.0), {"figures": None}])
+    assert split == {"batches": 2, "setup": 1.0, "prefill": 4.0, "capture": 0.5, "decode": 6.0, "reference": 0.5,
+                     "total": 14.0, "other": 2.0}
+    assert time_split([old, {"figures": None}]) is None
+
+
 def test_engine_evaluation_reports_the_kv_cache_a_prompt_held(tiny_folder):
     """On the engine (forced on the CPU) every prompt's KV cache is counted: full attention holds prompt +
     new tokens in every layer, Lethe's compact layers capacity + 1 once its first step has evicted (the prompt's
@@ -77,6 +94,7 @@ def test_engine_evaluation_reports_the_kv_cache_a_prompt_held(tiny_folder):
     assert full["kv_bytes_per_prompt"] == per_slot * sum(p + 8 for p in prompts) / len(prompts)
     assert lethe["kv_bytes_per_prompt"] == per_slot * 13
     assert "KV cache" in format_table(lethe)
+    assert "time " in format_table(lethe) and lethe["seconds"]["batches"] == len(prompts)
     assert evaluate(model, tok, None, "full", settings=settings)["kv_bytes_per_prompt"] is None
 
 
@@ -369,6 +387,7 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     monkeypatch.setattr(ev, "_decode_batch", lambda *a, **k: (calls.append(len(a[3])), decode(*a, **k))[1])
     resumed = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2, checkpoint=file)
     assert calls == [2, 2, 2]  # batches 2-4 only
+    assert resumed.pop("seconds")["batches"] == whole.pop("seconds")["batches"] == 4  # wall times differ by run
     assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
     assert len(file.read_text().splitlines()) == 5
     with pytest.raises(ValueError, match="holds the batches of another run"):
@@ -397,6 +416,11 @@ def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monke
             assert (x["generated"], x["score"]) == (y["generated"], y["score"])
             assert y["kl_mean"] == pytest.approx(x["kl_mean"], rel=1e-3, abs=1e-6)
         assert b["kv_bytes_per_prompt"] == a["kv_bytes_per_prompt"]
+        split = b["seconds"]  # each of the 4 batches timed, its parts inside its wall time
+        assert split["batches"] == 4 and split["total"] > 0
+        assert all(split[p] >= 0 for p in ("setup", "prefill", "capture", "decode", "reference", "other"))
+        parts = sum(split[p] for p in ("setup", "prefill", "capture", "decode", "reference"))
+        assert parts <= split["total"] and split["other"] == pytest.approx(split["total"] - parts)
     calls.clear()
     evaluate_many(model, tok, jobs, settings, measure=False, batch_size=2, share_prefill=False)
     assert len(calls) == 12
