@@ -69,11 +69,11 @@ class Session:
 
     def __init__(self, model: torch.nn.Module, manifest: RoleManifest | None, policy: Any,
                  record_recall: bool = False, record_error: bool = False, engine: str = "auto",
-                 min_context: int | None = None) -> None:
+                 min_context: int | None = None, weights: Any = None) -> None:
         if engine not in ENGINE_CHOICES:
             raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
-        self._weights: Any = None
+        self._weights: Any = weights
         self._notice_given = False
         self.min_context = min_context
         self.last: Any = None  # the engine's Generation of the last call, when the engine ran
@@ -89,6 +89,14 @@ class Session:
         self._sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     # -- public helpers ----------------------------------------------------------------------------------------
+    @property
+    def engine_weights(self) -> Any:
+        """The engine's copy of the model's weights (``runtime.engine.Weights``: q/k/v and gate/up stacked, more
+        than half of the weights) that this session built or was given, or None before its first engine request.
+        Another session on the same model can take it (``attach(..., weights=session.engine_weights)``) instead
+        of building its own."""
+        return self._weights
+
     def cache(self):
         """A fresh cache for one request: the policy's own (Lethe evicts from it), else a DynamicCache."""
         make = getattr(self.policy, "make_cache", None)
@@ -169,7 +177,7 @@ class Session:
                             float(top_p if top_p is not None else (gc.top_p or 1.0)) if sample else 1.0, int(seed))
         new = int(max_new_tokens if max_new_tokens is not None else (gc.max_new_tokens or 20))
         need = max(len(r) for r in ids) + new
-        if self._weights is None or self._weights.max_positions < need:
+        if self._weights is None or self._weights.max_positions < need or not self._weights.taken_from(self.model):
             self._weights = Weights.from_model(self.model, positions=max(need, 1 << (need - 1).bit_length(), 4096))
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
         out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
@@ -278,12 +286,15 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     ``engine``: ``"auto"`` (the engine on CUDA where it can run, default), ``"static"`` (the engine or an
     error, also on the CPU) or ``"reference"`` (always the transformers path); ``min_context``: below this
     many tokens the engine runs a sparse policy's full step (default: the measured crossover for the policy
-    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs).
+    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs);
+    ``weights``: the engine's weights of this model from an earlier session (``session.engine_weights``), so
+    that sessions one after another share one copy (taken again if they no longer fit the model or the request).
     """
     record_recall = bool(params.pop("record_recall", False))
     record_error = bool(params.pop("record_error", False))
     engine = params.pop("engine", "auto")
     min_context = params.pop("min_context", None)
+    weights = params.pop("weights", None)
     manifest = _load_manifest(manifest)
     pol = get_policy(policy, **params)
     if manifest is not None:
@@ -292,7 +303,7 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
         raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
-    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context)
+    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context, weights)
     with use_attention(model, session.attention, name=f"rolecall_{pol.name}"):
         yield session
 

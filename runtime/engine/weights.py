@@ -115,6 +115,12 @@ class Weights:
                   for kind in sorted(set(shape.rope_kinds))}
         return cls(shape, embed, layers, norm(base.norm), head, tables)
 
+    def taken_from(self, model: torch.nn.Module) -> bool:
+        """Whether these weights were taken from ``model`` where its parameters now are (the same embedding
+        storage: a model moved or cast since then holds new tensors, and its weights must be taken again)."""
+        embed = model.get_input_embeddings().weight
+        return self.embed.data_ptr() == embed.data_ptr() and self.embed.shape == embed.shape
+
     def permute_kv_heads(self, perms: list[torch.Tensor]) -> Weights:
         """The same model with each layer's KV heads (and their query groups) stored in order ``perms[l]``
         (position j holds original head ``perms[l][j]``); the cache then follows that order too."""

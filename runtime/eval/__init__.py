@@ -354,9 +354,9 @@ class _Run:
     entries: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
-    def session(self, model):
+    def session(self, model, weights: Any = None):
         return attach(model, self.job.manifest, self.job.policy, record_recall=self.measure, min_context=0,
-                      **self.params)
+                      weights=weights, **self.params)
 
 
 @torch.no_grad()
@@ -436,10 +436,12 @@ def _plan(model, job: Job, settings: EvalSettings, samples: list[dict[str, Any]]
 
 
 def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSettings) -> None:
-    """Batch by batch, every run in turn, one prefill a batch (see :func:`evaluate_many`)."""
+    """Batch by batch, every run in turn, one prefill a batch and one copy of the engine's weights for the
+    whole call (see :func:`evaluate_many`)."""
     from tqdm.auto import tqdm
 
     batches = runs[0].batches
+    weights = None  # the engine's copy of the model's weights, built by the first session and shared by all
     with tqdm(total=sum(map(len, batches)) * len(runs), desc=f"prompts × {len(runs)} policies", unit="prompt",
               leave=False) as bar:
         for k, batch in enumerate(batches):
@@ -449,9 +451,10 @@ def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSet
                     r.entries.append(r.kept.done[k])
                 else:
                     start = time.perf_counter()
-                    with r.session(model) as session:
+                    with r.session(model, weights) as session:
                         rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch],
                                                       settings, True, share)
+                        weights = session.engine_weights
                     seconds = time.perf_counter() - start
                     r.entries.append(_entry(k, rows, figures, seconds))
                     if r.kept is not None:

@@ -729,3 +729,24 @@ def test_a_kept_prefill_serves_every_policy(family):
         assert shared.prefilled is None  # kept only when asked
     with pytest.raises(ValueError, match="other prompts"):
         engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
+
+
+def test_sessions_share_the_engine_weights_of_the_model_they_were_taken_from():
+    """A session given another session's engine weights uses them (no second copy) and decodes the same; weights
+    of another model, or of this model before it was cast, are taken again, so nothing decodes with stale ones."""
+    model = model_of("llama")
+    kw = dict(input_ids=torch.tensor([prompts(seed=2)[0]]), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    with attach(model, None, "full", engine="static") as first:
+        want = first.generate(**kw)
+        shared = first.engine_weights
+    assert isinstance(shared, Weights) and shared.taken_from(model)
+    with attach(model, None, "full", engine="static", weights=shared) as second:
+        assert torch.equal(second.generate(**kw), want)
+        assert second.engine_weights is shared
+    other = model_of("llama")  # the same values in tensors of its own
+    assert not shared.taken_from(other)
+    with attach(other, None, "full", engine="static", weights=shared) as third:
+        third.generate(**kw)
+        assert third.engine_weights is not shared and third.engine_weights.taken_from(other)
+    model.to(torch.float64)
+    assert not shared.taken_from(model)
