@@ -72,10 +72,10 @@ def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> Dyna
     # A sliding-window cache layer cannot be cropped back (step 3) once past its window: on a hybrid model keep
     # every key of every layer; the sliding layers' masks still come from the config.
     cache = DynamicCache() if sliding_layers(model) else DynamicCache(config=model.config)
+    keyword = cache_keyword(model)
     for start in range(0, prompt.shape[1], chunk):
         # logits_to_keep=1: the prompt's logits are never used, so skip the [chunk, vocab] projection
-        model(input_ids=prompt[:, start : start + chunk], **{cache_keyword(model): cache}, use_cache=True,
-              logits_to_keep=1)
+        model(input_ids=prompt[:, start : start + chunk], **{keyword: cache}, use_cache=True, logits_to_keep=1)
     pad_forwards(model, prompt, (calls or 0) - prefill_calls(prompt.shape[1], chunk))
     return cache
 
