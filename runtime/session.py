@@ -72,6 +72,12 @@ class Session:
                  min_context: int | None = None, weights: Any = None) -> None:
         if engine not in ENGINE_CHOICES:
             raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
+        if weights is not None:
+            from runtime.engine import Weights
+
+            if not isinstance(weights, Weights):
+                raise PolicyError(f"weights must be another session's engine_weights (runtime.engine.Weights), got "
+                                  f"{type(weights).__name__}; pass session.engine_weights or leave it out")
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
         self._weights: Any = weights
         self._notice_given = False

@@ -750,3 +750,6 @@ def test_sessions_share_the_engine_weights_of_the_model_they_were_taken_from():
         assert third.engine_weights is not shared and third.engine_weights.taken_from(other)
     model.to(torch.float64)
     assert not shared.taken_from(model)
+    # a state dict is not the engine's weights
+    with pytest.raises(PolicyError, match="engine_weights"), attach(model, None, "full", weights=model.state_dict()):
+        pass
