@@ -204,9 +204,20 @@ def pooled(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"score": total / n, "n": n, "interval": list(wilson_interval(total, n))}
 
 
+def shown_path(path: str | None) -> str | None:
+    """A manifest's path as a cell records it: relative to the working directory when inside it, so the files
+    a run writes name no machine's folders (the same grid run anywhere gives the same bytes)."""
+    if path is None or not Path(path).is_absolute():
+        return path
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
 def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
     tasks = {task: pooled(list(by_length.values())) for task, by_length in result["tasks"].items()}
-    return {"label": cell.label, "policy": cell.policy, "budget": cell.budget, "manifest": cell.manifest,
+    return {"label": cell.label, "policy": cell.policy, "budget": cell.budget, "manifest": shown_path(cell.manifest),
             "params": cell.params, "prompts": len(result["samples"]), "passkey_accuracy": result["passkey_accuracy"],
             "score": pooled([c for by_length in result["tasks"].values() for c in by_length.values()]),
             "tasks": tasks, "task_lengths": result["tasks"],
@@ -219,7 +230,7 @@ def row_of(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
 
 
 def fidelity_row(cell: Cell, result: dict[str, Any], wall: float) -> dict[str, Any]:
-    return {"label": cell.label, "policy": cell.policy, "budget": cell.budget, "manifest": cell.manifest,
+    return {"label": cell.label, "policy": cell.policy, "budget": cell.budget, "manifest": shown_path(cell.manifest),
             "params": cell.params, "prompts": result["prompts"], "kl_mean": result["kl_mean"],
             "kl_interval": result["kl_interval"], "top1_agreement": result["top1_agreement"],
             "divergence_median": result["divergence_median"], "never_diverged": result["never_diverged"],
@@ -267,6 +278,19 @@ def describe(s: dict[str, Any]) -> str:
             f"{', '.join(map(str, s['depths']))}, {s['samples_per_cell']} per cell; {s['max_new_tokens']} greedy tokens")
 
 
+def several_gpus(rows: list[dict[str, Any]]) -> bool:
+    """Whether a grid's cells ran on more than one kind of device (a grid resumed on another machine)."""
+    return len({r.get("device_name") for r in rows}) > 1
+
+
+def short_gpu(name: str | None) -> str:
+    """``NVIDIA H100 80GB HBM3`` → ``H100``: the model of a device name, for a table cell."""
+    if not name:
+        return "?"
+    found = re.search(r"\b([A-Z]+\d{2,4}[A-Z]*)\b", name.removeprefix("NVIDIA "))
+    return found.group(1) if found else name
+
+
 def format_table(summary: dict[str, Any]) -> str:
     lines = [f"## Quality grid: {summary['model']}", "",
              f"{describe(summary['settings'])}; {summary['device_name']}, {summary['dtype']}. Score: the share of "
@@ -274,14 +298,15 @@ def format_table(summary: dict[str, Any]) -> str:
              "KL(full ‖ policy) and top-1 agreement per decode step against a dense forward pass over the same tokens; "
              "recall = attention mass inside what a layer read, mean over the layers that read less than the whole "
              "context (measured only with --measure or on the CPU); read = fraction of the keys read over all layers; "
-             "wall = seconds for the cell.", "",
-             "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | wall (s) |",
+             "wall = seconds for the cell" + (" on the GPU named beside it." if several_gpus(summary["rows"]) else "."),
+             "", "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | wall (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
         score = r.get("score")
+        where = f" ({short_gpu(r.get('device_name'))})" if several_gpus(summary["rows"]) else ""
         lines.append(f"| {r['label']} | {r['budget'] or '–'} | {with_interval(score)} | {score['n'] if score else '–'} "
                      f"| {f(r['recall_sparse_layers'])} | {f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | "
-                     f"{f(r['attended_fraction'])} | {r['wall_s']:.1f} |")
+                     f"{f(r['attended_fraction'])} | {r['wall_s']:.1f}{where} |")
     tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
     if len(tasks) > 1:
         lines += ["", "Per task (score [95 %], all lengths pooled):", "",
@@ -648,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         partial_file(out, cell).unlink(missing_ok=True)
         rows.append(row)
     bar.close()
-    device_name = next((r["device_name"] for r in rows if r.get("device_name")), here)  # where the cells ran
+    names = list(dict.fromkeys(r["device_name"] for r in rows if r.get("device_name")))  # where the cells ran
+    device_name = " and ".join(names) if names else here
     summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
     atomic.write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))
     table = format_fidelity_table(summary) if reasoning else format_table(summary)

@@ -294,3 +294,31 @@ def test_cells_run_together_prefill_each_batch_once(folder, tmp_path, cache_dir,
         result, row = done[cell.name]
         assert row["prompts"] == 2 and row["wall_s"] > 0 and row["label"] == cell.label
         assert quality.partial_file(out, cell).exists()
+
+
+def test_cells_record_manifest_paths_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """A grid run with absolute manifest paths records them relative to where it runs, so its files name no
+    machine's folders; paths outside the working directory and relative ones stay as given."""
+    q = load_script()
+    monkeypatch.chdir(tmp_path)
+    assert q.shown_path(str(tmp_path / "artifacts" / "m.safetensors")) == str(Path("artifacts") / "m.safetensors")
+    assert q.shown_path("artifacts/m.safetensors") == "artifacts/m.safetensors"
+    outside = str(tmp_path.parent / "elsewhere.safetensors")
+    assert q.shown_path(outside) == outside
+    assert q.shown_path(None) is None
+
+
+def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
+    """Cells that ran on different GPUs: the table names each cell's GPU beside its wall time; one GPU: no mark."""
+    q = load_script()
+    assert q.short_gpu("NVIDIA H100 80GB HBM3") == "H100" and q.short_gpu("NVIDIA H200") == "H200"
+    assert q.short_gpu("NVIDIA A100-SXM4-80GB") == "A100" and q.short_gpu(None) == "?"
+    row = {"label": "full", "policy": "full", "budget": None, "score": None, "recall_sparse_layers": None,
+           "kl_mean": None, "top1_agreement": None, "attended_fraction": 1.0, "wall_s": 2.0, "prompts": 1,
+           "manifest": None, "tasks": {}, "device_name": "NVIDIA H200"}
+    summary = {"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
+               "device_name": "NVIDIA H200", "rows": [row, {**row, "label": "quest", "budget": 256}]}
+    assert "2.0 |" in q.format_table(summary) and "(H100)" not in q.format_table(summary)
+    summary["rows"][1]["device_name"] = "NVIDIA H100 80GB HBM3"
+    table = q.format_table(summary)
+    assert "| 2.0 (H200) |" in table and "| 2.0 (H100) |" in table and "beside it" in table
