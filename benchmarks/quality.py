@@ -278,6 +278,22 @@ def describe(s: dict[str, Any]) -> str:
             f"{', '.join(map(str, s['depths']))}, {s['samples_per_cell']} per cell; {s['max_new_tokens']} greedy tokens")
 
 
+def length_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's score per prompt length, every task pooled (full attention's row: the ceiling at each length);
+    only for grids of more than one length."""
+    lengths = sorted({int(n) for r in rows for by_length in r.get("task_lengths", {}).values() for n in by_length})
+    if len(lengths) < 2:
+        return []
+    lines = ["", "Per length (score [95 %], all tasks pooled):", "",
+             "| policy | budget | " + " | ".join(map(str, lengths)) + " |", "| --- | --- |" + " --- |" * len(lengths)]
+    for r in rows:
+        by = {n: pooled([cell for cells in r.get("task_lengths", {}).values() for key, cell in cells.items()
+                         if int(key) == n]) for n in lengths}
+        lines.append(f"| {r['label']} | {r['budget'] or '–'} | " + " | ".join(with_interval(by[n]) for n in lengths)
+                     + " |")
+    return lines
+
+
 def several_gpus(rows: list[dict[str, Any]]) -> bool:
     """Whether a grid's cells ran on more than one kind of device (a grid resumed on another machine)."""
     return len({r.get("device_name") for r in rows}) > 1
@@ -298,15 +314,19 @@ def format_table(summary: dict[str, Any]) -> str:
              "KL(full ‖ policy) and top-1 agreement per decode step against a dense forward pass over the same tokens; "
              "recall = attention mass inside what a layer read, mean over the layers that read less than the whole "
              "context (measured only with --measure or on the CPU); read = fraction of the keys read over all layers; "
+             "KV = MB of KV cache a prompt held on the engine (its K/V slots over all layers; – where not recorded); "
              "wall = seconds for the cell" + (" on the GPU named beside it." if several_gpus(summary["rows"]) else "."),
-             "", "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | wall (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | KV (MB) | wall (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
         score = r.get("score")
         where = f" ({short_gpu(r.get('device_name'))})" if several_gpus(summary["rows"]) else ""
+        kv = r.get("kv_bytes_per_prompt")
         lines.append(f"| {r['label']} | {r['budget'] or '–'} | {with_interval(score)} | {score['n'] if score else '–'} "
                      f"| {f(r['recall_sparse_layers'])} | {f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | "
-                     f"{f(r['attended_fraction'])} | {r['wall_s']:.1f}{where} |")
+                     f"{f(r['attended_fraction'])} | {f(None if kv is None else kv / 1e6, '.1f')} | "
+                     f"{r['wall_s']:.1f}{where} |")
+    lines += length_lines(summary["rows"])
     tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
     if len(tasks) > 1:
         lines += ["", "Per task (score [95 %], all lengths pooled):", "",

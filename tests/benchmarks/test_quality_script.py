@@ -322,3 +322,24 @@ def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
     summary["rows"][1]["device_name"] = "NVIDIA H100 80GB HBM3"
     table = q.format_table(summary)
     assert "| 2.0 (H200) |" in table and "| 2.0 (H100) |" in table and "beside it" in table
+
+
+def test_table_gives_each_rows_score_per_length_and_the_kv_it_held():
+    """Per length: each row's score over every task of that length, pooled with its Wilson interval (the full
+    row: the ceiling per length); the KV column: MB per prompt where the engine recorded it."""
+    q = load_script()
+    cell = lambda score, n: {"score": score, "n": n}  # noqa: E731
+    row = {"label": "full", "policy": "full", "budget": None, "score": None, "recall_sparse_layers": None,
+           "kl_mean": None, "top1_agreement": None, "attended_fraction": 1.0, "wall_s": 2.0, "prompts": 40,
+           "manifest": None, "tasks": {}, "kv_bytes_per_prompt": 12.5e6,
+           "task_lengths": {"a": {"1024": cell(1.0, 10), "2048": cell(0.5, 10)},
+                            "b": {"1024": cell(0.0, 10), "2048": cell(0.5, 10)}}}
+    summary = {"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
+               "device_name": "CPU", "rows": [row]}
+    table = q.format_table(summary)
+    lo, hi = q.wilson_interval(10, 20)
+    assert f"| full | – | 0.500 [{lo:.3f}, {hi:.3f}] | 0.500 [{lo:.3f}, {hi:.3f}] |" in table
+    assert "| 12.5 | 2.0 |" in table
+    one_length = {**row, "task_lengths": {"a": {"1024": cell(1.0, 10)}}, "kv_bytes_per_prompt": None}
+    table = q.format_table({**summary, "rows": [one_length]})
+    assert "Per length" not in table and "| – | 2.0 |" in table
