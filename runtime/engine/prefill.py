@@ -5,8 +5,10 @@ of an unpadded batch runs SDPA's causal kernel on the layers without a sliding w
 GPU): the first with ``is_causal``, a later one with a causal mask aligned to the lower right
 (``torch.nn.attention.bias.causal_lower_right``: the chunk's queries are the last of the keys it reads), so a
 long prompt never leaves the fused kernel. Padded rows and windows pass a boolean mask (then grouped K/V heads
-are repeated for the masked kernel, which does not take grouped heads); a sliding-window layer's chunk reads
-only the keys its window reaches (the chunk and the ``window - 1`` slots before it), not the whole prefix.
+are repeated for the masked kernel, which does not take grouped heads). A sliding-window layer attends in blocks
+of ``max(window, WINDOW_BLOCK)`` queries, each reading only the keys its window reaches (the block and the
+``window - 1`` slots before it): per query at most one block and one window of keys, not the whole chunk
+(Gemma 3's 512-token windows in a 4,096-token chunk: under a third of the keys, and a block × keys mask per call).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from runtime.engine import layers as L
 
 DEFAULT_CHUNK = 4096  # tokens per row of a chunk, at least
 CHUNK_TOKENS = 32768  # tokens of a chunk over all rows: fewer rows take longer chunks
+WINDOW_BLOCK = 1024  # queries per attention call of a sliding-window layer, at least (its window, if larger)
 
 
 def chunk_for(rows: int, padded: bool = False) -> int:
@@ -152,35 +155,44 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
     g = s.heads // s.kv_heads
     q_slots = torch.arange(start, end, device=device)  # [C]
     positions = (q_slots[None, :] - pad_t).clamp_min(0)  # [B, C]
-    masks = {}  # window -> (first key slot read, mask [B, 1, C, end - first] or None for the causal kernel)
+    # window -> None (SDPA's causal kernel) or its blocks of queries: (first and end query in the chunk, first key
+    # slot read, mask [B, 1, queries, keys])
+    masks: dict[int | None, list[tuple[int, int, int, torch.Tensor]] | None] = {}
     for window in set(s.windows):
         if plain and window is None:
-            masks[window] = (0, None)  # SDPA's causal kernel
+            masks[window] = None
             continue
-        first = 0 if window is None else max(0, start - window + 1)  # a window reads no key before this
-        k_slots = torch.arange(first, end, device=device)
-        m = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad_t[:, :, None])
-        if window is not None:
-            m = m & (k_slots[None, None, :] > q_slots[None, :, None] - window)
-        # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
-        m = m | (k_slots[None, None, :] == q_slots[None, :, None])
-        masks[window] = (first, m[:, None])
+        block = end - start if window is None else max(window, WINDOW_BLOCK)
+        masks[window] = []
+        for q0 in range(start, end, block):
+            q1 = min(q0 + block, end)
+            first = 0 if window is None else max(0, q0 - window + 1)  # a window reads no key before this
+            qs, ks = q_slots[q0 - start:q1 - start], torch.arange(first, q1, device=device)
+            m = (ks[None, None, :] <= qs[None, :, None]) & (ks[None, None, :] >= pad_t[:, :, None])
+            if window is not None:
+                m = m & (ks[None, None, :] > qs[None, :, None] - window)
+            # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
+            m = m | (ks[None, None, :] == qs[None, :, None])
+            masks[window].append((q0 - start, q1 - start, first, m[:, None]))
     rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
     x, h = L.first_input(w, input_ids)  # [B, C, H]
     for i, lw in enumerate(w.layers):
         q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
         c.k[i][:, :, start:end] = k.transpose(1, 2)
         c.v[i][:, :, start:end] = v.transpose(1, 2)
-        first, mask = masks[s.windows[i]]
-        keys, values = c.k[i][:, :, first:end], c.v[i][:, :, first:end]
-        if mask is None:
+        blocks, q = masks[s.windows[i]], q.transpose(1, 2)  # q [B, Hq, C, D]
+        if blocks is None:
             causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(end - start, end)}
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, **causal,
+            o = F.scaled_dot_product_attention(q, c.k[i][:, :, :end], c.v[i][:, :, :end], **causal,
                                                scale=s.attention_scale, enable_gqa=g > 1)
         else:
-            if g > 1:
-                keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                               scale=s.attention_scale)
+            parts = []
+            for q0, q1, first, mask in blocks:
+                keys, values = c.k[i][:, :, first:start + q1], c.v[i][:, :, first:start + q1]
+                if g > 1:
+                    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+                parts.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask,
+                                                            scale=s.attention_scale))
+            o = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
         x, h = L.finish_layer(w, i, x, o.transpose(1, 2).flatten(2))
     return h

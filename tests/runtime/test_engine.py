@@ -696,6 +696,49 @@ def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch
         assert float((dec.cache.k[i][:, :, 90 - k.shape[2]:90] - k).abs().max()) < 1e-4, (family, i)
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_sliding_layers_prefill_in_blocks_that_read_only_their_window(ragged, monkeypatch):
+    """A sliding-window layer attends in blocks of queries, each reading only the keys its window reaches (the
+    block and the window − 1 slots before it): the cache and the logits equal a prefill in one block per chunk
+    (and, unpadded, one transformers forward), padded rows included."""
+    import types
+
+    import torch.nn.functional as F
+
+    from runtime.engine import StaticDecoder, pad_left
+    from runtime.engine import prefill as prefill_module
+
+    model = model_of("gemma3")  # window 8 on the sliding layers
+    rows = prompts(lengths=(90, 61, 77) if ragged else (90, 90), seed=4)
+    ids, pads = pad_left(rows, PAD)
+    w = Weights.from_model(model, positions=128)
+    window = w.shape.windows[0]
+    assert window == 8 and None in w.shape.windows
+    reads, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        reads.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    def run(block: int):
+        monkeypatch.setattr(prefill_module, "WINDOW_BLOCK", block)
+        dec = StaticDecoder(w, get_policy("full"), batch=len(rows), max_len=96, kernels="naive")
+        return dec, dec.prefill(ids, pads, chunk=32).clone()
+
+    one, want = run(10_000)  # one block per chunk: every query of a chunk reads the chunk and its window
+    monkeypatch.setattr(prefill_module, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    blocked, got = run(window)
+    assert float((got - want).abs().max()) < 1e-4  # float32 rounding: the blocks sum in another order
+    for i in range(len(w.layers)):
+        assert float((blocked.cache.k[i][:, :, :90] - one.cache.k[i][:, :, :90]).abs().max()) < 1e-4, i
+    windowed = [(q, k) for q, k in reads if k < 90 and q <= window]  # the sliding layers' calls
+    assert windowed and all(k <= q + window - 1 for q, k in windowed), reads
+    if not ragged:
+        with torch.no_grad():
+            out = model(ids, use_cache=False)
+        assert float((got - out.logits[:, -1]).abs().max()) < 1e-4
+
+
 def test_prefill_chunk_grows_when_few_rows():
     from runtime.engine.prefill import chunk_for
 
