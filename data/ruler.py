@@ -33,7 +33,9 @@ the start of an assistant turn (the answer's lead words), so generation continue
 from __future__ import annotations
 
 import functools
+import os
 import re
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -331,12 +333,57 @@ def check_tasks(tasks) -> tuple[str, ...]:
     return check_names("RULER task", tasks, TASKS)
 
 
+PARALLEL_FROM = 256  # samples from which the suite is built in worker processes (each sample is independent)
+
+
+def build_workers(samples: int) -> int:
+    """Worker processes for a suite of ``samples`` samples: one per CPU core up to 16 from
+    :data:`PARALLEL_FROM` samples (a 32K-token list task re-tokenizes its list a dozen times; a GPU machine's
+    cores build the 4,400 samples of a four-length grid in a fraction of the serial time), else none."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(16, cores) if samples >= PARALLEL_FROM and cores > 2 else 1
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer, hay: Haystack, seed: int, chat: bool) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    torch.set_num_threads(1)
+    _WORKER.update(tokenizer=tokenizer, hay=hay, seed=seed, chat=chat)
+
+
+def _worker_sample(cell: tuple[str, int, int]) -> dict:
+    w = _WORKER
+    return _sample(w["tokenizer"], w["hay"], *cell, w["seed"], w["chat"])
+
+
+def _build_samples(tokenizer, hay: Haystack, cells: list[tuple[str, int, int]], seed: int, chat: bool,
+                   workers: int) -> list[dict[str, Any]]:
+    """Every cell's sample, in order; with ``workers`` > 1 in that many fresh processes. Each sample depends only
+    on its own seed, so the output is the same bytes for any number of workers."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    bar = dict(total=len(cells), desc="RULER prompts", leave=False)
+    if workers > 1 and not multiprocessing.current_process().daemon:  # a daemon process may not start others
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_init_worker, initargs=(tokenizer, hay, seed, chat)) as pool:
+                return list(tqdm(pool.map(_worker_sample, cells, chunksize=4), **bar))
+        except BrokenProcessPool as e:  # a worker died (memory, a signal): the same samples, serially
+            print(f"RULER prompts: worker processes failed ({e}); building serially", file=sys.stderr)
+    return [_sample(tokenizer, hay, t, n, i, seed, chat) for t, n, i in tqdm(cells, **bar)]
+
+
 def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_per_cell: int = 10, seed: int = 0,
                         *, source: str = "pg-essays", chat_template: bool = False, pool_tokens: int = POOL_TOKENS,
-                        cache: bool = True) -> tk.TokenDataset:
+                        cache: bool = True, workers: int | None = None) -> tk.TokenDataset:
     """``samples_per_cell`` samples per (task, length). Each: ``input_ids`` = prompt + expected answer,
     ``prompt_length`` (generate from ``input_ids[:prompt_length]``, at most ``context_length`` tokens),
-    ``task``, ``family``, ``depth``, ``answers`` (score with :func:`score`) and ``max_new_tokens``."""
+    ``task``, ``family``, ``depth``, ``answers`` (score with :func:`score`) and ``max_new_tokens``.
+    ``workers``: processes that build the samples (default :func:`build_workers`); the same output for any."""
     tasks, lengths = check_tasks(tasks), tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1 or samples_per_cell < 1:
         raise ValueError("build_ruler_dataset needs positive lengths and samples_per_cell >= 1")
@@ -349,8 +396,8 @@ def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_
         hay = load_haystack(tokenizer, corpus, pool_tokens, use_cache=cache)
         hay.check_length(max(lengths))
         cells = [(t, n, i) for t in tasks for n in lengths for i in range(samples_per_cell)]
-        return [_sample(tokenizer, hay, t, n, i, seed, bool(chat_template))
-                for t, n, i in tqdm(cells, desc="RULER prompts", leave=False)]
+        return _build_samples(tokenizer, hay, cells, seed, bool(chat_template),
+                              build_workers(len(cells)) if workers is None else workers)
 
     return tk.cached("ruler", key, build, use_cache=cache)
 

@@ -165,3 +165,20 @@ def test_dense_keys_stay_distinct_past_the_adjective_noun_pairs(corpus):
                                source=corpus, cache=False)
     keys = re.findall(r"\nThe secret number for (\S+) is \S+\.\n", _text(tok, s))
     assert len(keys) > KEY_PAIRS and len(set(keys)) == len(keys)
+
+
+def test_worker_processes_build_the_same_samples(corpus):
+    """Built in two worker processes, the suite is the same samples in the same order as built serially (each
+    sample depends on its own seed only); small suites are built serially by default."""
+    from data.ruler import PARALLEL_FROM, build_workers
+
+    tok = tiny_tokenizer()
+    kw = dict(tasks=("niah_multikey", "common_words", "variable_tracking"), lengths=(500, 700), samples_per_cell=2,
+              source=corpus, cache=False)
+    serial, parallel = build_ruler_dataset(tok, workers=1, **kw), build_ruler_dataset(tok, workers=2, **kw)
+    assert len(serial) == len(parallel) == 12
+    for x, y in zip(serial, parallel):
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+        assert (x["task"], x["answers"], x["depth"], x["prompt_length"]) == \
+            (y["task"], y["answers"], y["depth"], y["prompt_length"])
+    assert build_workers(PARALLEL_FROM - 1) == 1
