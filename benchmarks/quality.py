@@ -308,6 +308,7 @@ def short_gpu(name: str | None) -> str:
 
 
 def format_table(summary: dict[str, Any]) -> str:
+    several = several_gpus(summary["rows"])
     lines = [f"## Quality grid: {summary['model']}", "",
              f"{describe(summary['settings'])}; {summary['device_name']}, {summary['dtype']}. Score: the share of "
              "expected strings generated (passkey: correct or not), with its Wilson 95 % interval. "
@@ -315,12 +316,12 @@ def format_table(summary: dict[str, Any]) -> str:
              "recall = attention mass inside what a layer read, mean over the layers that read less than the whole "
              "context (measured only with --measure or on the CPU); read = fraction of the keys read over all layers; "
              "KV = MB of KV cache a prompt held on the engine (its K/V slots over all layers; – where not recorded); "
-             "wall = seconds for the cell" + (" on the GPU named beside it." if several_gpus(summary["rows"]) else "."),
+             "wall = seconds for the cell" + (" on the GPU named beside it." if several else "."),
              "", "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | KV (MB) | wall (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
         score = r.get("score")
-        where = f" ({short_gpu(r.get('device_name'))})" if several_gpus(summary["rows"]) else ""
+        where = f" ({short_gpu(r.get('device_name'))})" if several else ""
         kv = r.get("kv_bytes_per_prompt")
         lines.append(f"| {r['label']} | {r['budget'] or '–'} | {with_interval(score)} | {score['n'] if score else '–'} "
                      f"| {f(r['recall_sparse_layers'])} | {f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | "
