@@ -670,7 +670,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.allow_long_context:
                 raise SystemExit(f"{too_long}; use shorter lengths, or --allow-long-context with --rope-theta")
             print(f"warning: {too_long} (--allow-long-context)", file=sys.stderr)
-        samples = None if reasoning else suite_prompts(tokenizer, settings)
+        try:
+            samples = None if reasoning else suite_prompts(tokenizer, settings)
+        except ValueError as e:  # a length too short for a task's question, a corpus too small: one line, no cell run
+            raise SystemExit(str(e)) from None
     here = (torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA") if args.device == "cuda" else "CPU"
 
     rows, shared = [], {}

@@ -212,6 +212,12 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
         assert all(cell["n"] == 2 for cell in r["tasks"].values())
     table = (out / "TABLE.md").read_text()
     assert "Per task (score [95 %]" in table and "| niah_single_noise | variable_tracking |" in table
+    # a length too short for a task's question: one line naming the length and the fix, no cell run
+    short = [a if a != "300" else "10" for a in argv]
+    short[short.index(str(out))] = str(tmp_path / "short")
+    with pytest.raises(SystemExit, match=r"length 10 leaves -\d+ tokens for the \w+ text; use lengths of at least"):
+        quality.main(short)
+    assert not list((tmp_path / "short").glob("cells/*.json"))
     assert "RULER-style suite (niah_single_noise, variable_tracking)" in table and "prompts/s" in table
     for name in ("quality.png", "quality-niah_single_noise.png", "quality-variable_tracking.png"):
         assert (out / name).stat().st_size > 1000 and name in printed
