@@ -221,7 +221,8 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
                                         "seconds": {"setup": info["setup_s"], "prefill": session.last.prefill_s,
                                                     "capture": info["capture_s"], "decode": session.last.decode_s,
                                                     "reference": info["reference_s"]}}
-    steps = torch.stack(out.logits, 1)  # [B, N, V]; step 0 comes from the dense prefill
+    steps = out.logits  # N tensors [B, V]; step 0 comes from the dense prefill (not stacked: at a large vocabulary
+    # a stacked copy of a batch's logits is gigabytes)
     news = [out.sequences[r, width:width + budgets[r]].tolist() for r in range(len(batch))]
     news = [row[:next((k + 1 for k, t in enumerate(row) if t == eos), len(row))] for row in news]  # to EOS
     # the reference of steps 1 … n − 1: the engine's dense pass over the generated tokens, or (off the engine, and
@@ -233,7 +234,8 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     rows = []
     for r, sample in enumerate(batch):
         n = len(news[r])
-        kl, top1 = step_divergence(dense[r][:n - 1], steps[r, 1:n].to(dense[r].device))
+        own = torch.stack([step[r] for step in steps[1:n]]) if n > 1 else steps[0][r, :0]
+        kl, top1 = step_divergence(dense[r][:n - 1], own.to(dense[r].device))
         rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
                      kl.cpu(), top1.cpu()))
     return rows, engine
