@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -109,6 +110,7 @@ class StaticDecoder:
         self._last_kind: str | None = None  # "full" or "policy": the step that ran last
         self._settle_at: int | None = None  # the position at which the policy settles (see _after_fill)
         self._capture_when_settled: int | None = None  # capture()'s warm-up, deferred until then
+        self.capture_s = 0.0  # seconds spent capturing graphs, a deferred capture included
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
@@ -197,6 +199,7 @@ class StaticDecoder:
         if self._settle_at is not None:
             self._capture_when_settled = warmup
             return
+        start = time.perf_counter()
         kinds = ["policy"] + (["full"] if self.static.sparse and self.min_context > self.position else [])
         c = self.cache
         if self.max_len - self.position < warmup:
@@ -226,6 +229,8 @@ class StaticDecoder:
             with torch.cuda.graph(graph):
                 self._run(self.full if kind == "full" else self.static)
             self.graphs[kind] = graph
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - start
 
     def _state(self) -> list[torch.Tensor]:
         """What a step changes besides the cache slots it writes: restored after the capture's warm-up (a policy

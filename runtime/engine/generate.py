@@ -170,9 +170,11 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         streamer.put(torch.tensor(prompts[0]))
     t2 = time.perf_counter()
     loop = _Loop(dec, stopper, limits, eos, stop_strings, tokenizer, streamer)
+    before = dec.capture_s
     steps = loop.run(check_every)
     sync()
     t3 = time.perf_counter()
+    deferred = dec.capture_s - before  # a capture that waited for the policy to settle (lethe) ran in the loop
     count = int(stopper.count)
     out = stopper.out[:, :count].cpu().tolist()
     tokens, finish = [], []
@@ -191,9 +193,11 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if reference_logits:  # the tokens the steps after the first read, in the same slots
         reference = list(dense_logits(_with_prompt(dec, weights, prefilled), stopper.out[:, :count - 1], ids.shape[1]))
         sync()
-    return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2, steps, logits, reference,
+    return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2 - deferred, steps, logits,
+                      reference,
                       {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
-                       "setup_s": t0 - start, "capture_s": captured - t1, "reference_s": time.perf_counter() - t4,
+                       "setup_s": t0 - start, "capture_s": captured - t1 + deferred,
+                       "reference_s": time.perf_counter() - t4,
                        "min_context": dec.min_context,
                        "kernels": "triton" if dec.triton else "naive",
                        "attended_fraction": _fraction(dec, ids.shape[1], steps)},

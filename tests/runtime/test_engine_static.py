@@ -204,6 +204,19 @@ def test_graph_replay_equals_eager_step_on_gpu(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["full", "lethe"])
+def test_capture_time_is_counted_where_the_capture_runs_on_gpu(name):
+    """A capture that waits for the policy to settle (lethe's first step) still counts as capture time."""
+    dec, _ = gpu_decoders(name)
+    dec.capture()
+    waited = not dec.graphs  # lethe: deferred until its first step has settled the buffers
+    assert waited == (name == "lethe") and (dec.capture_s > 0) != waited
+    for i in range(3):
+        dec.step(torch.full((3,), i, device="cuda"))
+    assert dec.graphs and dec.capture_s > 0
+
+
+@pytest.mark.gpu
 def test_fallback_graphs_on_gpu():
     """Below min_context the full graph runs, above it the policy's; both over the same buffers."""
     eager, graphed = gpu_decoders("delta", min_context=2503)
