@@ -163,6 +163,12 @@ def step_divergence(full_logits: torch.Tensor, policy_logits: torch.Tensor) -> t
     return kl, full_logits.argmax(-1) == policy_logits.argmax(-1)
 
 
+def row_steps(steps: list[torch.Tensor], r: int, n: int) -> torch.Tensor:
+    """Row ``r``'s logits at steps ``1 … n − 1`` ``[n − 1, V]`` from per-step ``[B, V]`` tensors: what
+    ``torch.stack(steps, 1)[r, 1:n]`` holds, without a stacked copy of the whole batch."""
+    return torch.stack([step[r] for step in steps[1:n]]) if n > 1 else steps[0][r:r]
+
+
 def _batches(samples: list[dict[str, Any]], size: int, default_budget: int) -> list[list[int]]:
     """Sample indices in batches of at most ``size`` prompts of one token count and one generation budget, in
     a fixed order. Equal lengths need no padding, so page-based policies see each prompt's pages exactly as
@@ -234,8 +240,7 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     rows = []
     for r, sample in enumerate(batch):
         n = len(news[r])
-        own = torch.stack([step[r] for step in steps[1:n]]) if n > 1 else steps[0][r, :0]
-        kl, top1 = step_divergence(dense[r][:n - 1], own.to(dense[r].device))
+        kl, top1 = step_divergence(dense[r][:n - 1], row_steps(steps, r, n).to(dense[r].device))
         rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
                      kl.cpu(), top1.cpu()))
     return rows, engine

@@ -427,3 +427,14 @@ def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monke
     calls.clear()
     evaluate_many(model, tok, jobs, settings, measure=False, batch_size=2, share_prefill=False)
     assert len(calls) == 12
+
+
+def test_row_steps_equal_a_slice_of_the_stacked_batch():
+    from runtime.eval import row_steps
+
+    steps = [torch.randn(3, 11, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    stacked = torch.stack(steps, 1)  # [B, N, V]
+    for r in range(3):
+        for n in (1, 2, 5):
+            got = row_steps(steps, r, n)
+            assert got.shape == (n - 1, 11) and torch.equal(got, stacked[r, 1:n])
