@@ -712,4 +712,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from runtime.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("benchmarks/quality.py", lambda _: main(), None))

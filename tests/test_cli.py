@@ -89,6 +89,23 @@ def test_unknown_policy_parameter_is_one_plain_line(capsys):
     assert "__init__" not in message and "keyword argument" not in message
 
 
+def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path):
+    from runtime.cli import run_reporting_errors
+
+    kept = tmp_path / "cells.partial.jsonl"
+
+    def grid(_):
+        kept.write_text("{}\n")  # a finished batch, written before the failing one
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 502.00 MiB")
+
+    assert run_reporting_errors("benchmarks/quality.py", grid, None) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("benchmarks/quality.py: error: out of GPU memory")
+    assert "--batch-size" in err and "Traceback" not in err and kept.read_text() == "{}\n"
+    with pytest.raises(RuntimeError, match="another failure"):  # other errors keep their traceback
+        run_reporting_errors("x", lambda _: (_ for _ in ()).throw(RuntimeError("another failure")), None)
+
+
 def test_export_import_merge_commands(manifest_path, tmp_path):
     folder = tmp_path / "model4"
     tiny_model("qwen2", layers=4, heads=4, kv_heads=2).save_pretrained(folder)

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -47,7 +48,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def run_reporting_errors(prog: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+def run_reporting_errors(prog: str, run: Callable[[Any], int | None], args: argparse.Namespace | None) -> int:
     """Run a command; our errors (one line naming the problem and the fix) print as such, exit status 2."""
     try:
         return int(run(args) or 0)
@@ -57,6 +58,33 @@ def run_reporting_errors(prog: str, run: Callable[[argparse.Namespace], int | No
     except (ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        print(f"{prog}: error: {memory_line()}", file=sys.stderr)
+        return 2
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is torch's out-of-memory error (torch is not imported for it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)
+
+
+def memory_line() -> str:
+    """One line for a GPU that ran out of memory: what this process and the others held, and the fixes."""
+    import torch
+
+    held = ""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        ours = torch.cuda.memory_reserved()
+        others = max(0, total - free - ours)
+        held = (f" (this process held {ours / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB, other processes "
+                f"{others / 2**30:.1f} GiB)")
+    return (f"out of GPU memory{held}; free the GPU or ask for less at once (a smaller --batch-size, shorter "
+            "prompts or fewer new tokens); files already written are kept, and a rerun of a command that resumes "
+            "(quality grids, train-heads) continues from them")
 
 
 def main(argv: list[str] | None = None) -> int:
