@@ -106,6 +106,18 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path
         run_reporting_errors("x", lambda _: (_ for _ in ()).throw(RuntimeError("another failure")), None)
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["decode", "--help"], ["eval", "--help"]])
+def test_help_loads_no_model_library(argv):
+    """Help is read before anything runs: it imports neither transformers nor torch (seconds on a cold start)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom runtime.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert "usage: rolecall" in done.stdout and done.stderr.strip().splitlines()[-1] == "[]"
+
+
 def test_export_import_merge_commands(manifest_path, tmp_path):
     folder = tmp_path / "model4"
     tiny_model("qwen2", layers=4, heads=4, kv_heads=2).save_pretrained(folder)

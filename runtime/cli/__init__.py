@@ -33,7 +33,8 @@ def available() -> dict[str, tuple[str, str]]:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser; with ``only``, just that subcommand's module is imported and given its arguments."""
+    """The full parser; with ``only``, just that subcommand's module is imported and given its arguments (``""``:
+    none, for the top-level help and its errors, which list the subcommands from :data:`SUBCOMMANDS` alone)."""
     parser = argparse.ArgumentParser(
         prog="rolecall",
         description="Find which layers and heads need full attention, and ship them as role manifests.",
@@ -90,7 +91,7 @@ def memory_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
+    args = build_parser(chosen if chosen in SUBCOMMANDS else "").parse_args(argv)
     return run_reporting_errors(f"rolecall {args.command}", args._run, args)
 
 
