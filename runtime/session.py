@@ -115,11 +115,11 @@ class Session:
         between sessions, see :func:`runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
         :meth:`cache`."""
         why = self.engine_reason(kwargs, args)
+        self.last = None  # the previous request's generation (its logits, its prefill) is freed before this one runs
         if why is None:
             return self._generate_static(**kwargs)
         if self.engine == "static":
             raise PolicyError(f"engine='static' cannot run this request: {why}")
-        self.last = None  # this request is not the engine's
         if self.model.device.type == "cuda" and not self._notice_given:
             print(f"rolecall: decoding on the transformers path ({why})", file=sys.stderr)
             self._notice_given = True
@@ -197,12 +197,9 @@ class Session:
         if not return_dict_in_generate:
             return sequences
         logits = None
-        if output_logits:  # as transformers gives them: one [B, V] per step, on the model's device
-            stacked = torch.zeros(len(rows), width, self._weights.shape.vocab, device=input_ids.device)
-            for r, lg in enumerate(out.logits):
-                n = min(width, lg.shape[0])
-                stacked[r, :n] = lg[:n]
-            logits = tuple(stacked.unbind(1))
+        if output_logits:  # as transformers gives them, one [B, V] per step, but views in the model's dtype (no
+            # copy: at a large vocabulary a batch's logits are gigabytes); the engine ran at least ``width`` steps
+            logits = tuple(out.step_logits[:, :width].to(input_ids.device).unbind(1))
         return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)
 
     def reset_stats(self) -> None:

@@ -26,7 +26,7 @@ class Stopper:
     """Device-side bookkeeping, called inside the step with the chosen tokens ``[B]``."""
 
     def __init__(self, batch: int, limits: list[int], eos: list[int], pad: int, device: Any,
-                 vocab: int | None = None) -> None:
+                 vocab: int | None = None, dtype: torch.dtype = torch.float32) -> None:
         width = max(limits)
         self.out = torch.full((batch, width), pad, dtype=torch.long, device=device)  # generated tokens
         self.count = torch.zeros((), dtype=torch.long, device=device)  # tokens generated so far
@@ -35,8 +35,8 @@ class Stopper:
         self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
         self.pad, self.width = pad, width
         self.logits_out = None
-        if vocab is not None:  # per-step logits, for evaluation
-            self.logits_out = torch.zeros(batch, width, vocab, dtype=torch.float32, device=device)
+        if vocab is not None:  # per-step logits, for evaluation, in the decoder's dtype (a wider one adds nothing)
+            self.logits_out = torch.zeros(batch, width, vocab, dtype=dtype, device=device)
         self.source: torch.Tensor | None = None  # the decoder's logits buffer, set by generate()
 
     def state(self) -> list[torch.Tensor]:
@@ -48,7 +48,7 @@ class Stopper:
         at = self.count.clamp_max(self.width - 1).view(1)
         self.out.index_copy_(1, at, token[:, None])
         if self.logits_out is not None:
-            self.logits_out.index_copy_(1, at, self.source.float()[:, None])
+            self.logits_out.index_copy_(1, at, self.source[:, None])
         self.count.add_(1)
         self.finished |= torch.isin(token, self.eos) | (self.count >= self.limits)
         return token
@@ -65,12 +65,17 @@ class Generation:
     prefill_s: float
     decode_s: float
     steps: int
-    logits: list[torch.Tensor] | None = None  # per row [steps + 1, V] float32 on the device, when asked for
+    step_logits: torch.Tensor | None = None  # [B, steps + 1, V] in the model's dtype on the device, when asked for
     # per row [steps, V]: full attention's logits along the generated tokens (the reference of logits[1:]), when
     # asked for (a policy that evicted prompt keys: from a copy of the prefill, in a full-attention cache)
     reference_logits: list[torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     prefilled: Any = None  # the prefill it ran or loaded (runtime.engine.prefill.Prefilled), when kept
+
+    @property
+    def logits(self) -> list[torch.Tensor] | None:
+        """Per row ``[steps + 1, V]``: views of :attr:`step_logits` (no copy), when asked for."""
+        return None if self.step_logits is None else list(self.step_logits.unbind(0))
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,15 +114,12 @@ def _cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None
     return lo
 
 
-def _with_prompt(dec: StaticDecoder, weights: Weights, prefilled: Any) -> StaticDecoder:
-    """``dec`` when its cache still holds the prompt's K/V; else a full-attention decoder over ``weights`` (the
-    model's) with the prefill loaded, for the dense pass only (a policy that evicted prompt keys: its reference
-    reads them all)."""
-    if keeps_prompt(dec):
-        return dec
+def _full_with_prompt(weights: Weights, batch: int, slots: int, prefilled: Any) -> StaticDecoder:
+    """A full-attention decoder over ``weights`` (the model's) with the prefill loaded, for the dense pass only:
+    the reference of a policy that evicted prompt keys (it reads them all)."""
     from runtime.policies.full import Full
 
-    full = StaticDecoder(weights, Full(), dec.batch, dec.max_len, kernels="naive", compile=False)  # no step runs
+    full = StaticDecoder(weights, Full(), batch, slots, kernels="naive", compile=False)  # no step runs
     load_prefill(full, prefilled)
     return full
 
@@ -146,7 +148,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if prefilled is not None and not prefilled.matches(ids, pads):
         raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
     slots = ids.shape[1] + max(limits)
-    stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None)
+    stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None,
+                      weights.dtype)
     dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
                         sampler=Sampler(sampling or Sampling(), device), stopper=stopper, prompt_tokens=ids.shape[1])
     stopper.source = dec.logits
@@ -185,21 +188,21 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         streamer.end()
     logits = None
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
-        logits = [stopper.logits_out[r, :count] for r in range(b)]  # left on the device: they are large
+        logits = stopper.logits_out[:, :count]  # left on the device: they are large
+    info = {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
+            "setup_s": t0 - start, "capture_s": dec.capture_s, "min_context": dec.min_context,
+            "kernels": "triton" if dec.triton else "naive", "attended_fraction": _fraction(dec, ids.shape[1], steps)}
     reference = None
     t4 = time.perf_counter()
     if reference_logits:  # the tokens the steps after the first read, in the same slots
-        reference = list(dense_logits(_with_prompt(dec, weights, prefilled), stopper.out[:, :count - 1], ids.shape[1]))
+        if not keeps_prompt(dec):  # the policy's decoder (its cache, its graphs) goes before a full one is built
+            del dec, loop
+            dec = _full_with_prompt(weights, b, slots, prefilled)
+        reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
         sync()
+    info["reference_s"] = time.perf_counter() - t4
     return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2 - deferred, steps, logits,
-                      reference,
-                      {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
-                       "setup_s": t0 - start, "capture_s": dec.capture_s,
-                       "reference_s": time.perf_counter() - t4,
-                       "min_context": dec.min_context,
-                       "kernels": "triton" if dec.triton else "naive",
-                       "attended_fraction": _fraction(dec, ids.shape[1], steps)},
-                      prefilled if keep_prefill else None)
+                      reference, info, prefilled if keep_prefill else None)
 
 
 def _request(prompts: list[list[int]], max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,

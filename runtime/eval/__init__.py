@@ -243,6 +243,7 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
         kl, top1 = step_divergence(dense[r][:n - 1], row_steps(steps, r, n).to(dense[r].device))
         rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
                      kl.cpu(), top1.cpu()))
+    session.last = None  # its logits (gigabytes at a large vocabulary) go now, not when the next policy's session ends
     return rows, engine
 
 

@@ -313,6 +313,37 @@ def test_reference_logits_are_full_attention_along_the_generated_tokens(family):
             assert gap < 1e-4 if policy == "full" else gap > 1e-2, (family, policy, r, gap)
 
 
+
+def test_an_evicting_policys_decoder_is_freed_before_its_reference_decoder_is_built(monkeypatch):
+    """Lethe's reference needs a full-attention cache of the whole prompt: its own decoder (cache, graphs) is
+    gone by then, so the two never take memory at once (garbage collection off: only the freed counts)."""
+    import gc
+    import weakref
+
+    from runtime.engine import StaticDecoder
+
+    built = []
+    init = StaticDecoder.__init__
+
+    def watched(self, *args, **kwargs):
+        built.append((weakref.ref(self), [ref() is not None for ref, _ in built]))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticDecoder, "__init__", watched)
+    model = model_of("llama")
+    w = Weights.from_model(model, positions=256)
+    pol = get_policy("lethe", **PARAMS["lethe"])
+    pol.bind(manifest_of(model, "lethe"), model.config)
+    gc.collect()
+    gc.disable()
+    try:
+        out = engine.generate(w, pol, prompts(), max_new_tokens=NEW, pad_token_id=PAD, kernels="naive",
+                              reference_logits=True, min_context=0)
+    finally:
+        gc.enable()
+    assert len(built) == 2 and built[1][1] == [False]  # the policy's, then the full one once it was freed
+    assert len(out.reference_logits) == len(prompts())
+
 # -- 4. stopping -----------------------------------------------------------------------------------------------
 def test_per_row_eos_equals_reference():
     model = model_of("llama")

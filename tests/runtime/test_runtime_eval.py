@@ -438,3 +438,54 @@ def test_row_steps_equal_a_slice_of_the_stacked_batch():
         for n in (1, 2, 5):
             got = row_steps(steps, r, n)
             assert got.shape == (n - 1, 11) and torch.equal(got, stacked[r, 1:n])
+
+
+def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, monkeypatch):
+    """At a large vocabulary a batch's step logits are gigabytes (262K × 32 rows × 128 steps: 2 GB in bf16), so
+    no earlier generation may still be held, by its session's ``last`` or by a copy, when the next one starts:
+    in evaluate_many's shared batches (a new session per policy and batch) and in one session's batches alike.
+    Garbage collection is off, so only what nothing references any more counts as freed."""
+    import gc
+    import weakref
+
+    import runtime.engine as engine
+    from runtime.eval import Job, evaluate_many
+
+    model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
+    made, alive = [], []
+    real = engine.generate
+
+    def watched(*args, **kwargs):
+        alive.append(sum(ref() is not None for ref in made))
+        out = real(*args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(engine, "generate", watched)
+    gc.collect()
+    gc.disable()
+    try:
+        evaluate_many(model, tok, [Job("full", None, {"engine": "static"}), Job("delta", manifest, params)], settings,
+                      measure=False, batch_size=2)
+        evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)
+    finally:
+        gc.enable()
+    assert len(alive) == 8 + 4 and alive == [0] * len(alive)
+
+
+def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
+    """``output_logits=True`` on the engine: one ``[B, V]`` per step as transformers gives them, but views of the
+    generation's one buffer (in the model's dtype), not a second copy of it."""
+    from runtime import attach
+
+    model = tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=16)
+    ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(0))
+    with attach(model, None, "full", engine="static") as session:
+        out = session.generate(input_ids=ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        buffer = session.last.step_logits
+        assert buffer.shape == (2, 6, model.config.vocab_size) and buffer.dtype == model.dtype
+        assert len(out.logits) == 6
+        assert all(step.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for step in out.logits)
+        assert all(torch.equal(step, buffer[:, k]) for k, step in enumerate(out.logits))
+        assert torch.equal(torch.stack(session.last.logits), buffer)  # the per-row views
