@@ -294,9 +294,14 @@ def length_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def device_names(rows: list[dict[str, Any]]) -> list[str | None]:
+    """The devices a grid's cells ran on, each once, in the rows' order (None: a cell that recorded none)."""
+    return list(dict.fromkeys(r.get("device_name") for r in rows))
+
+
 def several_gpus(rows: list[dict[str, Any]]) -> bool:
     """Whether a grid's cells ran on more than one kind of device (a grid resumed on another machine)."""
-    return len({r.get("device_name") for r in rows}) > 1
+    return len(device_names(rows)) > 1
 
 
 def short_gpu(name: str | None) -> str:
@@ -697,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         partial_file(out, cell).unlink(missing_ok=True)
         rows.append(row)
     bar.close()
-    names = list(dict.fromkeys(r["device_name"] for r in rows if r.get("device_name")))  # where the cells ran
+    names = [name for name in device_names(rows) if name]  # where the cells ran
     device_name = " and ".join(names) if names else here
     summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
     atomic.write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))

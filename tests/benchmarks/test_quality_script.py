@@ -328,6 +328,9 @@ def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
     summary["rows"][1]["device_name"] = "NVIDIA H100 80GB HBM3"
     table = q.format_table(summary)
     assert "| 2.0 (H200) |" in table and "| 2.0 (H100) |" in table and "beside it" in table
+    assert q.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    del summary["rows"][1]["device_name"]  # a cell that recorded none: "?" beside it, not taken for the other GPU
+    assert q.device_names(summary["rows"]) == ["NVIDIA H200", None] and "| 2.0 (?) |" in q.format_table(summary)
 
 
 def test_table_gives_each_rows_score_per_length_and_the_kv_it_held():
