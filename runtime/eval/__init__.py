@@ -249,25 +249,42 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
 
 class Checkpoint:
     """Finished batches of one :func:`evaluate` call, one JSON line each after a header line that names the
-    run (policy, parameters, settings, the batches), so a run stopped midway (a lost machine) resumes at its
-    first unfinished batch with the same result. A torn last line (killed while writing) is dropped; a file
-    of another run is refused, not mixed in."""
+    run (policy, parameters, settings, prompts) and its plan (the prompts of each batch), so a run stopped
+    midway (a lost machine) resumes at its first unfinished batch with the same result. A torn last line
+    (killed while writing) is dropped; a file of another run is refused, not mixed in. A rerun with another
+    batch size (one that ran out of memory) keeps what was finished: see :meth:`adopt`."""
 
-    def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
+    def __init__(self, path: str | Path, header: dict[str, Any], batches: list[list[int]]) -> None:
         self.path, self.done = Path(path), {}
-        header = json.loads(json.dumps(header))  # as it reads back
+        self.header, self.batches = json.loads(json.dumps(header)), batches  # as they read back
         lines = self.path.read_text().splitlines() if self.path.exists() else []
-        if lines and json.loads(lines[0]) != header:
-            raise ValueError(f"{self.path} holds the batches of another run (other policy, parameters, prompts or "
-                             "batch size); delete it, or pass another checkpoint file")
+        if lines:
+            stored = json.loads(lines[0])
+            self.batches = stored.pop("batches", batches)
+            if stored != self.header:
+                raise ValueError(f"{self.path} holds the batches of another run (other policy, parameters or "
+                                 "prompts); delete it, or pass another checkpoint file")
         for line in lines[1:]:
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
                 break
             self.done[entry["batch"]] = entry
-        # rewritten without a torn tail, atomically: a kill meanwhile leaves the old file, not a shorter one
-        atomic.write_text(self.path, "\n".join([json.dumps(header)] + [json.dumps(e) for e in self.done.values()]) + "\n")
+        self._write()  # without a torn tail
+
+    def finished(self) -> list[list[int]]:
+        """The prompts of each finished batch, in the plan's order."""
+        return [self.batches[k] for k in sorted(self.done)]
+
+    def adopt(self, batches: list[list[int]]) -> None:
+        """Go on under the plan ``batches``: a finished batch that is one of them keeps its result (numbered
+        anew), any other is dropped and runs again."""
+        if batches == self.batches:
+            return
+        where = {tuple(b): k for k, b in enumerate(batches)}
+        moved = {where[tuple(self.batches[k])]: entry for k, entry in self.done.items() if tuple(self.batches[k]) in where}
+        self.batches, self.done = batches, {k: {**moved[k], "batch": k} for k in sorted(moved)}
+        self._write()
 
     def add(self, entry: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -275,6 +292,18 @@ class Checkpoint:
             f.flush()
             os.fsync(f.fileno())
         self.done[entry["batch"]] = entry
+
+    def _write(self) -> None:
+        # atomically: a kill meanwhile leaves the old file, not a shorter one
+        lines = [json.dumps({**self.header, "batches": self.batches})] + [json.dumps(e) for e in self.done.values()]
+        atomic.write_text(self.path, "\n".join(lines) + "\n")
+
+
+def resume_plan(fresh: list[list[int]], finished: list[list[int]]) -> list[list[int]]:
+    """The batches of a run resumed under another plan (another batch size): the ``finished`` batches first, as
+    they ran, then the ``fresh`` plan's batches less the prompts already finished (each still of one length)."""
+    covered = {i for batch in finished for i in batch}
+    return [list(b) for b in finished] + [rest for b in fresh if (rest := [i for i in b if i not in covered])]
 
 
 def _entry(k: int, rows: list, figures: dict | None, seconds: float) -> dict[str, Any]:
@@ -359,6 +388,7 @@ class _Run:
     batches: list[list[int]]
     kept: Checkpoint | None
     summary: dict[str, Any]
+    fresh: list[list[int]]  # the batches of this batch size, before a checkpoint's own plan
     entries: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -410,6 +440,8 @@ def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | No
     runs = [_plan(model, job, settings, samples, measure, batch_size) for job in jobs]
     together = [r for r in runs if r.on_engine and not r.measure] if share_prefill else []
     together = together if len(together) > 1 else []
+    if together:
+        _one_plan(together)
     for r in runs:
         if r not in together:
             with r.session(model) as session:
@@ -436,11 +468,28 @@ def _plan(model, job: Job, settings: EvalSettings, samples: list[dict[str, Any]]
     if not on_engine and size > 1:
         raise ValueError(f"batch_size {size} needs the engine (a CUDA device and an engine policy); "
                          "the transformers path evaluates one prompt at a time: pass batch_size=1")
-    batches = _batches(samples, size, settings.max_new_tokens)
+    fresh = _batches(samples, size, settings.max_new_tokens)
     kept = None if job.checkpoint is None or measure else Checkpoint(
-        job.checkpoint, {"policy": job.policy, "params": params, "settings": asdict(settings), "prompts": len(samples),
-                         "batches": batches})
-    return _Run(job, params, measure, on_engine, batches, kept, summary)
+        job.checkpoint, {"policy": job.policy, "params": params, "settings": asdict(settings), "prompts": len(samples)},
+        fresh)
+    if kept is not None and kept.batches != fresh:  # begun with another batch size: its finished batches stay
+        kept.adopt(resume_plan(fresh, kept.finished()))
+    return _Run(job, params, measure, on_engine, fresh if kept is None else kept.batches, kept, summary, fresh)
+
+
+def _one_plan(runs: list[_Run]) -> None:
+    """Runs that decode together go through one plan: where their checkpoints hold different ones (a rerun with
+    another batch size), the batches all of them finished, then the rest afresh; a run's other finished
+    batches run again."""
+    if all(r.batches == runs[0].batches for r in runs):
+        return
+    finished = [r.kept.finished() if r.kept is not None else [] for r in runs]
+    common = [b for b in finished[0] if all(b in f for f in finished[1:])]
+    plan = resume_plan(runs[0].fresh, common)
+    for r in runs:
+        r.batches = plan
+        if r.kept is not None:
+            r.kept.adopt(plan)
 
 
 def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSettings) -> None:

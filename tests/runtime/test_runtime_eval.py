@@ -489,3 +489,69 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
         assert all(step.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for step in out.logits)
         assert all(torch.equal(step, buffer[:, k]) for k, step in enumerate(out.logits))
         assert torch.equal(torch.stack(session.last.logits), buffer)  # the per-row views
+
+
+def test_resume_plan_keeps_the_finished_batches_and_batches_the_rest_afresh():
+    from runtime.eval import resume_plan
+
+    fresh = [[0, 1, 2], [3, 4, 5], [6, 7]]  # batches of 3 of one length each
+    assert resume_plan(fresh, [[0, 1], [2, 3]]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert resume_plan(fresh, []) == fresh
+    assert resume_plan(fresh, [[0, 1], [2, 3], [4, 5], [6, 7]]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    plan = resume_plan(fresh, [[0, 1]])  # resumed twice with the same size: the same plan
+    assert plan == [[0, 1], [2], [3, 4, 5], [6, 7]] and resume_plan(fresh, plan[:2]) == plan
+
+
+def test_a_run_stopped_midway_resumes_with_another_batch_size(tiny_folder, tmp_path, monkeypatch):
+    """Out of memory at batch 2, rerun at batch 3: the finished batch is kept, only the other prompts decode
+    (in batches of 3 of one length), and every prompt's generation and score are those of the whole run; a
+    further rerun finds everything done. Decoding together, the batches all policies finished are kept."""
+    import runtime.eval as ev
+    from runtime.eval import Job, evaluate_many
+
+    model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
+    whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)
+    decode, calls = ev._decode_batch, []
+
+    def stop_at(n):
+        def run(*args, **kwargs):
+            calls.append([s["input_ids"].shape[0] for s in args[3]])
+            if len(calls) == n:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return decode(*args, **kwargs)
+        return run
+
+    file = tmp_path / "cell.partial.jsonl"
+    monkeypatch.setattr(ev, "_decode_batch", stop_at(2))
+    with pytest.raises(torch.OutOfMemoryError):
+        evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2, checkpoint=file)
+    calls.clear()
+    monkeypatch.setattr(ev, "_decode_batch", stop_at(0))
+    resumed = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3, checkpoint=file)
+    samples = ev.suite_prompts(tok, settings)
+    two, three = (ev._batches(samples, n, settings.max_new_tokens) for n in (2, 3))
+    plan = json.loads(file.read_text().splitlines()[0])["batches"]
+    assert plan[0] == two[0] and plan[0] not in three  # the finished batch of 2, then the rest by 3
+    assert plan == ev.resume_plan(three, [two[0]]) and sorted(i for b in plan for i in b) == list(range(8))
+    assert [len(c) for c in calls] == [len(b) for b in plan[1:]] and max(map(len, plan)) == 3
+    for x, y in zip(whole["samples"], resumed["samples"]):
+        assert (x["generated"], x["score"]) == (y["generated"], y["score"])
+        assert y["kl_mean"] == pytest.approx(x["kl_mean"], rel=1e-3, abs=1e-6)
+    calls.clear()
+    again = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3, checkpoint=file)
+    assert calls == [] and again["samples"] == resumed["samples"]
+
+    # together: full finished batches 0 and 1 (of 2), delta only batch 0 when the run stopped
+    files = [tmp_path / "full.partial.jsonl", tmp_path / "delta.partial.jsonl"]
+    jobs = [Job("full", None, {"engine": "static"}, files[0]), Job("delta", manifest, params, files[1])]
+    calls.clear()
+    monkeypatch.setattr(ev, "_decode_batch", stop_at(4))
+    with pytest.raises(torch.OutOfMemoryError):
+        evaluate_many(model, tok, jobs, settings, measure=False, batch_size=2)
+    calls.clear()
+    monkeypatch.setattr(ev, "_decode_batch", stop_at(0))
+    results = evaluate_many(model, tok, jobs, settings, measure=False, batch_size=3)
+    assert [len(c) for c in calls] == [len(b) for b in plan[1:] for _ in jobs]  # batch 0 kept by both policies
+    assert [json.loads(f.read_text().splitlines()[0])["batches"] for f in files] == [plan, plan]
+    for x, y in zip(whole["samples"], results[1]["samples"]):
+        assert (x["generated"], x["score"]) == (y["generated"], y["score"])
