@@ -113,7 +113,9 @@ class Session:
         ``seed=`` for sampling, ``reference_logits=True`` for full attention's logits along the generated
         tokens in ``self.last.reference_logits``, and ``keep_prefill=True`` / ``prefilled=`` to share one prefill
         between sessions, see :func:`runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
-        :meth:`cache`."""
+        :meth:`cache`. On the engine, ``output_logits=True`` gives one ``[B, V]`` per step as transformers does, but
+        as views of one buffer in the model's dtype (transformers makes float32 copies; bf16 values are the same).
+        The previous request's generation is freed when this one starts."""
         why = self.engine_reason(kwargs, args)
         self.last = None  # the previous request's generation (its logits, its prefill) is freed before this one runs
         if why is None:
