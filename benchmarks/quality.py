@@ -312,6 +312,13 @@ def short_gpu(name: str | None) -> str:
     return found.group(1) if found else name
 
 
+def wall_of(row: dict[str, Any]) -> float:
+    """The seconds a cell took: summed over its batches where the engine recorded them, so a cell resumed over
+    several runs counts every run (its ``wall_s`` is the last run's alone); else that run's wall clock."""
+    seconds = row.get("seconds")
+    return seconds["total"] if seconds else row["wall_s"]
+
+
 def format_table(summary: dict[str, Any]) -> str:
     several = several_gpus(summary["rows"])
     lines = [f"## Quality grid: {summary['model']}", "",
@@ -321,7 +328,8 @@ def format_table(summary: dict[str, Any]) -> str:
              "recall = attention mass inside what a layer read, mean over the layers that read less than the whole "
              "context (measured only with --measure or on the CPU); read = fraction of the keys read over all layers; "
              "KV = MB of KV cache a prompt held on the engine (its K/V slots over all layers; – where not recorded); "
-             "wall = seconds for the cell" + (" on the GPU named beside it." if several else "."),
+             "wall = seconds for the cell (every run of a resumed cell)" + (", on the GPU named beside it."
+                                                                           if several else "."),
              "", "| policy | budget | score [95 %] | n | recall | KL | top-1 | read | KV (MB) | wall (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
@@ -331,7 +339,7 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['label']} | {r['budget'] or '–'} | {with_interval(score)} | {score['n'] if score else '–'} "
                      f"| {f(r['recall_sparse_layers'])} | {f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | "
                      f"{f(r['attended_fraction'])} | {f(None if kv is None else kv / 1e6, '.1f')} | "
-                     f"{r['wall_s']:.1f}{where} |")
+                     f"{wall_of(r):.1f}{where} |")
     lines += length_lines(summary["rows"])
     tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
     if len(tasks) > 1:
@@ -341,7 +349,7 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(f"| {r['label']} | {r['budget'] or '–'} | "
                          + " | ".join(with_interval(r["tasks"].get(t)) for t in tasks) + " |")
     lines += paired_lines(summary["rows"]) + time_lines(summary["rows"])
-    total = sum(r["wall_s"] for r in summary["rows"])
+    total = sum(wall_of(r) for r in summary["rows"])
     prompts = sum(r["prompts"] for r in summary["rows"])
     lines += ["", f"{len(summary['rows'])} cells, {prompts} prompts, {total:.0f} s of evaluation in all "
                   f"({prompts / max(total, 1e-9):.2f} prompts/s).", "", "Budget → parameters:", ""]

@@ -333,6 +333,22 @@ def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
     assert q.device_names(summary["rows"]) == ["NVIDIA H200", None] and "| 2.0 (?) |" in q.format_table(summary)
 
 
+def test_a_resumed_cells_wall_time_counts_every_run():
+    """A cell resumed over two runs: ``wall_s`` is the last run's; its batches' recorded seconds hold both runs,
+    and the table's wall column and the grid's total give those (a cell without them: its ``wall_s``)."""
+    q = load_script()
+    row = {"label": "delta", "policy": "delta", "budget": 1024, "score": None, "recall_sparse_layers": None,
+           "kl_mean": None, "top1_agreement": None, "attended_fraction": 0.2, "wall_s": 15.0, "prompts": 10,
+           "manifest": None, "tasks": {}, "seconds": {"batches": 4, "setup": 1.0, "prefill": 60.0, "capture": 5.0,
+                                                       "decode": 10.0, "reference": 2.0, "other": 2.0, "total": 80.0}}
+    old = {**row, "label": "full", "policy": "full", "budget": None, "seconds": None, "wall_s": 20.0}
+    assert q.wall_of(row) == 80.0 and q.wall_of(old) == 20.0
+    table = q.format_table({"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
+                            "device_name": "CPU", "rows": [old, row]})
+    assert "| 80.0 |" in table and "| 20.0 |" in table and "| 15.0 |" not in table
+    assert "20 prompts, 100 s of evaluation in all (0.20 prompts/s)" in table
+
+
 def test_table_gives_each_rows_score_per_length_and_the_kv_it_held():
     """Per length: each row's score over every task of that length, pooled with its Wilson interval (the full
     row: the ceiling per length); the KV column: MB per prompt where the engine recorded it."""
