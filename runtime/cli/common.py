@@ -101,8 +101,30 @@ def check_prompt_arguments(args: argparse.Namespace) -> None:
         args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if (args.batch_size or 1) > 1 and (why := _one_at_a_time(args)):
+        raise ValueError(f"--batch-size {args.batch_size}: {why}, which decodes one prompt at a time; "
+                         "leave --batch-size out or pass 1")
     if args.rope_theta is not None and args.rope_theta <= 0:
         raise ValueError(f"--rope-theta must be a positive number, got {args.rope_theta}")
+
+
+def _one_at_a_time(args: argparse.Namespace) -> str | None:
+    """Why these flags take the transformers path (no batches), or None: ``--measure``, ``-p engine=reference``, or
+    the CPU unless ``-p engine=static``. Known before the model loads, so a batch size that cannot run is refused
+    before the prompts are built."""
+    if getattr(args, "measure", False):
+        return "--measure runs the transformers path"
+    engine = parse_params(getattr(args, "param", None)).get("engine", "auto")
+    if engine == "reference":
+        return "-p engine=reference runs the transformers path"
+    if engine == "static":
+        return None
+    device = getattr(args, "device", None)
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "the CPU runs the transformers path" if device == "cpu" else None
 
 
 def eval_settings(args: argparse.Namespace):

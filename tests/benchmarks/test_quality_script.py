@@ -147,6 +147,9 @@ def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
         quality.main([*base, "--variant", "dense:per_head=true"])
     with pytest.raises(SystemExit, match=r"lethe-b\d+: no manifest file at .*absent.safetensors; give the path"):
         quality.main([*base, "--policies", "lethe", "--lethe", str(tmp_path / "absent.safetensors")])
+    with pytest.raises(SystemExit, match="^--batch-size 2: the CPU runs the transformers path, which decodes one "
+                                         "prompt at a time; leave --batch-size out or pass 1$"):
+        quality.main([*base, "--device", "cpu", "--batch-size", "2"])
     assert not (tmp_path / "o").exists()  # refused before anything was written
     with pytest.raises(SystemExit, match="per_head must be true or false"):
         quality.main([*base, "--policies", "delta", "--delta", str(folder / "delta.safetensors"),

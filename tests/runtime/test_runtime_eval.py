@@ -335,6 +335,33 @@ def test_a_batch_on_the_transformers_path_is_refused_in_one_line(tiny_folder):
         evaluate(model, tiny_tokenizer(), None, "full", settings=settings, batch_size=4)
 
 
+def test_a_batch_that_cannot_run_is_refused_before_the_prompts_are_built(tiny_folder, capsys, monkeypatch):
+    """A batch size on the CPU or with --measure is refused in one line naming the flag, the reason and the fix,
+    before any prompt is built or model loaded (the quality script: tests/benchmarks); with ``-p engine=static``
+    the CPU runs the engine, and batches."""
+    import runtime.eval as ev
+
+    prompts = str(tiny_folder / "prompts.jsonl")
+    out = tiny_folder / "batched.json"
+    assert main(["eval", "--model", str(tiny_folder), "--policy", "full", "--prompts", prompts, "--device", "cpu",
+                 "-p", "engine=static", "--batch-size", "2", "--max-new-tokens", "3", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kv_bytes_per_prompt"] is not None  # the engine ran (it records its cache)
+    capsys.readouterr()
+
+    def no_prompts(*args, **kwargs):
+        raise AssertionError("prompts built before the refusal")
+
+    monkeypatch.setattr(ev, "suite_prompts", no_prompts)
+    for extra, why in ((["--device", "cpu"], "the CPU runs the transformers path"),
+                       (["--measure"], "--measure runs the transformers path"),
+                       (["-p", "engine=reference"], "-p engine=reference runs the transformers path")):
+        code = main(["eval", "--model", str(tiny_folder), "--policy", "full", "--prompts", prompts,
+                     "--batch-size", "4", *extra])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.endswith(f"--batch-size 4: {why}, which decodes one prompt at a time; leave "
+                                          "--batch-size out or pass 1") and "\n" not in err
+
+
 def test_paired_difference_closed_form():
     from runtime.eval import paired_difference
 
