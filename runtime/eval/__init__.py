@@ -169,6 +169,14 @@ def row_steps(steps: list[torch.Tensor], r: int, n: int) -> torch.Tensor:
     return torch.stack([step[r] for step in steps[1:n]]) if n > 1 else steps[0][r:r]
 
 
+def policy_steps(generation: Any, steps: list[torch.Tensor], r: int, n: int) -> torch.Tensor:
+    """Row ``r``'s logits at steps ``1 … n − 1``: on the engine (``generation``, the session's last) a view of
+    its ``[B, steps + 1, V]`` buffer, no copy; off it (None) stacked from the per-step ``steps``."""
+    if generation is not None and generation.step_logits is not None:
+        return generation.step_logits[r, 1:n]
+    return row_steps(steps, r, n)
+
+
 def _batches(samples: list[dict[str, Any]], size: int, default_budget: int) -> list[list[int]]:
     """Sample indices in batches of at most ``size`` prompts of one token count and one generation budget, in
     a fixed order. Equal lengths need no padding, so page-based policies see each prompt's pages exactly as
@@ -240,7 +248,7 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     rows = []
     for r, sample in enumerate(batch):
         n = len(news[r])
-        kl, top1 = step_divergence(dense[r][:n - 1], row_steps(steps, r, n).to(dense[r].device))
+        kl, top1 = step_divergence(dense[r][:n - 1], policy_steps(session.last, steps, r, n).to(dense[r].device))
         rows.append((record_of(sample, tokenizer.decode(news[r], skip_special_tokens=True), n, kl, top1),
                      kl.cpu(), top1.cpu()))
     session.last = None  # its logits (gigabytes at a large vocabulary) go now, not when the next policy's session ends
