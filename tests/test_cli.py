@@ -106,7 +106,8 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path
         run_reporting_errors("x", lambda _: (_ for _ in ()).throw(RuntimeError("another failure")), None)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["decode", "--help"], ["eval", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["decode", "--help"], ["eval", "--help"],
+                                  ["train", "--help"], ["inspect", "--help"], ["merge", "--help"]])
 def test_help_loads_no_model_library(argv):
     """Help is read before anything runs: it imports neither transformers nor torch (seconds on a cold start)."""
     import subprocess

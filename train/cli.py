@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ def _lengths(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
+    d = argparse.Namespace(**{f.name: f.default for f in fields(TrainConfig)})  # the defaults, without building a
+    # config (that checks the gate name against train.gates, which imports torch: --help stays fast)
     p.add_argument("--config", help="YAML of options: a path or a name in configs/train/, <model> or "
                    "<model>.<variant> (e.g. llama3-8b-1048k.sigmoid) [configs/train/<model>.yaml when it exists]")
     p.add_argument("--model", help=f"alias, Hugging Face id, local folder or .gguf file (default {d.model})")

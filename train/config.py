@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from runtime.configfile import layered, read_config, shipped
-from train.gates import GATES
 
 MIXED_PRECISION = ("no", "bf16")  # fp16 would need loss scaling, whose skipped steps the NaN check stops on
 
@@ -65,6 +64,8 @@ class TrainConfig:
     plots: bool = True
 
     def __post_init__(self):
+        from train.gates import GATES  # torch: imported when a config is made, not for --help
+
         if self.gate not in GATES:
             raise ValueError(f"gate {self.gate!r} is unknown; choose one of {', '.join(sorted(GATES))}")
         t = self.target

@@ -5,23 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from runtime.manifest import (
-    CONTENT_HASH_KEY,
-    LAYER_ROLE_FULL,
-    LAYER_ROLE_SELECT,
-    ManifestError,
-    RoleManifest,
-    read_metadata,
-)
+if TYPE_CHECKING:
+    from runtime.manifest import RoleManifest
 
-LAYER_GLYPHS = {LAYER_ROLE_FULL: "F", LAYER_ROLE_SELECT: "Δ", 2: "·"}
-HEAD_GLYPHS = {1: "R", 0: "·"}
 SLIDING_GLYPH = "w"  # a sliding-window layer: its own windowed attention under every policy, whatever its role
 
 
 def role_map(manifest: RoleManifest) -> str:
     """One line per layer: the layer role, its numbers, and one glyph per KV head (``w`` on sliding layers)."""
+    from runtime.manifest import (
+        HEAD_ROLE_RETRIEVAL,
+        HEAD_ROLE_SPARSE,
+        LAYER_ROLE_FULL,
+        LAYER_ROLE_SELECT,
+        LAYER_ROLE_SPARSE,
+    )
+
+    layer_glyphs = {LAYER_ROLE_FULL: "F", LAYER_ROLE_SELECT: "Δ", LAYER_ROLE_SPARSE: "·"}
+    head_glyphs = {HEAD_ROLE_RETRIEVAL: "R", HEAD_ROLE_SPARSE: "·"}
     m = manifest.model
     sliding = set(m.sliding_layers or [])
     lines = []
@@ -37,7 +40,7 @@ def role_map(manifest: RoleManifest) -> str:
     for layer in range(m.num_layers):
         row = [f"{layer:>5}"]
         if has_layers:
-            glyph = SLIDING_GLYPH if layer in sliding else LAYER_GLYPHS[int(manifest.layer_role[layer])]
+            glyph = SLIDING_GLYPH if layer in sliding else layer_glyphs[int(manifest.layer_role[layer])]
             row.append(f"{glyph:>4}")
             shift = manifest.layer_shift[layer] if manifest.layer_shift is not None else None
             budget = manifest.layer_budget[layer] if manifest.layer_budget is not None else None
@@ -45,7 +48,7 @@ def role_map(manifest: RoleManifest) -> str:
             row.append(f"{float(budget):6.3f}" if budget is not None and layer not in sliding else "     -")
         if has_heads:
             row.append(SLIDING_GLYPH * m.num_kv_heads if layer in sliding
-                       else "".join(HEAD_GLYPHS[int(r)] for r in manifest.head_role[layer]))
+                       else "".join(head_glyphs[int(r)] for r in manifest.head_role[layer]))
         lines.append("  ".join(row))
     return "\n".join(lines)
 
@@ -95,6 +98,8 @@ def verify(path: str) -> tuple[bool, str]:
     """(ok, message). Loading checks the content hash; a rolecall file must also re-serialise to its own bytes."""
     from pathlib import Path
 
+    from runtime.manifest import CONTENT_HASH_KEY, RoleManifest, read_metadata
+
     raw = Path(path).read_bytes()
     manifest = RoleManifest.from_bytes(raw, source=path)  # raises ManifestError on any corruption
     digest = read_metadata(raw).get(CONTENT_HASH_KEY)
@@ -108,6 +113,8 @@ def verify(path: str) -> tuple[bool, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.manifest import ManifestError, RoleManifest
+
     if args.verify:
         try:
             ok, message = verify(args.manifest)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.manifest import RoleManifest
-from runtime.manifest.interop import merge_manifests
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("first", help="a manifest with a layers section (calibrate-delta) or a heads section")
@@ -16,6 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.manifest import RoleManifest
+    from runtime.manifest.interop import merge_manifests
+
     merged = merge_manifests(RoleManifest.load(args.first), RoleManifest.load(args.second))
     merged.save(args.output)
     print(f"wrote {args.output} ({', '.join(merged.sections)})", file=sys.stderr)
