@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime import atomic  # noqa: E402
+from benchmarks.report import save_figure, write_report  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
 Z = 1.959964
@@ -178,10 +178,7 @@ def plot(rows: list[dict[str, Any]], header: dict | None, title: str, path: Path
                               f"{header['batch']}, {header['gpu']})")
     axes[0][0].legend(fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    with atomic.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -222,12 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     equal_keys(rows, args.reference)
     for r in rows:
         r.pop("scores")
-    atomic.write_text(out / "frontier.json", json.dumps({"task": args.task, "decode": header,
-                                                         "reference": args.reference, "rows": rows}, indent=1))
-    table = format_table(rows, args.reference)
-    atomic.write_text(out / "FRONTIER.md", table)
-    print(table, end="")
-    print(f"wrote {out / 'frontier.png'}, frontier.json, FRONTIER.md")
+    write_report(out, "frontier", {"task": args.task, "decode": header, "reference": args.reference, "rows": rows},
+                 format_table(rows, args.reference))
     return 0
 
 

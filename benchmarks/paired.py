@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime import atomic  # noqa: E402
+from benchmarks.report import save_figure, write_report  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
 BAND = 1.0  # points: "within one point of full"
@@ -136,10 +136,7 @@ def plot(grids: list[dict[str, Any]], budget: int, path: Path) -> None:
     axes[0][0].invert_yaxis()
     fig.suptitle(f"Paired difference to full attention at a {budget}-token budget (green band: ±{BAND:g} point; "
                  "filled: the interval lies inside it; grey, dotted: Quest)", fontsize=9)
-    fig.tight_layout()
-    with atomic.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -170,13 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plot(grids, args.budget, out / "paired.png")
     sources = {name: _shown(folder) for name, folder in named}
-    atomic.write_text(out / "paired.json", json.dumps({"budget": args.budget, "band_points": BAND,
-                                                       "grids": [{**g, "folder": sources[g["name"]]} for g in grids]},
-                                                      indent=1))
-    table = format_table(grids, args.budget)
-    atomic.write_text(out / "PAIRED.md", table)
-    print(table, end="")
-    print(f"wrote {out / 'paired.png'}, paired.json, PAIRED.md")
+    write_report(out, "paired", {"budget": args.budget, "band_points": BAND,
+                                 "grids": [{**g, "folder": sources[g["name"]]} for g in grids]},
+                 format_table(grids, args.budget))
     return 0
 
 

@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import save_figure  # noqa: E402
 from runtime import atomic  # noqa: E402
 from runtime.cli.common import add_prompt_arguments, check_prompt_arguments, eval_settings  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
@@ -442,15 +443,6 @@ def _budget_axis(ax, budgets: list[int]) -> None:
     ax.grid(alpha=0.3)
 
 
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    with atomic.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-
-
 def _finish_pair(fig, left, right, summary: dict[str, Any], ylabels: tuple[str, str], title: str, path: Path,
                  log: tuple[bool, bool] = (False, True)) -> None:
     """Budget axes, y labels (log scale where asked), the legend on the left panel, the title; saved to ``path``."""
@@ -461,7 +453,7 @@ def _finish_pair(fig, left, right, summary: dict[str, Any], ylabels: tuple[str, 
             ax.set_yscale("log")
     left.legend(fontsize=8, frameon=False)
     fig.suptitle(f"{summary['model']}: {title}", fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot(summary: dict[str, Any], out: Path) -> list[str]:
@@ -491,7 +483,7 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
         ax.set_ylabel("score (Wilson 95 % bars)")
         ax.legend(fontsize=8, frameon=False)
         ax.set_title(f"{summary['model']}: {task}", fontsize=10)
-        _save(fig, out / f"quality-{task}.png")
+        save_figure(fig, out / f"quality-{task}.png")
         written.append(f"quality-{task}.png")
     return written
 

@@ -1,21 +1,15 @@
 """benchmarks/frontier.py on hand-made grid summaries and decode rows: which row wins, which TPOT it gets."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier.py"
+from tests.benchmarks import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("frontier_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("frontier")
 
 
 def row(label, policy, budget, score, n, keys, params=None, manifest=None, task=None):

@@ -1,23 +1,17 @@
 """benchmarks/paired.py on hand-made grid summaries: the paired differences in points, the one-point verdict,
 the refusals, and the same bytes on a rerun."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paired.py"
+from tests.benchmarks import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("paired_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("paired")
 
 
 def row(label, policy, budget, scores):

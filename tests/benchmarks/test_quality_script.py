@@ -1,9 +1,7 @@
 """benchmarks/quality.py end to end on a tiny model: every policy at two budgets, consistent outputs, resuming."""
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,19 +9,13 @@ import pytest
 import torch
 
 from runtime.manifest import ModelIdentity, RoleManifest
+from tests.benchmarks import load_benchmark
 from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
-
-
 def load_script():
-    spec = importlib.util.spec_from_file_location("quality_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 @pytest.fixture(scope="module")
