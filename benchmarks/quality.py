@@ -15,7 +15,7 @@ the same settings skips the cells whose file exists, so a killed run continues w
 with other settings is refused rather than mixed in. At the end it writes ``summary.json``, ``TABLE.md`` (also
 printed; every score with its Wilson 95 % interval and sample count), ``quality.png`` (score with interval
 bars and KL against the budget, one line per policy), with the suite one ``quality-<task>.png`` per task, and
-appends the command line to ``COMMAND.txt``.
+appends the command line to ``COMMAND.txt`` (unless it is already the last line there).
 
 ``--suite reasoning`` measures long generations instead (``runtime.eval.fidelity``): on reasoning prompts,
 full attention's own greedy trace with each policy fed the same tokens; every cell reports the per-step KL
@@ -652,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
                          "run it without --summarize first")
     (out / "cells").mkdir(parents=True, exist_ok=True)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
-    atomic.write_text(out / "COMMAND.txt", previous + shlex.join(["python", "benchmarks/quality.py", *argv]) + "\n")
+    command = shlex.join(["python", "benchmarks/quality.py", *argv])
+    if previous.rstrip("\n").rpartition("\n")[2] != command:  # the same command again (resumed, re-summarised): once
+        atomic.write_text(out / "COMMAND.txt", previous + command + "\n")
 
     from tqdm import tqdm
 

@@ -1,6 +1,7 @@
 """benchmarks/quality.py end to end on a tiny model: every policy at two budgets, consistent outputs, resuming."""
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -107,11 +108,16 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     assert (out / "cells" / "delta-b32.json").stat().st_mtime_ns == stamp
     assert json.loads((out / "summary.json").read_text())["rows"][0] == summary["rows"][0]
     assert len((out / "COMMAND.txt").read_text().splitlines()) == 3  # the two runs and the summary
+    with pytest.MonkeyPatch.context() as mp:  # the same command twice in a row (re-summarised): recorded once
+        mp.setattr(runtime.models, "load_model", no_load)
+        assert quality.main([*argv, "--summarize"]) == 0 and quality.main([*argv, "--summarize"]) == 0
+    assert (out / "COMMAND.txt").read_text().splitlines()[-2:] == [
+        f"python benchmarks/quality.py {shlex.join(argv)}", f"python benchmarks/quality.py {shlex.join([*argv, '--summarize'])}"]
 
     # Other prompts into the same folder are refused rather than mixed with the old cells.
     with pytest.raises(SystemExit, match="made with other settings"):
         quality.main([a if a != "0.8" else "0.5" for a in argv])
-    assert len((out / "COMMAND.txt").read_text().splitlines()) == 3  # refused before anything was written
+    assert len((out / "COMMAND.txt").read_text().splitlines()) == 4  # refused before anything was written
 
     # A cell written before a setting existed (absent from its file, unset now) is the same cell; one that
     # holds another value for it is not.
