@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import save_figure, write_report  # noqa: E402
+from benchmarks.report import pairable_scores, save_figure, write_report  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
 BAND = 1.0  # points: "within one point of full"
@@ -46,11 +46,6 @@ def _shown(folder: str) -> str:
         return path.name
 
 
-def _scored(row: dict[str, Any] | None) -> list[float] | None:
-    scores = (row or {}).get("scores")
-    return scores if scores and None not in scores else None
-
-
 def _points(a: list[float], b: list[float]) -> dict[str, Any]:
     d = paired_difference(a, b)
     lo, hi = (100 * x for x in d["interval"])
@@ -59,10 +54,10 @@ def _points(a: list[float], b: list[float]) -> dict[str, Any]:
 
 def compare(name: str, rows: list[dict[str, Any]], budget: int, labels: list[str] | None) -> dict[str, Any]:
     """One grid's comparison: per row at ``budget`` its score and its paired differences to full and to Quest."""
-    full = next((r for r in rows if r["policy"] == "full" and _scored(r)), None)
+    full = next((r for r in rows if r["policy"] == "full" and pairable_scores(r)), None)
     if full is None:
         raise SystemExit(f"--grid {name}: no full-attention row with per-prompt scores to compare against")
-    at = {r["label"]: r for r in rows if r["budget"] == budget and _scored(r)}
+    at = {r["label"]: r for r in rows if r["budget"] == budget and pairable_scores(r)}
     if not at:
         have = sorted({r["budget"] for r in rows if r["budget"] is not None})
         raise SystemExit(f"--grid {name}: no row at --budget {budget}; it has budgets {have}")

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import save_figure  # noqa: E402
+from benchmarks.report import pairable_scores, save_figure  # noqa: E402
 from runtime import atomic  # noqa: E402
 from runtime.cli.common import add_prompt_arguments, check_prompt_arguments, eval_settings  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
@@ -385,23 +385,19 @@ def time_lines(rows: list[dict[str, Any]]) -> list[str]:
 def paired_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Each policy's score minus full's and minus Quest's at the same budget, over the very same prompts, with
     the 95 % interval of the mean paired difference; ``*`` marks an interval that excludes 0 (significant)."""
-    def scored(r: dict[str, Any]) -> list[float] | None:
-        s = r.get("scores")
-        return s if s and None not in s else None
-
-    refs = {"full": next((r for r in rows if r["policy"] == "full" and scored(r)), None)}
+    refs = {"full": next((r for r in rows if r["policy"] == "full" and pairable_scores(r)), None)}
     out = []
     for r in rows:
-        if r["policy"] == "full" or not scored(r):
+        if r["policy"] == "full" or not pairable_scores(r):
             continue
-        refs["quest"] = next((q for q in rows if q["policy"] == "quest" and q["budget"] == r["budget"] and scored(q)), None)
+        refs["quest"] = next((q for q in rows if q["policy"] == "quest" and q["budget"] == r["budget"] and pairable_scores(q)), None)
         cells = []
         for name in ("full", "quest"):
             ref = refs[name]
-            if ref is None or ref is r or len(scored(ref)) != len(scored(r)):
+            if ref is None or ref is r or len(pairable_scores(ref)) != len(pairable_scores(r)):
                 cells.append("–")
                 continue
-            d = paired_difference(scored(r), scored(ref))
+            d = paired_difference(pairable_scores(r), pairable_scores(ref))
             lo, hi = d["interval"]
             cells.append(f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + (" *" if lo > 0 or hi < 0 else ""))
         out.append(f"| {r['label']} | {r['budget'] or '–'} | {cells[0]} | {cells[1]} |")

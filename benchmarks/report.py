@@ -1,4 +1,5 @@
-"""What the summarising scripts write last: their JSON, their table as Markdown, the table printed."""
+"""What the summarising scripts share: the rows they can pair, and what they write last (their JSON, their table
+as Markdown, the table printed, their figures)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from runtime import atomic
+
+
+def pairable_scores(row: dict[str, Any] | None) -> list[float] | None:
+    """A grid row's per-prompt scores when every prompt has one (what a paired comparison needs), else None."""
+    scores = (row or {}).get("scores")
+    return scores if scores and None not in scores else None
 
 
 def write_report(out: Path, stem: str, data: dict[str, Any], table: str) -> None:
