@@ -313,7 +313,6 @@ def test_reference_logits_are_full_attention_along_the_generated_tokens(family):
             assert gap < 1e-4 if policy == "full" else gap > 1e-2, (family, policy, r, gap)
 
 
-
 def test_an_evicting_policys_decoder_is_freed_before_its_reference_decoder_is_built(monkeypatch):
     """Lethe's reference needs a full-attention cache of the whole prompt: its own decoder (cache, graphs) is
     gone by then, so the two never take memory at once (garbage collection off: only the freed counts)."""
@@ -343,6 +342,7 @@ def test_an_evicting_policys_decoder_is_freed_before_its_reference_decoder_is_bu
         gc.enable()
     assert len(built) == 2 and built[1][1] == [False]  # the policy's, then the full one once it was freed
     assert len(out.reference_logits) == len(prompts())
+
 
 # -- 4. stopping -----------------------------------------------------------------------------------------------
 def test_per_row_eos_equals_reference():

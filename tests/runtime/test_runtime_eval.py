@@ -505,6 +505,7 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
     generation's one buffer (in the model's dtype), not a second copy of it; the evaluation's per-row steps are
     views of it too (no stack of a row's 128 steps at a 262K vocabulary)."""
     from runtime import attach
+    from runtime.eval import policy_steps, row_steps
 
     model = tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=16)
     ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -517,8 +518,6 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
         assert all(step.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for step in out.logits)
         assert all(torch.equal(step, buffer[:, k]) for k, step in enumerate(out.logits))
         assert torch.equal(torch.stack(session.last.logits), buffer)  # the per-row views
-        from runtime.eval import policy_steps, row_steps
-
         for r, n in ((0, 6), (1, 4), (1, 1)):  # what the KL reads: a view of the buffer, equal to the stacked rows
             view = policy_steps(session.last, out.logits, r, n)
             assert torch.equal(view, row_steps(out.logits, r, n)) and view.shape[0] == n - 1
