@@ -119,12 +119,16 @@ def _one_at_a_time(args: argparse.Namespace) -> str | None:
         return "-p engine=reference runs the transformers path"
     if engine == "static":
         return None
-    device = getattr(args, "device", None)
-    if device is None:
-        import torch
+    return "the CPU runs the transformers path" if chosen_device(args) == "cpu" else None
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "the CPU runs the transformers path" if device == "cpu" else None
+
+def chosen_device(args: argparse.Namespace) -> str:
+    """``--device``, else cuda when there is one, else cpu."""
+    if getattr(args, "device", None):
+        return args.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def eval_settings(args: argparse.Namespace):

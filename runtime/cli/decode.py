@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.cli.common import add_common, policy_inputs
+from runtime.cli.common import add_common, chosen_device, policy_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
     params, manifest = policy_inputs(args)  # bad policies, parameters and manifests fail before the model loads
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = chosen_device(args)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     trust = args.trust_remote_code
     model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)

@@ -10,6 +10,7 @@ from runtime.cli.common import (
     add_common,
     add_prompt_arguments,
     check_prompt_arguments,
+    chosen_device,
     eval_settings,
     policy_inputs,
 )
@@ -28,7 +29,7 @@ def load_for_eval(args: argparse.Namespace):
 
     from runtime.models import load_model
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = chosen_device(args)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     return load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code,
                       rope_theta=getattr(args, "rope_theta", None)).to(device)
