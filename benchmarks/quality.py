@@ -296,8 +296,13 @@ def length_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def device_names(rows: list[dict[str, Any]]) -> list[str | None]:
-    """The devices a grid's cells ran on, each once, in the rows' order (None: a cell that recorded none)."""
-    return list(dict.fromkeys(r.get("device_name") for r in rows))
+    """The devices a grid's cells ran on, each once, in the rows' order (None: a cell that recorded none; a
+    cell resumed on another machine names each, joined by " and ")."""
+    names: list[str | None] = []
+    for r in rows:
+        name = r.get("device_name")
+        names += name.split(" and ") if name else [None]
+    return list(dict.fromkeys(names))
 
 
 def several_gpus(rows: list[dict[str, Any]]) -> bool:
@@ -311,6 +316,11 @@ def short_gpu(name: str | None) -> str:
         return "?"
     found = re.search(r"\b([A-Z]+\d{2,4}[A-Z]*)\b", name.removeprefix("NVIDIA "))
     return found.group(1) if found else name
+
+
+def short_gpus(name: str | None) -> str:
+    """A cell's device names, each shortened: ``NVIDIA H100 80GB HBM3 and NVIDIA H200`` → ``H100 + H200``."""
+    return " + ".join(short_gpu(part) for part in (name or "").split(" and "))
 
 
 def wall_of(row: dict[str, Any]) -> float:
@@ -335,7 +345,7 @@ def format_table(summary: dict[str, Any]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
         score = r.get("score")
-        where = f" ({short_gpu(r.get('device_name'))})" if several else ""
+        where = f" ({short_gpus(r.get('device_name'))})" if several else ""
         kv = r.get("kv_bytes_per_prompt")
         lines.append(f"| {r['label']} | {r['budget'] or '–'} | {with_interval(score)} | {score['n'] if score else '–'} "
                      f"| {f(r['recall_sparse_layers'])} | {f(r['kl_mean'], '.2e')} | {f(r['top1_agreement'])} | "
@@ -694,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(cell.name)
         result, row = shared.pop(cell.name) if cell.name in shared else run_cell(cell, model, tokenizer, settings,
                                                                                   samples, args)
-        row["device_name"] = here
+        row["device_name"] = " and ".join(result.get("devices") or [here])  # every GPU a resumed cell ran on
         atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
         partial_file(out, cell).unlink(missing_ok=True)

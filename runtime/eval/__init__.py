@@ -314,13 +314,30 @@ def resume_plan(fresh: list[list[int]], finished: list[list[int]]) -> list[list[
     return [list(b) for b in finished] + [rest for b in fresh if (rest := [i for i in b if i not in covered])]
 
 
-def _entry(k: int, rows: list, figures: dict | None, seconds: float) -> dict[str, Any]:
+def device_label(model) -> str:
+    """The device a model decodes on, as results name it: the GPU's name, or ``CPU``."""
+    device = next(model.parameters()).device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
+
+
+def _entry(k: int, rows: list, figures: dict | None, seconds: float, device: str) -> dict[str, Any]:
     """A finished batch as its checkpoint line keeps it. ``seconds``: the batch's wall time (with the session's
-    attach where each batch opens its own), kept beside the engine's split of it."""
+    attach where each batch opens its own), kept beside the engine's split of it; ``device``: where it ran
+    (a run resumed on another machine ran its batches on two)."""
     if figures is not None and "seconds" in figures:
         figures["seconds"]["total"] = seconds
     return {"batch": k, "records": [r for r, _, _ in rows], "kl": [kl.tolist() for _, kl, _ in rows],
-            "top1": [t.tolist() for _, _, t in rows], "figures": figures}
+            "top1": [t.tolist() for _, _, t in rows], "figures": figures, "device": device}
+
+
+def devices_of(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """How many batches ran on each device, in the order the devices first ran one (batches kept by an earlier
+    version of the checkpoint name none and are not counted)."""
+    counts: dict[str, int] = {}
+    for e in entries:
+        if e.get("device"):
+            counts[e["device"]] = counts.get(e["device"], 0) + 1
+    return counts
 
 
 TIME_PARTS = ("setup", "prefill", "capture", "decode", "reference", "total")
@@ -343,7 +360,7 @@ def _run_batches(model, tokenizer, session, samples, batches, settings, on_engin
     """Each batch's entry ``{batch, records, kl, top1, figures}``, from the checkpoint where it holds it."""
     from tqdm.auto import tqdm
 
-    entries = []
+    entries, device = [], device_label(model)
     with tqdm(total=sum(map(len, batches)), desc="prompts", unit="prompt", leave=False) as bar:
         for k, batch in enumerate(batches):
             if checkpoint is not None and k in checkpoint.done:
@@ -352,7 +369,7 @@ def _run_batches(model, tokenizer, session, samples, batches, settings, on_engin
                 start = time.perf_counter()
                 rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch], settings,
                                               on_engine)
-                entries.append(_entry(k, rows, figures, time.perf_counter() - start))
+                entries.append(_entry(k, rows, figures, time.perf_counter() - start, device))
                 if checkpoint is not None:
                     checkpoint.add(entries[-1])
             bar.update(len(batch))
@@ -505,7 +522,7 @@ def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSet
     whole call (see :func:`evaluate_many`)."""
     from tqdm.auto import tqdm
 
-    batches = runs[0].batches
+    batches, device = runs[0].batches, device_label(model)
     weights = None  # the engine's copy of the model's weights, built by the first session and shared by all
     with tqdm(total=sum(map(len, batches)) * len(runs), desc=f"prompts × {len(runs)} policies", unit="prompt",
               leave=False) as bar:
@@ -521,7 +538,7 @@ def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSet
                                                       settings, True, share)
                         weights = session.engine_weights
                     seconds = time.perf_counter() - start
-                    r.entries.append(_entry(k, rows, figures, seconds))
+                    r.entries.append(_entry(k, rows, figures, seconds, device))
                     if r.kept is not None:
                         r.kept.add(r.entries[-1])
                     r.seconds += seconds
@@ -551,6 +568,7 @@ def _result(r: _Run, samples: list[dict[str, Any]], settings: EvalSettings) -> d
         "attended_fraction": summary["attended_fraction"],
         "kv_bytes_per_prompt": sum(kv) / len(kv) if kv else None,
         "seconds": time_split(r.entries),
+        "devices": devices_of(r.entries),
         "layers": summary["layers"],
         "samples": records,
     }

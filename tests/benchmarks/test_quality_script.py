@@ -316,7 +316,8 @@ def test_cells_record_manifest_paths_relative_to_the_working_directory(tmp_path,
 
 
 def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
-    """Cells that ran on different GPUs: the table names each cell's GPU beside its wall time; one GPU: no mark."""
+    """Cells that ran on different GPUs: the table names each cell's GPU beside its wall time (a cell resumed on
+    another GPU, both); one GPU: no mark."""
     q = load_script()
     assert q.short_gpu("NVIDIA H100 80GB HBM3") == "H100" and q.short_gpu("NVIDIA H200") == "H200"
     assert q.short_gpu("NVIDIA A100-SXM4-80GB") == "A100" and q.short_gpu(None) == "?"
@@ -332,6 +333,9 @@ def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
     assert q.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
     del summary["rows"][1]["device_name"]  # a cell that recorded none: "?" beside it, not taken for the other GPU
     assert q.device_names(summary["rows"]) == ["NVIDIA H200", None] and "| 2.0 (?) |" in q.format_table(summary)
+    summary["rows"][1]["device_name"] = "NVIDIA H100 80GB HBM3 and NVIDIA H200"  # one cell resumed on another GPU
+    assert "| 2.0 (H100 + H200) |" in q.format_table(summary)
+    assert q.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
 
 
 def test_a_resumed_cells_wall_time_counts_every_run():

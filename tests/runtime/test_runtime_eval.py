@@ -389,7 +389,8 @@ def test_eval_with_a_raised_rope_base_records_it_and_refuses_a_bad_one(tiny_fold
 def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_result(tiny_folder, tmp_path,
                                                                                       monkeypatch):
     """The engine path keeps each finished batch; a run killed in its second batch, its file's last line
-    torn, resumes at that batch and gives exactly the uninterrupted result. Another run's file is refused."""
+    torn, resumes at that batch and gives exactly the uninterrupted result, naming the device of each part
+    (the first batch's moved to another). Another run's file is refused."""
     import runtime.eval as ev
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
@@ -407,14 +408,17 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     file = tmp_path / "cell.partial.jsonl"
     with pytest.raises(KeyboardInterrupt):
         evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2, checkpoint=file)
-    assert len(file.read_text().splitlines()) == 2  # the header and the first batch
-    with open(file, "a") as f:
-        f.write('{"batch": 1, "records": [')  # killed while writing
+    header, first = file.read_text().splitlines()  # the header and the first batch, which ran here
+    assert json.loads(first)["device"] == "CPU"
+    first = json.dumps({**json.loads(first), "device": "NVIDIA H100 80GB HBM3"})  # as if it had run on a GPU
+    file.write_text(f"{header}\n{first}\n" + '{"batch": 1, "records": [')  # killed while writing the second
     calls.clear()
     monkeypatch.setattr(ev, "_decode_batch", lambda *a, **k: (calls.append(len(a[3])), decode(*a, **k))[1])
     resumed = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2, checkpoint=file)
     assert calls == [2, 2, 2]  # batches 2-4 only
     assert resumed.pop("seconds")["batches"] == whole.pop("seconds")["batches"] == 4  # wall times differ by run
+    assert whole.pop("devices") == {"CPU": 4}
+    assert resumed.pop("devices") == {"NVIDIA H100 80GB HBM3": 1, "CPU": 3}  # the resumed run names both
     assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
     assert len(file.read_text().splitlines()) == 5
     with pytest.raises(ValueError, match="holds the batches of another run"):
