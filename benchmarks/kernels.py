@@ -5,7 +5,8 @@
 For each context T and batch B (Hq 32 / Hkv 8 / D 128, bf16, 64-token blocks) it times, as medians of CUDA-event
 timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve repeats:
 
-Every call is captured in a CUDA graph, as a decode step runs, so launch overhead does not count.
+Every call is captured in a CUDA graph of ``--calls-per-graph`` calls (16), as a decode step runs, so neither
+launch overhead nor the graph's own launch counts.
 
 * ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
 * ``ours_dense``: the Triton kernel reading every token;
@@ -103,21 +104,30 @@ def pick_sdpa_backend(q4, k, v) -> str:
     return "default"
 
 
-def graph_ms(fn, kv: Rotating, reps: int = 20) -> float:
-    """Median milliseconds of ``fn(k, v)``, captured once per rotating cache copy in a CUDA graph.
+CALLS_PER_GRAPH = 16  # calls captured in one timed graph (--calls-per-graph)
 
-    A decode step runs as a graph (no launch or Python overhead), so kernels are timed the same way."""
+
+def graph_ms(fn, kv: Rotating, reps: int = 20) -> float:
+    """Median milliseconds of one call of ``fn(k, v)`` inside a CUDA graph of at least ``CALLS_PER_GRAPH`` calls,
+    cycling through the rotating cache copies.
+
+    A decode step runs as one graph of hundreds of kernels (no launch or Python overhead, and no graph launch
+    per kernel), so kernels are timed the same way: the graph's own launch is shared by its calls, not charged
+    to one. With a single call a graph (the old way for caches too large to rotate), the replay's few µs went to
+    the kernel, which weighs on a 0.1 ms sparse call and not on a 1 ms dense one."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for k, v in kv.sets:  # warm-up: compiles the kernels
             fn(k, v)
     torch.cuda.current_stream().wait_stream(side)
+    rounds = max(1, math.ceil(CALLS_PER_GRAPH / len(kv.sets)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for k, v in kv.sets:
-            fn(k, v)
-    return median_ms(graph.replay, reps=reps) / len(kv.sets)
+        for _ in range(rounds):
+            for k, v in kv.sets:
+                fn(k, v)
+    return median_ms(graph.replay, reps=reps) / (rounds * len(kv.sets))
 
 
 def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int, stages: int) -> dict:
@@ -366,6 +376,7 @@ def refine_rows(pages: int = 8192, candidates: int = 512, k: int = 128, recent: 
 
 
 def main() -> int:
+    global CALLS_PER_GRAPH  # graph_ms reads it: set once from --calls-per-graph
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--contexts", default="16384,32768,65536,131072")
@@ -375,7 +386,12 @@ def main() -> int:
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
+    parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
+                        help="calls captured in each timed CUDA graph (at least one per rotating copy; 1: one a copy)")
     args = parser.parse_args()
+    if args.calls_per_graph < 1:
+        parser.error(f"--calls-per-graph must be at least 1, got {args.calls_per_graph}")
+    CALLS_PER_GRAPH = args.calls_per_graph
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -383,7 +399,8 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
     if not args.attention:
-        report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw}
+        report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
+                  "calls_per_graph": CALLS_PER_GRAPH}
         if args.linear:
             report["linear"] = linear_rows(copy_bw)
         if args.topk:
@@ -397,7 +414,7 @@ def main() -> int:
             for t in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
-              "num_stages": stages, "tuning_ms": tuning, "rows": rows}
+              "num_stages": stages, "tuning_ms": tuning, "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}
     if args.linear:
         report["linear"] = linear_rows(copy_bw)
     if args.topk:
