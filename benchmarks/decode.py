@@ -47,14 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
-from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights  # noqa: E402
+from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
 from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
 from runtime.policies import get_policy  # noqa: E402
 
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
 GIB = 2**30
-DELTA_MIN_CONTEXT = 4096  # below this the DELTA-setting total runs full (the runtime's fallback)
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
@@ -393,8 +392,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delta-prompt", type=int, default=512, help="prompt length the decoding starts from")
     p.add_argument("--delta-total", type=int, default=18432, help="length the decoding ends at")
     p.add_argument("--delta-samples", type=int, default=7, help="lengths timed and integrated over")
-    p.add_argument("--min-context", type=int, default=DELTA_MIN_CONTEXT,
-                   help="below this length delta runs full in the DELTA-setting total")
+    p.add_argument("--min-context", type=int, default=None,
+                   help="below this length delta runs full in the DELTA-setting total (default: the runtime's "
+                        "crossover for delta at --delta-batch, runtime/engine/crossovers.json)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="fuse each layer's small ops with torch.compile, as the engine does by default on CUDA")
     p.add_argument("--profile", default=None, help="append each configuration's kernel table to this file")
@@ -421,6 +421,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
         args.delta_batch, args.delta_budget, args.delta_prompt, args.delta_total = 2, 32, 40, 160
         args.delta_samples, args.min_context = 3, 64
+    if args.min_context is None:  # the fallback the runtime applies at the setting's batch
+        args.min_context = default_min_context("delta", args.delta_batch)
     if any(n < 1 for n in args.real_prefill):
         p.error(f"--real-prefill: every length must be at least 1 token, got {args.real_prefill}")
     if args.delta_samples < 2:
