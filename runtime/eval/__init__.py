@@ -699,4 +699,7 @@ def format_table(result: dict[str, Any]) -> str:
     if split:
         lines.append(f"time {split['total']:.1f} s over {split['batches']} batches: "
                      + ", ".join(f"{part} {split[part]:.1f}" for part in (*TIME_PARTS[1:-1], "setup", "other")))
+    devices = result.get("devices") or {}
+    if len(devices) > 1:  # a run resumed on another machine: which batches ran where
+        lines.append("ran on " + ", ".join(f"{name} ({n} batch{'' if n == 1 else 'es'})" for name, n in devices.items()))
     return "\n".join(lines)

@@ -418,6 +418,8 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     assert calls == [2, 2, 2]  # batches 2-4 only
     assert resumed.pop("seconds")["batches"] == whole.pop("seconds")["batches"] == 4  # wall times differ by run
     assert whole.pop("devices") == {"CPU": 4}
+    assert "ran on NVIDIA H100 80GB HBM3 (1 batch), CPU (3 batches)" in format_table(resumed)
+    assert "ran on" not in format_table(whole)  # one device: no line
     assert resumed.pop("devices") == {"NVIDIA H100 80GB HBM3": 1, "CPU": 3}  # the resumed run names both
     assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
     assert len(file.read_text().splitlines()) == 5
