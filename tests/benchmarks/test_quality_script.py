@@ -15,6 +15,7 @@ from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
 def load_script():
     return load_benchmark("quality")
 
