@@ -246,30 +246,50 @@ class StaticDecoder:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                indices: torch.Tensor | None = None, block_size: int = 1, log_weights: torch.Tensor | None = None,
-               with_lse: bool = False, key_mask: torch.Tensor | None = None) -> Any:
+               with_lse: bool = False, key_mask: torch.Tensor | None = None, index_rows: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> Any:
         """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot; ``log_weights``
-        added to each entry's logits; ``key_mask [B, S]`` narrows the span further), float32 from the
-        references, the model's dtype from the GPU kernels; with ``with_lse`` also each head's log-sum-exp."""
-        impl = self._sparse_triton if self.triton else naive_attention
+        added to each entry's logits; ``key_mask [B, S]`` narrows the span further; ``index_rows [Hkv]`` int32: KV
+        head h reads ``indices[:, index_rows[h]]``), float32 from the references, the model's dtype from the GPU
+        kernels, written into ``out`` when given; with ``with_lse`` also each head's log-sum-exp."""
         keys = self.keys(span, k.shape[2])
         if key_mask is not None:
             keys["key_mask"] = keys["key_mask"] & key_mask if "key_mask" in keys else key_mask
-        out, lse = impl.sparse_decode_attention(q, k, v, indices, scale=self.shape.attention_scale,
-                                                block_size=block_size, log_weights=log_weights, **keys, **self._out)
-        return (out, lse) if with_lse else out
+        scale = self.shape.attention_scale
+        if self.triton:
+            o, lse = self._sparse_triton.sparse_decode_attention(
+                q, k, v, indices, scale=scale, block_size=block_size, log_weights=log_weights, index_rows=index_rows,
+                out=out, **keys, **self._out)
+        else:
+            if index_rows is not None:
+                rows = index_rows.long()
+                indices = indices.index_select(1, rows)
+                log_weights = log_weights.index_select(1, rows) if log_weights is not None else None
+            o, lse = naive_attention.sparse_decode_attention(q, k, v, indices, scale=scale, block_size=block_size,
+                                                             log_weights=log_weights, **keys)
+            o = out.copy_(o) if out is not None else o
+        return (o, lse) if with_lse else o
 
     def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
-                         block_size: int, per_kv_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense attention and block scores ``[B, n]`` (max over all heads) or ``[B, Hkv, n]`` (per KV head)."""
-        impl = self._page_triton.decode_and_score if self.triton else naive_decode_and_score
-        out, _, scores = impl(q, k, v, self.shape.attention_scale, block_size, per_kv_head=per_kv_head,
-                              **self.keys(span, k.shape[2]), **self._out)
-        return out, scores
+                         block_size: int, per_kv_head: bool,
+                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense attention (written into ``out`` when given) and block scores ``[B, n]`` (max over all heads) or
+        ``[B, Hkv, n]`` (per KV head)."""
+        keys = self.keys(span, k.shape[2])
+        if self.triton:
+            o, _, scores = self._page_triton.decode_and_score(q, k, v, self.shape.attention_scale, block_size,
+                                                              per_kv_head=per_kv_head, out=out, **keys, **self._out)
+            return o, scores
+        o, _, scores = naive_decode_and_score(q, k, v, self.shape.attention_scale, block_size,
+                                              per_kv_head=per_kv_head, **keys)
+        return (out.copy_(o) if out is not None else o), scores
 
     def attend_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
-                     indices: torch.Tensor, block_size: int, full_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     indices: torch.Tensor, block_size: int, full_heads: int,
+                     index_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``full_heads`` KV heads read everything and score blocks per KV head, the others read
-        ``indices``: ``(out [B, Hq, D], scores [B, full_heads, n])``.
+        ``indices`` (KV head h its row ``index_rows[h]`` when given, see :meth:`attend`):
+        ``(out [B, Hq, D], scores [B, full_heads, n])``.
 
         On the GPU below :data:`MIXED_MAX_BATCH` rows this is one launch; from there on a dense launch over the
         head prefix and a block-sparse one over the rest, which measured faster (DS-Qwen-7B shape, 32 of 112
@@ -278,15 +298,20 @@ class StaticDecoder:
         The references always take the two calls."""
         if self.triton and self.batch < MIXED_MAX_BATCH:
             out, _, scores = self._page_triton.mixed_decode_and_score(
-                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, **self.keys(span, k.shape[2]),
-                **self._out)
+                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, index_rows=index_rows,
+                **self.keys(span, k.shape[2]), **self._out)
             return out, scores
         g = q.shape[1] // k.shape[1]
         r = full_heads
-        out, scores = self.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], span, block_size,
-                                            per_kv_head=True)
-        rest = self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices[:, r:], block_size)
-        return torch.cat([out, rest], 1), scores
+        out = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
+        _, scores = self.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, per_kv_head=True,
+                                          out=out[:, :r * g])
+        if index_rows is None:
+            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices[:, r:], block_size, out=out[:, r * g:])
+        else:
+            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices, block_size, index_rows=index_rows[r:],
+                        out=out[:, r * g:])
+        return out, scores
 
     def compiled(self, fn: Any) -> Any:
         """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its
@@ -300,15 +325,22 @@ class StaticDecoder:
         else None (the reference kernels, or rows longer than one program holds)."""
         return self._topk_triton.topk_with_recent if self.triton and n <= self._topk_triton.MAX_N else None
 
-    def select(self, scores: torch.Tensor, block_size: int, k: int, recent: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, block_size: int, k: int, recent: int, out: torch.Tensor | None = None,
+               out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
         blocks up to the new token's, then the highest scores among the existing ones. No sync; ascending
-        when :meth:`triton_topk` of ``n`` is not None."""
+        when :meth:`triton_topk` of ``n`` is not None. With ``out`` and ``out_rows`` (see
+        :func:`runtime.kernels.topk_select.triton.topk_with_recent`) row i of the choice is written to row
+        ``out_rows[i]`` of ``out`` in place, and ``out`` is returned."""
         last = torch.div(self.cache.length, block_size, rounding_mode="floor")
         fast = self.triton_topk(scores.shape[-1])
         if fast is not None:
-            return fast(scores, k, recent, last=last)
-        return topk_with_recent(scores, k, recent, last=last, ascending=False).to(torch.int32)
+            return fast(scores, k, recent, last=last, out=out, out_rows=out_rows)
+        chosen = topk_with_recent(scores, k, recent, last=last, ascending=False).to(torch.int32)
+        if out is None:
+            return chosen
+        width = chosen.shape[-1]
+        return out.view(-1, width).index_copy_(0, out_rows.long(), chosen.reshape(-1, width)).view(out.shape)
 
     # -- one step ----------------------------------------------------------------------------------------------
     def _spans(self, length: torch.Tensor) -> dict[Any, Any]:

@@ -143,7 +143,8 @@ class LycheeStep:
     scores blocks per KV head while the sparse heads read what they inherit, in one launch that keeps only the
     retrieval heads' logits for their block scores.
     ``state["lychee.sets"] [B, Hkv, N]`` holds the blocks per *original* head index, as the next layer's same
-    head index inherits them."""
+    head index inherits them. Nothing is copied between the two orders: the sparse heads read their rows through
+    a head map (``index_rows``), and the retrieval heads' choice is written into theirs in place (``out_rows``)."""
 
     retrieval: torch.Tensor  # [L, Hkv] bool
     block_size: int
@@ -154,7 +155,7 @@ class LycheeStep:
     def __post_init__(self) -> None:
         self.order = [torch.argsort((~row).to(torch.int8), stable=True) for row in self.retrieval]
         self.n_retrieval = [int(r) for r in self.retrieval.sum(1)]
-        self._device_order: dict[Any, list[torch.Tensor]] = {}
+        self._maps: dict[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     @property
     def head_order(self) -> list[torch.Tensor]:
@@ -169,23 +170,38 @@ class LycheeStep:
         full = self.retrieval.float().mean(1).tolist()  # the share of each layer's KV heads that retrieve
         return mean_tokens_read(shape, context, self.num_blocks * self.block_size, full)
 
+    def _device_maps(self, device: Any, batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer, int32 on ``device``: the stored order (stored head j holds original head ``order[j]``), and
+        the rows of ``[B, Hkv]`` a choice goes to, ``b · Hkv + order[j]`` for row ``b · r + j``, when the layer's
+        r retrieval heads choose and when all its heads do (the first layer). Made once, in the eager warm-up
+        before any graph capture."""
+        key = (device, batch)
+        if key not in self._maps:
+            hkv = self.retrieval.shape[1]
+            base = torch.arange(batch, device=device, dtype=torch.int32)[:, None] * hkv
+            maps = []
+            for order, r in zip(self.order, self.n_retrieval):
+                order = order.to(device=device, dtype=torch.int32)
+                rows = base + order[None, :]  # [B, Hkv]: row b's stored head j → its row by original head
+                maps.append((order, rows[:, :r].reshape(-1), rows.reshape(-1)))
+            self._maps[key] = maps
+        return self._maps[key]
+
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
-        hkv = k.shape[1]
-        if k.device not in self._device_order:  # once, in the eager warm-up before any graph capture
-            self._device_order[k.device] = [o.to(k.device) for o in self.order]
-        orders = self._device_order[k.device]
-        r, order, bs = self.n_retrieval[layer], orders[layer], self.block_size
+        b, hkv = k.shape[:2]
+        order, out_rows, all_rows = self._device_maps(k.device, b)[layer]
+        r, bs = self.n_retrieval[layer], self.block_size
         sets = state.get("lychee.sets")  # [B, Hkv, N] by original head index
         if r == hkv or sets is None:  # every head chooses (the first layer): one dense launch
-            out, chosen = dec.attend_and_score(q, k, v, span, bs, per_kv_head=True)
-            r = hkv
+            out, scores = dec.attend_and_score(q, k, v, span, bs, per_kv_head=True)
+            out_rows = all_rows
         elif r == 0:  # every head reads what it inherits
-            return dec.attend(q, k, v, span, sets.index_select(1, order), bs)
+            return dec.attend(q, k, v, span, sets, bs, index_rows=order)
         else:  # one launch: retrieval heads (stored first) read all and score, sparse heads read their sets
-            out, chosen = dec.attend_mixed(q, k, v, span, sets.index_select(1, order), bs, r)
-        chosen = dec.select(chosen, bs, self.num_blocks, self.recent_blocks)  # [B, r, N]
-        sets = torch.empty_like(chosen) if sets is None else sets  # the first layer overwrites every head
-        state["lychee.sets"] = sets.index_copy(1, order[:r], chosen)
+            out, scores = dec.attend_mixed(q, k, v, span, sets, bs, r, index_rows=order)
+        if sets is None:  # the first layer writes every head's row
+            sets = torch.empty(b, hkv, min(self.num_blocks, scores.shape[-1]), device=k.device, dtype=torch.int32)
+        state["lychee.sets"] = dec.select(scores, bs, self.num_blocks, self.recent_blocks, out=sets, out_rows=out_rows)
         return out
 
 

@@ -278,6 +278,77 @@ def test_combine_matches_logsumexp_on_gpu(splits, d):
     _check_combine(splits, "cuda", d)
 
 
+def _check_head_map_and_out(device, dtype, tol):
+    """Sets kept in another head order read through ``index_rows`` give what the reordered sets give, and ``out``
+    receives the result in a slice of a larger buffer, leaving the rest of it as it was."""
+    from runtime.kernels.sparse_attention import triton as tri
+
+    q, k, v, idx, kw, _ = _case(2, 12, 3, 300, 16, 6, 16, dtype, device, weights=True)
+    rows = torch.tensor([2, 0, 1], device=device, dtype=torch.int32)
+    moved = {"log_weights": kw["log_weights"].index_select(1, rows.long())}
+    want, want_lse = tri.sparse_decode_attention(q, k, v, idx.index_select(1, rows.long()), scale=0.25, block_size=16,
+                                                 chunk=64, **moved)
+    buffer = torch.full((2, 20, 16), float("nan"), device=device)
+    got, lse = tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, chunk=64, index_rows=rows,
+                                           out=buffer[:, 5:17], **kw)
+    assert got.data_ptr() == buffer[:, 5:17].data_ptr()
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)  # the same programs over the same blocks
+    assert buffer[:, :5].isnan().all() and buffer[:, 17:].isnan().all()
+    ref, _ = _reference(q.cpu(), k.cpu(), v.cpu(), idx.cpu().index_select(1, rows.long().cpu()),
+                        {"log_weights": moved["log_weights"].cpu()}, None, 16, 0.25)
+    assert (got.cpu() - ref).abs().max() < tol
+    with pytest.raises(ValueError, match="index_rows must be int32"):
+        tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, index_rows=rows.long())
+    with pytest.raises(ValueError, match="out must be"):
+        tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, out=buffer[:, :11])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+def test_head_map_and_out_slice_in_interpreter():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_head_map_and_out("cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.gpu
+def test_head_map_and_out_slice_on_gpu():
+    _check_head_map_and_out("cuda", torch.float32, 1e-2)  # the GPU's dots round to TF32
+
+
+def _check_topk_rows(device, parts):
+    """``out`` and ``out_rows``: each row's ids land in the named row of ``out``, the other rows are untouched."""
+    from runtime.kernels.topk_select import triton as topk_tri
+
+    g = torch.Generator(device="cpu").manual_seed(9)
+    scores = torch.randn(2, 3, 200, generator=g).to(device)
+    plain = topk_tri.topk_with_recent(scores, 16, 2, last=150, parts=parts)
+    out = torch.full((2, 5, 16), -7, dtype=torch.int32, device=device)
+    rows = torch.tensor([4, 0, 2, 9, 6, 7], dtype=torch.int32, device=device)  # b·5 + a head order, per row
+    got = topk_tri.topk_with_recent(scores, 16, 2, last=150, parts=parts, out=out, out_rows=rows)
+    assert got is out
+    flat = out.view(-1, 16)
+    assert torch.equal(flat[rows.long()], plain.view(-1, 16))
+    untouched = torch.ones(10, dtype=torch.bool, device=device)
+    untouched[rows.long()] = False
+    assert (flat[untouched] == -7).all()
+    with pytest.raises(ValueError, match="out and out_rows go together"):
+        topk_tri.topk_with_recent(scores, 16, 2, last=150, out=out)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("parts", [1, 2])
+def test_topk_into_named_rows_in_interpreter(parts):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_topk_rows("cpu", parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [1, 2])
+def test_topk_into_named_rows_on_gpu(parts):
+    _check_topk_rows("cuda", parts)
+
+
 def _check_topk(shape, k, recent, last, device, bits=2, parts=None):
     from runtime.kernels.arrivals import arrival_counters
     from runtime.kernels.topk_select import naive as topk_naive

@@ -10,9 +10,13 @@ Same contract as :func:`runtime.kernels.sparse_attention.naive.sparse_decode_att
 ``key_mask``       ``[B or 1, T]`` bool      False = never read
 ``full_rows``      ``[B, Hkv]`` bool         rows that read every token instead of their indices, so
                                              retrieval (full) heads and sparse heads share one launch
+``index_rows``     ``[Hkv]`` int             KV head h reads ``indices[:, index_rows[h]]`` (and its log
+                                             weights): sets kept in another head order, read in place
+``out``            ``[B, Hq, D]``            where the output goes (any strides with unit last stride:
+                                             a slice of a larger output), instead of a new tensor
 =================  ========================  =======================================================
 
-Returns ``out [B, Hq, D]`` float32 and ``lse [B, Hq]`` float32.
+Returns ``out [B, Hq, D]`` (``out_dtype``, float32 by default) and ``lse [B, Hq]`` float32.
 
 How it works: one program per (sequence, KV head, chunk of ``chunk`` tokens of that row's read set). All
 ``Hq / Hkv`` query heads of the group share each K/V tile (one HBM read serves the whole group, the point of
@@ -35,7 +39,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt,
+def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt,
           T, scale, lg_base, s_gh, first, last, G: tl.constexpr, G_PAD: tl.constexpr,
           D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
           HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
@@ -48,7 +52,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
     if HAS_IDX:
         entry = j // BS
         is_full = (tl.zeros([TILE], tl.int32) + full) != 0  # as a bool tensor: masks must be tensors
-        blk = tl.load(IDX + b * s_ib + h * s_ih + entry, mask=live & ~is_full, other=-1)
+        blk = tl.load(IDX + b * s_ib + hi * s_ih + entry, mask=live & ~is_full, other=-1)
         tok = tl.where(is_full, j, blk * BS + j % BS)
         valid = live & (is_full | (blk >= 0)) & (tok < T)
     else:
@@ -61,7 +65,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
     k = tl.load(k_base + tok[:, None] * s_kt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, TILE] fp32
     if HAS_LOGW:
-        w = tl.load(LOGW + b * s_ib + h * s_ih + entry, mask=valid & ~is_full, other=0.0)
+        w = tl.load(LOGW + b * s_ib + hi * s_ih + entry, mask=valid & ~is_full, other=0.0)
         s += w.to(tl.float32)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
     if WRITE_LOGITS:  # a selection layer keeps its logits (4 bytes per head and token, vs 2·D·2 of K/V)
@@ -82,7 +86,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, h, ful
 
 @triton.jit
 def _sparse_decode_partial(
-    Q, K, V, IDX, LOGW, KMASK, FIRST, LAST, FULL, OUT, LSE, LOGITS,
+    Q, K, V, IDX, IROWS, LOGW, KMASK, FIRST, LAST, FULL, OUT, LSE, LOGITS,
     s_qb, s_qh,
     s_kb, s_kh, s_kt,
     s_vb, s_vh, s_vt,
@@ -95,12 +99,15 @@ def _sparse_decode_partial(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
-    HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr,
+    HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr, HAS_IROWS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
     h = row % HKV
+    hi = h  # the row of the indices (and log weights) this KV head reads
+    if HAS_IROWS:
+        hi = tl.load(IROWS + h)
 
     # full = 1: this row reads every token (a retrieval head, or no indices at all)
     if HAS_IDX:
@@ -135,13 +142,13 @@ def _sparse_decode_partial(
     if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2): CHUNK = chunk there
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
-                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
+                                  b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
                                   WRITE_LOGITS)
     else:
         for j0 in range(start, end, TILE):
             m_i, l_i, acc = _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
-                                  b, h, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
+                                  b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
                                   WRITE_LOGITS)
 
@@ -180,7 +187,9 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
                             tile: int = 64, num_warps: int = 4, num_stages: int = 2,
                             logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                            key_span: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            key_span: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            index_rows: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
     ``logits_out``: a float32 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where masked) of
@@ -192,8 +201,11 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     _, hkv, t, dk = key.shape
     if dk != d or hq % hkv:
         raise ValueError(f"query [B, {hq}, {d}] does not fit key [B, {hkv}, T, {dk}]")
-    if indices is None and (log_weights is not None or full_rows is not None):
-        raise ValueError("log_weights and full_rows need indices (without indices every row reads every token)")
+    if indices is None and (log_weights is not None or full_rows is not None or index_rows is not None):
+        raise ValueError("log_weights, full_rows and index_rows need indices (without indices every row reads "
+                         "every token)")
+    if index_rows is not None and (index_rows.shape != (hkv,) or index_rows.dtype != torch.int32):
+        raise ValueError(f"index_rows must be int32 [{hkv}], got {index_rows.dtype} {list(index_rows.shape)}")
     if logits_out is not None and ((indices is not None and full_rows is None) or logits_out.shape != (b, hq, t)
                                    or logits_out.dtype != torch.float32 or logits_out.stride(-1) != 1):
         raise ValueError(f"logits_out must be a float32 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call or "
@@ -224,7 +236,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     first, last = key_span if key_span is not None else (dummy, dummy)
     _sparse_decode_partial[(b * hkv, splits)](
         query, key, value,
-        idx if idx is not None else dummy, logw if logw is not None else dummy,
+        idx if idx is not None else dummy, index_rows if index_rows is not None else dummy,
+        logw if logw is not None else dummy,
         km if km is not None else dummy, first, last, fr if fr is not None else dummy,
         out_p, lse_p, logits_out if logits_out is not None else out_p,
         query.stride(0), query.stride(1),
@@ -240,13 +253,14 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         CHUNK=chunk if INTERPRETING else 0,
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
         HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
-        WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, num_warps=num_warps, num_stages=num_stages,
+        WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, HAS_IROWS=index_rows is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    return combine_partials(out_p, lse_p, out_dtype)
+    return combine_partials(out_p, lse_p, out_dtype, out=out)
 
 
 @triton.jit
-def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, HKV, G, S,
+def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_yb, s_yh, HKV, G, S,
              SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
     """One (sequence, query head, DB of its D dims): merge its S partials, SB at a time (usually all at once),
     by an online log-sum-exp (each block rescales what came before)."""
@@ -273,18 +287,23 @@ def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, H
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(OUT + pid * D + d, out, mask=d < D)
+    tl.store(OUT + b * s_yb + (h * G + g) * s_yh + d, out, mask=d < D)
     if part == 0:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                     parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``) /
-    ``[B, Hq]`` (float32). ``parts``: programs per head, each merging a slice of D (default: by the GPU's size)."""
+                     parts: int | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``, or
+    written into ``out``, a view with unit last stride) / ``[B, Hq]`` (float32). ``parts``: programs per head, each
+    merging a slice of D (default: by the GPU's size)."""
     b, hkv, splits, g, d = out_p.shape
-    out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
+    if out is None:
+        out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
+    elif out.shape != (b, hkv * g, d) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{b}, {hkv * g}, {d}] with a unit last stride, got {list(out.shape)} "
+                         f"strides {out.stride()}")
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
     sb = min(128, max(16, triton.next_power_of_2(splits)))  # every partial in one block up to 128 of them
     d_pad = triton.next_power_of_2(d)
@@ -295,6 +314,7 @@ def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.
     parts = 1 << (min(parts, d_pad).bit_length() - 1)  # a power of two that divides d_pad
     db = d_pad // parts
     _combine[(b * hkv * g, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
-                                   out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), hkv, g, splits,
+                                   out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), out.stride(0),
+                                   out.stride(1), hkv, g, splits,
                                    SB=sb, D=d, DB=db, num_warps=4 if sb * db <= 4096 else 8)
     return out, lse

@@ -83,16 +83,26 @@ def _ranks(S, LAST, row, s_row, s_last, i, n, RECENT: tl.constexpr):
 
 
 @triton.jit
-def _topk_recent(S, LAST, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr,
-                 N_PAD: tl.constexpr, BITS: tl.constexpr):
-    row = tl.program_id(0)
-    i = tl.arange(0, N_PAD)
-    store_ascending(OUT + row * W, i, top_w(_ranks(S, LAST, row, s_row, s_last, i, n, RECENT), W, BITS), W, W_PAD)
+def _out_row(OUT, OUT_ROWS, row, W: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Where row ``row``'s ids go: its own row of OUT, or the row OUT_ROWS names."""
+    if HAS_ROWS:
+        return OUT + tl.load(OUT_ROWS + row) * W
+    return OUT + row * W
 
 
 @triton.jit
-def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr,
-                       RECENT: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, BITS: tl.constexpr):
+def _topk_recent(S, LAST, OUT, OUT_ROWS, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr,
+                 RECENT: tl.constexpr, N_PAD: tl.constexpr, BITS: tl.constexpr, HAS_ROWS: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N_PAD)
+    store_ascending(_out_row(OUT, OUT_ROWS, row, W, HAS_ROWS), i,
+                    top_w(_ranks(S, LAST, row, s_row, s_last, i, n, RECENT), W, BITS), W, W_PAD)
+
+
+@triton.jit
+def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, OUT_ROWS, s_row, s_last, n, W: tl.constexpr,
+                       W_PAD: tl.constexpr, RECENT: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr,
+                       BITS: tl.constexpr, HAS_ROWS: tl.constexpr):
     """A row split over PARTS programs: each keeps the W largest of its SPAN scores (in id order) in a scratch row;
     the last to arrive chooses among the PARTS·W_PAD kept ones, which are in id order too, so ties still go to
     the lower id and the ids come out ascending."""
@@ -114,7 +124,7 @@ def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, s_row, s_last, n, 
         c = row * PARTS * W_PAD + tl.arange(0, PARTS * W_PAD)
         xs = tl.load(CAND_S + c, cache_modifier=".cg")  # the other parts' candidates, from L2
         ids = tl.load(CAND_I + c, cache_modifier=".cg")
-        store_ascending(OUT + row * W, ids, top_w(xs, W, BITS), W, W_PAD)
+        store_ascending(_out_row(OUT, OUT_ROWS, row, W, HAS_ROWS), ids, top_w(xs, W, BITS), W, W_PAD)
 
 
 def split_parts(rows: int, n: int, w: int, sms: int) -> tuple[int, int]:
@@ -142,10 +152,15 @@ def _warps(n: int) -> int:
 
 
 def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tensor | int | None = None,
-                     num_warps: int | None = None, bits: int = 2, parts: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, bits: int = 2, parts: int | None = None,
+                     out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., n]`` scores → ``[..., min(k, n)]`` int32 ascending ids, -1 padded (see the module docstring).
 
-    ``parts``: programs per row (default :func:`split_parts`, by the GPU's size; 1 = one program per row)."""
+    ``parts``: programs per row (default :func:`split_parts`, by the GPU's size; 1 = one program per row).
+    ``out`` (contiguous int32 ``[..., min(k, n)]`` of any leading shape) with ``out_rows`` (int32, one per row of
+    ``scores``): row i's ids go to row ``out_rows[i]`` of ``out`` flattened to rows, in place; ``out`` is
+    returned. A set kept in another row order (LycheeDecode's, by original head) takes its new rows there
+    without a copy."""
     n = scores.shape[-1]
     if n > MAX_N:
         raise ValueError(f"{n} scores per row exceed the {MAX_N} one program holds; use the reference")
@@ -160,9 +175,19 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
     w = min(k, n)
     w_pad = triton.next_power_of_2(w)
     r = rows.shape[0]
-    out = torch.empty(r, w, device=scores.device, dtype=torch.int32)
+    if (out is None) != (out_rows is None):
+        raise ValueError("out and out_rows go together")
+    if out is not None:
+        if (out.dtype != torch.int32 or not out.is_contiguous() or out.shape[-1] != w or out_rows.dtype != torch.int32
+                or out_rows.shape != (r,)):
+            raise ValueError(f"out must be contiguous int32 [..., {w}] and out_rows int32 [{r}], got {out.dtype} "
+                             f"{list(out.shape)} and {out_rows.dtype} {list(out_rows.shape)}")
+        result, dest = out, out
+    else:
+        dest = torch.empty(r, w, device=scores.device, dtype=torch.int32)
+        result = dest.view(*lead, w)
     if not r:
-        return out.view(*lead, w)
+        return result
     if parts is None:
         sms = torch.cuda.get_device_properties(scores.device).multi_processor_count if scores.is_cuda else 8
         parts, span = split_parts(r, n, w, sms)
@@ -171,12 +196,15 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
         span = triton.next_power_of_2(triton.cdiv(n, parts))
     s_last = last.stride(0) if last.dim() else 0
     if parts == 1:
-        _topk_recent[(r,)](rows, last, out, rows.stride(0), s_last, n, W=w, W_PAD=w_pad, RECENT=recent,
-                           N_PAD=triton.next_power_of_2(n), BITS=bits, num_warps=num_warps or _warps(n))
-        return out.view(*lead, w)
+        _topk_recent[(r,)](rows, last, dest, out_rows if out_rows is not None else dest, rows.stride(0), s_last, n,
+                           W=w, W_PAD=w_pad, RECENT=recent, N_PAD=triton.next_power_of_2(n), BITS=bits,
+                           HAS_ROWS=out_rows is not None, num_warps=num_warps or _warps(n))
+        return result
     cand_s = torch.empty(r, parts * w_pad, device=scores.device, dtype=torch.float32)
     cand_i = torch.empty(r, parts * w_pad, device=scores.device, dtype=torch.int32)
-    _topk_recent_parts[(r, parts)](rows, last, cand_s, cand_i, arrival_counters(scores.device, r), out,
-                                   rows.stride(0), s_last, n, W=w, W_PAD=w_pad, RECENT=recent, SPAN=span, PARTS=parts,
-                                   BITS=bits, num_warps=num_warps or _warps(max(span, parts * w_pad)))
-    return out.view(*lead, w)
+    _topk_recent_parts[(r, parts)](rows, last, cand_s, cand_i, arrival_counters(scores.device, r), dest,
+                                   out_rows if out_rows is not None else dest, rows.stride(0), s_last, n, W=w,
+                                   W_PAD=w_pad, RECENT=recent, SPAN=span, PARTS=parts, BITS=bits,
+                                   HAS_ROWS=out_rows is not None,
+                                   num_warps=num_warps or _warps(max(span, parts * w_pad)))
+    return result
