@@ -524,7 +524,8 @@ def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, bias", [(1, 4608, 3584, True), (8, 3584, 3584, False), (1, 37888, 3584, False),
-                                           (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False)])
+                                           (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False),
+                                           (8, 37888, 3584, False), (3, 17920, 1536, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias, dtype):
     # the custom op with the measured tiles (float32: tiles that fit shared memory, IEEE dots); bf16 output:
@@ -538,6 +539,9 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert kernel_config(17, 3584, 3584) is None  # more rows than one tile
     assert kernel_config(1, 1536, 8960) is None  # 1.5B's down projection: cuBLAS's split-K wins
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
+    assert kernel_config(8, 37888, 3584) == (True, 64, 128, 4, 3)  # 7B's gate/up at 8 rows: measured faster
+    assert kernel_config(8, 37888, 3584, itemsize=4).block_k == 64  # float32: half the columns a tile
+    assert kernel_config(8, 28672, 4096) is None and kernel_config(8, 4608, 3584) is None  # Llama-3-8B, q/k/v
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))  # the CPU takes F.linear
 

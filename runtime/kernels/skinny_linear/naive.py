@@ -28,7 +28,15 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None
     N ≤ K only (7B o 9.4 / 11.5 µs at 8 rows, down 36.1 / 39.1); wider projections measured no faster. A long
     narrow projection (K ≥ 4 N) over fewer than 2048 features has too few programs to stream its weight, and
     cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs). ``tl.dot`` tiles of a 4-byte dtype take half the
-    columns, so their pipeline stages fit in shared memory."""
+    columns, so their pipeline stages fit in shared memory.
+
+    A wide projection (N ≥ 8 K: gate/up) at several rows takes ``tl.dot`` over 64 features × 128 columns in three
+    stages, the best of 60 tiles swept on the 7B's projections at 8 rows (``kernels_linear_sweep8_h200.json`` in
+    ``benchmarks/results``, graph of 16 calls, weights rotated past L2; the current tiles of o and down were the
+    best there too), then checked at 2–16 rows and on other models (``kernels_wide_h200.json``): 7B's gate/up
+    65.6–67.3 µs against cuBLAS's 68.2–69.9, 1.5B's
+    15.9–16.4 against 16.7–17.1. Llama-3-8B's (N = 7 K) stays with cuBLAS, which won there at 2, 4 and 16 rows
+    (56.4 against 58.2 µs at 2), as do q/k/v (11.0 against 16.1 µs on the 7B)."""
     if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
         return None
     dot = Config(True, 32, 1024 // itemsize, 4, 4)
@@ -36,6 +44,8 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None
         return dot
     if rows == 1:
         return Config(False, 32, 256, 8, 3) if n >= 8 * k else Config(False, 8, 512, 8, 2)
+    if n >= 8 * k:
+        return Config(True, 64, 256 // itemsize, 4, 3)
     return dot if n <= k else None
 
 
