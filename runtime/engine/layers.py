@@ -14,17 +14,11 @@ import torch.nn.functional as F
 from runtime.engine.shape import ModelShape
 from runtime.engine.weights import LayerWeights, Weights
 from runtime.kernels.rope_cache import split_rope
-from runtime.kernels.skinny_linear import linear
+from runtime.kernels.skinny_linear import gated_linear, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if kind == "gelu_pytorch_tanh" else "none")
 
 
 def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
@@ -98,8 +92,7 @@ def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_ga
         o = rms_norm(o, norm_attn_out, s.eps)
     x = x + o
     h = rms_norm(x, norm_mlp, s.eps)
-    gate, up = linear(h, w_gate_up).chunk(2, -1)
-    m = linear(activation(gate, s.activation) * up, w_down)
+    m = linear(gated_linear(h, w_gate_up, s.activation), w_down)
     if norm_mlp_out is not None:
         m = rms_norm(m, norm_mlp_out, s.eps)
     x = x + m

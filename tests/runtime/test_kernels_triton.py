@@ -533,6 +533,52 @@ def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias, dtype):
     _check_skinny_linear(m, n, k, bias, None, "cuda", dtype, 0.02 if dtype == torch.bfloat16 else 1e-4)
 
 
+def _check_gated(rows, n, k, kind, config, device, dtype, tol):
+    """The gated kernel against the reference: ``act(gate) · up`` of the two rounded halves."""
+    from runtime.kernels.skinny_linear import naive as ref
+    from runtime.kernels.skinny_linear import triton as tri
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(rows, k, generator=g).to(device, dtype)
+    w = (torch.randn(2 * n, k, generator=g) * 0.2).to(device, dtype)
+    want = ref.gated_linear(x.cpu().float(), w.cpu().float(), kind)
+    if config is None:
+        from runtime.kernels.skinny_linear import gated_linear
+
+        got = gated_linear(x, w, kind)
+    else:
+        got = tri.launch(x, w, None, config, gated=kind)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert (got.cpu().float() - want).abs().max() < tol * (1 + want.abs().max())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("rows, n, k, kind, dot", [(1, 40, 300, "silu", False), (5, 70, 130, "gelu_pytorch_tanh", True),
+                                                   (16, 17, 64, "silu", True)])
+def test_gated_linear_matches_reference_in_interpreter(rows, n, k, kind, dot):
+    """Both tile kinds, ragged N and K: each program's features of the gate and of the up half, activation last."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.skinny_linear.naive import Config
+
+    _check_gated(rows, n, k, kind, Config(dot, 32, 64, 4, 2), "cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, n, k", [(1, 18944, 3584), (8, 18944, 3584), (3, 8960, 1536), (16, 8960, 1536)])
+@pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
+def test_gated_linear_matches_reference_on_gpu(rows, n, k, kind):
+    _check_gated(rows, n, k, kind, None, "cuda", torch.bfloat16, 0.02)
+
+
+def test_gated_linear_off_the_kernel_is_the_projection_then_the_activation():
+    from runtime.kernels.skinny_linear import gated_linear
+
+    x, w = torch.randn(3, 8), torch.randn(10, 8)
+    gate, up = torch.nn.functional.linear(x, w).chunk(2, -1)
+    assert torch.equal(gated_linear(x, w, "gelu"), torch.nn.functional.gelu(gate) * up)  # the CPU: no kernel
+
+
 def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     from runtime.kernels.skinny_linear import kernel_config, linear
 

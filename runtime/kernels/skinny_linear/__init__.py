@@ -1,6 +1,7 @@
 """Linear layers of a decode step: a few rows against a large weight, read once at memory speed.
 
-``linear(x, weight, bias=None) -> y``
+``linear(x, weight, bias=None) -> y`` and ``gated_linear(x, weight, activation) -> act(x @ gate.T) · (x @ up.T)``
+for an MLP's gate/up projection ``weight = [gate; up]``
 
 ============  ====================  ==========================================================
 ``x``         ``[..., K]``          the activations; a decode step has 1–16 rows
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.skinny_linear.naive import MAX_ROWS, kernel_config, skinny_linear
+from runtime.kernels.skinny_linear.naive import GATED, MAX_ROWS, activation, kernel_config, skinny_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,4 +39,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-__all__ = ["MAX_ROWS", "kernel_config", "linear", "skinny_linear"]
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``act(gate) · up`` of ``x @ weight.T``'s two halves. Where :func:`linear` would take the kernel (CUDA, up to
+    :data:`MAX_ROWS` rows, a measured-faster shape) and the activation is one of :data:`GATED`, one kernel streams
+    both halves and applies the activation before it writes (no activation kernel after it, half the output);
+    elsewhere the projection, then the activation in ``x``'s dtype."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (x.is_cuda and kind in GATED and 0 < rows <= MAX_ROWS
+            and kernel_config(rows, *weight.shape, x.element_size()) is not None):
+        from runtime.kernels.skinny_linear import triton  # noqa: F401  (registers torch.ops.rolecall.skinny_gated)
+
+        y = torch.ops.rolecall.skinny_gated(x.reshape(rows, x.shape[-1]), weight, kind)
+        return y.view(*x.shape[:-1], weight.shape[0] // 2)
+    gate, up = linear(x, weight).chunk(2, -1)
+    return activation(gate, kind) * up
+
+
+__all__ = ["GATED", "MAX_ROWS", "activation", "gated_linear", "kernel_config", "linear", "skinny_linear"]

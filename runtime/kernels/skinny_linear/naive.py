@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # the kernel pads the rows to one 16-row tensor-core tile
+GATED = ("silu", "gelu_pytorch_tanh")  # activations the kernel applies itself to a gated projection
 
 
 class Config(NamedTuple):
@@ -53,3 +54,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``x @ weight.T + bias`` accumulated in float32 and rounded once to ``x``'s dtype."""
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
+
+
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """An MLP's activation by its config name (``silu``, ``gelu_pytorch_tanh``, ``gelu``)."""
+    if kind == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if kind == "gelu_pytorch_tanh" else "none")
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """Reference of the gated kernel: ``act(gate) · up`` in float32 from the two halves of ``x @ weight.T``, each
+    rounded to ``x``'s dtype, then rounded once."""
+    gate, up = skinny_linear(x, weight).float().chunk(2, -1)
+    return (activation(gate, kind) * up).to(x.dtype)
