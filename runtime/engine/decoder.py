@@ -112,6 +112,7 @@ class StaticDecoder:
         self._capture_when_settled: int | None = None  # capture()'s warm-up, deferred until then
         self.capture_s = 0.0  # seconds spent capturing graphs, a deferred capture included
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
+        self._last_block: dict[int, torch.Tensor] = {}  # see _run and select
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
         # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
@@ -332,7 +333,9 @@ class StaticDecoder:
         when :meth:`triton_topk` of ``n`` is not None. With ``out`` and ``out_rows`` (see
         :func:`runtime.kernels.topk_select.triton.topk_with_recent`) row i of the choice is written to row
         ``out_rows[i]`` of ``out`` in place, and ``out`` is returned."""
-        last = torch.div(self.cache.length, block_size, rounding_mode="floor")
+        last = self._last_block.get(block_size)  # once a step per block size, not once a call
+        if last is None:
+            last = self._last_block[block_size] = torch.div(self.cache.length, block_size, rounding_mode="floor")
         fast = self.triton_topk(scores.shape[-1])
         if fast is not None:
             return fast(scores, k, recent, last=last, out=out, out_rows=out_rows)
@@ -370,6 +373,7 @@ class StaticDecoder:
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
         spans = self._spans(length)
+        self._last_block: dict[int, torch.Tensor] = {}  # the new token's block, per block size (select)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
