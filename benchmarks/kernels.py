@@ -21,6 +21,9 @@ launch overhead nor the graph's own launch counts.
 
 ``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows): the linear layer the
 engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated past L2.
+``--linear-tiles`` sweeps the Triton kernel's ``tl.dot`` tiles (features × columns × warps × stages, 72 of them) on
+each projection at 2 / 8 / 16 rows against cuBLAS, and times the gated gate/up kernel (``gated_linear``: ``act(gate)
+· up`` written by the projection) against the projection followed by the activation, as the engine ran it before.
 ``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 8 to 256 rows, k = 128 and
 512): the Triton kernel as the engine runs it (``split``), and in one program per row by radix counting (2 bits a
 round) and by histogram (8 bits a round) at 4 / 8 / 16 warps, against ``torch.topk``.
@@ -306,6 +309,54 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     return out
 
 
+TILES = [(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for warps in (4, 8)
+         for stages in (3, 4, 5)]
+
+
+def linear_tile_rows(rows_list=(2, 8, 16)) -> list[dict]:
+    """Every ``tl.dot`` tile of the skinny kernel on each projection against cuBLAS (tiles that do not fit shared
+    memory are skipped), and the gated gate/up kernel against the projection then the activation."""
+    from triton.runtime.errors import OutOfResources
+
+    from runtime.kernels.skinny_linear import activation, gated_linear, kernel_config
+    from runtime.kernels.skinny_linear.naive import Config
+    from runtime.kernels.skinny_linear.triton import launch
+
+    out = []
+    for name, (n, k, bias) in PROJECTIONS.items():
+        copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))
+        ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+               torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            times = {"cublas": graph_ms(lambda w, b, x=x: F.linear(x, w, b), Rotating.of(ws))}
+            for bn, bk, warps, stages in TILES:
+                config = Config(True, bn, bk, warps, stages)
+                try:  # compiled outside the graph: a tile that does not fit fails here
+                    launch(x, *ws[0], config)
+                except OutOfResources:
+                    continue
+                times[f"{bn}x{bk} w{warps} s{stages}"] = graph_ms(
+                    lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
+            chosen = kernel_config(rows, n, k)
+            row = {"projection": name, "rows": rows, "n": n, "k": k, "times_ms": times,
+                   "engine_tile": None if chosen is None else f"{chosen.block_n}x{chosen.block_k} w{chosen.warps} "
+                                                               f"s{chosen.stages}"}
+            if name.endswith("gate_up"):
+                row["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
+                row["projection_then_activation_ms"] = graph_ms(
+                    lambda w, b, x=x: (lambda g, u: activation(g, "silu") * u)(*F.linear(x, w).chunk(2, -1)),
+                    Rotating.of(ws))
+            out.append(row)
+            best = sorted(times, key=times.get)[:3]
+            print(f"tiles {name:>13} rows {rows:>2}: " + ", ".join(f"{t} {1e3 * times[t]:.1f}" for t in best)
+                  + f" µs (engine: {row['engine_tile'] or 'cublas'})"
+                  + (f"; gated {1e3 * row['gated_ms']:.1f} µs against {1e3 * row['projection_then_activation_ms']:.1f}"
+                     if "gated_ms" in row else ""), flush=True)
+        del ws
+    return out
+
+
 TOPK_SHAPES = ((8, 8192, 128), (8, 8192, 512), (9, 8192, 128), (256, 8192, 128), (8, 2048, 128),
                (64, 2048, 128))  # (rows, scores per row, k): a Δ-layer's choice at 128K x 8 (512: refine=4), ...
 
@@ -383,6 +434,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--sweep", action="store_true", help="also time tile / chunk / warps / stages per shape")
     parser.add_argument("--linear", action="store_true", help="also time the decode step's linear layers")
+    parser.add_argument("--linear-tiles", action="store_true",
+                        help="also sweep the linear kernel's tiles and time the gated gate/up kernel")
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
@@ -403,6 +456,8 @@ def main() -> int:
                   "calls_per_graph": CALLS_PER_GRAPH}
         if args.linear:
             report["linear"] = linear_rows(copy_bw)
+        if args.linear_tiles:
+            report["linear_tiles"] = linear_tile_rows()
         if args.topk:
             report["topk"] = topk_rows()
         if args.refine:
@@ -417,6 +472,8 @@ def main() -> int:
               "num_stages": stages, "tuning_ms": tuning, "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}
     if args.linear:
         report["linear"] = linear_rows(copy_bw)
+    if args.linear_tiles:
+        report["linear_tiles"] = linear_tile_rows()
     if args.topk:
         report["topk"] = topk_rows()
     if args.refine:
