@@ -22,7 +22,7 @@ launch overhead nor the graph's own launch counts.
 ``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows): the linear layer the
 engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated past L2.
 ``--linear-tiles`` sweeps the Triton kernel's ``tl.dot`` tiles (features × columns × warps × stages, 72 of them) on
-each projection at 2 / 8 / 16 rows against cuBLAS, and times the gated gate/up kernel (``gated_linear``: ``act(gate)
+each projection (and Llama-3-8B's gate/up) at 2 / 8 / 16 rows against cuBLAS, and times the gated gate/up kernel (``gated_linear``: ``act(gate)
 · up`` written by the projection) against the projection followed by the activation, as the engine ran it before.
 ``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 8 to 256 rows, k = 128 and
 512): the Triton kernel as the engine runs it (``split``), and in one program per row by radix counting (2 bits a
@@ -278,6 +278,7 @@ PROJECTIONS = {  # name: (N, K, bias) of y = x W^T (+ b)
     "7b qkv": (4608, 3584, True), "7b o": (3584, 3584, False), "7b gate_up": (37888, 3584, False),
     "7b down": (3584, 18944, False), "1.5b qkv": (2048, 1536, True), "1.5b o": (1536, 1536, False),
     "1.5b gate_up": (17920, 1536, False), "1.5b down": (1536, 8960, False),
+    "llama8b gate_up": (28672, 4096, False),  # N = 7 K: where the wide tiles' rule (N >= 8 K) stops
 }
 
 
