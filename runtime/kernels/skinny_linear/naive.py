@@ -32,12 +32,10 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None
     columns, so their pipeline stages fit in shared memory.
 
     A wide projection (N ≥ 8 K: gate/up) at several rows takes ``tl.dot`` over 64 features × 128 columns in three
-    stages, the best of 60 tiles swept on the 7B's projections at 8 rows (``kernels_linear_sweep8_h200.json`` in
-    ``benchmarks/results``, graph of 16 calls, weights rotated past L2; the current tiles of o and down were the
-    best there too), then checked at 2–16 rows and on other models (``kernels_wide_h200.json``): 7B's gate/up
-    65.6–67.3 µs against cuBLAS's 68.2–69.9, 1.5B's
-    15.9–16.4 against 16.7–17.1. Llama-3-8B's (N = 7 K) stays with cuBLAS, which won there at 2, 4 and 16 rows
-    (56.4 against 58.2 µs at 2), as do q/k/v (11.0 against 16.1 µs on the 7B)."""
+    stages, the best of 72 tiles at 2, 8 and 16 rows (``python benchmarks/kernels.py --no-attention
+    --linear-tiles``, ``benchmarks/results/kernels_tiles_h200.json``): 7B's gate/up 65.2–66.7 µs against cuBLAS's
+    71.7–73.1, 1.5B's 15.8–16.2 against 17.4–17.9. Llama-3-8B's (N = 7 K) stays with cuBLAS (57.3 µs at 8 rows,
+    the best tile 57.6), as do q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down."""
     if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
         return None
     dot = Config(True, 32, 1024 // itemsize, 4, 4)
