@@ -112,7 +112,7 @@ class StaticDecoder:
         self._capture_when_settled: int | None = None  # capture()'s warm-up, deferred until then
         self.capture_s = 0.0  # seconds spent capturing graphs, a deferred capture included
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
-        self._last_block: dict[int, torch.Tensor] = {}  # see _run and select
+        self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (select)
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
         # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
@@ -373,7 +373,7 @@ class StaticDecoder:
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
         spans = self._spans(length)
-        self._last_block: dict[int, torch.Tensor] = {}  # the new token's block, per block size (select)
+        self._last_block = {}  # the new token's block per block size, made by select once a step
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere

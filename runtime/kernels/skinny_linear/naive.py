@@ -26,10 +26,10 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None
     from HBM as in a decode step). One row: a float32 multiply-add over 512-column tiles, 8 features a program
     (32 over 256 columns for a wide projection such as gate/up, N ≥ 8 K) — 7B: q/k/v 10.5 µs against cuBLAS's
     11.7, o 8.8 / 11.6, gate/up 64.1 / 70.9. Several rows: ``tl.dot`` over 32 features × 512 columns, taken for
-    N ≤ K only (7B o 9.4 / 11.5 µs at 8 rows, down 36.1 / 39.1); wider projections measured no faster. A long
-    narrow projection (K ≥ 4 N) over fewer than 2048 features has too few programs to stream its weight, and
-    cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs). ``tl.dot`` tiles of a 4-byte dtype take half the
-    columns, so their pipeline stages fit in shared memory.
+    N ≤ K only (7B o 9.4 / 11.5 µs at 8 rows, down 36.1 / 39.1); wider projections measured no faster with these
+    tiles. A long narrow projection (K ≥ 4 N) over fewer than 2048 features has too few programs to stream its
+    weight, and cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs). ``tl.dot`` tiles of a 4-byte dtype take
+    half the columns, so their pipeline stages fit in shared memory.
 
     A wide projection (N ≥ 8 K: gate/up) at several rows takes ``tl.dot`` over 64 features × 128 columns in three
     stages, the best of 72 tiles at 2, 8 and 16 rows (``python benchmarks/kernels.py --no-attention
