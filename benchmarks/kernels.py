@@ -282,6 +282,13 @@ PROJECTIONS = {  # name: (N, K, bias) of y = x W^T (+ b)
 }
 
 
+def projection_copies(n: int, k: int, bias: bool) -> list[tuple]:
+    """Enough random ``(weight [N, K], bias)`` copies of a projection that cycling through them misses L2."""
+    copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))
+    return [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+             torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
+
+
 def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     """The engine's linear layer against cuBLAS on each projection, as a decode step runs it (graph-captured,
     each call a different copy of the weight so that none is served from L2)."""
@@ -289,9 +296,7 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
 
     out = []
     for name, (n, k, bias) in PROJECTIONS.items():
-        copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))
-        ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
-               torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
+        ws = projection_copies(n, k, bias)
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             times = {}
@@ -325,9 +330,7 @@ def linear_tile_rows(rows_list=(2, 8, 16)) -> list[dict]:
 
     out = []
     for name, (n, k, bias) in PROJECTIONS.items():
-        copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))
-        ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
-               torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
+        ws = projection_copies(n, k, bias)
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             times = {"cublas": graph_ms(lambda w, b, x=x: F.linear(x, w, b), Rotating.of(ws))}
