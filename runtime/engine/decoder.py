@@ -7,6 +7,10 @@ sync and no shape that changes per step, so the step is captured in a CUDA graph
 replayed. Attention goes through the policy's static step (``policy.static_step(shape)``, written in the
 policy's own file); sliding-window layers of hybrid models read their window themselves.
 
+A selection layer's choice may run beside the step on a second stream (:meth:`StaticDecoder.attend_and_choose`:
+DELTA's page scores and top-k), joined where the choice is first read and at the end of the step, so the graph
+captures both branches.
+
 Short contexts: a sparse policy reads nothing less than full below its budget and pays for selection, so
 below ``min_context`` tokens :meth:`step` runs the full step instead (two graphs over the same buffers; the
 host knows the length because it issued every step). The default threshold is the measured crossover for
@@ -112,7 +116,9 @@ class StaticDecoder:
         self._capture_when_settled: int | None = None  # capture()'s warm-up, deferred until then
         self.capture_s = 0.0  # seconds spent capturing graphs, a deferred capture included
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
-        self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (select)
+        self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (last_block)
+        self._aside: dict[Any, Any] = {}  # per device, the second stream of attend_and_choose
+        self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
         # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
@@ -314,6 +320,31 @@ class StaticDecoder:
                         out=out[:, r * g:])
         return out, scores
 
+    def attend_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan, block_size: int,
+                          per_kv_head: bool, count: int, recent: int) -> tuple[torch.Tensor, Pending]:
+        """Dense attention, and the blocks :meth:`select` chooses from its block scores (as
+        :meth:`attend_and_score` then :meth:`select`), the choice :class:`Pending`: on the GPU the block scores
+        and the top-k run on a second stream beside the rest of the layer and the next layer's projections, and
+        the step's stream waits for them where the choice is first read (``Pending.result``) or at the end of the
+        step. The references (and the Triton kernels under the CPU interpreter) compute it in line."""
+        if not (self.triton and q.is_cuda):
+            out, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head)
+            return out, Pending(self.select(scores, block_size, count, recent))
+        b, hq, _ = q.shape
+        logits = torch.empty(b, hq, k.shape[2], device=q.device, dtype=torch.float32)
+        out, lse = self._sparse_triton.sparse_decode_attention(q, k, v, scale=self.shape.attention_scale,
+                                                               logits_out=logits, **self.keys(span, k.shape[2]),
+                                                               **self._out)
+        self.last_block(block_size)  # made on the step's stream, which every later selection may read
+        side = self._aside.setdefault(q.device, torch.cuda.Stream(q.device))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, k.shape[1], per_kv_head)
+            chosen = self.select(scores, block_size, count, recent)
+        self._joins.add(side)
+        # the logits stay referenced until the step's stream has waited: no kernel of it reuses their memory early
+        return out, Pending(chosen, side, keep=(logits, lse, scores))
+
     def compiled(self, fn: Any) -> Any:
         """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its
         small ops. ``dynamic=None``: the first shape compiles static code, a second one recompiles with the
@@ -333,9 +364,7 @@ class StaticDecoder:
         when :meth:`triton_topk` of ``n`` is not None. With ``out`` and ``out_rows`` (see
         :func:`runtime.kernels.topk_select.triton.topk_with_recent`) row i of the choice is written to row
         ``out_rows[i]`` of ``out`` in place, and ``out`` is returned."""
-        last = self._last_block.get(block_size)  # once a step per block size, not once a call
-        if last is None:
-            last = self._last_block[block_size] = torch.div(self.cache.length, block_size, rounding_mode="floor")
+        last = self.last_block(block_size)
         fast = self.triton_topk(scores.shape[-1])
         if fast is not None:
             return fast(scores, k, recent, last=last, out=out, out_rows=out_rows)
@@ -344,6 +373,13 @@ class StaticDecoder:
             return chosen
         width = chosen.shape[-1]
         return out.view(-1, width).index_copy_(0, out_rows.long(), chosen.reshape(-1, width)).view(out.shape)
+
+    def last_block(self, block_size: int) -> torch.Tensor:
+        """The new token's block (a device scalar), made once a step per block size."""
+        last = self._last_block.get(block_size)
+        if last is None:
+            last = self._last_block[block_size] = torch.div(self.cache.length, block_size, rounding_mode="floor")
+        return last
 
     # -- one step ----------------------------------------------------------------------------------------------
     def _spans(self, length: torch.Tensor) -> dict[Any, Any]:
@@ -373,7 +409,7 @@ class StaticDecoder:
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
         spans = self._spans(length)
-        self._last_block = {}  # the new token's block per block size, made by select once a step
+        self._last_block = {}  # the new token's block per block size (last_block)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
@@ -389,6 +425,9 @@ class StaticDecoder:
                 o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
             x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
                               lw.w_down, lw.norm_mlp_out, L.next_norm(w, i))
+        for side in self._joins:  # work put beside the step (attend_and_choose) ends within it
+            torch.cuda.current_stream().wait_stream(side)
+        self._joins.clear()
         self.choose(L.logits(w, h))
         length.add_(1)
 
@@ -411,6 +450,20 @@ class StaticDecoder:
         return prefill(self, input_ids, pads, chunk)
 
 
+class Pending:
+    """A value computed on another stream (``stream``) or already in hand (``stream=None``). :meth:`result` makes the
+    current stream wait for it once, then returns it; ``keep`` holds the tensors that work reads until then."""
+
+    def __init__(self, value: Any, stream: Any = None, keep: tuple = ()) -> None:
+        self.value, self._stream, self._keep = value, stream, keep
+
+    def result(self) -> Any:
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+            self._stream, self._keep = None, ()
+        return self.value
+
+
 def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, list[int]]:
     """Token id lists of any lengths → a left-padded ``[B, P]`` tensor and the pad count of each row."""
     width = max(len(r) for r in rows)
@@ -419,7 +472,7 @@ def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[t
     return ids, pads
 
 
-__all__ = ["StaticDecoder", "pad_left", "static_step_of"]
+__all__ = ["Pending", "StaticDecoder", "pad_left", "static_step_of"]
 
 
 _COMPILE_FAILED: set[Any] = set()  # the code of functions whose compilation failed once in this process

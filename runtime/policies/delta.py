@@ -171,15 +171,15 @@ class DeltaStep:
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         role = self.roles[layer]
         if role == LAYER_ROLE_SELECT:
-            out, scores = dec.attend_and_score(q, k, v, span, self.page_size, per_kv_head=self.per_head)
             chosen = self.num_pages * self.refine  # candidates when refining
-            pages = dec.select(scores, self.page_size, chosen, self.recent_pages)  # [B, (Hkv,) N]
-            if not self.per_head:
-                pages = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
-            state["delta.pages"] = pages
+            # the choice is made beside the rest of this layer and the next one's projections (a second stream)
+            out, state["delta.pages"] = dec.attend_and_choose(q, k, v, span, self.page_size, self.per_head, chosen,
+                                                              self.recent_pages)
             return out
         if role == LAYER_ROLE_SPARSE:
-            pages = state["delta.pages"]
+            pages = state["delta.pages"].result()  # [B, (Hkv,) N]
+            if pages.dim() == 2:
+                pages = pages[:, None, :].expand(q.shape[0], k.shape[1], pages.shape[-1])  # no copy
             if self.meta is not None:  # the new token's page metadata, then the choice: one launch on the GPU
                 # the Triton program holds a row of candidates as the top-k kernel holds one of scores: the
                 # decoder's one rule on row sizes says whether it runs, else the reference does
