@@ -330,13 +330,12 @@ class StaticDecoder:
         if not (self.triton and q.is_cuda):
             out, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head)
             return out, Pending(self.select(scores, block_size, count, recent))
-        b, hq, _ = q.shape
-        logits = torch.empty(b, hq, k.shape[2], device=q.device, dtype=torch.float32)
-        out, lse = self._sparse_triton.sparse_decode_attention(q, k, v, scale=self.shape.attention_scale,
-                                                               logits_out=logits, **self.keys(span, k.shape[2]),
-                                                               **self._out)
+        out, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale,
+                                                                   **self.keys(span, k.shape[2]), **self._out)
         self.last_block(block_size)  # made on the step's stream, which every later selection may read
-        side = self._aside.setdefault(q.device, torch.cuda.Stream(q.device))
+        side = self._aside.get(q.device)
+        if side is None:
+            side = self._aside[q.device] = torch.cuda.Stream(q.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, k.shape[1], per_kv_head)

@@ -175,12 +175,20 @@ def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     written to memory and K is read once. The logits stay float32: float16 halves their bytes but made DELTA's
     step no faster (DS-Qwen-7B shape, 128K × 8, H200).
     """
+    out, lse, logits = decode_keeping_logits(query, key, value, scale, key_mask=key_mask, **kernel)
+    scores = page_scores_from_logits(logits, lse, page_size, key.shape[1], per_kv_head)
+    return out, lse, scores
+
+
+def decode_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                          key_mask: torch.Tensor | None = None,
+                          **kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full decode attention that keeps its logits: ``(out [B, Hq, D], lse [B, Hq], logits [B, Hq, T] float32)``,
+    what :func:`page_scores_from_logits` reads (:func:`decode_and_score` does both in turn)."""
     from runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
-    t = key.shape[2]
-    logits = torch.empty(b, hq, t, device=query.device, dtype=torch.float32)
+    logits = torch.empty(b, hq, key.shape[2], device=query.device, dtype=torch.float32)
     out, lse = attention.sparse_decode_attention(query, key, value, scale=scale, key_mask=key_mask,
                                                  logits_out=logits, **kernel)
-    scores = page_scores_from_logits(logits, lse, page_size, key.shape[1], per_kv_head)
-    return out, lse, scores
+    return out, lse, logits
