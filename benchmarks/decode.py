@@ -54,6 +54,7 @@ from runtime.policies import get_policy  # noqa: E402
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
 GIB = 2**30
+POLICIES = ("full", "delta", "delta-refine", "lychee", "quest", "vattention", "lethe")  # what make_policy builds
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
     elif name == "lethe":  # the same budget in every layer
         policy, manifest = get_policy("lethe", budget=budget), None
     else:
-        raise SystemExit(f"unknown policy {name!r}; known: full, delta, delta-refine, lychee, quest, vattention, lethe")
+        raise SystemExit(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     policy.bind(manifest, _config(shape))
     return policy
 
@@ -414,6 +415,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for m in args.models:
         if m not in SHAPES:
             p.error(f"unknown model {m!r}; known: {', '.join(SHAPES)}")
+    for name in args.policies:  # refused before anything is timed
+        if name not in POLICIES:
+            p.error(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     if args.smoke:
         args.contexts = [c for c in args.contexts if c <= 256] or [64, 160]
         args.batches = [min(b, 2) for b in args.batches]

@@ -171,6 +171,12 @@ def test_benchmark_smoke_run(tmp_path):
     assert bench.gpu_slug("NVIDIA H200") == "h200" and bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
 
 
+def test_benchmark_refuses_an_unknown_policy_before_timing(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--smoke", "--policies", "full,bogus"])
+    assert "unknown policy 'bogus'; known: full, delta" in capsys.readouterr().err
+
+
 # -- on a GPU ------------------------------------------------------------------------------------------------------
 GPU_SHAPE = ModelShape(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=128, intermediate=1024, vocab=1000)
 
