@@ -44,7 +44,7 @@ from runtime.kernels.sparse_attention import use_triton
 from runtime.kernels.topk_select import topk_with_recent
 
 WINDOW_BLOCK = 64  # block size of a sliding-window layer's read set
-MIXED_MAX_BATCH = 8  # from this batch size a mixed retrieval/sparse layer takes two launches (see attend_mixed)
+MIXED_MAX_BATCH = 8  # from this batch size a mixed retrieval/sparse layer takes two launches (see attend_mixed_and_choose)
 
 
 def static_step_of(policy: Any, shape: Any) -> Any:
@@ -291,58 +291,68 @@ class StaticDecoder:
                                               per_kv_head=per_kv_head, **keys)
         return (out.copy_(o) if out is not None else o), scores
 
-    def attend_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
-                     indices: torch.Tensor, block_size: int, full_heads: int,
-                     index_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``full_heads`` KV heads read everything and score blocks per KV head, the others read
-        ``indices`` (KV head h its row ``index_rows[h]`` when given, see :meth:`attend`):
-        ``(out [B, Hq, D], scores [B, full_heads, n])``.
+    def attend_mixed_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
+                                indices: torch.Tensor, block_size: int, full_heads: int, count: int, recent: int,
+                                index_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending]:
+        """The first ``full_heads`` KV heads read everything and choose blocks per KV head (as
+        :meth:`attend_and_choose`), the others read ``indices`` (KV head h its row ``index_rows[h]`` when given,
+        see :meth:`attend`): ``(out [B, Hq, D], Pending(choice [B, full_heads, count]))``; with ``out``/``out_rows``
+        the choice goes into rows of ``out`` as in :meth:`select`.
 
-        On the GPU below :data:`MIXED_MAX_BATCH` rows this is one launch; from there on a dense launch over the
-        head prefix and a block-sparse one over the rest, which measured faster (DS-Qwen-7B shape, 32 of 112
-        retrieval heads, 2K budget, H200: 128K × 1 7.21 vs 7.30 ms a step, 32K × 1 6.12 vs 6.25; 128K × 8 12.78
-        vs 11.91, 32K × 8 7.69 vs 7.61: at 8 rows the long rows' split-K partials outweigh the saved launch).
-        The references always take the two calls."""
-        if self.triton and self.batch < MIXED_MAX_BATCH:
-            out, _, scores = self._page_triton.mixed_decode_and_score(
-                q, k, v, indices, self.shape.attention_scale, block_size, full_heads, index_rows=index_rows,
-                **self.keys(span, k.shape[2]), **self._out)
-            return out, scores
+        On the GPU below :data:`MIXED_MAX_BATCH` rows the attention is one launch; from there on a dense launch
+        over the head prefix and a block-sparse one over the rest, which measured faster (DS-Qwen-7B shape, 32 of
+        112 retrieval heads, 2K budget, H200: 128K × 1 7.21 vs 7.30 ms a step, 32K × 1 6.12 vs 6.25; 128K × 8
+        12.78 vs 11.91, 32K × 8 7.69 vs 7.61: at 8 rows the long rows' split-K partials outweigh the saved
+        launch). The references always take the two calls."""
         g = q.shape[1] // k.shape[1]
         r = full_heads
-        out = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
-        _, scores = self.attend_and_score(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, per_kv_head=True,
-                                          out=out[:, :r * g])
-        if index_rows is None:
-            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices[:, r:], block_size, out=out[:, r * g:])
-        else:
-            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, indices, block_size, index_rows=index_rows[r:],
-                        out=out[:, r * g:])
-        return out, scores
+        rows = index_rows[r:] if index_rows is not None else None
+        sparse = indices if index_rows is not None else indices[:, r:]
+        if self.triton and q.is_cuda and self.batch < MIXED_MAX_BATCH:
+            o, lse, logits = self._page_triton.mixed_keeping_logits(
+                q, k, v, indices, self.shape.attention_scale, block_size, r, index_rows=index_rows,
+                **self.keys(span, k.shape[2]), **self._out)
+            return o, self._choose_aside(logits, lse[:, :r * g], block_size, r, True, count, recent, out, out_rows)
+        o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
+        head, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count,
+                                              recent, out=out, out_rows=out_rows, into=o[:, :r * g])
+        self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows, out=o[:, r * g:])
+        return o, chosen
 
     def attend_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan, block_size: int,
-                          per_kv_head: bool, count: int, recent: int) -> tuple[torch.Tensor, Pending]:
-        """Dense attention, and the blocks :meth:`select` chooses from its block scores (as
-        :meth:`attend_and_score` then :meth:`select`), the choice :class:`Pending`: on the GPU the block scores
-        and the top-k run on a second stream beside the rest of the layer and the next layer's projections, and
-        the step's stream waits for them where the choice is first read (``Pending.result``) or at the end of the
-        step. The references (and the Triton kernels under the CPU interpreter) compute it in line."""
+                          per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None = None,
+                          out_rows: torch.Tensor | None = None,
+                          into: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending]:
+        """Dense attention (written into ``into`` when given), and the blocks :meth:`select` chooses from its
+        block scores (as :meth:`attend_and_score` then :meth:`select`, ``out``/``out_rows`` as there), the
+        choice :class:`Pending`: on the GPU the block scores and the top-k run on a second stream beside the rest
+        of the layer and the next layer's projections, and the step's stream waits for them where the choice is
+        first read (``Pending.result``) or at the end of the step. The references (and the Triton kernels under
+        the CPU interpreter) compute it in line."""
         if not (self.triton and q.is_cuda):
-            out, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head)
-            return out, Pending(self.select(scores, block_size, count, recent))
-        out, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale,
-                                                                   **self.keys(span, k.shape[2]), **self._out)
+            o, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head, out=into)
+            return o, Pending(self.select(scores, block_size, count, recent, out=out, out_rows=out_rows))
+        o, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale, out=into,
+                                                                 **self.keys(span, k.shape[2]), **self._out)
+        return o, self._choose_aside(logits, lse, block_size, k.shape[1], per_kv_head, count, recent, out, out_rows)
+
+    def _choose_aside(self, logits: torch.Tensor, lse: torch.Tensor, block_size: int, kv_heads: int,
+                      per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None,
+                      out_rows: torch.Tensor | None) -> Pending:
+        """Block scores from kept ``logits``/``lse`` and the top-k over them, on the second stream (see
+        :meth:`attend_and_choose`)."""
         self.last_block(block_size)  # made on the step's stream, which every later selection may read
-        side = self._aside.get(q.device)
+        side = self._aside.get(logits.device)
         if side is None:
-            side = self._aside[q.device] = torch.cuda.Stream(q.device)
+            side = self._aside[logits.device] = torch.cuda.Stream(logits.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, k.shape[1], per_kv_head)
-            chosen = self.select(scores, block_size, count, recent)
+            scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, kv_heads, per_kv_head)
+            chosen = self.select(scores, block_size, count, recent, out=out, out_rows=out_rows)
         self._joins.add(side)
         # the logits stay referenced until the step's stream has waited: no kernel of it reuses their memory early
-        return out, Pending(chosen, side, keep=(logits, lse, scores))
+        return Pending(chosen, side, keep=(logits, lse, scores))
 
     def compiled(self, fn: Any) -> Any:
         """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its

@@ -190,18 +190,20 @@ class LycheeStep:
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         b, hkv = k.shape[:2]
         order, out_rows, all_rows = self._device_maps(k.device, b)[layer]
-        r, bs = self.n_retrieval[layer], self.block_size
-        sets = state.get("lychee.sets")  # [B, Hkv, N] by original head index
+        r, bs, n = self.n_retrieval[layer], self.block_size, self.num_blocks
+        pending = state.get("lychee.sets")  # Pending([B, Hkv, N] by original head index), chosen beside the step
+        sets = pending.result() if pending is not None else None
         if r == hkv or sets is None:  # every head chooses (the first layer): one dense launch
-            out, scores = dec.attend_and_score(q, k, v, span, bs, per_kv_head=True)
-            out_rows = all_rows
+            if sets is None:  # the first layer writes every head's row
+                sets = torch.empty(b, hkv, min(n, math.ceil(k.shape[2] / bs)), device=k.device, dtype=torch.int32)
+            out, chosen = dec.attend_and_choose(q, k, v, span, bs, True, n, self.recent_blocks, out=sets,
+                                                out_rows=all_rows)
         elif r == 0:  # every head reads what it inherits
             return dec.attend(q, k, v, span, sets, bs, index_rows=order)
-        else:  # one launch: retrieval heads (stored first) read all and score, sparse heads read their sets
-            out, scores = dec.attend_mixed(q, k, v, span, sets, bs, r, index_rows=order)
-        if sets is None:  # the first layer writes every head's row
-            sets = torch.empty(b, hkv, min(self.num_blocks, scores.shape[-1]), device=k.device, dtype=torch.int32)
-        state["lychee.sets"] = dec.select(scores, bs, self.num_blocks, self.recent_blocks, out=sets, out_rows=out_rows)
+        else:  # retrieval heads (stored first) read all and choose, sparse heads read their sets
+            out, chosen = dec.attend_mixed_and_choose(q, k, v, span, sets, bs, r, n, self.recent_blocks,
+                                                      index_rows=order, out=sets, out_rows=out_rows)
+        state["lychee.sets"] = chosen  # written into sets' rows of this layer's retrieval heads
         return out
 
 

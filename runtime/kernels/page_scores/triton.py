@@ -20,6 +20,7 @@ layer's K/V bytes, paid on the few Δ-layers (or retrieval heads) only.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -141,11 +142,24 @@ def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: 
 
 def mixed_decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
                            scale: float, block_size: int, full_heads: int, key_mask: torch.Tensor | None = None,
-                           **kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch for a layer whose first ``full_heads`` KV heads read every token (LycheeDecode's retrieval
     heads, stored first) and whose others read ``indices`` ``[B, Hkv, N]`` (blocks of ``block_size``):
     ``(out [B, Hq, D], lse [B, Hq], scores [B, full_heads, pages])``, the block scores of the full heads per KV
-    head, from the logits that only they keep."""
+    head, from the logits that only they keep (:func:`mixed_keeping_logits`, then
+    :func:`page_scores_from_logits`)."""
+    g = query.shape[1] // key.shape[1]
+    out, lse, logits = mixed_keeping_logits(query, key, value, indices, scale, block_size, full_heads,
+                                            key_mask=key_mask, **kernel)
+    scores = page_scores_from_logits(logits, lse[:, :full_heads * g], block_size, full_heads, per_kv_head=True)
+    return out, lse, scores
+
+
+def mixed_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
+                         scale: float, block_size: int, full_heads: int, key_mask: torch.Tensor | None = None,
+                         **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one launch of :func:`mixed_decode_and_score`: ``(out [B, Hq, D], lse [B, Hq], logits)``, the logits
+    float32 ``[B, full_heads · G, T]`` of the full heads' query heads only."""
     from runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
@@ -160,9 +174,7 @@ def mixed_decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.
         kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sms, dense=False)
     out, lse = attention.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
                                                  key_mask=key_mask, full_rows=full, logits_out=logits, **kernel)
-    scores = page_scores_from_logits(logits[:, :full_heads * g], lse[:, :full_heads * g], block_size, full_heads,
-                                     per_kv_head=True)
-    return out, lse, scores
+    return out, lse, logits[:, :full_heads * g]
 
 
 def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, page_size: int,
