@@ -203,6 +203,33 @@ def test_decode_and_score_in_interpreter(per_kv):
     _check_decode_and_score(2, 8, 2, 150, 16, 16, torch.float32, "cpu", per_kv)
 
 
+def test_logits_kept_in_float16_in_interpreter():
+    """A bfloat16 model keeps its logits in float16: the attention pass stores each logit rounded once, and the
+    page scores read from them stay within float16's rounding of the float32 ones."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.page_scores import triton as page_tri
+    from runtime.kernels.sparse_attention import triton as tri
+
+    assert page_tri.logits_dtype(torch.bfloat16) is torch.float16 is page_tri.logits_dtype(torch.float16)
+    assert page_tri.logits_dtype(torch.float32) is torch.float32
+    q, k, v, _, _, _ = _case(2, 8, 2, 150, 16, 0, 16, torch.float32, "cpu", seed=4)
+    q = q * 3  # logits of several units, where float16's rounding shows
+    kept = {}
+    for dtype in (torch.float32, torch.float16):
+        kept[dtype] = torch.empty(2, 8, 150, dtype=dtype)
+        tri.sparse_decode_attention(q, k, v, scale=0.25, chunk=64, logits_out=kept[dtype])
+    torch.testing.assert_close(kept[torch.float16], kept[torch.float32].half(), atol=0, rtol=0)
+    _, lse = naive.sparse_decode_attention(q, k, v, None, scale=0.25)
+    want = page_tri.page_scores_from_logits(kept[torch.float32], lse, 16, 2, per_kv_head=True)
+    got = page_tri.page_scores_from_logits(kept[torch.float16], lse, 16, 2, per_kv_head=True)
+    assert not torch.equal(got, want)  # the rounding is there ...
+    # ... and bounded: a logit l rounds by at most |l|·2^-11, so each probability moves by a factor within that
+    bound = kept[torch.float32].abs().max().item() * 2 ** -11
+    assert bound > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=bound * 1.01)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, hq, hkv, t, d", [(1, 8, 8, 17, 64), (3, 28, 4, 1000, 128), (2, 32, 8, 131072, 128)])
 @pytest.mark.parametrize("per_kv", [False, True])

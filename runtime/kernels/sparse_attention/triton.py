@@ -68,7 +68,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, fu
         w = tl.load(LOGW + b * s_ib + hi * s_ih + entry, mask=valid & ~is_full, other=0.0)
         s += w.to(tl.float32)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
-    if WRITE_LOGITS:  # a selection layer keeps its logits (4 bytes per head and token, vs 2·D·2 of K/V)
+    if WRITE_LOGITS:  # a selection layer keeps its logits (2 or 4 bytes per head and token, vs 2·D·2 of K/V)
         g = tl.arange(0, G_PAD)
         keep = live
         if HAS_IDX:  # a mixed launch: only the rows that read everything keep theirs
@@ -192,8 +192,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
-    ``logits_out``: a float32 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where masked) of
-    the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query heads, the
+    ``logits_out``: a float32 or float16 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where
+    masked) of the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query heads, the
     others' entries are left as they are), so a selection layer or a retrieval head scores pages without
     reading K again.
     """
@@ -207,9 +207,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if index_rows is not None and (index_rows.shape != (hkv,) or index_rows.dtype != torch.int32):
         raise ValueError(f"index_rows must be int32 [{hkv}], got {index_rows.dtype} {list(index_rows.shape)}")
     if logits_out is not None and ((indices is not None and full_rows is None) or logits_out.shape != (b, hq, t)
-                                   or logits_out.dtype != torch.float32 or logits_out.stride(-1) != 1):
-        raise ValueError(f"logits_out must be a float32 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense call or "
-                         "a call with full_rows")
+                                   or logits_out.dtype not in (torch.float32, torch.float16)
+                                   or logits_out.stride(-1) != 1):
+        raise ValueError(f"logits_out must be a float32 or float16 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense "
+                         "call or a call with full_rows")
     g = hq // hkv
     query = query if query.stride(-1) == 1 else query.contiguous()
     key = key if key.stride(-1) == 1 else key.contiguous()
