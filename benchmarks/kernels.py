@@ -292,8 +292,9 @@ def projection_copies(n: int, k: int, bias: bool) -> list[tuple]:
 def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     """The engine's linear layer against cuBLAS on each projection, as a decode step runs it (graph-captured,
     each call a different copy of the weight so that none is served from L2)."""
-    from runtime.kernels.skinny_linear import kernel_config, linear
+    from runtime.kernels.skinny_linear import gated_linear, kernel_config, linear
 
+    projection_then_silu = torch.compile(lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w).chunk(2, -1)))
     out = []
     for name, (n, k, bias) in PROJECTIONS.items():
         ws = projection_copies(n, k, bias)
@@ -308,9 +309,15 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
                         "cublas_bw_fraction": n * k * 2 / (times["cublas"] * 1e-3) / copy_bw,
                         "rolecall_bw_fraction": n * k * 2 / (times["rolecall"] * 1e-3) / copy_bw})
             r = out[-1]
+            gated = ""
+            if name.endswith("gate_up"):  # the MLP as the engine runs it, against cuBLAS and a fused activation
+                r["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
+                r["cublas_then_activation_ms"] = graph_ms(lambda w, b, x=x: projection_then_silu(x, w), Rotating.of(ws))
+                gated = (f"; gated {1e3 * r['gated_ms']:.1f} µs against cuBLAS then the activation "
+                         f"{1e3 * r['cublas_then_activation_ms']:.1f}")
             print(f"linear {name:>13} rows {rows:>2}: cuBLAS {1e3 * r['cublas_ms']:6.1f} µs "
                   f"({r['cublas_bw_fraction']:.0%}), rolecall {1e3 * r['rolecall_ms']:6.1f} µs "
-                  f"({r['rolecall_bw_fraction']:.0%}){'' if r['kernel'] else ' (cuBLAS)'}", flush=True)
+                  f"({r['rolecall_bw_fraction']:.0%}){'' if r['kernel'] else ' (cuBLAS)'}{gated}", flush=True)
         del ws
     return out
 
@@ -440,6 +447,8 @@ def main() -> int:
     parser.add_argument("--linear", action="store_true", help="also time the decode step's linear layers")
     parser.add_argument("--linear-tiles", action="store_true",
                         help="also sweep the linear kernel's tiles and time the gated gate/up kernel")
+    parser.add_argument("--rows", default=None,
+                        help="rows of the linear layers (default: 1,8,16 for --linear, 2,8,16 for --linear-tiles)")
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
@@ -449,6 +458,13 @@ def main() -> int:
     if args.calls_per_graph < 1:
         parser.error(f"--calls-per-graph must be at least 1, got {args.calls_per_graph}")
     CALLS_PER_GRAPH = args.calls_per_graph
+    try:
+        rows_arg = tuple(int(r) for r in args.rows.split(",")) if args.rows else None
+    except ValueError:
+        parser.error(f"--rows takes comma-separated row counts, got {args.rows!r}")
+    if rows_arg and min(rows_arg) < 1:
+        parser.error(f"--rows must be at least 1 each, got {args.rows!r}")
+    linear_kw = {"rows_list": rows_arg} if rows_arg else {}
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -459,9 +475,9 @@ def main() -> int:
         report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
                   "calls_per_graph": CALLS_PER_GRAPH}
         if args.linear:
-            report["linear"] = linear_rows(copy_bw)
+            report["linear"] = linear_rows(copy_bw, **linear_kw)
         if args.linear_tiles:
-            report["linear_tiles"] = linear_tile_rows()
+            report["linear_tiles"] = linear_tile_rows(**linear_kw)
         if args.topk:
             report["topk"] = topk_rows()
         if args.refine:
@@ -475,9 +491,9 @@ def main() -> int:
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
               "num_stages": stages, "tuning_ms": tuning, "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}
     if args.linear:
-        report["linear"] = linear_rows(copy_bw)
+        report["linear"] = linear_rows(copy_bw, **linear_kw)
     if args.linear_tiles:
-        report["linear_tiles"] = linear_tile_rows()
+        report["linear_tiles"] = linear_tile_rows(**linear_kw)
     if args.topk:
         report["topk"] = topk_rows()
     if args.refine:

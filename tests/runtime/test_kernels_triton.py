@@ -539,9 +539,11 @@ def _check_skinny_linear(m, n, k, bias, config, device, dtype, tol):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
 @pytest.mark.parametrize("m, n, k, bias, dot, bn, bk", [(1, 70, 300, True, False, 8, 128), (1, 33, 40, False, False, 32, 64),
-                                                         (5, 50, 200, True, True, 32, 64), (16, 17, 130, False, True, 16, 128)])
+                                                         (5, 50, 200, True, True, 32, 64), (16, 17, 130, False, True, 16, 128),
+                                                         (20, 40, 70, True, True, 16, 64), (64, 33, 90, False, True, 32, 32)])
 def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, bk):
-    """Each kind of tile (multiply-add for one row, tl.dot for several), ragged N and K, with and without bias."""
+    """Each kind of tile (multiply-add for one row, tl.dot over 16, 32 or 64 padded rows), ragged N and K, with and
+    without bias."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     from runtime.kernels.skinny_linear.naive import Config
@@ -552,7 +554,8 @@ def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, bias", [(1, 4608, 3584, True), (8, 3584, 3584, False), (1, 37888, 3584, False),
                                            (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False),
-                                           (8, 37888, 3584, False), (3, 17920, 1536, True)])
+                                           (8, 37888, 3584, False), (3, 17920, 1536, True), (64, 2048, 1536, True),
+                                           (24, 1536, 1536, False), (64, 17920, 1536, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias, dtype):
     # the custom op with the measured tiles (float32: tiles that fit shared memory, IEEE dots); bf16 output:
@@ -581,7 +584,7 @@ def _check_gated(rows, n, k, kind, config, device, dtype, tol):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
 @pytest.mark.parametrize("rows, n, k, kind, dot", [(1, 40, 300, "silu", False), (5, 70, 130, "gelu_pytorch_tanh", True),
-                                                   (16, 17, 64, "silu", True)])
+                                                   (16, 17, 64, "silu", True), (40, 33, 80, "silu", True)])
 def test_gated_linear_matches_reference_in_interpreter(rows, n, k, kind, dot):
     """Both tile kinds, ragged N and K: each program's features of the gate and of the up half, activation last."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -592,7 +595,8 @@ def test_gated_linear_matches_reference_in_interpreter(rows, n, k, kind, dot):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, n, k", [(1, 18944, 3584), (8, 18944, 3584), (3, 8960, 1536), (16, 8960, 1536)])
+@pytest.mark.parametrize("rows, n, k", [(1, 18944, 3584), (8, 18944, 3584), (3, 8960, 1536), (16, 8960, 1536),
+                                        (64, 8960, 1536), (33, 18944, 3584)])
 @pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
 def test_gated_linear_matches_reference_on_gpu(rows, n, k, kind):
     _check_gated(rows, n, k, kind, None, "cuda", torch.bfloat16, 0.02)
@@ -609,7 +613,10 @@ def test_gated_linear_off_the_kernel_is_the_projection_then_the_activation():
 def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     from runtime.kernels.skinny_linear import kernel_config, linear
 
-    assert kernel_config(17, 3584, 3584) is None  # more rows than one tile
+    assert kernel_config(65, 3584, 3584) is None  # more rows than the kernel pads to
+    assert kernel_config(64, 1536, 8960) is None  # 1.5B's down at 64 rows: cuBLAS
+    assert kernel_config(64, 17920, 1536) == (True, 64, 64, 4, 4)  # 1.5B's gate/up at 64 rows
+    assert kernel_config(20, 2048, 1536) == (True, 16, 256, 4, 4)  # q/k/v from 17 rows
     assert kernel_config(1, 1536, 8960) is None  # 1.5B's down projection: cuBLAS's split-K wins
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
     assert kernel_config(8, 37888, 3584) == (True, 64, 128, 4, 3)  # 7B's gate/up at 8 rows: measured faster

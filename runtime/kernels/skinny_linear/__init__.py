@@ -4,7 +4,7 @@
 for an MLP's gate/up projection ``weight = [gate; up]``
 
 ============  ====================  ==========================================================
-``x``         ``[..., K]``          the activations; a decode step has 1–16 rows
+``x``         ``[..., K]``          the activations; a decode step has 1–64 rows
 ``weight``    ``[N, K]``            row-major, as ``torch.nn.Linear`` keeps it
 ``bias``      ``[N]`` or None
 ``y``         ``[..., N]``          ``x``'s dtype, accumulated in float32 and rounded once

@@ -7,12 +7,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 16  # the kernel pads the rows to one 16-row tensor-core tile
+TILE_ROWS = 16  # the kernel pads the rows to a power of two from one 16-row tensor-core tile ...
+MAX_ROWS = 64  # ... up to this many (a large decode batch, DELTA's 64 rows)
 GATED = ("silu", "gelu_pytorch_tanh")  # activations the kernel applies itself to a gated projection
 
 
 class Config(NamedTuple):
-    dot: bool  # rows through tl.dot (padded to 16) instead of a float32 multiply-add
+    dot: bool  # rows through tl.dot (padded to 16, 32 or 64) instead of a float32 multiply-add
     block_n: int  # output features per program
     block_k: int  # weight columns per tile
     warps: int
@@ -35,9 +36,19 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None
     stages, the best of 72 tiles at 2, 8 and 16 rows (``python benchmarks/kernels.py --no-attention
     --linear-tiles``, ``benchmarks/results/kernels_tiles_h200.json``): 7B's gate/up 65.2–66.7 µs against cuBLAS's
     71.7–73.1, 1.5B's 15.8–16.2 against 17.4–17.9. Llama-3-8B's (N = 7 K) stays with cuBLAS (57.3 µs at 8 rows,
-    the best tile 57.6), as do q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down."""
+    the best tile 57.6), as do q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down.
+
+    From 17 to 64 rows (a batch, padded to 32 or 64 in the kernel; measured at 64 rows on the 1.5B's projections,
+    ``.../kernels_tiles64_h200.json``): gate/up over 64 features × 64 columns in four stages (the gated kernel
+    18.2 µs against cuBLAS's 18.9 before its activation), q/k/v and o over 16 × 256 in four stages (5.5 against
+    6.0, 5.1 against 5.4); a long narrow projection (down, K ≥ 4 N) stays with cuBLAS (12.5 against the best
+    tile's 16.2)."""
     if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
         return None
+    if rows > TILE_ROWS:
+        if k >= 4 * n:
+            return None
+        return Config(True, 64, 128 // itemsize, 4, 4) if n >= 8 * k else Config(True, 16, 512 // itemsize, 4, 4)
     dot = Config(True, 32, 1024 // itemsize, 4, 4)
     if k >= 4 * n:  # long and narrow (7B's down projection)
         return dot

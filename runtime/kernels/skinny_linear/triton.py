@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.skinny_linear.naive import MAX_ROWS, Config, kernel_config
+from runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config
 
 SILU, GELU_TANH = 1, 2  # GATED: the gate's activation
 
@@ -64,7 +64,7 @@ def _skinny_linear(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.conste
 
 @torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ weight.T + bias`` for ``M ≤ 16`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
+    """``x [M, K] @ weight.T + bias`` for ``M ≤ 64`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size())
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_linear: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
@@ -86,9 +86,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
             raise ValueError(f"a gated projection takes no bias and an even number of rows, got {n}")
         n, block_n = n // 2, max(16 if config.dot else 1, config.block_n // 2)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    m_pad = max(TILE_ROWS, triton.next_power_of_2(m))  # 16, 32 or 64 rows in each tl.dot
     _skinny_linear[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, DOT=config.dot, M_PAD=MAX_ROWS, BN=block_n, BK=config.block_k,
+        HAS_BIAS=bias is not None, DOT=config.dot, M_PAD=m_pad, BN=block_n, BK=config.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         GATED={None: 0, "silu": SILU, "gelu_pytorch_tanh": GELU_TANH}[gated],
         num_warps=config.warps, num_stages=config.stages)
@@ -97,7 +98,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
 
 @torch.library.custom_op("rolecall::skinny_gated", mutates_args=())
 def skinny_gated(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(x @ gate.T) · (x @ up.T)`` for ``weight = [gate; up]`` and ``M ≤ 16`` rows (see
+    """``act(x @ gate.T) · (x @ up.T)`` for ``weight = [gate; up]`` and ``M ≤ 64`` rows (see
     :func:`runtime.kernels.skinny_linear.gated_linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size())
     if config is None or weight.shape[1] != x.shape[1]:
