@@ -19,11 +19,13 @@ launch overhead nor the graph's own launch counts.
 * ``decode_and_score``: the fused Δ-layer path (attention that keeps its logits, then a pass over the logits):
   its time over ``ours_dense`` is the selection overhead DELTA reports (154 % at 1K, 25 % at 32K).
 
-``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows): the linear layer the
-engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated past L2.
-``--linear-tiles`` sweeps the Triton kernel's ``tl.dot`` tiles (features × columns × warps × stages, 72 of them) on
-each projection (and Llama-3-8B's gate/up) at 2 / 8 / 16 rows against cuBLAS, and times the gated gate/up kernel (``gated_linear``: ``act(gate)
-· up`` written by the projection) against the projection followed by the activation, as the engine ran it before.
+``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows, or ``--rows``): the
+linear layer the engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated
+past L2, and for gate/up the engine's gated MLP (``gated_linear``) against cuBLAS then a compiled activation.
+``--linear-tiles`` sweeps the Triton kernel's ``tl.dot`` tiles (features × columns × warps × stages, 128 of them) on
+each projection (and Llama-3-8B's gate/up) at 2 / 8 / 16 rows (or ``--rows``) against cuBLAS, and times the gated
+gate/up kernel (``act(gate) · up`` written by the projection) against the projection followed by the activation
+in eager kernels.
 ``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 8 to 256 rows, k = 128 and
 512): the Triton kernel as the engine runs it (``split``), and in one program per row by radix counting (2 bits a
 round) and by histogram (8 bits a round) at 4 / 8 / 16 warps, against ``torch.topk``.
@@ -322,8 +324,8 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     return out
 
 
-TILES = [(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for warps in (4, 8)
-         for stages in (3, 4, 5)]
+TILES = [(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512) for warps in (4, 8)
+         for stages in (2, 3, 4, 5)]
 
 
 def linear_tile_rows(rows_list=(2, 8, 16)) -> list[dict]:

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from runtime.kernels.skinny_linear.naive import GATED, MAX_ROWS, activation, kernel_config, skinny_linear
 
 
-def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+def _kernel_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> int:
     """``x``'s rows when the call takes the Triton kernel (CUDA, 1 to :data:`MAX_ROWS` rows, a shape where it
-    measured faster), else 0."""
+    measured faster, :func:`kernel_config`), else 0."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.is_cuda and 0 < rows <= MAX_ROWS and kernel_config(rows, *weight.shape, x.element_size()) is not None:
+    if x.is_cuda and 0 < rows <= MAX_ROWS and kernel_config(rows, *weight.shape, x.element_size(), gated) is not None:
         return rows
     return 0
 
@@ -53,7 +53,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tens
     :data:`MAX_ROWS` rows, a measured-faster shape) and the activation is one of :data:`GATED`, one kernel streams
     both halves and applies the activation before it writes (no activation kernel after it, half the output);
     elsewhere the projection, then the activation in ``x``'s dtype."""
-    rows = _kernel_rows(x, weight) if kind in GATED else 0
+    rows = _kernel_rows(x, weight, gated=True) if kind in GATED else 0
     if rows:
         from runtime.kernels.skinny_linear import triton  # noqa: F401  (registers torch.ops.rolecall.skinny_gated)
 

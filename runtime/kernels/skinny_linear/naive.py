@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 TILE_ROWS = 16  # the kernel pads the rows to a power of two from one 16-row tensor-core tile ...
-MAX_ROWS = 64  # ... up to this many (a large decode batch, DELTA's 64 rows)
+MAX_ROWS = 64  # ... up to this many (the gated kernel at a large decode batch, such as DELTA's 64 rows)
 GATED = ("silu", "gelu_pytorch_tanh")  # activations the kernel applies itself to a gated projection
 
 
@@ -20,8 +20,9 @@ class Config(NamedTuple):
     stages: int
 
 
-def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None:
-    """The Triton kernel's tiles for ``rows × [N, K]``, or None where cuBLAS measured as fast or faster.
+def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = False) -> Config | None:
+    """The Triton kernel's tiles for ``rows × [N, K]`` (``gated``: the gated gate/up kernel), or None where cuBLAS
+    measured as fast or faster.
 
     From ``benchmarks/kernels.py --linear`` on an H200 (bf16, DS-Qwen-7B and 1.5B projections, weights streamed
     from HBM as in a decode step). One row: a float32 multiply-add over 512-column tiles, 8 features a program
@@ -38,17 +39,17 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2) -> Config | None
     71.7–73.1, 1.5B's 15.8–16.2 against 17.4–17.9. Llama-3-8B's (N = 7 K) stays with cuBLAS (57.3 µs at 8 rows,
     the best tile 57.6), as do q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down.
 
-    From 17 to 64 rows (a batch, padded to 32 or 64 in the kernel; measured at 64 rows on the 1.5B's projections,
-    ``.../kernels_tiles64_h200.json``): gate/up over 64 features × 64 columns in four stages (the gated kernel
-    18.2 µs against cuBLAS's 18.9 before its activation), q/k/v and o over 16 × 256 in four stages (5.5 against
-    6.0, 5.1 against 5.4); a long narrow projection (down, K ≥ 4 N) stays with cuBLAS (12.5 against the best
-    tile's 16.2)."""
+    From 33 to 64 rows (a large batch such as DELTA's 64, padded to 64 in the kernel) only the gated gate/up
+    kernel, over 64 features × 64 columns in four stages (the best of 36 tiles at 64 rows on the 1.5B's
+    projections, ``benchmarks/results/kernels_tiles64_h200.json``). ``python benchmarks/kernels.py --no-attention
+    --linear --rows 32,64`` (``kernels_linear64_h200.json``): at 64 rows 1.5B 18.2 µs against cuBLAS then the
+    activation 22.9, 7B 74.0 against 75.8; at 32 rows it lost (22.7 / 21.2, 80.2 / 73.9), as did every plain
+    projection from 17 rows on but the 1.5B's small q/k/v and o (0.4–0.6 µs each; 7B's lost by 0.7–10 µs,
+    Llama-3-8B's gate/up by 20–48)."""
     if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
         return None
     if rows > TILE_ROWS:
-        if k >= 4 * n:
-            return None
-        return Config(True, 64, 128 // itemsize, 4, 4) if n >= 8 * k else Config(True, 16, 512 // itemsize, 4, 4)
+        return Config(True, 64, 128 // itemsize, 4, 4) if gated and rows > 32 and n >= 8 * k else None
     dot = Config(True, 32, 1024 // itemsize, 4, 4)
     if k >= 4 * n:  # long and narrow (7B's down projection)
         return dot
