@@ -117,7 +117,7 @@ class StaticDecoder:
         self.capture_s = 0.0  # seconds spent capturing graphs, a deferred capture included
         self._rope = {kind: (cos[:max_len], L.signed_sin(sin[:max_len])) for kind, (cos, sin) in weights.rope.items()}
         self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (last_block)
-        self._aside: dict[Any, Any] = {}  # per device, the second stream of attend_and_choose
+        self._aside: dict[Any, Any] = {}  # per (device, role), a stream beside the step's (_side_stream)
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
         windows = [w for w in s.windows if w is not None]
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
@@ -315,9 +315,20 @@ class StaticDecoder:
                 **self.keys(span, k.shape[2]), **self._out)
             return o, self._choose_aside(logits, lse[:, :r * g], block_size, r, True, count, recent, out, out_rows)
         o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
-        head, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count,
-                                              recent, out=out, out_rows=out_rows, into=o[:, :r * g])
-        self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows, out=o[:, r * g:])
+        beside = self.triton and q.is_cuda
+        if beside:  # the sparse heads' gathers (latency-bound) run on a stream of their own beside the dense heads'
+            # streaming launch; the step's stream waits for them before anything reads the output
+            side = self._side_stream(q.device, "sparse")
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows,
+                            out=o[:, r * g:])
+        else:
+            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows, out=o[:, r * g:])
+        _, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count, recent,
+                                           out=out, out_rows=out_rows, into=o[:, :r * g])
+        if beside:
+            torch.cuda.current_stream().wait_stream(side)
         return o, chosen
 
     def attend_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan, block_size: int,
@@ -343,9 +354,7 @@ class StaticDecoder:
         """Block scores from kept ``logits``/``lse`` and the top-k over them, on the second stream (see
         :meth:`attend_and_choose`)."""
         self.last_block(block_size)  # made on the step's stream, which every later selection may read
-        side = self._aside.get(logits.device)
-        if side is None:
-            side = self._aside[logits.device] = torch.cuda.Stream(logits.device)
+        side = self._side_stream(logits.device, "choice")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, kv_heads, per_kv_head)
@@ -353,6 +362,13 @@ class StaticDecoder:
         self._joins.add(side)
         # the logits stay referenced until the step's stream has waited: no kernel of it reuses their memory early
         return Pending(chosen, side, keep=(logits, lse, scores))
+
+    def _side_stream(self, device: torch.device, role: str) -> Any:
+        """The CUDA stream that runs ``role``'s work beside the step on ``device``, made once."""
+        side = self._aside.get((device, role))
+        if side is None:
+            side = self._aside[(device, role)] = torch.cuda.Stream(device)
+        return side
 
     def compiled(self, fn: Any) -> Any:
         """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its
