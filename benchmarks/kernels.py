@@ -291,7 +291,7 @@ def projection_copies(n: int, k: int, bias: bool) -> list[tuple]:
              torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
 
 
-def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
+def linear_rows(copy_bw: float, rows_list=(1, 8, 16), projections=()) -> list[dict]:
     """The engine's linear layer against cuBLAS on each projection, as a decode step runs it (graph-captured,
     each call a different copy of the weight so that none is served from L2)."""
     from runtime.kernels.skinny_linear import gated_linear, kernel_config, linear
@@ -299,6 +299,8 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
     projection_then_silu = torch.compile(lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w).chunk(2, -1)))
     out = []
     for name, (n, k, bias) in PROJECTIONS.items():
+        if projections and name not in projections:
+            continue
         ws = projection_copies(n, k, bias)
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -326,11 +328,14 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16)) -> list[dict]:
 
 TILES = [(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512) for warps in (4, 8)
          for stages in (2, 3, 4, 5)]
+SPLIT_TILES = [(bn, bk, 4, stages, split) for bn in (16, 32, 64) for bk in (128, 256) for stages in (3, 4)
+               for split in (2, 4, 8)]  # the split kernel's, on long narrow projections (K >= 4 N)
 
 
-def linear_tile_rows(rows_list=(2, 8, 16)) -> list[dict]:
-    """Every ``tl.dot`` tile of the skinny kernel on each projection against cuBLAS (tiles that do not fit shared
-    memory are skipped), and the gated gate/up kernel against the projection then the activation."""
+def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
+    """Every ``tl.dot`` tile of the skinny kernel on each projection (or those named) against cuBLAS (tiles that
+    do not fit shared memory are skipped), the split kernel's tiles on the long narrow ones, and the gated
+    gate/up kernel against the projection then the activation."""
     from triton.runtime.errors import OutOfResources
 
     from runtime.kernels.skinny_linear import activation, gated_linear, kernel_config
@@ -339,6 +344,8 @@ def linear_tile_rows(rows_list=(2, 8, 16)) -> list[dict]:
 
     out = []
     for name, (n, k, bias) in PROJECTIONS.items():
+        if projections and name not in projections:
+            continue
         ws = projection_copies(n, k, bias)
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -351,10 +358,19 @@ def linear_tile_rows(rows_list=(2, 8, 16)) -> list[dict]:
                     continue
                 times[f"{bn}x{bk} w{warps} s{stages}"] = graph_ms(
                     lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
+            for bn, bk, warps, stages, split in SPLIT_TILES if k >= 4 * n else ():
+                config = Config(True, bn, bk, warps, stages, split)
+                try:
+                    launch(x, *ws[0], config)
+                except OutOfResources:
+                    continue
+                times[f"{bn}x{bk} w{warps} s{stages} split{split}"] = graph_ms(
+                    lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
             chosen = kernel_config(rows, n, k)
             row = {"projection": name, "rows": rows, "n": n, "k": k, "times_ms": times,
                    "engine_tile": None if chosen is None else f"{chosen.block_n}x{chosen.block_k} w{chosen.warps} "
-                                                               f"s{chosen.stages}"}
+                                                               f"s{chosen.stages}"
+                                                               + (f" split{chosen.split}" if chosen.split > 1 else "")}
             if name.endswith("gate_up"):
                 row["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
                 row["projection_then_activation_ms"] = graph_ms(
@@ -451,6 +467,9 @@ def main() -> int:
                         help="also sweep the linear kernel's tiles and time the gated gate/up kernel")
     parser.add_argument("--rows", default=None,
                         help="rows of the linear layers (default: 1,8,16 for --linear, 2,8,16 for --linear-tiles)")
+    parser.add_argument("--projections", default="",
+                        help=f"only these projections for --linear / --linear-tiles, comma-separated: "
+                             f"{', '.join(PROJECTIONS)}")
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
@@ -466,7 +485,11 @@ def main() -> int:
         parser.error(f"--rows takes comma-separated row counts, got {args.rows!r}")
     if rows_arg and min(rows_arg) < 1:
         parser.error(f"--rows must be at least 1 each, got {args.rows!r}")
-    linear_kw = {"rows_list": rows_arg} if rows_arg else {}
+    projections = tuple(p.strip() for p in args.projections.split(",") if p.strip())
+    unknown = [p for p in projections if p not in PROJECTIONS]
+    if unknown:
+        parser.error(f"--projections: unknown {', '.join(unknown)}; known: {', '.join(PROJECTIONS)}")
+    linear_kw = {"projections": projections, **({"rows_list": rows_arg} if rows_arg else {})}
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -551,6 +551,33 @@ def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, 
     _check_skinny_linear(m, n, k, bias, Config(dot, bn, bk, 4, 2), "cpu", torch.float32, 1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("m, n, k, bias, split", [(1, 40, 300, True, 4), (5, 33, 500, False, 3), (20, 70, 260, True, 8),
+                                                  (64, 16, 129, False, 2)])
+def test_split_linear_matches_reference_in_interpreter(m, n, k, bias, split):
+    """K split over programs whose last sums the partials: ragged N and K, parts past K, 1 to 64 rows; a second
+    launch reuses the arrival counters the first left at zero."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.skinny_linear.naive import Config
+
+    for _ in range(2):
+        _check_skinny_linear(m, n, k, bias, Config(True, 16, 32, 4, 2, split), "cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("n, k, split", [(1536, 8960, 4), (3584, 18944, 2), (1000, 4100, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_linear_matches_reference_on_gpu(m, n, k, split, dtype):
+    from runtime.kernels.skinny_linear.naive import Config
+
+    bk = 128 if dtype == torch.bfloat16 else 64
+    for _ in range(2):
+        _check_skinny_linear(m, n, k, False, Config(True, 32, bk, 4, 3, split), "cuda", dtype,
+                             0.02 if dtype == torch.bfloat16 else 1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, bias", [(1, 4608, 3584, True), (8, 3584, 3584, False), (1, 37888, 3584, False),
                                            (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False),
@@ -611,14 +638,15 @@ def test_gated_linear_off_the_kernel_is_the_projection_then_the_activation():
 
 def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     from runtime.kernels.skinny_linear import kernel_config, linear
+    from runtime.kernels.skinny_linear.naive import Config
 
     assert kernel_config(65, 3584, 3584) is None  # more rows than the kernel pads to
-    assert kernel_config(64, 17920, 1536, gated=True) == (True, 64, 64, 4, 4)  # the gated MLP at 33 to 64 rows ...
+    assert kernel_config(64, 17920, 1536, gated=True) == Config(True, 64, 64, 4, 4)  # the gated MLP at 33 to 64 rows ...
     assert kernel_config(64, 17920, 1536) is None and kernel_config(32, 17920, 1536, gated=True) is None  # only
     assert kernel_config(64, 2048, 1536) is None and kernel_config(64, 28672, 4096, gated=True) is None
     assert kernel_config(1, 1536, 8960) is None  # 1.5B's down projection: cuBLAS's split-K wins
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
-    assert kernel_config(8, 37888, 3584) == (True, 64, 128, 4, 3)  # 7B's gate/up at 8 rows: measured faster
+    assert kernel_config(8, 37888, 3584) == Config(True, 64, 128, 4, 3)  # 7B's gate/up at 8 rows: measured faster
     assert kernel_config(8, 37888, 3584, itemsize=4).block_k == 64  # float32: half the columns a tile
     assert kernel_config(8, 28672, 4096) is None and kernel_config(8, 4608, 3584) is None  # Llama-3-8B, q/k/v
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
@@ -715,6 +743,21 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
         assert torch.equal(meta[0], ref_meta[0]) and torch.equal(meta[1], ref_meta[1])
         assert not torch.equal(meta[0], kmin)  # the page of slot `last` changed
         assert torch.equal(fast.long(), ref.long()), (recent, fast, ref)
+
+
+@pytest.mark.gpu
+def test_arrival_counters_are_per_stream_on_gpu():
+    """Kernels on two streams may run at once: each stream counts in a buffer of its own."""
+    from runtime.kernels import arrivals
+
+    device = torch.device("cuda")
+    main = arrivals.arrival_counters(device, 8)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        beside = arrivals.arrival_counters(device, 8)
+        assert arrivals.arrival_counters(device, 8) is beside
+    assert beside is not main and beside.data_ptr() != main.data_ptr()
+    assert arrivals.arrival_counters(device, 8) is main
 
 
 def test_arrival_counters_grow_and_keep_what_graphs_hold():

@@ -18,6 +18,7 @@ class Config(NamedTuple):
     block_k: int  # weight columns per tile
     warps: int
     stages: int
+    split: int = 1  # programs splitting K per feature tile, the last to finish summing their partials
 
 
 def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = False) -> Config | None:

@@ -1,6 +1,9 @@
-"""Triton kernel of :mod:`runtime.kernels.skinny_linear`: one program per ``BN`` output features, each streaming
+"""Triton kernels of :mod:`runtime.kernels.skinny_linear`: one program per ``BN`` output features, each streaming
 its ``BN × K`` slice of the weight once (no split over K, so no second reduction kernel). Gated (an MLP's
-gate/up projection): the program streams the same ``BN`` features of both halves and writes ``act(gate) · up``."""
+gate/up projection): the program streams the same ``BN`` features of both halves and writes ``act(gate) · up``.
+Split (a long narrow projection, too few feature tiles to stream its weight at the bandwidth): ``SPLIT``
+programs share a feature tile's columns, and the last of them to finish sums their partials
+(:mod:`runtime.kernels.arrivals`) in the same launch."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.arrivals import arrival_counters
 from runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config
 
 SILU, GELU_TANH = 1, 2  # GATED: the gate's activation
@@ -62,6 +66,39 @@ def _skinny_linear(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.conste
     tl.store(Y + m[:, None] * s_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
+                  M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+                  SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (tile, part) multiplies columns ``part · SPAN`` up to ``SPAN`` more (a multiple of BK, so every
+    tile's columns start aligned) and stores its float32 partial; the last program of the tile to arrive sums
+    the SPLIT partials in part order (the same sum whichever arrives last), adds the bias and writes Y."""
+    tile = tl.program_id(0)
+    part = tl.program_id(1)
+    n = tile * BN + tl.arange(0, BN)
+    m = tl.arange(0, M_PAD)
+    n_ok = n < N
+    acc = tl.zeros([M_PAD, BN], tl.float32)
+    for i in range(0, SPAN, BK):
+        k = part * SPAN + i + tl.arange(0, BK)
+        k_ok = k < K
+        w = tl.load(W + n[:, None] * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + m[:, None] * s_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    cell = m[:, None] * BN + tl.arange(0, BN)[None, :]
+    tl.store(PART + (tile * SPLIT + part) * (M_PAD * BN) + cell, acc)
+    tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
+    if tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLIT - 1:
+        tl.store(ARRIVED + tile, 0)  # every part has arrived: the counter is ready for the next launch
+        total = tl.zeros([M_PAD, BN], tl.float32)
+        for s in tl.static_range(0, SPLIT):
+            total += tl.load(PART + (tile * SPLIT + s) * (M_PAD * BN) + cell, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * s_ym + n[None, :], total.to(Y.dtype.element_ty),
+                 mask=(m < M)[:, None] & n_ok[None, :])
+
+
 @torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ weight.T + bias`` for ``M ≤ 16`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
@@ -87,10 +124,23 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
         n, block_n = n // 2, max(16 if config.dot else 1, config.block_n // 2)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     m_pad = max(TILE_ROWS, triton.next_power_of_2(m))  # 16, 32 or 64 rows in each tl.dot
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if config.split > 1:
+        if gated is not None or not config.dot:
+            raise ValueError("a split kernel is a plain projection over tl.dot tiles")
+        tiles = triton.cdiv(n, block_n)
+        span = config.block_k * triton.cdiv(triton.cdiv(k, config.split), config.block_k)
+        parts = torch.empty(tiles * config.split, m_pad * block_n, device=x.device, dtype=torch.float32)
+        _split_linear[(tiles, config.split)](
+            x, weight, bias if bias is not None else x, y, parts, arrival_counters(x.device, tiles), m, n, k,
+            x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_PAD=m_pad, BN=block_n,
+            BK=config.block_k, SPAN=span, SPLIT=config.split, PRECISION=precision, num_warps=config.warps,
+            num_stages=config.stages)
+        return y
     _skinny_linear[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, DOT=config.dot, M_PAD=m_pad, BN=block_n, BK=config.block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION=precision,
         GATED={None: 0, "silu": SILU, "gelu_pytorch_tanh": GELU_TANH}[gated],
         num_warps=config.warps, num_stages=config.stages)
     return y
