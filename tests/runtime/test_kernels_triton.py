@@ -581,7 +581,8 @@ def test_split_linear_matches_reference_on_gpu(m, n, k, split, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, bias", [(1, 4608, 3584, True), (8, 3584, 3584, False), (1, 37888, 3584, False),
                                            (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False),
-                                           (8, 37888, 3584, False), (3, 17920, 1536, True)])
+                                           (8, 37888, 3584, False), (3, 17920, 1536, True), (1, 1536, 8960, False),
+                                           (16, 1536, 8960, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias, dtype):
     # the custom op with the measured tiles (float32: tiles that fit shared memory, IEEE dots); bf16 output:
@@ -644,7 +645,8 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert kernel_config(64, 17920, 1536, gated=True) == Config(True, 64, 64, 4, 4)  # the gated MLP at 33 to 64 rows ...
     assert kernel_config(64, 17920, 1536) is None and kernel_config(32, 17920, 1536, gated=True) is None  # only
     assert kernel_config(64, 2048, 1536) is None and kernel_config(64, 28672, 4096, gated=True) is None
-    assert kernel_config(1, 1536, 8960) is None  # 1.5B's down projection: cuBLAS's split-K wins
+    assert kernel_config(8, 1536, 8960) == Config(True, 32, 128, 4, 4, 8)  # 1.5B's down: K split over 8 programs
+    assert kernel_config(64, 1536, 8960) is None  # ... but cuBLAS at 64 rows
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
     assert kernel_config(8, 37888, 3584) == Config(True, 64, 128, 4, 3)  # 7B's gate/up at 8 rows: measured faster
     assert kernel_config(8, 37888, 3584, itemsize=4).block_k == 64  # float32: half the columns a tile

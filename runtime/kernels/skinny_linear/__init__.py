@@ -13,10 +13,11 @@ for an MLP's gate/up projection ``weight = [gate; up]``
 A decode step's GEMMs are matrix-vector products whose time is the weight's bytes over the memory bandwidth.
 cuBLAS reaches 53–92 % of the copy bandwidth on a 7B model's projections at one row (its split-K variants add
 a reduction kernel); the Triton kernel in ``triton.py`` — one program per ``BN`` output features streaming the
-whole of ``K``, no split — reaches 70–102 % (H200, bf16; ``benchmarks/kernels.py --linear``). :func:`linear` takes
-it on CUDA for up to :data:`MAX_ROWS` rows and for the shapes where it measured faster, and ``F.linear``
-everywhere else (the CPU, the prefill, and the narrow long projections of small models, where cuBLAS's split-K
-wins). ``naive.py`` is the reference. The kernel is a ``torch.library`` custom op, so ``torch.compile`` keeps
+whole of ``K``, no split — reaches 70–102 % (H200, bf16; ``benchmarks/kernels.py --linear``). A long narrow
+projection of a small model (too few feature tiles) splits ``K`` over programs instead, the last of which sums
+the partials in the same launch. :func:`linear` takes the kernels on CUDA for up to :data:`MAX_ROWS` rows and for
+the shapes where they measured faster (:func:`kernel_config`), and ``F.linear`` everywhere else (the CPU, the
+prefill, most projections of a large batch). ``naive.py`` is the reference. The kernel is a ``torch.library`` custom op, so ``torch.compile`` keeps
 it inside a compiled graph and CUDA graphs capture it.
 """
 

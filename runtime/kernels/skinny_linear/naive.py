@@ -31,8 +31,11 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     11.7, o 8.8 / 11.6, gate/up 64.1 / 70.9. Several rows: ``tl.dot`` over 32 features × 512 columns, taken for
     N ≤ K only (7B o 9.4 / 11.5 µs at 8 rows, down 36.1 / 39.1); wider projections measured no faster with these
     tiles. A long narrow projection (K ≥ 4 N) over fewer than 2048 features has too few programs to stream its
-    weight, and cuBLAS's split-K wins (1.5B's down: 13.2 against 11.7 µs). ``tl.dot`` tiles of a 4-byte dtype take
-    half the columns, so their pipeline stages fit in shared memory.
+    weight in one program per tile (1.5B's down: 13.2 µs against cuBLAS's split-K 11.7): it takes the split
+    kernel, 32 features × 128 columns a tile and K split over 8 programs, 10.5 µs at 1, 8 and 16 rows against
+    cuBLAS's 12.3, 11.9 and 12.1 (7B's down stays unsplit: 33.7–34.5 µs against the best split's 35.4–35.7;
+    ``--linear-tiles --projections "1.5b down,7b down" --rows 1,8,16,64``, ``kernels_split_h200.json``).
+    ``tl.dot`` tiles of a 4-byte dtype take half the columns, so their pipeline stages fit in shared memory.
 
     A wide projection (N ≥ 8 K: gate/up) at several rows takes ``tl.dot`` over 64 features × 128 columns in three
     stages, the best of 72 tiles at 2, 8 and 16 rows (``python benchmarks/kernels.py --no-attention
@@ -46,11 +49,13 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     --linear --rows 32,64`` (``kernels_linear64_h200.json``): at 64 rows 1.5B 18.2 µs against cuBLAS then the
     activation 22.9, 7B 74.0 against 75.8; at 32 rows it lost (22.7 / 21.2, 80.2 / 73.9), as did every plain
     projection from 17 rows on but the 1.5B's small q/k/v and o (0.4–0.6 µs each; 7B's lost by 0.7–10 µs,
-    Llama-3-8B's gate/up by 20–48)."""
-    if rows > MAX_ROWS or rows < 1 or (k >= 4 * n and n < 2048):
+    Llama-3-8B's gate/up by 20–48); so did the split kernel on the 1.5B's down (13.2 against 12.5)."""
+    if rows > MAX_ROWS or rows < 1:
         return None
     if rows > TILE_ROWS:
         return Config(True, 64, 128 // itemsize, 4, 4) if gated and rows > 32 and n >= 8 * k else None
+    if k >= 4 * n and n < 2048:  # long and narrow, few feature tiles: split K
+        return Config(True, 32, 256 // itemsize, 4, 4, 8)
     dot = Config(True, 32, 1024 // itemsize, 4, 4)
     if k >= 4 * n:  # long and narrow (7B's down projection)
         return dot
