@@ -551,7 +551,7 @@ def test_streamer_stops_at_a_stop_string_just_before_eos():
 def test_default_min_context_falls_back_to_full():
     assert default_min_context("delta", 1) == 32768
     assert default_min_context("delta", 7) == 32768 and default_min_context("delta", 8) == 8192
-    assert default_min_context("lychee", 1) == 131072
+    assert default_min_context("lychee", 1) == 65536
     assert default_min_context("full", 1) == 0
     model = model_of("llama")
     ids, mask = left_padded(prompts())

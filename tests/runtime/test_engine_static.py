@@ -42,7 +42,7 @@ def test_byte_bounds_of_the_speed_targets():
 
 def test_default_min_context_follows_the_measured_crossovers():
     assert [default_min_context("delta", b) for b in (1, 4, 8, 15, 16, 64)] == [32768, 32768, 8192, 8192, 4096, 4096]
-    assert [default_min_context("lychee", b) for b in (1, 7, 8, 16, 63, 64)] == [131072, 131072, 32768, 8192, 8192, 4096]
+    assert [default_min_context("lychee", b) for b in (1, 7, 8, 16, 63, 64)] == [65536, 65536, 32768, 8192, 8192, 4096]
     assert [default_min_context("quest", b) for b in (1, 8, 16, 64, 256)] == [NEVER, 32768, 8192, 4096, 4096]
     assert [default_min_context("vattention", b) for b in (1, 8)] == [NEVER, 131072]
     assert default_min_context("lethe", 64) == 0  # no entry: lethe runs its own step from the first token
