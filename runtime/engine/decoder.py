@@ -44,7 +44,7 @@ from runtime.kernels.sparse_attention import use_triton
 from runtime.kernels.topk_select import topk_with_recent
 
 WINDOW_BLOCK = 64  # block size of a sliding-window layer's read set
-MIXED_MAX_BATCH = 8  # from this batch size a mixed retrieval/sparse layer takes two launches (see attend_mixed_and_choose)
+MIXED_MAX_BATCH = 8  # from this batch size a mixed layer takes two launches (see attend_mixed_and_choose)
 
 
 def static_step_of(policy: Any, shape: Any) -> Any:

@@ -538,9 +538,9 @@ def _check_skinny_linear(m, n, k, bias, config, device, dtype, tol):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
-@pytest.mark.parametrize("m, n, k, bias, dot, bn, bk", [(1, 70, 300, True, False, 8, 128), (1, 33, 40, False, False, 32, 64),
-                                                         (5, 50, 200, True, True, 32, 64), (16, 17, 130, False, True, 16, 128),
-                                                         (20, 40, 70, True, True, 16, 64), (64, 33, 90, False, True, 32, 32)])
+@pytest.mark.parametrize("m, n, k, bias, dot, bn, bk", [
+    (1, 70, 300, True, False, 8, 128), (1, 33, 40, False, False, 32, 64), (5, 50, 200, True, True, 32, 64),
+    (16, 17, 130, False, True, 16, 128), (20, 40, 70, True, True, 16, 64), (64, 33, 90, False, True, 32, 32)])
 def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, bk):
     """Each kind of tile (multiply-add for one row, tl.dot over 16, 32 or 64 padded rows), ragged N and K, with and
     without bias."""
@@ -642,8 +642,9 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     from runtime.kernels.skinny_linear.naive import Config
 
     assert kernel_config(65, 3584, 3584) is None  # more rows than the kernel pads to
-    assert kernel_config(64, 17920, 1536, gated=True) == Config(True, 64, 64, 4, 4)  # the gated MLP at 33 to 64 rows ...
-    assert kernel_config(64, 17920, 1536) is None and kernel_config(32, 17920, 1536, gated=True) is None  # only
+    # from 17 rows, only the gated MLP and only from 33 rows
+    assert kernel_config(64, 17920, 1536, gated=True) == Config(True, 64, 64, 4, 4)
+    assert kernel_config(64, 17920, 1536) is None and kernel_config(32, 17920, 1536, gated=True) is None
     assert kernel_config(64, 2048, 1536) is None and kernel_config(64, 28672, 4096, gated=True) is None
     assert kernel_config(8, 1536, 8960) == Config(True, 32, 128, 4, 4, 8)  # 1.5B's down: K split over 8 programs
     assert kernel_config(64, 1536, 8960) is None  # ... but cuBLAS at 64 rows

@@ -124,8 +124,7 @@ def _pages_from_logits(LG, LSE, OUT, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, T,
 def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: int, num_kv_heads: int,
                             per_kv_head: bool = False) -> torch.Tensor:
     """Page scores from kept logits ``[B, Hq, T]`` (float32 or float16) and their log-sum-exp ``[B, Hq]``: same
-    output as
-    :func:`page_scores`, reading 2 or 4 bytes per head and token instead of the keys."""
+    output as :func:`page_scores`, reading 2 or 4 bytes per head and token instead of the keys."""
     b, hq, t = logits.shape
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two for the GPU kernel, got {page_size}")
@@ -203,10 +202,10 @@ def logits_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def decode_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                           key_mask: torch.Tensor | None = None,
-                          **kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full decode attention that keeps its logits: ``(out [B, Hq, D], lse [B, Hq], logits [B, Hq, T])``
-    (:func:`logits_dtype`),
-    what :func:`page_scores_from_logits` reads (:func:`decode_and_score` does both in turn)."""
+                          **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full decode attention that keeps its logits: ``(out [B, Hq, D], lse [B, Hq], logits [B, Hq, T])`` (stored
+    as :func:`logits_dtype` says), what :func:`page_scores_from_logits` reads (:func:`decode_and_score` does both
+    in turn)."""
     from runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape

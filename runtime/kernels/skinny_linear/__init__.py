@@ -17,8 +17,8 @@ whole of ``K``, no split — reaches 70–102 % (H200, bf16; ``benchmarks/kernel
 projection of a small model (too few feature tiles) splits ``K`` over programs instead, the last of which sums
 the partials in the same launch. :func:`linear` takes the kernels on CUDA for up to :data:`MAX_ROWS` rows and for
 the shapes where they measured faster (:func:`kernel_config`), and ``F.linear`` everywhere else (the CPU, the
-prefill, most projections of a large batch). ``naive.py`` is the reference. The kernel is a ``torch.library`` custom op, so ``torch.compile`` keeps
-it inside a compiled graph and CUDA graphs capture it.
+prefill, most projections of a large batch). ``naive.py`` is the reference. The kernels are ``torch.library``
+custom ops, so ``torch.compile`` keeps them inside a compiled graph and CUDA graphs capture them.
 """
 
 from __future__ import annotations
