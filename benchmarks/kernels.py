@@ -291,6 +291,24 @@ def projection_copies(n: int, k: int, bias: bool) -> list[tuple]:
              torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None) for _ in range(copies)]
 
 
+def projection_cases(rows_list, projections=()):
+    """``(name, n, k, rows, x, copies)`` for each projection (or those named) at each row count: bf16 activations
+    and :func:`projection_copies` of its weight, made once per projection."""
+    for name, (n, k, bias) in PROJECTIONS.items():
+        if projections and name not in projections:
+            continue
+        ws = projection_copies(n, k, bias)
+        for rows in rows_list:
+            yield name, n, k, rows, torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), ws
+        del ws
+
+
+def tile_label(config) -> str:
+    """A ``tl.dot`` tile's name in the sweep's tables: features × columns, warps, stages (and split)."""
+    return (f"{config.block_n}x{config.block_k} w{config.warps} s{config.stages}"
+            + (f" split{config.split}" if config.split > 1 else ""))
+
+
 def linear_rows(copy_bw: float, rows_list=(1, 8, 16), projections=()) -> list[dict]:
     """The engine's linear layer against cuBLAS on each projection, as a decode step runs it (graph-captured,
     each call a different copy of the weight so that none is served from L2)."""
@@ -298,31 +316,25 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16), projections=()) -> list[di
 
     projection_then_silu = torch.compile(lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w).chunk(2, -1)))
     out = []
-    for name, (n, k, bias) in PROJECTIONS.items():
-        if projections and name not in projections:
-            continue
-        ws = projection_copies(n, k, bias)
-        for rows in rows_list:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            times = {}
-            for label, fn in (("cublas", F.linear), ("rolecall", linear)):
-                times[label] = graph_ms(lambda w, b, fn=fn, x=x: fn(x, w, b), Rotating.of(ws))
-            out.append({"projection": name, "rows": rows, "n": n, "k": k,
-                        "kernel": kernel_config(rows, n, k) is not None,
-                        "cublas_ms": times["cublas"], "rolecall_ms": times["rolecall"],
-                        "cublas_bw_fraction": n * k * 2 / (times["cublas"] * 1e-3) / copy_bw,
-                        "rolecall_bw_fraction": n * k * 2 / (times["rolecall"] * 1e-3) / copy_bw})
-            r = out[-1]
-            gated = ""
-            if name.endswith("gate_up"):  # the MLP as the engine runs it, against cuBLAS and a fused activation
-                r["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
-                r["cublas_then_activation_ms"] = graph_ms(lambda w, b, x=x: projection_then_silu(x, w), Rotating.of(ws))
-                gated = (f"; gated {1e3 * r['gated_ms']:.1f} µs against cuBLAS then the activation "
-                         f"{1e3 * r['cublas_then_activation_ms']:.1f}")
-            print(f"linear {name:>13} rows {rows:>2}: cuBLAS {1e3 * r['cublas_ms']:6.1f} µs "
-                  f"({r['cublas_bw_fraction']:.0%}), rolecall {1e3 * r['rolecall_ms']:6.1f} µs "
-                  f"({r['rolecall_bw_fraction']:.0%}){'' if r['kernel'] else ' (cuBLAS)'}{gated}", flush=True)
-        del ws
+    for name, n, k, rows, x, ws in projection_cases(rows_list, projections):
+        times = {}
+        for label, fn in (("cublas", F.linear), ("rolecall", linear)):
+            times[label] = graph_ms(lambda w, b, fn=fn, x=x: fn(x, w, b), Rotating.of(ws))
+        out.append({"projection": name, "rows": rows, "n": n, "k": k,
+                    "kernel": kernel_config(rows, n, k) is not None,
+                    "cublas_ms": times["cublas"], "rolecall_ms": times["rolecall"],
+                    "cublas_bw_fraction": n * k * 2 / (times["cublas"] * 1e-3) / copy_bw,
+                    "rolecall_bw_fraction": n * k * 2 / (times["rolecall"] * 1e-3) / copy_bw})
+        r = out[-1]
+        gated = ""
+        if name.endswith("gate_up"):  # the MLP as the engine runs it, against cuBLAS and a fused activation
+            r["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
+            r["cublas_then_activation_ms"] = graph_ms(lambda w, b, x=x: projection_then_silu(x, w), Rotating.of(ws))
+            gated = (f"; gated {1e3 * r['gated_ms']:.1f} µs against cuBLAS then the activation "
+                     f"{1e3 * r['cublas_then_activation_ms']:.1f}")
+        print(f"linear {name:>13} rows {rows:>2}: cuBLAS {1e3 * r['cublas_ms']:6.1f} µs "
+              f"({r['cublas_bw_fraction']:.0%}), rolecall {1e3 * r['rolecall_ms']:6.1f} µs "
+              f"({r['rolecall_bw_fraction']:.0%}){'' if r['kernel'] else ' (cuBLAS)'}{gated}", flush=True)
     return out
 
 
@@ -343,46 +355,30 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
     from runtime.kernels.skinny_linear.triton import launch
 
     out = []
-    for name, (n, k, bias) in PROJECTIONS.items():
-        if projections and name not in projections:
-            continue
-        ws = projection_copies(n, k, bias)
-        for rows in rows_list:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            times = {"cublas": graph_ms(lambda w, b, x=x: F.linear(x, w, b), Rotating.of(ws))}
-            for bn, bk, warps, stages in TILES:
-                config = Config(True, bn, bk, warps, stages)
-                try:  # compiled outside the graph: a tile that does not fit fails here
-                    launch(x, *ws[0], config)
-                except OutOfResources:
-                    continue
-                times[f"{bn}x{bk} w{warps} s{stages}"] = graph_ms(
-                    lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
-            for bn, bk, warps, stages, split in SPLIT_TILES if k >= 4 * n else ():
-                config = Config(True, bn, bk, warps, stages, split)
-                try:
-                    launch(x, *ws[0], config)
-                except OutOfResources:
-                    continue
-                times[f"{bn}x{bk} w{warps} s{stages} split{split}"] = graph_ms(
-                    lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
-            chosen = kernel_config(rows, n, k)
-            row = {"projection": name, "rows": rows, "n": n, "k": k, "times_ms": times,
-                   "engine_tile": None if chosen is None else f"{chosen.block_n}x{chosen.block_k} w{chosen.warps} "
-                                                               f"s{chosen.stages}"
-                                                               + (f" split{chosen.split}" if chosen.split > 1 else "")}
-            if name.endswith("gate_up"):
-                row["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
-                row["projection_then_activation_ms"] = graph_ms(
-                    lambda w, b, x=x: (lambda g, u: activation(g, "silu") * u)(*F.linear(x, w).chunk(2, -1)),
-                    Rotating.of(ws))
-            out.append(row)
-            best = sorted(times, key=times.get)[:3]
-            print(f"tiles {name:>13} rows {rows:>2}: " + ", ".join(f"{t} {1e3 * times[t]:.1f}" for t in best)
-                  + f" µs (engine: {row['engine_tile'] or 'cublas'})"
-                  + (f"; gated {1e3 * row['gated_ms']:.1f} µs against {1e3 * row['projection_then_activation_ms']:.1f}"
-                     if "gated_ms" in row else ""), flush=True)
-        del ws
+    for name, n, k, rows, x, ws in projection_cases(rows_list, projections):
+        times = {"cublas": graph_ms(lambda w, b, x=x: F.linear(x, w, b), Rotating.of(ws))}
+        configs = [Config(True, *tile) for tile in TILES]
+        configs += [Config(True, *tile) for tile in SPLIT_TILES] if k >= 4 * n else []
+        for config in configs:
+            try:  # compiled outside the graph: a tile that does not fit fails here
+                launch(x, *ws[0], config)
+            except OutOfResources:
+                continue
+            times[tile_label(config)] = graph_ms(lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
+        chosen = kernel_config(rows, n, k)
+        row = {"projection": name, "rows": rows, "n": n, "k": k, "times_ms": times,
+               "engine_tile": None if chosen is None else tile_label(chosen)}
+        if name.endswith("gate_up"):
+            row["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
+            row["projection_then_activation_ms"] = graph_ms(
+                lambda w, b, x=x: (lambda g, u: activation(g, "silu") * u)(*F.linear(x, w).chunk(2, -1)),
+                Rotating.of(ws))
+        out.append(row)
+        best = sorted(times, key=times.get)[:3]
+        print(f"tiles {name:>13} rows {rows:>2}: " + ", ".join(f"{t} {1e3 * times[t]:.1f}" for t in best)
+              + f" µs (engine: {row['engine_tile'] or 'cublas'})"
+              + (f"; gated {1e3 * row['gated_ms']:.1f} µs against {1e3 * row['projection_then_activation_ms']:.1f}"
+                 if "gated_ms" in row else ""), flush=True)
     return out
 
 

@@ -23,6 +23,7 @@ it has, over the buffers it keeps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -315,19 +316,16 @@ class StaticDecoder:
                 **self.keys(span, k.shape[2]), **self._out)
             return o, self._choose_aside(logits, lse[:, :r * g], block_size, r, True, count, recent, out, out_rows)
         o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
-        beside = self.triton and q.is_cuda
-        if beside:  # the sparse heads' gathers (latency-bound) run on a stream of their own beside the dense heads'
-            # streaming launch; the step's stream waits for them before anything reads the output
-            side = self._side_stream(q.device, "sparse")
+        # On the GPU the sparse heads' gathers (latency-bound) run on a stream of their own beside the dense heads'
+        # streaming launch; the step's stream waits for them before anything reads the output
+        side = self._side_stream(q.device, "sparse") if self.triton and q.is_cuda else None
+        if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows,
-                            out=o[:, r * g:])
-        else:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows, out=o[:, r * g:])
         _, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count, recent,
                                            out=out, out_rows=out_rows, into=o[:, :r * g])
-        if beside:
+        if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         return o, chosen
 

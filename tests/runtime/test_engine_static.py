@@ -307,8 +307,9 @@ def test_mixed_launch_scores_its_full_heads_as_the_dense_reference():
     mask = torch.arange(t)[None, :] >= torch.tensor([[0], [5]])  # row 1 left-padded by 5
     idx = torch.tensor([[0, 3, -1], [4, 1, 2]], dtype=torch.int32)[:, None].expand(b, hkv, 3).contiguous()
     for r in (1, 3):
-        out, _, scores = page_triton.mixed_decode_and_score(q, k, v, idx, 0.25, bs, r, key_mask=mask, chunk=32,
+        out, lse, logits = page_triton.mixed_keeping_logits(q, k, v, idx, 0.25, bs, r, key_mask=mask, chunk=32,
                                                             tile=16)
+        scores = page_triton.page_scores_from_logits(logits, lse[:, :r * groups], bs, r, per_kv_head=True)
         want_full, _, want_scores = page_naive.decode_and_score(q[:, :r * groups], k[:, :r], v[:, :r], 0.25, bs,
                                                                 key_mask=mask, per_kv_head=True)
         want_rest, _ = attention_naive.sparse_decode_attention(q[:, r * groups:], k[:, r:], v[:, r:], idx[:, r:],

@@ -140,26 +140,14 @@ def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: 
     return out if per_kv_head else out[:, 0]
 
 
-def mixed_decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
-                           scale: float, block_size: int, full_heads: int, key_mask: torch.Tensor | None = None,
-                           **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One launch for a layer whose first ``full_heads`` KV heads read every token (LycheeDecode's retrieval
-    heads, stored first) and whose others read ``indices`` ``[B, Hkv, N]`` (blocks of ``block_size``):
-    ``(out [B, Hq, D], lse [B, Hq], scores [B, full_heads, pages])``, the block scores of the full heads per KV
-    head, from the logits that only they keep (:func:`mixed_keeping_logits`, then
-    :func:`page_scores_from_logits`)."""
-    g = query.shape[1] // key.shape[1]
-    out, lse, logits = mixed_keeping_logits(query, key, value, indices, scale, block_size, full_heads,
-                                            key_mask=key_mask, **kernel)
-    scores = page_scores_from_logits(logits, lse[:, :full_heads * g], block_size, full_heads, per_kv_head=True)
-    return out, lse, scores
-
-
 def mixed_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
                          scale: float, block_size: int, full_heads: int, key_mask: torch.Tensor | None = None,
                          **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one launch of :func:`mixed_decode_and_score`: ``(out [B, Hq, D], lse [B, Hq], logits)``, the logits
-    ``[B, full_heads · G, T]`` (:func:`logits_dtype`) of the full heads' query heads only."""
+    """One launch for a layer whose first ``full_heads`` KV heads read every token (LycheeDecode's retrieval
+    heads, stored first) and whose others read ``indices`` ``[B, Hkv, N]`` (blocks of ``block_size``):
+    ``(out [B, Hq, D], lse [B, Hq], logits)``, the logits ``[B, full_heads · G, T]`` (:func:`logits_dtype`) of the
+    full heads' query heads only, which only they keep; :func:`page_scores_from_logits` turns them into their
+    block scores per KV head."""
     from runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape

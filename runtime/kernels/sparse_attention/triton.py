@@ -193,9 +193,9 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     """Triton version of the reference; see the module docstring for shapes.
 
     ``logits_out``: a float32 or float16 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where
-    masked) of the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query heads, the
-    others' entries are left as they are), so a selection layer or a retrieval head scores pages without
-    reading K again.
+    masked) of the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query
+    heads, the others' entries are left as they are), so a selection layer or a retrieval head scores pages
+    without reading K again.
     """
     b, hq, d = query.shape
     _, hkv, t, dk = key.shape
