@@ -295,11 +295,13 @@ class StaticDecoder:
     def attend_mixed_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                                 indices: torch.Tensor, block_size: int, full_heads: int, count: int, recent: int,
                                 index_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending]:
-        """The first ``full_heads`` KV heads read everything and choose blocks per KV head (as
-        :meth:`attend_and_choose`), the others read ``indices`` (KV head h its row ``index_rows[h]`` when given,
-        see :meth:`attend`): ``(out [B, Hq, D], Pending(choice [B, full_heads, count]))``; with ``out``/``out_rows``
-        the choice goes into rows of ``out`` as in :meth:`select`.
+                                out_rows: torch.Tensor | None = None,
+                                choosing: int | None = None) -> tuple[torch.Tensor, Pending | None]:
+        """The first ``full_heads`` KV heads read everything, and the first ``choosing`` of them (default all)
+        choose blocks per KV head (as :meth:`attend_and_choose`); the others read ``indices`` (KV head h its row
+        ``index_rows[h]`` when given, see :meth:`attend`): ``(out [B, Hq, D], Pending(choice [B, choosing,
+        count]))``, or ``(out, None)`` when none chooses; with ``out``/``out_rows`` the choice goes into rows of
+        ``out`` as in :meth:`select`.
 
         On the GPU below :data:`MIXED_MAX_BATCH` rows the attention is one launch; from there on a dense launch
         over the head prefix and a block-sparse one over the rest, which measured faster (DS-Qwen-7B shape, 32 of
@@ -308,13 +310,16 @@ class StaticDecoder:
         launch). The references always take the two calls."""
         g = q.shape[1] // k.shape[1]
         r = full_heads
+        c = r if choosing is None else choosing
         rows = index_rows[r:] if index_rows is not None else None
         sparse = indices if index_rows is not None else indices[:, r:]
         if self.triton and q.is_cuda and self.batch < MIXED_MAX_BATCH:
             o, lse, logits = self._page_triton.mixed_keeping_logits(
                 q, k, v, indices, self.shape.attention_scale, block_size, r, index_rows=index_rows,
-                **self.keys(span, k.shape[2]), **self._out)
-            return o, self._choose_aside(logits, lse[:, :r * g], block_size, r, True, count, recent, out, out_rows)
+                keeping_heads=c, **self.keys(span, k.shape[2]), **self._out)
+            if not c:
+                return o, None
+            return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, True, count, recent, out, out_rows)
         o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
         # On the GPU the sparse heads' gathers (latency-bound) run on a stream of their own beside the dense heads'
         # streaming launch; the step's stream waits for them before anything reads the output
@@ -324,27 +329,37 @@ class StaticDecoder:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows, out=o[:, r * g:])
         _, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count, recent,
-                                           out=out, out_rows=out_rows, into=o[:, :r * g])
+                                           out=out, out_rows=out_rows, into=o[:, :r * g], choosing=c)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         return o, chosen
 
     def attend_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan, block_size: int,
                           per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None = None,
-                          out_rows: torch.Tensor | None = None,
-                          into: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending]:
+                          out_rows: torch.Tensor | None = None, into: torch.Tensor | None = None,
+                          choosing: int | None = None) -> tuple[torch.Tensor, Pending | None]:
         """Dense attention (written into ``into`` when given), and the blocks :meth:`select` chooses from its
         block scores (as :meth:`attend_and_score` then :meth:`select`, ``out``/``out_rows`` as there), the
         choice :class:`Pending`: on the GPU the block scores and the top-k run on a second stream beside the rest
         of the layer and the next layer's projections, and the step's stream waits for them where the choice is
         first read (``Pending.result``) or at the end of the step. The references (and the Triton kernels under
-        the CPU interpreter) compute it in line."""
+        the CPU interpreter) compute it in line. ``choosing`` (per KV head only): only the first ``choosing`` KV
+        heads choose, and only their logits are kept; with 0 the choice is None and this is plain attention."""
+        if choosing is not None and not per_kv_head:
+            raise ValueError("choosing needs per_kv_head: a choice shared by all heads is made by all of them")
+        c = k.shape[1] if choosing is None else choosing
+        if not c:
+            return self.attend(q, k, v, span, out=into), None
         if not (self.triton and q.is_cuda):
             o, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head, out=into)
-            return o, Pending(self.select(scores, block_size, count, recent, out=out, out_rows=out_rows))
+            return o, Pending(self.select(scores[:, :c] if per_kv_head else scores, block_size, count, recent,
+                                          out=out, out_rows=out_rows))
         o, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale, out=into,
-                                                                 **self.keys(span, k.shape[2]), **self._out)
-        return o, self._choose_aside(logits, lse, block_size, k.shape[1], per_kv_head, count, recent, out, out_rows)
+                                                                 keeping_heads=c, **self.keys(span, k.shape[2]),
+                                                                 **self._out)
+        g = q.shape[1] // k.shape[1]
+        return o, self._choose_aside(logits, lse[:, :c * g], block_size, c if per_kv_head else k.shape[1],
+                                     per_kv_head, count, recent, out, out_rows)
 
     def _choose_aside(self, logits: torch.Tensor, lse: torch.Tensor, block_size: int, kv_heads: int,
                       per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None,

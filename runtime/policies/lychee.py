@@ -56,6 +56,7 @@ class Lychee:
         positive("block_size", self.block_size, policy=self.name)
         positive("recent", self.recent, allow_zero=True, policy=self.name)
         self.retrieval: torch.Tensor | None = None  # bool [L, Hkv]
+        self.policy_layers: list[int] | None = None  # the layers that reach plan() (all but sliding ones)
 
     def bind(self, manifest: Any, config: Any) -> None:
         if manifest is None or manifest.head_role is None:
@@ -68,8 +69,8 @@ class Lychee:
         # Sliding-window layers never reach plan(): sets pass between the full-attention layers, and the first
         # of those has nothing to inherit (without this it would read the previous step's last set).
         sliding = set(sliding_layers(config))
-        first = next((i for i in range(len(self.retrieval)) if i not in sliding), 0)
-        self.retrieval[first] = True
+        self.policy_layers = [i for i in range(len(self.retrieval)) if i not in sliding] or [0]
+        self.retrieval[self.policy_layers[0]] = True
 
     def _choose(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, n]`` → chosen block ids ``[B, Hkv, N]`` (-1 padded)."""
@@ -133,7 +134,8 @@ class Lychee:
                                       "engine runs budget=N")
         recent = math.ceil(self.recent / self.block_size) if self.recent else 0
         blocks = max(math.ceil(self.budget / self.block_size), recent, 1)
-        return LycheeStep(self.retrieval.clone(), self.block_size, blocks, recent)
+        layers = self.policy_layers if self.policy_layers is not None else range(shape.layers)
+        return LycheeStep(self.retrieval.clone(), self.block_size, blocks, recent, passes_on(self.retrieval, layers))
 
 
 @dataclass
@@ -151,16 +153,22 @@ class LycheeStep:
     block_size: int
     num_blocks: int
     recent_blocks: int
+    choosing: torch.Tensor | None = None  # [L, Hkv] bool: retrieval heads whose choice is read (passes_on)
     sparse: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        self.order = [torch.argsort((~row).to(torch.int8), stable=True) for row in self.retrieval]
+        if self.choosing is None:
+            self.choosing = self.retrieval.clone()
+        rank = 2 - self.retrieval.to(torch.int8) - self.choosing.to(torch.int8)  # 0 choose, 1 retrieve only, 2 sparse
+        self.order = [torch.argsort(row, stable=True) for row in rank]
         self.n_retrieval = [int(r) for r in self.retrieval.sum(1)]
-        self._maps: dict[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.n_choosing = [int(c) for c in self.choosing.sum(1)]
+        self._maps: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
     def head_order(self) -> list[torch.Tensor]:
-        """Per layer, the stored order of KV heads: retrieval heads first (each group in original order)."""
+        """Per layer, the stored order of KV heads: the retrieval heads that choose, the other retrieval heads,
+        then the sparse heads (each group in original order)."""
         return self.order
 
     @property
@@ -171,41 +179,53 @@ class LycheeStep:
         full = self.retrieval.float().mean(1).tolist()  # the share of each layer's KV heads that retrieve
         return mean_tokens_read(shape, context, self.num_blocks * self.block_size, full)
 
-    def _device_maps(self, device: Any, batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _device_maps(self, device: Any, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, int32 on ``device``: the stored order (stored head j holds original head ``order[j]``), and
-        the rows of ``[B, Hkv]`` a choice goes to, ``b · Hkv + order[j]`` for row ``b · r + j``, when the layer's
-        r retrieval heads choose and when all its heads do (the first layer). Made once, in the eager warm-up
-        before any graph capture."""
+        the rows of ``[B, Hkv]`` the choice of the layer's c choosing heads (stored first) goes to,
+        ``b · Hkv + order[j]`` for row ``b · c + j``. Made once, in the eager warm-up before any graph capture."""
         key = (device, batch)
         if key not in self._maps:
             hkv = self.retrieval.shape[1]
             base = torch.arange(batch, device=device, dtype=torch.int32)[:, None] * hkv
             maps = []
-            for order, r in zip(self.order, self.n_retrieval):
+            for order, c in zip(self.order, self.n_choosing):
                 order = order.to(device=device, dtype=torch.int32)
                 rows = base + order[None, :]  # [B, Hkv]: row b's stored head j → its row by original head
-                maps.append((order, rows[:, :r].reshape(-1), rows.reshape(-1)))
+                maps.append((order, rows[:, :c].flatten().contiguous()))  # [B, 1] flattens to a strided view
             self._maps[key] = maps
         return self._maps[key]
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         b, hkv = k.shape[:2]
-        order, out_rows, all_rows = self._device_maps(k.device, b)[layer]
-        r, bs, n = self.n_retrieval[layer], self.block_size, self.num_blocks
+        order, out_rows = self._device_maps(k.device, b)[layer]
+        r, c, bs, n = self.n_retrieval[layer], self.n_choosing[layer], self.block_size, self.num_blocks
         pending = state.get("lychee.sets")  # Pending([B, Hkv, N] by original head index), chosen beside the step
         sets = pending.result() if pending is not None else None
-        if r == hkv or sets is None:  # every head chooses (the first layer): one dense launch
-            if sets is None:  # the first layer writes every head's row
+        if r == hkv or sets is None:  # every head reads everything (the first layer): one dense launch
+            if sets is None and c:  # the first choice: rows no choice writes are never read (passes_on)
                 sets = torch.empty(b, hkv, min(n, math.ceil(k.shape[2] / bs)), device=k.device, dtype=torch.int32)
             out, chosen = dec.attend_and_choose(q, k, v, span, bs, True, n, self.recent_blocks, out=sets,
-                                                out_rows=all_rows)
+                                                out_rows=out_rows, choosing=c)
         elif r == 0:  # every head reads what it inherits
             return dec.attend(q, k, v, span, sets, bs, index_rows=order)
-        else:  # retrieval heads (stored first) read all and choose, sparse heads read their sets
+        else:  # retrieval heads (stored first) read all, the first c of them choose; sparse heads read their sets
             out, chosen = dec.attend_mixed_and_choose(q, k, v, span, sets, bs, r, n, self.recent_blocks,
-                                                      index_rows=order, out=sets, out_rows=out_rows)
-        state["lychee.sets"] = chosen  # written into sets' rows of this layer's retrieval heads
+                                                      index_rows=order, out=sets, out_rows=out_rows, choosing=c)
+        if chosen is not None:  # written into sets' rows of this layer's choosing heads
+            state["lychee.sets"] = chosen
         return out
+
+
+def passes_on(retrieval: torch.Tensor, layers: Any) -> torch.Tensor:
+    """``[L, Hkv]`` bool: the retrieval heads whose choice a later layer reads. Head h's choice at layer l is
+    read by the next of ``layers`` (those that run the policy) if head h is sparse there, and by nobody else:
+    a sparse head passes the set on unchanged, and a retrieval head replaces it. So a retrieval head followed by
+    a retrieval head of the same index, or in the last such layer, needs neither logits nor a choice."""
+    out = torch.zeros_like(retrieval, dtype=torch.bool)
+    layers = list(layers)
+    for here, after in zip(layers, layers[1:]):
+        out[here] = retrieval[here] & ~retrieval[after]
+    return out
 
 
 def _pad(indices: torch.Tensor, width: int) -> torch.Tensor:

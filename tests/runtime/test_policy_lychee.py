@@ -86,3 +86,22 @@ def test_blocks_are_scored_by_their_sum():
             blocks = [float(scores[b, h, i * 8:(i + 1) * 8].sum()) for i in range(math.ceil(T / 8))]
             want = sorted(sorted(range(len(blocks)), key=lambda i: -blocks[i])[:2])
             assert scratch["lychee.sets"][b, h].tolist() == want
+
+
+def test_only_choices_a_later_layer_reads_are_made():
+    """A retrieval head's choice is read by the same head index in the next layer if that head is sparse there;
+    a retrieval head there replaces it and a sparse one passes it on, so nothing later reads it otherwise."""
+    from runtime.policies.lychee import passes_on
+
+    retrieval = torch.tensor([[1, 1, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0], [1, 0, 1]], dtype=torch.bool)
+    want = [[1, 0, 1], [0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
+    assert passes_on(retrieval, range(5)).int().tolist() == want
+    # skipped layers (a hybrid model's sliding ones) do not count: layer 0 then hands over to layer 2
+    assert passes_on(retrieval, [0, 2, 3]).int().tolist() == [[0, 0, 1], [0] * 3, [1, 1, 0], [0] * 3, [0] * 3]
+    policy = get_policy("lychee", budget=16, block_size=4)
+    policy.bind(RoleManifest(ModelIdentity(5, 6, 3, 8), head_role=retrieval.to(torch.int8)), None)
+    shape = type("Shape", (), {"layers": 5, "kv_heads": 3})()
+    step = policy.static_step(shape)
+    assert step.n_choosing == [2, 0, 2, 0, 0] and step.n_retrieval == [3, 1, 2, 0, 2]
+    # per layer: the heads that choose, then the other retrieval heads, then the sparse ones
+    assert [o.tolist() for o in step.head_order] == [[0, 2, 1], [1, 0, 2], [0, 1, 2], [0, 1, 2], [0, 2, 1]]

@@ -184,6 +184,17 @@ def test_lychee_first_full_layer_never_reads_a_stale_set(model):
     assert torch.equal(a, b)
 
 
+def test_lychee_choices_pass_between_full_layers_only(model):
+    from runtime.policies.lychee import passes_on
+
+    policy = get_policy("lychee", budget=8)
+    policy.bind(_manifest(model, [0] * L, heads=HEADS), model.config)
+    assert policy.policy_layers == [2, 5]  # the sliding layers never read a set
+    # layer 2's head 0 passes its choice to layer 5's sparse head 0; head 1 to a retrieval head; layer 5 is last
+    assert passes_on(policy.retrieval, policy.policy_layers).tolist() == [[False] * 2] * 2 + [[True, False]] + [
+        [False] * 2] * 3
+
+
 # -- training -------------------------------------------------------------------------------------------------
 def test_gate_layout_holds_sliding_gates_open_and_out_of_expected_l0(model):
     layout = GateLayout.of(model)

@@ -142,27 +142,32 @@ def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: 
 
 def mixed_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
                          scale: float, block_size: int, full_heads: int, key_mask: torch.Tensor | None = None,
-                         **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         keeping_heads: int | None = None,
+                         **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One launch for a layer whose first ``full_heads`` KV heads read every token (LycheeDecode's retrieval
     heads, stored first) and whose others read ``indices`` ``[B, Hkv, N]`` (blocks of ``block_size``):
-    ``(out [B, Hq, D], lse [B, Hq], logits)``, the logits ``[B, full_heads · G, T]`` (:func:`logits_dtype`) of the
-    full heads' query heads only, which only they keep; :func:`page_scores_from_logits` turns them into their
-    block scores per KV head."""
+    ``(out [B, Hq, D], lse [B, Hq], logits)``, the logits ``[B, keeping_heads · G, T]`` (:func:`logits_dtype`) of
+    the first ``keeping_heads`` KV heads' query heads only (default ``full_heads``; 0: no logits, None), which
+    only they keep; :func:`page_scores_from_logits` turns them into their block scores per KV head."""
     from runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
     hkv, t = key.shape[1], key.shape[2]
     g = hq // hkv
     full = (torch.arange(hkv, device=query.device) < full_heads).expand(b, hkv)
-    logits = torch.empty(b, hq, t, device=query.device, dtype=logits_dtype(query.dtype))
+    keeping = full_heads if keeping_heads is None else keeping_heads
+    if not 0 <= keeping <= full_heads:
+        raise ValueError(f"keeping_heads must be 0 to full_heads = {full_heads}, got {keeping}")
+    logits = torch.empty(b, keeping * g, t, device=query.device, dtype=logits_dtype(query.dtype)) if keeping else None
     if "chunk" not in kernel:  # size chunks by the mean row (the kernel's default sizes them by the sparse rows,
         # which splits the full rows into so many chunks that their partial results outweigh the saved launch)
         mean = (full_heads * t + (hkv - full_heads) * indices.shape[-1] * block_size) / hkv
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
         kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sms, dense=False)
     out, lse = attention.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
-                                                 key_mask=key_mask, full_rows=full, logits_out=logits, **kernel)
-    return out, lse, logits[:, :full_heads * g]
+                                                 key_mask=key_mask, full_rows=full, logits_out=logits,
+                                                 logit_heads=keeping or None, **kernel)
+    return out, lse, logits
 
 
 def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, page_size: int,
@@ -189,15 +194,17 @@ def logits_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def decode_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                          key_mask: torch.Tensor | None = None,
+                          key_mask: torch.Tensor | None = None, keeping_heads: int | None = None,
                           **kernel: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full decode attention that keeps its logits: ``(out [B, Hq, D], lse [B, Hq], logits [B, Hq, T])`` (stored
-    as :func:`logits_dtype` says), what :func:`page_scores_from_logits` reads (:func:`decode_and_score` does both
-    in turn)."""
+    """Full decode attention that keeps its logits: ``(out [B, Hq, D], lse [B, Hq], logits [B, keeping_heads · G,
+    T])`` (stored as :func:`logits_dtype` says; the first ``keeping_heads`` KV heads' query heads, default all),
+    what :func:`page_scores_from_logits` reads (:func:`decode_and_score` does both in turn)."""
     from runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
-    logits = torch.empty(b, hq, key.shape[2], device=query.device, dtype=logits_dtype(query.dtype))
+    hkv = key.shape[1]
+    keeping = hkv if keeping_heads is None else keeping_heads
+    logits = torch.empty(b, keeping * (hq // hkv), key.shape[2], device=query.device, dtype=logits_dtype(query.dtype))
     out, lse = attention.sparse_decode_attention(query, key, value, scale=scale, key_mask=key_mask,
-                                                 logits_out=logits, **kernel)
+                                                 logits_out=logits, logit_heads=keeping, **kernel)
     return out, lse, logits

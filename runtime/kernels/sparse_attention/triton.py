@@ -40,7 +40,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt,
-          T, scale, lg_base, s_gh, first, last, G: tl.constexpr, G_PAD: tl.constexpr,
+          T, scale, lg_base, s_gh, first, last, keep_logits, G: tl.constexpr, G_PAD: tl.constexpr,
           D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
           HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
           WRITE_LOGITS: tl.constexpr):
@@ -70,7 +70,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, fu
     s = tl.where(valid[None, :], s, float("-inf"))
     if WRITE_LOGITS:  # a selection layer keeps its logits (2 or 4 bytes per head and token, vs 2·D·2 of K/V)
         g = tl.arange(0, G_PAD)
-        keep = live
+        keep = live & ((tl.zeros([TILE], tl.int32) + keep_logits) != 0)  # the first LOGIT_HEADS KV heads' rows
         if HAS_IDX:  # a mixed launch: only the rows that read everything keep theirs
             keep = keep & is_full
         tl.store(lg_base + g[:, None] * s_gh + tok[None, :], s, mask=(g < G)[:, None] & keep[None, :])
@@ -95,7 +95,7 @@ def _sparse_decode_partial(
     s_ob, s_oh, s_os, s_og,
     s_lb, s_lh, s_ls,
     s_gb, s_gh,
-    T, N, HKV, scale, chunk,
+    T, N, HKV, LOGIT_HEADS, scale, chunk,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
@@ -134,6 +134,7 @@ def _sparse_decode_partial(
     k_base = K + b * s_kb + h * s_kh
     v_base = V + b * s_vb + h * s_vh
     lg_base = LOGITS + b * s_gb + h * G * s_gh
+    keep_logits = (h < LOGIT_HEADS).to(tl.int32)
     first = 0
     last = T
     if HAS_SPAN:  # the row's valid slots are first..last: no mask to read
@@ -143,12 +144,14 @@ def _sparse_decode_partial(
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
                                   b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
+                                  keep_logits,
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
                                   WRITE_LOGITS)
     else:
         for j0 in range(start, end, TILE):
             m_i, l_i, acc = _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
                                   b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
+                                  keep_logits,
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
                                   WRITE_LOGITS)
 
@@ -189,13 +192,14 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                             key_span: tuple[torch.Tensor, torch.Tensor] | None = None,
                             index_rows: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            out: torch.Tensor | None = None,
+                            logit_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
-    ``logits_out``: a float32 or float16 ``[B, Hq, T]`` buffer that receives every scaled logit (−inf where
-    masked) of the rows that read everything (a dense call: all rows; with ``full_rows``: those rows' query
-    heads, the others' entries are left as they are), so a selection layer or a retrieval head scores pages
-    without reading K again.
+    ``logits_out``: a float32 or float16 ``[B, logit_heads · G, T]`` buffer that receives every scaled logit
+    (−inf where masked) of the first ``logit_heads`` KV heads' query heads (default: every KV head) among the
+    rows that read everything (a dense call: all rows; with ``full_rows``: those rows, the others' entries are
+    left as they are), so a selection layer or a retrieval head scores pages without reading K again.
     """
     b, hq, d = query.shape
     _, hkv, t, dk = key.shape
@@ -206,12 +210,16 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                          "every token)")
     if index_rows is not None and (index_rows.shape != (hkv,) or index_rows.dtype != torch.int32):
         raise ValueError(f"index_rows must be int32 [{hkv}], got {index_rows.dtype} {list(index_rows.shape)}")
-    if logits_out is not None and ((indices is not None and full_rows is None) or logits_out.shape != (b, hq, t)
+    g = hq // hkv
+    logit_heads = hkv if logit_heads is None else logit_heads
+    if not 0 < logit_heads <= hkv:
+        raise ValueError(f"logit_heads must be 1 to {hkv} (the KV heads), got {logit_heads}")
+    if logits_out is not None and ((indices is not None and full_rows is None)
+                                   or logits_out.shape != (b, logit_heads * g, t)
                                    or logits_out.dtype not in (torch.float32, torch.float16)
                                    or logits_out.stride(-1) != 1):
-        raise ValueError(f"logits_out must be a float32 or float16 [B, Hq, T] = [{b}, {hq}, {t}] buffer of a dense "
-                         "call or a call with full_rows")
-    g = hq // hkv
+        raise ValueError(f"logits_out must be a float32 or float16 [B, logit_heads · G, T] = [{b}, {logit_heads * g}, "
+                         f"{t}] buffer of a dense call or a call with full_rows")
     query = query if query.stride(-1) == 1 else query.contiguous()
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
@@ -249,7 +257,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
         lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
         logits_out.stride(0) if logits_out is not None else 0, logits_out.stride(1) if logits_out is not None else 0,
-        t, n, hkv, float(scale), chunk,
+        t, n, hkv, logit_heads, float(scale), chunk,
         G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile,
         CHUNK=chunk if INTERPRETING else 0,
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,

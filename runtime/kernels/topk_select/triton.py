@@ -179,8 +179,8 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
         raise ValueError("out and out_rows go together")
     if out is not None:
         if (out.dtype != torch.int32 or not out.is_contiguous() or out.shape[-1] != w or out_rows.dtype != torch.int32
-                or out_rows.shape != (r,)):
-            raise ValueError(f"out must be contiguous int32 [..., {w}] and out_rows int32 [{r}], got {out.dtype} "
+                or out_rows.shape != (r,) or out_rows.stride(0) != 1):
+            raise ValueError(f"out must be contiguous int32 [..., {w}] and out_rows contiguous int32 [{r}], got {out.dtype} "
                              f"{list(out.shape)} and {out_rows.dtype} {list(out_rows.shape)}")
         result, dest = out, out
     else:
