@@ -33,6 +33,7 @@ that length, integrated with the trapezoid rule over every generated token; delt
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
+from runtime.engine.cache import head_order_of  # noqa: E402
 from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
 from runtime.policies import get_policy  # noqa: E402
 
@@ -65,14 +67,14 @@ def _config(shape: ModelShape) -> SimpleNamespace:
 
 
 def spread_heads(layers: int, kv_heads: int, count: int, seed: int = 0) -> torch.Tensor:
-    """``count`` retrieval heads ``[L, Hkv]``: all of layer 0, the rest at random places, each layer's first
-    (a random model's heads have no identity, so the cache keeps the model's head order)."""
+    """``count`` retrieval heads ``[L, Hkv]``: all of layer 0, the rest at random (layer, head) places. About a
+    quarter of them then have a retrieval head of the same index in the next layer, as in trained manifests, and
+    so make no choice (runtime.policies.lychee.passes_on)."""
     g = torch.Generator().manual_seed(seed)
-    per_layer = torch.zeros(layers, dtype=torch.long)
-    per_layer[0] = kv_heads
-    rest = torch.randperm((layers - 1) * kv_heads, generator=g)[:max(count - kv_heads, 0)]
-    per_layer[1:] += torch.bincount(rest // kv_heads, minlength=layers - 1)
-    return torch.arange(kv_heads)[None, :] < per_layer[:, None]
+    heads = torch.zeros(layers, kv_heads, dtype=torch.bool)
+    heads[0] = True
+    heads.view(-1)[kv_heads + torch.randperm((layers - 1) * kv_heads, generator=g)[:max(count - kv_heads, 0)]] = True
+    return heads
 
 
 def delta_manifest(shape: ModelShape) -> RoleManifest:
@@ -133,7 +135,11 @@ class Bench:
         """Median ms per step of ``policy`` with ``start`` valid tokens (the length grows by one per step)."""
         a = self.args
         # a step that sizes its own layers (lethe's compact buffers) gets a cache of its own, at a steady state
-        own = hasattr(policy.static_step(weights.shape), "cache_slots")
+        static = policy.static_step(weights.shape)
+        own = hasattr(static, "cache_slots")
+        if cache is not None and not own:  # random contents are one state in any head order: the shared cache
+            cache = copy.copy(cache)  # takes the order this policy stores its heads in (lychee's roles first)
+            cache.head_order = head_order_of(static.head_order, weights.shape)
         dec = StaticDecoder(weights, policy, batch, slots, cache=None if own else cache, min_context=0,
                             compile=self.args.compile and self.device == "cuda", prompt_tokens=0 if own else None)
         if own:
