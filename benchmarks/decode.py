@@ -432,7 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.delta_batch, args.delta_budget, args.delta_prompt, args.delta_total = 2, 32, 40, 160
         args.delta_samples, args.min_context = 3, 64
     if args.min_context is None:  # the fallback the runtime applies at the setting's batch
-        args.min_context = default_min_context("delta", args.delta_batch)
+        args.min_context = default_min_context("delta", args.delta_batch, args.delta_budget)
     if any(n < 1 for n in args.real_prefill):
         p.error(f"--real-prefill: every length must be at least 1 token, got {args.real_prefill}")
     if args.delta_samples < 2:

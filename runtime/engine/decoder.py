@@ -102,7 +102,7 @@ class StaticDecoder:
                                  f"scores and evictions start there); min_context={min_context} needs 0")
             min_context = 0
         if min_context is None:
-            min_context = default_min_context(self.policy.name, batch) if sparse else 0
+            min_context = default_min_context(self.policy, batch) if sparse else 0
         self.min_context = min_context if sparse else 0
         self._choose_kernels(kernels, device)
         prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)

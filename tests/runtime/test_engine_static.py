@@ -47,6 +47,13 @@ def test_default_min_context_follows_the_measured_crossovers():
     assert [default_min_context("vattention", b) for b in (1, 8)] == [NEVER, 131072]
     assert default_min_context("lethe", 64) == 0  # no entry: lethe runs its own step from the first token
     assert default_min_context("full", 1) == 0 and NEVER > 131072
+    # a 1K budget crosses over earlier from 16 rows; below 16, and for larger budgets, the 2K rows hold
+    assert [default_min_context("delta", b, 1024) for b in (8, 16, 63, 64)] == [8192, 2048, 2048, 1536]
+    assert [default_min_context("delta", 64, t) for t in (512, 1024, 1025, 2048, 4096)] == [1536, 1536, 4096, 4096, 4096]
+    from runtime.policies import get_policy
+    assert default_min_context(get_policy("delta"), 64) == 1536  # the paper's default K = 64 pages of 16
+    assert default_min_context(get_policy("delta", budget=2048), 64) == 4096
+    assert default_min_context(get_policy("lychee", budget=1024), 64) == 4096  # measured at 2K only
     shape = ModelShape(3, 32, 4, 2, 8, 64, 50)
     weights = Weights.random(shape, dtype=torch.float32, positions=256)
     assert StaticDecoder(weights, policy("delta", shape), batch=1, max_len=64).min_context == 32768
