@@ -39,7 +39,7 @@ def default_min_context(policy: Any, batch: int, budget: int | None = None) -> i
     if not rows:
         return 0
     measured = table()["budget"]
-    budget = budget if budget is not None else budget_of(policy) if not isinstance(policy, str) else None
+    budget = budget if budget is not None else budget_of(policy)
     budget = measured if budget is None else budget
     by_budget: dict[int, list[dict]] = {}
     for r in rows:

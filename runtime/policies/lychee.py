@@ -141,13 +141,14 @@ class Lychee:
 @dataclass
 class LycheeStep:
     """The engine's step. A layer's retrieval heads are stored first (``head_order``: the engine permutes the
-    weights once and the cache keeps that order), so they are a head prefix that reads the whole cache and keeps
-    its logits while the sparse heads read what they inherit (one launch below 8 rows, two from there;
-    :meth:`~runtime.engine.decoder.StaticDecoder.attend_mixed_and_choose`). The retrieval heads' block scores and
-    top-k run beside the step; ``state["lychee.sets"]`` is that choice, pending until the next layer reads it.
-    The sets ``[B, Hkv, N]`` hold the blocks per *original* head index, as the next layer's same head index
-    inherits them. Nothing is copied between the two orders: the sparse heads read their rows through a head map
-    (``index_rows``), and the retrieval heads' choice is written into theirs in place (``out_rows``)."""
+    weights once and the cache keeps that order), so they are a head prefix that reads the whole cache, while the
+    sparse heads read what they inherit (one launch below 8 rows, two from there;
+    :meth:`~runtime.engine.decoder.StaticDecoder.attend_mixed_and_choose`). Within that prefix the heads whose
+    choice a later layer reads (``choosing``, :func:`passes_on`) come first: only they keep their logits, and
+    their block scores and top-k run beside the step; ``state["lychee.sets"]`` is that choice, pending until the
+    next layer reads it. The sets ``[B, Hkv, N]`` hold the blocks per *original* head index, as the next layer's
+    same head index inherits them. Nothing is copied between the two orders: the sparse heads read their rows
+    through a head map (``index_rows``), and a choice is written into its heads' rows in place (``out_rows``)."""
 
     retrieval: torch.Tensor  # [L, Hkv] bool
     block_size: int

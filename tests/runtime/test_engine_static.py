@@ -330,6 +330,20 @@ def test_mixed_launch_scores_its_full_heads_as_the_dense_reference():
         torch.testing.assert_close(out, torch.cat([want_full, want_rest], 1), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-4)
         assert scores.shape == (b, r, 5)
+        # only the first c full heads keep logits (those whose choice is read), the output unchanged
+        for c in range(r + 1):
+            out_c, lse_c, kept = page_triton.mixed_keeping_logits(q, k, v, idx, 0.25, bs, r, key_mask=mask,
+                                                                  chunk=32, tile=16, keeping_heads=c)
+            torch.testing.assert_close(out_c, out, atol=0, rtol=0)
+            if c == 0:
+                assert kept is None
+            else:
+                assert kept.shape == (b, c * groups, t) and torch.equal(kept, logits[:, :c * groups])
+    _, _, dense = page_triton.decode_keeping_logits(q, k, v, 0.25, key_mask=mask, chunk=32, tile=16)
+    _, _, two = page_triton.decode_keeping_logits(q, k, v, 0.25, key_mask=mask, chunk=32, tile=16, keeping_heads=2)
+    assert two.shape == (b, 2 * groups, t) and torch.equal(two, dense[:, :2 * groups])
+    with pytest.raises(ValueError, match="keeping_heads must be 0 to full_heads = 1"):
+        page_triton.mixed_keeping_logits(q, k, v, idx, 0.25, bs, 1, key_mask=mask, keeping_heads=2)
 
 
 def test_quest_rebuilds_its_pages_after_the_full_fallback():
