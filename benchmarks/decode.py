@@ -28,6 +28,10 @@ The DELTA setting (``--delta-setting``, DS-Qwen-1.5B, batch 64, 1K budget, decod
 tokens to 18K): TPOT of full and delta at ``--delta-samples`` evenly spaced lengths, each in a cache sized to
 that length, integrated with the trapezoid rule over every generated token; delta runs full below
 ``--min-context`` (the fallback the runtime applies), and the raw delta total is given too.
+
+Where a step's time goes (CUDA): ``--profile FILE`` appends each configuration's kernel table (five replays);
+``--timeline FILE`` writes one replay's kernels in time order (name, stream, start, duration, grid) with the
+step's GPU busy and idle time, which shows what runs beside what and where the step waits.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import copy_bandwidth, event_times, gpu_slug  # noqa: E402
+from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
 from runtime.engine.cache import head_order_of  # noqa: E402
@@ -122,6 +126,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace, device: str, bandwidth: float) -> None:
         self.args, self.device, self.bandwidth = args, device, bandwidth
         self.graphs = device == "cuda"
+        self.timelines: dict[str, dict] = {}  # --timeline: per configuration, one step's kernels in time order
 
     def free_bytes(self) -> int:
         if self.device != "cuda":
@@ -150,6 +155,8 @@ class Bench:
         ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))
         if a.profile and self.graphs:
             self.profile(dec, f"{name or policy.name} B={batch} T={start}")
+        if a.timeline and self.graphs:
+            self.timeline(dec, f"{name or policy.name} B={batch} T={start}")
         del dec
         return ms
 
@@ -165,6 +172,24 @@ class Bench:
         with open(self.args.profile, "a") as f:
             f.write(f"== {label} (5 steps)\n{table}\n")
 
+    def timeline(self, dec: StaticDecoder, label: str) -> None:
+        """Keep one replay's kernels in time order with the step's busy and idle time (``--timeline``)."""
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.step()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as folder:
+            trace = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            t = step_timeline(json.loads(trace.read_text())["traceEvents"])
+        self.timelines[label] = t
+        top = ", ".join(f"{n[:32]} {v['us']:.0f}" for n, v in list(t["by_name"].items())[:3])
+        print(f"  timeline {label}: {t['wall_us']:.0f} µs, GPU busy {t['busy_us']:.0f} (idle {t['idle_us']:.0f}); "
+              f"{len(t['kernels'])} kernels; most time: {top}", flush=True)
+
     def bound(self, shape: ModelShape, policy, batch: int, context: int) -> float:
         """Bytes one step must read: weights once, and the K/V the policy reads at ``context`` tokens."""
         reads = policy.static_step(shape).reads(shape, context)
@@ -179,7 +204,7 @@ class Bench:
                 "byte_limit_fraction": limit_ms / ms}
 
     def margin(self) -> int:
-        return self.args.warmup + self.args.steps + 4 + (5 if self.args.profile else 0)
+        return self.args.warmup + self.args.steps + 4 + (5 if self.args.profile else 0) + (1 if self.args.timeline else 0)
 
     def grid(self, model: str, shape: ModelShape, weights: Weights) -> list[dict]:
         a = self.args
@@ -405,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="fuse each layer's small ops with torch.compile, as the engine does by default on CUDA")
     p.add_argument("--profile", default=None, help="append each configuration's kernel table to this file")
+    p.add_argument("--timeline", default=None,
+                   help="JSON file: each configuration's kernels of one step in time order (name, stream, start, "
+                        "duration, grid), with the step's GPU busy and idle time (CUDA only)")
     p.add_argument("--real", default=None, help="also time generate and prefill on this real model (alias)")
     p.add_argument("--real-new", type=int, default=256, help="tokens generated per prompt in --real")
     p.add_argument("--real-prefill", type=int, nargs="+", default=[4096, 32768],
@@ -433,6 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.delta_samples, args.min_context = 3, 64
     if args.min_context is None:  # the fallback the runtime applies at the setting's batch
         args.min_context = default_min_context("delta", args.delta_batch, args.delta_budget)
+    if args.smoke and args.timeline:
+        p.error("--timeline records GPU kernels; --smoke runs on the CPU, so there is nothing to record")
     if any(n < 1 for n in args.real_prefill):
         p.error(f"--real-prefill: every length must be at least 1 token, got {args.real_prefill}")
     if args.delta_samples < 2:
@@ -486,12 +516,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s['byte_limit_fraction_delta']:.0f} % of the byte bound)")
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
               "copy_bandwidth_Bps": bandwidth, "cuda_graphs": bench.graphs,
-              "args": {k: (Path(v).name if k in ("real", "profile") and v and Path(v).exists() else v)
+              "args": {k: (Path(v).name if k in ("real", "profile", "timeline") and v and Path(v).exists() else v)
                        for k, v in vars(args).items() if k != "out"},
               "shapes": {m: vars(s) for m, s in shapes.items()}, "rows": rows, "crossovers": cross,
               "delta_setting": setting, "real": real}
     write_text(out, json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {out}")
+    if args.timeline and bench.timelines:
+        write_text(args.timeline, json.dumps({"gpu": gpu, "configurations": bench.timelines}, default=str) + "\n")
+        print(f"wrote {args.timeline}")
     return 0
 
 
