@@ -358,8 +358,7 @@ class StaticDecoder:
                                                                  keeping_heads=c, **self.keys(span, k.shape[2]),
                                                                  **self._out)
         g = q.shape[1] // k.shape[1]
-        return o, self._choose_aside(logits, lse[:, :c * g], block_size, c if per_kv_head else k.shape[1],
-                                     per_kv_head, count, recent, out, out_rows)
+        return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, per_kv_head, count, recent, out, out_rows)
 
     def _choose_aside(self, logits: torch.Tensor, lse: torch.Tensor, block_size: int, kv_heads: int,
                       per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None,

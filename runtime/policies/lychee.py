@@ -56,7 +56,7 @@ class Lychee:
         positive("block_size", self.block_size, policy=self.name)
         positive("recent", self.recent, allow_zero=True, policy=self.name)
         self.retrieval: torch.Tensor | None = None  # bool [L, Hkv]
-        self.policy_layers: list[int] | None = None  # the layers that reach plan() (all but sliding ones)
+        self.policy_layers: list[int] = []  # the layers that reach plan() (all but sliding ones), set by bind()
 
     def bind(self, manifest: Any, config: Any) -> None:
         if manifest is None or manifest.head_role is None:
@@ -134,8 +134,8 @@ class Lychee:
                                       "engine runs budget=N")
         recent = math.ceil(self.recent / self.block_size) if self.recent else 0
         blocks = max(math.ceil(self.budget / self.block_size), recent, 1)
-        layers = self.policy_layers if self.policy_layers is not None else range(shape.layers)
-        return LycheeStep(self.retrieval.clone(), self.block_size, blocks, recent, passes_on(self.retrieval, layers))
+        return LycheeStep(self.retrieval.clone(), self.block_size, blocks, recent,
+                          passes_on(self.retrieval, self.policy_layers))
 
 
 @dataclass
@@ -154,12 +154,10 @@ class LycheeStep:
     block_size: int
     num_blocks: int
     recent_blocks: int
-    choosing: torch.Tensor | None = None  # [L, Hkv] bool: retrieval heads whose choice is read (passes_on)
+    choosing: torch.Tensor  # [L, Hkv] bool: retrieval heads whose choice is read (passes_on)
     sparse: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.choosing is None:
-            self.choosing = self.retrieval.clone()
         rank = 2 - self.retrieval.to(torch.int8) - self.choosing.to(torch.int8)  # 0 choose, 1 retrieve only, 2 sparse
         self.order = [torch.argsort(row, stable=True) for row in rank]
         self.n_retrieval = [int(r) for r in self.retrieval.sum(1)]
