@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl
+
 
 @triton.jit
 def _head_max(q_base, k_base, lse_base, tok, valid, s_qh, s_kt, s_lh, scale,
@@ -103,7 +105,10 @@ def page_scores(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale
 
 @triton.jit
 def _pages_from_logits(LG, LSE, OUT, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, T,
-                       HEADS: tl.constexpr, P: tl.constexpr, PAGES: tl.constexpr, PER_KV: tl.constexpr):
+                       HEADS: tl.constexpr, P: tl.constexpr, PAGES: tl.constexpr, PER_KV: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl.wait(PDL)
+    pdl.let_next_start(PDL)  # the top-k's programs may be placed now; they wait for these to finish
     b = tl.program_id(0)
     kv = tl.program_id(1)  # with PER_KV: the KV head whose HEADS query heads are reduced
     tile = tl.program_id(2)
@@ -136,6 +141,7 @@ def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: 
     _pages_from_logits[(b, groups, triton.cdiv(n_pages, pages_per_prog))](
         logits, lse, out, logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1), out.stride(0),
         out.stride(1), t, HEADS=hq // groups, P=page_size, PAGES=pages_per_prog, PER_KV=per_kv_head,
+        **pdl.options(logits.device),
     )
     return out if per_kv_head else out[:, 0]
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl
+
 
 @triton.jit
 def _normed(y_row, d, ok, NORM, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
@@ -27,7 +29,9 @@ def _normed(y_row, d, ok, NORM, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
 def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT,
                 s_yb, s_cb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                HAS_NORM: tl.constexpr):
+                HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.let_next_start(PDL)  # the attention's programs may be placed now; they wait for these to finish
     b = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): query heads, [HQ, HQ + HKV): keys, then values
     d = tl.arange(0, D_PAD)
@@ -69,5 +73,6 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
         HQ=heads, HKV=kv_heads, D=d, D_PAD=triton.next_power_of_2(d), HAS_NORM=norm, num_warps=1,
+        **pdl.options(y.device),
     )
     return q

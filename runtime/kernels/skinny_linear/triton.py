@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl
 from runtime.kernels.arrivals import arrival_counters
 from runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config
 
@@ -20,9 +21,10 @@ SILU, GELU_TANH = 1, 2  # GATED: the gate's activation
 @triton.jit
 def _skinny_linear(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                   GATED: tl.constexpr = 0):
+                   GATED: tl.constexpr = 0, PDL: tl.constexpr = False):
     """GATED (SILU or GELU_TANH): W holds 2N rows, the gate's N then the up's N, and Y gets ``act(gate) · up``,
     each half rounded to Y's dtype first, as the two halves of one projection would be."""
+    pdl.wait(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, M_PAD)
     n_ok = n < N
@@ -69,10 +71,11 @@ def _skinny_linear(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.conste
 @triton.jit
 def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
                   M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
-                  SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                  SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Program (tile, part) multiplies columns ``part · SPAN`` up to ``SPAN`` more (a multiple of BK, so every
     tile's columns start aligned) and stores its float32 partial; the last program of the tile to arrive sums
     the SPLIT partials in part order (the same sum whichever arrives last), adds the bias and writes Y."""
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     part = tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
@@ -135,14 +138,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
             x, weight, bias if bias is not None else x, y, parts, arrival_counters(x.device, tiles), m, n, k,
             x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_PAD=m_pad, BN=block_n,
             BK=config.block_k, SPAN=span, SPLIT=config.split, PRECISION=precision, num_warps=config.warps,
-            num_stages=config.stages)
+            num_stages=config.stages, **pdl.options(x.device))
         return y
     _skinny_linear[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, DOT=config.dot, M_PAD=m_pad, BN=block_n, BK=config.block_k,
         PRECISION=precision,
         GATED={None: 0, "silu": SILU, "gelu_pytorch_tanh": GELU_TANH}[gated],
-        num_warps=config.warps, num_stages=config.stages)
+        num_warps=config.warps, num_stages=config.stages, **pdl.options(x.device))
     return y
 
 

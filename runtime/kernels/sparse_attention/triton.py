@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -100,7 +102,9 @@ def _sparse_decode_partial(
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
     HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr, HAS_IROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -155,6 +159,7 @@ def _sparse_decode_partial(
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
                                   WRITE_LOGITS)
 
+    pdl.let_next_start(PDL)  # the merge's programs may be placed while the last ones finish
     busy = l_i > 0
     out = acc / tl.where(busy, l_i, 1.0)[:, None]
     lse = tl.where(busy, m_i + tl.log(tl.where(busy, l_i, 1.0)), float("-inf"))
@@ -263,16 +268,17 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
         HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, HAS_IROWS=index_rows is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(query.device),
     )
     return combine_partials(out_p, lse_p, out_dtype, out=out)
 
 
 @triton.jit
 def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_yb, s_yh, HKV, G, S,
-             SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
+             SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, query head, DB of its D dims): merge its S partials, SB at a time (usually all at once),
     by an online log-sum-exp (each block rescales what came before)."""
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     part = tl.program_id(1)
     b = pid // (HKV * G)
@@ -325,5 +331,6 @@ def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.
     _combine[(b * hkv * g, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
                                    out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), out.stride(0),
                                    out.stride(1), hkv, g, splits,
-                                   SB=sb, D=d, DB=db, num_warps=4 if sb * db <= 4096 else 8)
+                                   SB=sb, D=d, DB=db, num_warps=4 if sb * db <= 4096 else 8,
+                                   **pdl.options(out_p.device))
     return out, lse

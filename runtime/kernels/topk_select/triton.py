@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl
 from runtime.kernels.arrivals import arrival_counters
 
 MAX_N = 16384  # scores per row one program holds in registers
@@ -92,7 +93,9 @@ def _out_row(OUT, OUT_ROWS, row, W: tl.constexpr, HAS_ROWS: tl.constexpr):
 
 @triton.jit
 def _topk_recent(S, LAST, OUT, OUT_ROWS, s_row, s_last, n, W: tl.constexpr, W_PAD: tl.constexpr,
-                 RECENT: tl.constexpr, N_PAD: tl.constexpr, BITS: tl.constexpr, HAS_ROWS: tl.constexpr):
+                 RECENT: tl.constexpr, N_PAD: tl.constexpr, BITS: tl.constexpr, HAS_ROWS: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl.wait(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, N_PAD)
     store_ascending(_out_row(OUT, OUT_ROWS, row, W, HAS_ROWS), i,
@@ -102,10 +105,11 @@ def _topk_recent(S, LAST, OUT, OUT_ROWS, s_row, s_last, n, W: tl.constexpr, W_PA
 @triton.jit
 def _topk_recent_parts(S, LAST, CAND_S, CAND_I, ARRIVED, OUT, OUT_ROWS, s_row, s_last, n, W: tl.constexpr,
                        W_PAD: tl.constexpr, RECENT: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr,
-                       BITS: tl.constexpr, HAS_ROWS: tl.constexpr):
+                       BITS: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False):
     """A row split over PARTS programs: each keeps the W largest of its SPAN scores (in id order) in a scratch row;
     the last to arrive chooses among the PARTS·W_PAD kept ones, which are in id order too, so ties still go to
     the lower id and the ids come out ascending."""
+    pdl.wait(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     i = part * SPAN + tl.arange(0, SPAN)
@@ -198,7 +202,8 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
     if parts == 1:
         _topk_recent[(r,)](rows, last, dest, out_rows if out_rows is not None else dest, rows.stride(0), s_last, n,
                            W=w, W_PAD=w_pad, RECENT=recent, N_PAD=triton.next_power_of_2(n), BITS=bits,
-                           HAS_ROWS=out_rows is not None, num_warps=num_warps or _warps(n))
+                           HAS_ROWS=out_rows is not None, num_warps=num_warps or _warps(n),
+                           **pdl.options(scores.device))
         return result
     cand_s = torch.empty(r, parts * w_pad, device=scores.device, dtype=torch.float32)
     cand_i = torch.empty(r, parts * w_pad, device=scores.device, dtype=torch.int32)
@@ -206,5 +211,6 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
                                    out_rows if out_rows is not None else dest, rows.stride(0), s_last, n, W=w,
                                    W_PAD=w_pad, RECENT=recent, SPAN=span, PARTS=parts, BITS=bits,
                                    HAS_ROWS=out_rows is not None,
-                                   num_warps=num_warps or _warps(max(span, parts * w_pad)))
+                                   num_warps=num_warps or _warps(max(span, parts * w_pad)),
+                                   **pdl.options(scores.device))
     return result

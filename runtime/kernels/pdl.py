@@ -1,0 +1,62 @@
+"""Programmatic dependent launch: a kernel may start while the kernel before it on its stream is finishing.
+
+Without it, a kernel's programs start only once the previous kernel has completed and its writes are flushed,
+then the new grid is set up: a few microseconds between two short launches, which a decode step of hundreds of
+kernels pays at each of them. A kernel launched with it (``launch_pdl``) may be scheduled as soon as every program
+of the previous kernel has either finished or said it may go (``gdc_launch_dependents``); it must then wait
+(``gdc_wait``, which returns once the previous kernel has completed and its writes are visible) before it reads
+anything an earlier kernel wrote. Each kernel that takes part calls :func:`wait` first thing in every program, so
+the waits chain: the kernel before it has itself completed only after what it waited for.
+
+Hopper (compute capability 9.0) and later, on CUDA; off under the Triton interpreter and with
+``ROLECALL_PDL=0``. CUDA graphs keep the launches' programmatic edges.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: the flag below stays off
+    gdc_launch_dependents = gdc_wait = None
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return (gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(index) >= (9, 0))
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch (see the module docstring)."""
+    if device.type != "cuda" or os.environ.get("ROLECALL_PDL", "1") == "0":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def options(device: torch.device) -> dict:
+    """A kernel launch's keywords: its ``PDL`` flag and, when on, ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """First thing in a program of a kernel launched with ``launch_pdl=PDL``: wait for the previous kernel."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """The next kernel on the stream may be scheduled once every program of this one got here (or finished)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+__all__ = ["enabled", "let_next_start", "options", "wait"]
