@@ -108,7 +108,6 @@ def _pages_from_logits(LG, LSE, OUT, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, T,
                        HEADS: tl.constexpr, P: tl.constexpr, PAGES: tl.constexpr, PER_KV: tl.constexpr,
                        PDL: tl.constexpr = False):
     pdl.wait(PDL)
-    pdl.let_next_start(PDL)  # the top-k's programs may be placed now; they wait for these to finish
     b = tl.program_id(0)
     kv = tl.program_id(1)  # with PER_KV: the KV head whose HEADS query heads are reduced
     tile = tl.program_id(2)
