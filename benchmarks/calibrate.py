@@ -11,7 +11,6 @@ CUDA-synchronised, the first trace of each phase is a warm-up and left out; the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from calibrate.config import resolve  # noqa: E402
 from calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 
 SHAPES = {
     "qwen-14b": dict(num_hidden_layers=48, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
@@ -73,7 +73,7 @@ def timed_forwards(model, traces, device, fn, budget_s: float) -> tuple[list[flo
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen-14b")
     p.add_argument("--traces", type=int, default=32)
     p.add_argument("--length", type=int, default=8192)

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
 from runtime.engine.cache import head_order_of  # noqa: E402
 from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
@@ -404,7 +405,7 @@ def crossovers(rows: list[dict]) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
     p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])

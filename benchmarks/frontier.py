@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import save_figure, write_report  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
 Z = 1.959964
@@ -182,7 +183,7 @@ def plot(rows: list[dict[str, Any]], header: dict | None, title: str, path: Path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", nargs="+", required=True, help="benchmarks/quality.py output folders")
     p.add_argument("--task", default=None, help="one task of the suite (default: every task and length pooled)")
     p.add_argument("--decode", nargs="+", default=None, help="benchmarks/decode.py JSONs for the TPOT panel")

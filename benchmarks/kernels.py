@@ -40,7 +40,6 @@ each kernel must read, the achieved bandwidth, and the byte-bound speedup limit 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
@@ -453,7 +453,7 @@ def refine_rows(pages: int = 8192, candidates: int = 512, k: int = 128, recent: 
 
 def main() -> int:
     global CALLS_PER_GRAPH  # graph_ms reads it: set once from --calls-per-graph
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--contexts", default="16384,32768,65536,131072")
     parser.add_argument("--batches", default="1,8")

@@ -26,7 +26,6 @@ Everything lands in ``--out``: each command's log, ``multi_gpu.json`` and a prin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -40,6 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from runtime.cli import Parser  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-14B's architecture (Qwen2.5-14B)
 QWEN_14B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=5120,
@@ -313,7 +313,7 @@ def part_large(args, out: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a real model for calibration and DDP training")
     p.add_argument("--model-name", help="name recorded in the manifests")
     p.add_argument("--out", default="benchmarks/results/multi_gpu")

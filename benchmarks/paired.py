@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import pairable_scores, save_figure, write_report  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
 BAND = 1.0  # points: "within one point of full"
@@ -135,7 +136,7 @@ def plot(grids: list[dict[str, Any]], budget: int, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", action="append", required=True, metavar="NAME=FOLDER",
                    help="a benchmarks/quality.py output folder and the name of its panel, repeatable")
     p.add_argument("--budget", type=int, default=1024, help="the budget compared (default 1024)")

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import pairable_scores, save_figure  # noqa: E402
 from runtime import atomic  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 from runtime.cli.common import add_prompt_arguments, check_prompt_arguments, eval_settings  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
@@ -626,7 +627,7 @@ def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, sa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

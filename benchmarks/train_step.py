@@ -15,7 +15,6 @@ table and the JSON. Random weights give near-uniform attention, which does not c
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import event_times  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
 from runtime.models import cache_keyword  # noqa: E402
 from train.distill import distill_loss, prefill, split_sample  # noqa: E402
 from train.gates import GateParameters  # noqa: E402
@@ -64,7 +64,7 @@ def time_cuda(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000, 10000])
     p.add_argument("--span", type=int, default=730, help="target-span tokens (10 passkeys of 32 words: about 730 with SmolLM2's tokenizer)")
     p.add_argument("--answers", type=int, default=600, help="labelled tokens inside the span")

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.cli import Parser
+
 # flag -> (config key, type, help); every flag defaults to None so that an unset flag leaves the YAML value alone
 _FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "model alias (configs/models/), Hugging Face id or local folder [smollm2-135m]"),
@@ -193,7 +195,7 @@ def check_traces(traces: list[list[int]], config, allow_long: bool = False, trus
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="calibrate-delta", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="calibrate-delta", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return parser
 

@@ -10,7 +10,6 @@ answer of each sample and checks that it agrees. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.passkey import answer_prompt, build_niah_dataset, build_passkey_dataset, passkey_correct
+from runtime.cli import Parser
 
 
 @torch.no_grad()
@@ -99,7 +99,7 @@ def summary(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000])
     p.add_argument("--samples", type=int, default=3, help="samples per length (and per grid cell)")

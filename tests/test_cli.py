@@ -106,6 +106,30 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path
         run_reporting_errors("x", lambda _: (_ for _ in ()).throw(RuntimeError("another failure")), None)
 
 
+@pytest.mark.parametrize("parse,argv,prog,says", [
+    ("rolecall", ["decode", "--max-new-tokens", "many"], "rolecall decode", "argument --max-new-tokens: invalid int value: 'many'"),
+    ("rolecall", ["evaluate"], "rolecall", "argument COMMAND: invalid choice: 'evaluate'"),
+    ("calibrate", ["--bogus"], "calibrate-delta", "unrecognized arguments: --bogus"),
+    ("train", ["--target"], "train-heads", "argument --target: expected one argument"),
+    ("decode-benchmark", ["--models", "9b"], None, "unknown model '9b'; known: 7b, 1.5b"),  # prog: the script's
+])
+def test_a_usage_error_is_one_line(capsys, parse, argv, prog, says):
+    """A bad argument is refused in one line (argparse's own message, then where the options are listed), with
+    no usage block before it, in every command and benchmark script."""
+    from benchmarks import decode as bench
+    from calibrate.cli import build_parser as calibrate_parser
+    from train.cli import main as train_main
+
+    run = {"rolecall": main, "calibrate": lambda a: calibrate_parser().parse_args(a), "train": train_main,
+           "decode-benchmark": bench.parse_args}[parse]
+    with pytest.raises(SystemExit) as done:
+        run(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "usage:" not in err
+    prog = prog or err.split(":")[0]
+    assert err.startswith(f"{prog}: error: ") and says in err and err.endswith(f"(`{prog} --help` lists the options)\n")
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["decode", "--help"], ["eval", "--help"],
                                   ["train", "--help"], ["inspect", "--help"], ["merge", "--help"]])
 def test_help_loads_no_model_library(argv):

@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from runtime.cli import Parser
 from train.config import MIXED_PRECISION, TrainConfig, build_config
 
 
@@ -199,7 +200,7 @@ def convergence(metrics: dict) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="train-heads", description=__doc__.split("\n")[0])
+    parser = Parser(prog="train-heads", description=__doc__.split("\n")[0])
     add_arguments(parser)
     from runtime.cli import run_reporting_errors
 

@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,6 +27,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line, like every other refusal of the project's commands: argparse's
+    own message (the argument, the value and what it accepts), then where the options are listed. Subcommand
+    parsers are of this class too (``add_subparsers`` takes the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (`{self.prog} --help` lists the options)\n")
+
+
 def available() -> dict[str, tuple[str, str]]:
     """The subcommands whose module exists (found without importing it, so ``--help`` stays fast)."""
     return {name: entry for name, entry in SUBCOMMANDS.items() if importlib.util.find_spec(entry[0]) is not None}
@@ -35,7 +44,7 @@ def available() -> dict[str, tuple[str, str]]:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``only``, just that subcommand's module is imported and given its arguments (``""``:
     none, for the top-level help and its errors, which list the subcommands from :data:`SUBCOMMANDS` alone)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rolecall",
         description="Find which layers and heads need full attention, and ship them as role manifests.",
     )
