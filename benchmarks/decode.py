@@ -55,6 +55,7 @@ from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
 from runtime.engine.cache import head_order_of  # noqa: E402
+from runtime.kernels import pdl  # noqa: E402
 from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
 from runtime.policies import get_policy  # noqa: E402
 
@@ -517,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s['byte_limit_fraction_delta']:.0f} % of the byte bound)")
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
               "copy_bandwidth_Bps": bandwidth, "cuda_graphs": bench.graphs,
+              "dependent_launch": device == "cuda" and pdl.enabled(torch.device("cuda")),
               "args": {k: (Path(v).name if k in ("real", "profile", "timeline") and v and Path(v).exists() else v)
                        for k, v in vars(args).items() if k != "out"},
               "shapes": {m: vars(s) for m, s in shapes.items()}, "rows": rows, "crossovers": cross,

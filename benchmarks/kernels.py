@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
+from runtime.kernels import pdl  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
@@ -492,9 +493,10 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     gpu = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
+    launch = pdl.enabled(torch.device("cuda"))  # the kernels' programmatic dependent launch (runtime/kernels/pdl.py)
     if not args.attention:
         report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
-                  "calls_per_graph": CALLS_PER_GRAPH}
+                  "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch}
         if args.linear:
             report["linear"] = linear_rows(copy_bw, **linear_kw)
         if args.linear_tiles:
@@ -510,7 +512,8 @@ def main() -> int:
             for t in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
-              "num_stages": stages, "tuning_ms": tuning, "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}
+              "num_stages": stages, "tuning_ms": tuning, "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch,
+              "rows": rows}
     if args.linear:
         report["linear"] = linear_rows(copy_bw, **linear_kw)
     if args.linear_tiles:

@@ -181,6 +181,7 @@ def test_benchmark_smoke_run(tmp_path):
         assert r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["byte_limit_fraction"] > 0
         assert r["speedup_limit"] >= 1.0
     assert report["delta_setting"]["speedup"] > 0 and len(report["crossovers"]) == 2
+    assert report["dependent_launch"] is False  # recorded with the figures; the CPU has none
     assert bench.gpu_slug("NVIDIA H200") == "h200" and bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
 
 
