@@ -250,6 +250,28 @@ def test_a_bad_manifest_is_refused_before_the_model_loads(model_dir, tmp_path, c
     assert one_line(capsys, f"rolecall {command}").endswith(f"{missing}: no such manifest file")
 
 
+@pytest.mark.parametrize("command", ["decode", "eval"])
+def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_loads(model_dir, tmp_path, capsys,
+                                                                                     no_model, command):
+    """Checked against the model's config, read without its weights: delta without layer roles, lychee without head
+    roles, and a manifest of another model."""
+    from runtime.manifest import ModelIdentity, RoleManifest
+    from tests.tiny import tiny_config
+
+    extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
+    run = [command, "--model", str(model_dir), *extra]
+    assert rolecall_main([*run, "--policy", "delta"]) == 2
+    assert "policy 'delta' needs a manifest with a layers section" in one_line(capsys, f"rolecall {command}")
+    config = tiny_config("llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=CONTEXT)
+    layers = RoleManifest(ModelIdentity.from_config(config, name="tiny"), layer_role=[0, 1]).save(tmp_path / "l.safetensors")
+    assert rolecall_main([*run, "--policy", "lychee", "--manifest", str(layers)]) == 2
+    assert "policy 'lychee' needs" in one_line(capsys, f"rolecall {command}")
+    other = tiny_config("llama", layers=3, heads=4, kv_heads=2, max_position_embeddings=CONTEXT)
+    three = RoleManifest(ModelIdentity.from_config(other, name="other"), layer_role=[0, 1, 2]).save(tmp_path / "o.safetensors")
+    assert rolecall_main([*run, "--policy", "delta", "--manifest", str(three)]) == 2
+    assert "model.num_layers is 3 in the manifest (other) but 2 in the model" in one_line(capsys, f"rolecall {command}")
+
+
 def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
     """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
     128 tokens) decides whether they fit the model's context."""

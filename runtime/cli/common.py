@@ -26,16 +26,23 @@ def parse_params(pairs: list[str] | None) -> dict[str, Any]:
     return params
 
 
-def policy_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], Any]:
     """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``, checked before the model loads: a bad
-    policy name or parameter, or a bad manifest file, fails here in one line."""
+    policy name or parameter, or a bad manifest file, fails here in one line. With the model's ``config``
+    (:func:`runtime.models.load_config`, no weights) also the manifest against the model and the policy against
+    the manifest (delta without layer roles, lychee without head roles, a manifest of another model)."""
     from runtime.manifest import RoleManifest
     from runtime.policies import get_policy
     from runtime.session import SESSION_PARAMS
 
     params = parse_params(args.param)
-    get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
-    return params, (RoleManifest.load(args.manifest) if args.manifest else None)
+    policy = get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
+    manifest = RoleManifest.load(args.manifest) if args.manifest else None
+    if config is not None:
+        if manifest is not None:
+            manifest.validate_for(config)
+        policy.bind(manifest, config)
+    return params, manifest
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

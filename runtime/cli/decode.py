@@ -39,15 +39,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from runtime.models import load_model, load_tokenizer
+    from runtime.models import load_config, load_model, load_tokenizer
     from runtime.session import attach
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
-    params, manifest = policy_inputs(args)  # bad policies, parameters and manifests fail before the model loads
+    trust = args.trust_remote_code
+    # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
+    # weights load
+    params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=trust))
     device = chosen_device(args)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    trust = args.trust_remote_code
     model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
     tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
     if args.chat:

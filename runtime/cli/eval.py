@@ -52,9 +52,9 @@ def run_reasoning(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 2 or args.limit < 1:
         raise ValueError(f"--max-new-tokens must be at least 2 and --limit at least 1, got {args.max_new_tokens} "
                          f"and {args.limit}")
-    from runtime.models import load_tokenizer
+    from runtime.models import load_config, load_tokenizer
 
-    params, manifest = policy_inputs(args)
+    params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=args.trust_remote_code))
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_for_eval(args)
     result = fidelity(model, tokenizer, manifest, args.policy, params, source=args.reasoning_source, limit=args.limit,
@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
         return run_reasoning(args)
     settings = eval_settings(args)
     budget = suite_new_tokens(settings)  # a prompt file's rows carry no task: --max-new-tokens
-    params, manifest = policy_inputs(args)
-    # prompts longer than the model's context fail here too, before the haystacks are built or the model loads
     trust = args.trust_remote_code
-    limit, new = context_limit(load_config(args.model, trust_remote_code=trust), args.model), budget
+    config = load_config(args.model, trust_remote_code=trust)
+    params, manifest = policy_inputs(args, config)
+    # prompts longer than the model's context fail here too, before the haystacks are built or the model loads
+    limit, new = context_limit(config, args.model), budget
     fit = dict(limit=limit, allow_long=args.allow_long_context, prog="rolecall eval")
     if not args.prompts:
         plus = f"--max-new-tokens {new}" if args.suite == "passkey" else f"{new} new tokens (its tasks' largest budget)"
