@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import pairable_scores, save_figure  # noqa: E402
 from runtime import atomic  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
-from runtime.cli.common import add_prompt_arguments, check_prompt_arguments, eval_settings  # noqa: E402
+from runtime.cli.common import add_prompt_arguments, check_policy, check_prompt_arguments, eval_settings  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
 from runtime.policies import PolicyError, engine_policies, get_policy  # noqa: E402
@@ -616,6 +616,24 @@ def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, sample
     return result, row_of(cell, result, time.perf_counter() - start)
 
 
+def check_cells(cells: list[Cell], args: argparse.Namespace) -> None:
+    """Each cell's manifest against the model's config (read without its weights) and against its policy, before
+    any cell runs: a grid stops here in one line, not when it reaches that cell."""
+    from runtime.manifest import RoleManifest
+    from runtime.models import load_config
+
+    try:
+        config = load_config(args.model, trust_remote_code=args.trust_remote_code)
+        manifests = {path: RoleManifest.load(path) for path in {c.manifest for c in cells if c.manifest}}
+        for cell in cells:
+            try:
+                check_policy(cell.policy, cell.params, manifests.get(cell.manifest), config)
+            except ValueError as e:
+                raise ValueError(f"{cell.name}: {e}") from None
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e)) from None
+
+
 def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, samples, args) -> dict[str, tuple]:
     """The cells' results and rows from one :func:`runtime.eval.evaluate_many` call: on the engine each batch is
     prefilled once for all of them. Each cell keeps its own checkpoint file, so a stop resumes every one."""
@@ -657,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize and not done:
         raise SystemExit(f"--summarize: none of this command's {len(cells)} cells is done in {out / 'cells'}; "
                          "run it without --summarize first")
+    if len(done) < len(cells) and not args.summarize:  # before anything is written or the weights load
+        check_cells([c for c in cells if c.name not in done], args)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
     command = shlex.join(["python", "benchmarks/quality.py", *argv])

@@ -28,21 +28,29 @@ def parse_params(pairs: list[str] | None) -> dict[str, Any]:
 
 def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], Any]:
     """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``, checked before the model loads: a bad
-    policy name or parameter, or a bad manifest file, fails here in one line. With the model's ``config``
-    (:func:`runtime.models.load_config`, no weights) also the manifest against the model and the policy against
-    the manifest (delta without layer roles, lychee without head roles, a manifest of another model)."""
+    policy name or parameter, or a bad manifest file, fails here in one line; with the model's ``config`` also
+    what :func:`check_policy` checks."""
     from runtime.manifest import RoleManifest
+
+    params = parse_params(args.param)
+    manifest = RoleManifest.load(args.manifest) if args.manifest else None
+    check_policy(args.policy, params, manifest, config)
+    return params, manifest
+
+
+def check_policy(name: str, params: dict[str, Any], manifest: Any = None, config: Any = None) -> None:
+    """What ``attach()`` checks before it decodes, without the weights: the policy ``name`` made from ``params``
+    (the session's own keys left out), and with the model's ``config`` (:func:`runtime.models.load_config`) the
+    manifest against the model and the policy against the manifest (a manifest of another model, delta without
+    layer roles, lychee without head roles). Raises the error ``attach()`` would."""
     from runtime.policies import get_policy
     from runtime.session import SESSION_PARAMS
 
-    params = parse_params(args.param)
-    policy = get_policy(args.policy, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
-    manifest = RoleManifest.load(args.manifest) if args.manifest else None
+    policy = get_policy(name, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
     if config is not None:
         if manifest is not None:
             manifest.validate_for(config)
         policy.bind(manifest, config)
-    return params, manifest
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

@@ -155,6 +155,27 @@ def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
                       "--variant", "delta:per_head=maybe"])
 
 
+def test_a_manifest_its_cell_cannot_use_stops_the_grid_before_the_model_loads(folder, tmp_path, monkeypatch):
+    """Every cell is checked against the model's config and its policy first: a heads manifest given as DELTA's,
+    or a manifest of another model, stops the grid in one line before anything is written or loaded."""
+    import runtime.models
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded for a grid that should have been refused")
+
+    monkeypatch.setattr(runtime.models, "load_model", refuse)
+    quality = load_script()
+    base = ["--model", str(folder / "model"), "--out", str(tmp_path / "o"), "--budgets", "32"]
+    with pytest.raises(SystemExit, match="^delta-b32: policy 'delta' needs a manifest with a layers section"):
+        quality.main([*base, "--policies", "delta", "--delta", str(folder / "heads.safetensors")])
+    other = tiny_model("qwen2", layers=3, heads=4, kv_heads=2, head_dim=16)
+    RoleManifest(ModelIdentity.from_config(other.config), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8)).save(
+        tmp_path / "other.safetensors")
+    with pytest.raises(SystemExit, match="^delta-b32: manifest does not fit this model: model.num_layers is 3"):
+        quality.main([*base, "--policies", "delta", "--delta", str(tmp_path / "other.safetensors")])
+    assert not (tmp_path / "o").exists()
+
+
 def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
     import argparse
 
