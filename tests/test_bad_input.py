@@ -272,6 +272,17 @@ def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_l
     assert "model.num_layers is 3 in the manifest (other) but 2 in the model" in one_line(capsys, f"rolecall {command}")
 
 
+@pytest.mark.parametrize("command", ["decode", "eval"])
+def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, capsys, no_model, command):
+    extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
+    run = [command, "--model", str(model_dir), "--policy", "full", *extra]
+    assert rolecall_main([*run, "--device", "tpu"]) == 2
+    assert one_line(capsys, f"rolecall {command}").endswith("--device 'tpu': use cpu, cuda or cuda:N")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert rolecall_main([*run, "--device", f"cuda:{gpus}"]) == 2
+    assert f"--device cuda:{gpus}: this machine has " in one_line(capsys, f"rolecall {command}")
+
+
 def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
     """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
     128 tokens) decides whether they fit the model's context."""

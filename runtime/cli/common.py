@@ -138,12 +138,24 @@ def _one_at_a_time(args: argparse.Namespace) -> str | None:
 
 
 def chosen_device(args: argparse.Namespace) -> str:
-    """``--device``, else cuda when there is one, else cpu."""
-    if getattr(args, "device", None):
-        return args.device
+    """``--device`` (``cpu``, ``cuda`` or ``cuda:N``), else cuda when there is one, else cpu; a device this machine
+    does not have is refused in one line."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    wanted = getattr(args, "device", None)
+    if not wanted:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(wanted)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {wanted!r}: use cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        have = f"{count} CUDA device(s)" if count else "no CUDA device (or a torch built without CUDA)"
+        raise ValueError(f"--device {wanted}: this machine has {have}; use --device cpu or leave --device out")
+    return wanted
 
 
 def eval_settings(args: argparse.Namespace):

@@ -45,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
     trust = args.trust_remote_code
+    device = chosen_device(args)
     # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
     # weights load
     params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=trust))
-    device = chosen_device(args)
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
     tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
     if args.chat:

@@ -30,7 +30,7 @@ def load_for_eval(args: argparse.Namespace):
     from runtime.models import load_model
 
     device = chosen_device(args)
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code,
                       rope_theta=getattr(args, "rope_theta", None)).to(device)
 
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.models import check_context, context_limit, load_config, load_tokenizer
 
     check_prompt_arguments(args)
+    chosen_device(args)  # a device this machine does not have: refused before anything is built or loaded
     if args.suite == "reasoning":
         return run_reasoning(args)
     settings = eval_settings(args)
