@@ -283,6 +283,18 @@ def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir
     assert f"--device cuda:{gpus}: this machine has " in one_line(capsys, f"rolecall {command}")
 
 
+@pytest.mark.parametrize("flags,says", [
+    (["--sample", "--temperature", "0"], "--temperature must be > 0 when sampling, got 0.0; leave out --sample for greedy decoding"),
+    (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["--top-k", "-3"], "--top-k must be an integer ≥ 0 (0 = off), got -3"),
+])
+def test_decode_refuses_bad_sampling_flags_before_the_model_loads(model_dir, capsys, no_model, flags, says):
+    """Checked as the engine's sampler checks them, so the transformers path (which let --top-p 2 through) refuses
+    the same values."""
+    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "hi", *flags]) == 2
+    assert one_line(capsys, "rolecall decode").endswith(says)
+
+
 def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
     """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
     128 tokens) decides whether they fit the model's context."""

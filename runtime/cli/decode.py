@@ -39,11 +39,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
+    from runtime.engine.sampling import Sampling
     from runtime.models import load_config, load_model, load_tokenizer
     from runtime.session import attach
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    try:  # the sampling flags, checked as the engine's sampler checks them (the transformers path takes the same)
+        Sampling(args.sample, args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:  # its message in the flags' names
+        text = str(e).replace("use do_sample=False", "leave out --sample")
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            text = text.replace(f"{name} must", f"--{name.replace('_', '-')} must")
+        raise ValueError(text) from None
     trust = args.trust_remote_code
     device = chosen_device(args)
     # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
