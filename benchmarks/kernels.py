@@ -51,6 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
+from runtime.atomic import check_writable, write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 from runtime.kernels import pdl  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
@@ -475,6 +476,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.calls_per_graph < 1:
         parser.error(f"--calls-per-graph must be at least 1, got {args.calls_per_graph}")
+    try:  # written after the timing: refused now if it cannot be
+        check_writable(args.out, "--out")
+    except ValueError as e:
+        parser.error(str(e))
     CALLS_PER_GRAPH = args.calls_per_graph
     try:
         rows_arg = tuple(int(r) for r in args.rows.split(",")) if args.rows else None
@@ -505,7 +510,7 @@ def main() -> int:
             report["topk"] = topk_rows()
         if args.refine:
             report["refine"] = refine_rows()
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_text(args.out, json.dumps(report, indent=2))
         return 0
     warps, stages, tuning = tune(copy_bw, g)
     rows = [bench_config(b, t, copy_bw, g, warps, stages)
@@ -542,7 +547,7 @@ def main() -> int:
                 100 * r["selection_overhead"], r["decode_and_score_ms"], 100 * r["selection_overhead_fused"],
                 r.get("flashinfer_dense_ms", float("nan")), r.get("flashinfer_sparse_ms", float("nan")))
         print(" ".join(f"{v:>8}" if isinstance(v, int) else f"{v:>8.3f}" for v in vals))
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_text(args.out, json.dumps(report, indent=2))
     return 0
 
 

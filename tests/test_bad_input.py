@@ -295,6 +295,29 @@ def test_decode_refuses_bad_sampling_flags_before_the_model_loads(model_dir, cap
     assert one_line(capsys, "rolecall decode").endswith(says)
 
 
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_dir, tmp_path, capsys, no_model):
+    """eval's --json and the benchmarks' --out are written at the end, after minutes or hours of work: a path under
+    a file, or a folder given as the file, is refused first, in one line."""
+    from runtime.atomic import check_writable
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=f"^--json {blocker}/out.json: {blocker} is a file, not a folder; give a"):
+        check_writable(blocker / "out.json", "--json")
+    with pytest.raises(ValueError, match=f"^--out {tmp_path}: a folder is there; give the path of a file$"):
+        check_writable(tmp_path, "--out")
+    check_writable(tmp_path / "new" / "deeper" / "out.json", "--out")  # its folders are made, nothing else stays
+    assert (tmp_path / "new" / "deeper").is_dir() and not any((tmp_path / "new" / "deeper").iterdir())
+    assert rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", "--lengths", "32", "--json",
+                          str(blocker / "out.json")]) == 2
+    assert f"{blocker} is a file" in one_line(capsys, "rolecall eval")
+    from benchmarks import decode as bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--smoke", "--out", str(blocker / "decode.json")])
+    assert f"--out {blocker}/decode.json: {blocker} is a file" in capsys.readouterr().err
+
+
 def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
     """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
     128 tokens) decides whether they fit the model's context."""

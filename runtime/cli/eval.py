@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from runtime.atomic import check_writable, write_text
 from runtime.cli.common import (
     add_common,
     add_prompt_arguments,
@@ -37,8 +37,7 @@ def load_for_eval(args: argparse.Namespace):
 
 def write_json(path: str | None, result: dict) -> None:
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2, default=str))
+        write_text(path, json.dumps(result, indent=2, default=str))
         print(f"wrote {path}")
 
 
@@ -71,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_prompt_arguments(args)
     chosen_device(args)  # a device this machine does not have: refused before anything is built or loaded
+    if args.json:
+        check_writable(args.json, "--json")  # the results are written at the end: refused now if they cannot be
     if args.suite == "reasoning":
         return run_reasoning(args)
     settings = eval_settings(args)
