@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.api import save
     from calibrate.traces import read_traces
     from runtime import distributed
+    from runtime.atomic import check_writable
     from runtime.models import load_tokenizer
 
     config, config_path = resolve_config(args)
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
                else "a model with random weights generates no reasoning")
         raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only ({why}); "
                          "pass --traces FILE of token ids")
+    output = Path(config.output) if config.output else _default_output(config.model)
+    check_writable(output, "--output")  # written at the end: refused now if it cannot be
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
     device = launched or torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is not None:
@@ -131,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
     manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet)
     cost = _cost(time.perf_counter() - began, len(traces), device)
     if distributed.is_main():
-        output = Path(config.output) if config.output else _default_output(config.model)
         for path in save(manifest, output, plots=config.plots):
             say(f"wrote {path}")
         m = manifest.metrics

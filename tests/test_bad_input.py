@@ -296,8 +296,9 @@ def test_decode_refuses_bad_sampling_flags_before_the_model_loads(model_dir, cap
 
 
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_dir, tmp_path, capsys, no_model):
-    """eval's --json and the benchmarks' --out are written at the end, after minutes or hours of work: a path under
-    a file, or a folder given as the file, is refused first, in one line."""
+    """eval's --json, the benchmarks' --out and the manifests of calibrate-delta and train-heads are written at the
+    end, after minutes or hours of work: a path under a file, or a folder given as the file, is refused first, in
+    one line."""
     from runtime.atomic import check_writable
 
     blocker = tmp_path / "a-file"
@@ -316,6 +317,13 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--out", str(blocker / "decode.json")])
     assert f"--out {blocker}/decode.json: {blocker} is a file" in capsys.readouterr().err
+    traces = write_jsonl(tmp_path / "traces.jsonl", [{"ids": list(range(30))}])
+    assert calibrate_cli.main(["--model", str(model_dir), "--traces", traces, "--output", str(blocker / "m.safetensors"),
+                               *CALIBRATE]) == 2
+    assert f"--output {blocker}/m.safetensors: {blocker} is a file" in one_line(capsys, "calibrate-delta")
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(40)])
+    assert train_cli.main(train_args(model_dir, blocker / "h.safetensors", "--dataset", data)) == 2
+    assert f"--output {blocker}/h.safetensors: {blocker} is a file" in one_line(capsys, "train-heads")
 
 
 def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):

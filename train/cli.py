@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from runtime import distributed
+    from runtime.atomic import check_writable
     from runtime.models import load_config, load_tokenizer
     from train.config import check_dataset, check_settings
     from train.recipe import run as train_run
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         from train.checkpoint import claim_output
 
         claim_output(config.resolved_output())  # an output taken by another run fails before anything loads
+    check_writable(config.resolved_output(), "--output")  # checkpoints go beside it from the first interval on
     model_cfg = load_config(config.model, args.trust_remote_code)  # --target, --lengths: before any work
     limit = check_settings(config, model_cfg, args.allow_long_context)
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
