@@ -326,6 +326,13 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_
     assert f"--output {blocker}/h.safetensors: {blocker} is a file" in one_line(capsys, "train-heads")
 
 
+def test_a_missing_prompt_file_is_refused_before_anything_loads(model_dir, tmp_path, capsys, no_model):
+    missing = tmp_path / "prompts.jsonl"
+    assert rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", "--prompts", str(missing)]) == 2
+    assert one_line(capsys, "rolecall eval").endswith(f'--prompts {missing}: no such file; give a JSONL file of '
+                                                      '{"prompt": ..., "answer": ...} lines')
+
+
 def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
     """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
     128 tokens) decides whether they fit the model's context."""

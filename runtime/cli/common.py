@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from runtime.models import DEFAULT_MODEL
@@ -121,6 +122,9 @@ def check_prompt_arguments(args: argparse.Namespace) -> None:
                          "leave --batch-size out or pass 1")
     if args.rope_theta is not None and args.rope_theta <= 0:
         raise ValueError(f"--rope-theta must be a positive number, got {args.rope_theta}")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise ValueError(f'--prompts {args.prompts}: no such file; give a JSONL file of {{"prompt": ..., "answer": ...}} '
+                         "lines")
 
 
 def _one_at_a_time(args: argparse.Namespace) -> str | None:
