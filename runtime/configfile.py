@@ -62,15 +62,25 @@ def read_config(name_or_path: str | Path, kind: str, folder: str) -> dict[str, A
     path = Path(name_or_path)
     if not path.is_file():
         path = shipped_path(str(name_or_path), kind, folder)
-    text = path.read_text()
+    return read_mapping(path, kind)
+
+
+def read_mapping(path: Path, what: str, fix: str = "fix the file", error: type[Exception] = ConfigError,
+                 json_only: bool = False, shape: str = "a mapping of option: value") -> dict[str, Any]:
+    """The mapping in the JSON (``.json`` or ``json_only``) or YAML file ``path``, or ``error`` in one line: ``what``
+    and the path, what is wrong, ``fix``."""
     try:
-        doc = json.loads(text) if path.suffix == ".json" else (yaml.safe_load(text) or {})
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise error(f"{what} {path}: not a text file; {fix}") from None
+    try:
+        doc = json.loads(text) if json_only or path.suffix == ".json" else (yaml.safe_load(text) or {})
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{kind} {path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+        raise error(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{kind} {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+        raise error(f"{what} {path}: not valid YAML ({str(e).splitlines()[0]}); {fix}") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{kind} {path}: expected a mapping of option: value, got {type(doc).__name__}")
+        raise error(f"{what} {path}: expected {shape}, got {type(doc).__name__}; {fix}")
     return doc
 
 

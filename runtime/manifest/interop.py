@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from runtime.atomic import write_text
+from runtime.configfile import read_mapping
 from runtime.manifest import (
     LAYER_ROLE_FULL,
     LAYER_ROLE_SELECT,
@@ -149,10 +150,11 @@ def import_manifest(path: str | os.PathLike, fmt: str, config: Any, name: str | 
         return RoleManifest(identity, head_role=torch.from_numpy(roles), head_expected_gate=torch.from_numpy(gates),
                             data={"source": f"duo:{Path(path).name}"}, config={"import": {"format": "duo", **rule}})
     if fmt == "json":
-        return _from_json(_read_json(path, "the JSON that rolecall export --format json writes"), config)
+        return _from_json(_read_json(path, "JSON manifest", "give the JSON that rolecall export --format json writes"),
+                          config)
     if fmt == "layers":
-        doc = _read_json(path, 'a layer list as rolecall export --format layers writes it ({"full_attention_layers": '
-                               '[...], ...})')
+        doc = _read_json(path, "layer list", 'give a layer list as rolecall export --format layers writes it '
+                         '({"full_attention_layers": [...], ...})')
         L = identity.num_layers
         if doc.get("num_layers", L) != L:
             raise ManifestMismatchError(f"{path}: num_layers is {doc['num_layers']} in the list but {L} in the model")
@@ -166,17 +168,9 @@ def import_manifest(path: str | os.PathLike, fmt: str, config: Any, name: str | 
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def _read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
+def _read_json(path: str | os.PathLike, what: str, fix: str) -> dict[str, Any]:
     """A JSON object from ``path``, or one line naming the file, what is wrong and what the format wants."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except UnicodeDecodeError:
-        raise ManifestError(f"{path}: not a text file; give {what}") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); give {what}") from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{path}: a JSON {type(doc).__name__}, not an object; give {what}")
-    return doc
+    return read_mapping(Path(path), what, fix, ManifestError, json_only=True, shape="a JSON object")
 
 
 def _from_json(doc: dict[str, Any], config: Any) -> RoleManifest:

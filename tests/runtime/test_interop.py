@@ -88,15 +88,15 @@ def test_bad_tsv_is_refused(tmp_path):
 
 def test_a_file_that_is_not_a_json_object_is_refused_in_one_line(tmp_path):
     (tmp_path / "text.json").write_text("# a layer list\n[0, 1]\n")
-    with pytest.raises(ManifestError, match=r"text.json: not JSON \(Expecting value at line 1, column 1\); give the "
-                                            "JSON that rolecall export --format json writes$"):
+    with pytest.raises(ManifestError, match=r"^JSON manifest .*text.json: not valid JSON \(Expecting value at line 1\); "
+                                            "give the JSON that rolecall export --format json writes$"):
         import_manifest(tmp_path / "text.json", "json", CONFIG)
     (tmp_path / "list.json").write_text("[0, 1]")
-    with pytest.raises(ManifestError, match=r"list.json: a JSON list, not an object; give a layer list as rolecall "
-                                            r"export --format layers writes it"):
+    with pytest.raises(ManifestError, match=r"^layer list .*list.json: expected a JSON object, got list; give a layer "
+                                            r"list as rolecall export --format layers writes it"):
         import_manifest(tmp_path / "list.json", "layers", CONFIG)
     (tmp_path / "bytes.json").write_bytes(bytes([0xFF, 0xFE, 0x00, 0x81]))
-    with pytest.raises(ManifestError, match="bytes.json: not a text file"):
+    with pytest.raises(ManifestError, match="bytes.json: not a text file; give a layer list"):
         import_manifest(tmp_path / "bytes.json", "layers", CONFIG)
 
 
