@@ -279,6 +279,17 @@ def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleMan
     return RoleManifest.load(manifest)
 
 
+def bound_policy(policy: str | Any, manifest: RoleManifest | None, config: Any, **params: Any) -> Any:
+    """``policy`` (a name or a policy object) made from ``params``, with ``manifest`` checked against the model's
+    ``config`` and bound to it: what :func:`attach` does before it decodes, which needs no weights (the commands
+    run it on the config alone, so a manifest the model or the policy cannot use fails before any weight loads)."""
+    pol = get_policy(policy, **params)
+    if manifest is not None:
+        manifest.validate_for(config)
+    pol.bind(manifest, config)
+    return pol
+
+
 @contextmanager
 def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | None = None,
            policy: str | Any = "delta", **params: Any) -> Iterator[Session]:
@@ -301,10 +312,7 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     min_context = params.pop("min_context", None)
     weights = params.pop("weights", None)
     manifest = _load_manifest(manifest)
-    pol = get_policy(policy, **params)
-    if manifest is not None:
-        manifest.validate_for(model.config)
-    pol.bind(manifest, model.config)
+    pol = bound_policy(policy, manifest, model.config, **params)
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
         raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
@@ -313,4 +321,4 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
         yield session
 
 
-__all__ = ["LayerStats", "Session", "attach"]
+__all__ = ["LayerStats", "Session", "attach", "bound_policy"]

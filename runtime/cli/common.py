@@ -45,13 +45,13 @@ def check_policy(name: str, params: dict[str, Any], manifest: Any = None, config
     manifest against the model and the policy against the manifest (a manifest of another model, delta without
     layer roles, lychee without head roles). Raises the error ``attach()`` would."""
     from runtime.policies import get_policy
-    from runtime.session import SESSION_PARAMS
+    from runtime.session import SESSION_PARAMS, bound_policy
 
-    policy = get_policy(name, **{k: v for k, v in params.items() if k not in SESSION_PARAMS})
-    if config is not None:
-        if manifest is not None:
-            manifest.validate_for(config)
-        policy.bind(manifest, config)
+    own = {k: v for k, v in params.items() if k not in SESSION_PARAMS}
+    if config is None:
+        get_policy(name, **own)
+    else:
+        bound_policy(name, manifest, config, **own)
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
