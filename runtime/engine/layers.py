@@ -13,12 +13,10 @@ import torch.nn.functional as F
 
 from runtime.engine.shape import ModelShape
 from runtime.engine.weights import LayerWeights, Weights
+from runtime.kernels.add_rms_norm import add_rms_norm
+from runtime.kernels.add_rms_norm.naive import rms_norm
 from runtime.kernels.rope_cache import split_rope
 from runtime.kernels.skinny_linear import gated_linear, linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
@@ -53,15 +51,18 @@ def first_input(w: Weights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @functools.cache
 def compiled_finish(s: ModelShape):
-    """:func:`finish_tensors` for ``s`` through ``torch.compile``: the norms, activation and residual adds of a
-    decode step fuse into three kernels around the GEMMs (a batch-1 step is otherwise bound by the launch
-    latency of a dozen small kernels per layer). Compiled once per shape and batch, in the engine's eager
-    warm-up, before its CUDA-graph capture; kept per shape, so later decoders of the same model reuse it.
+    """:func:`finish_tensors` for ``s`` through ``torch.compile``, which fuses what no kernel of ours covers (the
+    activation of a projection the gated kernel does not take, the casts) instead of a launch for each small op
+    (a batch-1 step is otherwise bound by the launch latency of a dozen small kernels per layer). Compiled once
+    per shape and batch, in the engine's eager warm-up, before its CUDA-graph capture; kept per shape, so later
+    decoders of the same model reuse it.
 
-    Inductor's pattern matcher is off: it would fold each residual add into its GEMM as an ``addmm``, which
-    first copies the residual into the output (one more kernel) instead of adding it inside the next norm. The
-    GEMMs of a decode step (up to 16 rows) are :func:`runtime.kernels.skinny_linear.linear`'s custom op, which
-    the compiled graph calls as it is."""
+    On CUDA each residual add and the norm after it are one kernel of ours
+    (:func:`runtime.kernels.add_rms_norm.add_rms_norm`), which takes part in the chain of dependent launches: an
+    add and norm that inductor fused measured 0.3–4.5 % slower a step, since it cannot. The GEMMs of a decode
+    step are :func:`runtime.kernels.skinny_linear.linear`'s custom op where it measured faster than cuBLAS; the
+    compiled graph calls both ops as they are. Inductor's pattern matcher is off: it would fold a residual add
+    into its GEMM as an ``addmm``, which first copies the residual into the output (one more kernel)."""
     # dynamic=None: the first batch size compiles static code; a second one recompiles with the batch symbolic,
     # which then serves every batch size (a serving process sees many; the recompile limit is never reached)
     return torch.compile(functools.partial(finish_tensors, s), dynamic=None, fullgraph=True,
@@ -87,16 +88,9 @@ def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_ga
                    norm_next):
     """Residual stream after the attention output ``attn [..., Hq D]`` and the MLP, and that stream normed by
     ``norm_next`` (the next layer's input norm or the final norm), so the norm fuses with the residual add."""
-    o = linear(attn.to(x.dtype), wo, bo)
-    if norm_attn_out is not None:
-        o = rms_norm(o, norm_attn_out, s.eps)
-    x = x + o
-    h = rms_norm(x, norm_mlp, s.eps)
+    x, h = add_rms_norm(x, linear(attn.to(x.dtype), wo, bo), norm_mlp, s.eps, norm_attn_out)
     m = linear(gated_linear(h, w_gate_up, s.activation), w_down)
-    if norm_mlp_out is not None:
-        m = rms_norm(m, norm_mlp_out, s.eps)
-    x = x + m
-    return x, rms_norm(x, norm_next, s.eps)
+    return add_rms_norm(x, m, norm_next, s.eps, norm_mlp_out)
 
 
 def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:

@@ -775,3 +775,36 @@ def test_arrival_counters_grow_and_keep_what_graphs_hold():
     assert big.numel() > small.numel() and not big.any()
     assert any(t is small for t in arrivals._OUTGROWN)
     assert arrivals.arrival_counters(device, 8) is big
+
+
+def _check_add_rms_norm(device, dtype, n, with_add_norm, atol):
+    from runtime.kernels.add_rms_norm import naive as an_naive
+    from runtime.kernels.add_rms_norm import triton as an_tri
+
+    g = torch.Generator(device="cpu").manual_seed(n)
+    x, o = (torch.randn(5, n, generator=g) * 3).to(device, dtype), torch.randn(5, n, generator=g).to(device, dtype)
+    w, ow = (torch.rand(2, n, generator=g) + 0.5).to(device, dtype)
+    ow = ow if with_add_norm else None
+    got_x, got_h = an_tri.add_rms_norm(x, o, w, 1e-6, ow)
+    want_x, want_h = an_naive.add_rms_norm(x, o, w, 1e-6, ow)
+    assert got_x.dtype == got_h.dtype == dtype
+    torch.testing.assert_close(got_x, want_x, atol=atol, rtol=0)
+    torch.testing.assert_close(got_h, want_h, atol=atol, rtol=atol)
+    # the sum is rounded before it is normed: the norm of the returned sum, not of an unrounded one
+    torch.testing.assert_close(got_h, an_naive.rms_norm(got_x, w, 1e-6), atol=atol, rtol=atol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("n,with_add_norm", [(96, False), (100, True), (1536, False)])
+def test_add_rms_norm_matches_reference_in_interpreter(n, with_add_norm):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    _check_add_rms_norm("cpu", torch.float32, n, with_add_norm, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("n,with_add_norm", [(1536, False), (3584, False), (640, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_reference_on_gpu(n, with_add_norm, dtype):
+    _check_add_rms_norm("cuda", dtype, n, with_add_norm, 1e-5 if dtype == torch.float32 else 0.04)

@@ -24,6 +24,7 @@ def _skinny_linear(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.conste
                    GATED: tl.constexpr = 0, PDL: tl.constexpr = False):
     """GATED (SILU or GELU_TANH): W holds 2N rows, the gate's N then the up's N, and Y gets ``act(gate) · up``,
     each half rounded to Y's dtype first, as the two halves of one projection would be."""
+    pdl.let_next_start(PDL)  # the next kernel may be placed at once: it waits for this one to complete
     pdl.wait(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, M_PAD)
@@ -75,6 +76,7 @@ def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_B
     """Program (tile, part) multiplies columns ``part · SPAN`` up to ``SPAN`` more (a multiple of BK, so every
     tile's columns start aligned) and stores its float32 partial; the last program of the tile to arrive sums
     the SPLIT partials in part order (the same sum whichever arrives last), adds the bias and writes Y."""
+    pdl.let_next_start(PDL)  # as in _skinny_linear
     pdl.wait(PDL)
     tile = tl.program_id(0)
     part = tl.program_id(1)

@@ -1,0 +1,41 @@
+"""The residual add and the RMS norm after it, in one pass over the row.
+
+``add_rms_norm(x, o, weight, eps, o_weight=None) -> (x + o, rms_norm(x + o) · weight)``
+
+==============  ==============  ===============================================================
+``x``           ``[..., N]``    the residual stream
+``o``           ``[..., N]``    what a block adds to it (normed by ``o_weight`` first when given,
+                                as Gemma 3 norms its attention and MLP outputs)
+``weight``      ``[N]``         the next norm's weight
+returns         ``[..., N]``    the new residual stream (``x``'s dtype) and its normed copy
+==============  ==============  ===============================================================
+
+Between a layer's GEMMs the decode step runs two of these. On CUDA it is the Triton kernel in ``triton.py``,
+one program per row, launched with programmatic dependent launch (:mod:`runtime.kernels.pdl`), which lets the
+projection after it be placed while it runs; a ``torch.compile``-fused add and norm cannot take part in that
+chain. It computes in float32 and rounds once per output; the sum is rounded to ``x``'s dtype before it is
+normed, as the reference's two steps do. ``naive.py`` is the reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.kernels.add_rms_norm.naive import add_rms_norm as reference
+
+
+def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
+                 o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring."""
+    n = x.shape[-1]
+    if x.is_cuda and n and x.numel():
+        from runtime.kernels.add_rms_norm import triton  # noqa: F401  (registers torch.ops.rolecall.add_rms_norm)
+
+        rows = x.numel() // n
+        x2, h = torch.ops.rolecall.add_rms_norm(x.reshape(rows, n).contiguous(), o.reshape(rows, n).contiguous(), weight,
+                                                eps, o_weight)
+        return x2.view(x.shape), h.view(x.shape)
+    return reference(x, o, weight, eps, o_weight)
+
+
+__all__ = ["add_rms_norm", "reference"]
