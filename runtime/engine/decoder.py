@@ -37,11 +37,11 @@ from runtime.engine import layers as L
 from runtime.engine.cache import KeySpan, StaticCache, head_order_of, same_order
 from runtime.engine.crossovers import default_min_context
 from runtime.engine.weights import Weights
+from runtime.kernels import use_triton
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
 from runtime.kernels.rope_cache import rope_and_store as naive_rope_and_store
 from runtime.kernels.skinny_linear import linear
 from runtime.kernels.sparse_attention import naive as naive_attention
-from runtime.kernels.sparse_attention import use_triton
 from runtime.kernels.topk_select import topk_with_recent
 
 WINDOW_BLOCK = 64  # block size of a sliding-window layer's read set

@@ -808,3 +808,37 @@ def test_add_rms_norm_matches_reference_in_interpreter(n, with_add_norm):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_reference_on_gpu(n, with_add_norm, dtype):
     _check_add_rms_norm("cuda", dtype, n, with_add_norm, 1e-5 if dtype == torch.float32 else 0.04)
+
+
+def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(monkeypatch):
+    """``ROLECALL_KERNELS=naive`` is read by the one function every kernel wrapper asks (the projections' and the
+    add-and-norm's too), so it forces the references everywhere."""
+    import types
+
+    from runtime.kernels import use_triton
+
+    cuda_like = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("ROLECALL_KERNELS", raising=False)
+    assert use_triton(cuda_like) and not use_triton(torch.empty(1))
+    monkeypatch.setenv("ROLECALL_KERNELS", "naive")
+    assert not use_triton(cuda_like)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_naive_kernels_switch_runs_the_references_on_gpu(monkeypatch):
+    from runtime.kernels.add_rms_norm import add_rms_norm
+    from runtime.kernels.add_rms_norm import naive as an_naive
+    from runtime.kernels.skinny_linear import linear
+    from runtime.kernels.skinny_linear import naive as sl_naive
+
+    monkeypatch.setenv("ROLECALL_KERNELS", "naive")
+    x, o = torch.randn(2, 3, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(896, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(896, 896, device="cuda", dtype=torch.bfloat16)
+    for got, want in zip(add_rms_norm(x, o, w, 1e-6), an_naive.add_rms_norm(x, o, w, 1e-6)):
+        assert torch.equal(got, want)
+    assert torch.equal(linear(x[0], weight), torch.nn.functional.linear(x[0], weight))
+    monkeypatch.delenv("ROLECALL_KERNELS")  # the kernel (3 rows, a shape it takes) rounds differently
+    assert not torch.equal(linear(x[0], weight), torch.nn.functional.linear(x[0], weight))
+    torch.testing.assert_close(linear(x[0], weight), sl_naive.skinny_linear(x[0], weight), atol=0.05, rtol=0.02)

@@ -10,7 +10,8 @@
 returns         ``[..., N]``    the new residual stream (``x``'s dtype) and its normed copy
 ==============  ==============  ===============================================================
 
-Between a layer's GEMMs the decode step runs two of these. On CUDA it is the Triton kernel in ``triton.py``,
+Between a layer's GEMMs the decode step runs two of these. On CUDA it is the Triton kernel in ``triton.py``
+(unless ``ROLECALL_KERNELS=naive``),
 one program per row, launched with programmatic dependent launch (:mod:`runtime.kernels.pdl`), which lets the
 projection after it be placed while it runs; a ``torch.compile``-fused add and norm cannot take part in that
 chain. It computes in float32 and rounds once per output; the sum is rounded to ``x``'s dtype before it is
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.kernels import use_triton
 from runtime.kernels.add_rms_norm.naive import add_rms_norm as reference
 
 
@@ -28,7 +30,7 @@ def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: fl
                  o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     n = x.shape[-1]
-    if x.is_cuda and n and x.numel():
+    if use_triton(x) and n and x.numel():
         from runtime.kernels.add_rms_norm import triton  # noqa: F401  (registers torch.ops.rolecall.add_rms_norm)
 
         rows = x.numel() // n

@@ -24,20 +24,11 @@ the reference. ``ROLECALL_KERNELS=naive`` forces the reference everywhere.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
+from runtime.kernels import use_triton
 from runtime.kernels.sparse_attention import naive
 from runtime.kernels.sparse_attention.naive import expand_blocks, indices_to_mask
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def use_triton(query: torch.Tensor) -> bool:
-    """Whether this call goes to the Triton kernel: a CUDA tensor, Triton installed, not switched off."""
-    return query.is_cuda and _HAS_TRITON and os.environ.get("ROLECALL_KERNELS", "auto") != "naive"
 
 
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
