@@ -41,7 +41,11 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     stages, the best of 72 tiles at 2, 8 and 16 rows (``python benchmarks/kernels.py --no-attention
     --linear-tiles``, ``benchmarks/results/kernels_tiles_h200.json``): 7B's gate/up 65.2–66.7 µs against cuBLAS's
     71.7–73.1, 1.5B's 15.8–16.2 against 17.4–17.9. Llama-3-8B's (N = 7 K) stays with cuBLAS (57.3 µs at 8 rows,
-    the best tile 57.6), as do q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down.
+    the best tile 57.6), as do large q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down. A small
+    q/k/v (N ≤ 2 K and at most 8 MB, such as the 1.5B's 6.3 MB) takes the ``tl.dot`` tiles since the kernels take
+    part in dependent launches (``runtime.kernels.pdl``): the 1.5B's step at 8 rows 1.0–1.4 % faster, where the
+    7B's q/k/v on the kernel made its step 0.2–1.2 % slower (H100, two alternating runs each,
+    ``decode_qkv_rows8_ab_{on,off}{1,2}_h100.json``).
 
     From 33 to 64 rows (a large batch such as DELTA's 64, padded to 64 in the kernel) only the gated gate/up
     kernel, over 64 features × 64 columns in four stages (the best of 36 tiles at 64 rows on the 1.5B's
@@ -63,7 +67,7 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
         return Config(False, 32, 256, 8, 3) if n >= 8 * k else Config(False, 8, 512, 8, 2)
     if n >= 8 * k:
         return Config(True, 64, 256 // itemsize, 4, 3)
-    return dot if n <= k else None
+    return dot if n <= k or (n <= 2 * k and n * k * itemsize <= 8 << 20) else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
