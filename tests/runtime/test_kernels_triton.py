@@ -856,3 +856,24 @@ def test_naive_kernels_switch_runs_the_references_on_gpu(monkeypatch):
     add_rms_norm(x, o, w, 1e-6)
     linear(x, weight)
     assert launched == ["add_rms_norm", "linear"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+def test_one_split_writes_the_output_itself_in_interpreter():
+    """A call whose rows each fit one program writes its output and log-sum-exp directly (no merge launch), into
+    a strided ``out`` view too, and matches the split call and the reference."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.sparse_attention import triton as tri
+
+    q, k, v, idx, kw, _ = _case(2, 8, 2, 300, 32, 5, 16, torch.float32, "cpu")
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = _reference(q, k, v, idx, kw, None, 16, scale)
+    split_out, split_lse = tri.sparse_decode_attention(q, k, v, idx, scale=scale, block_size=16, chunk=64)
+    big = torch.full((2, 11, 32), 7.0)
+    out, lse = tri.sparse_decode_attention(q, k, v, idx, scale=scale, block_size=16, chunk=128, out=big[:, 2:10])
+    assert out.data_ptr() == big[:, 2:10].data_ptr()
+    assert torch.equal(big[:, :2], torch.full((2, 2, 32), 7.0)) and torch.equal(big[:, 10:], torch.full((2, 1, 32), 7.0))
+    for got, want, split in ((out, ref_out, split_out), (lse, ref_lse, split_lse)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, split, atol=1e-5, rtol=1e-5)

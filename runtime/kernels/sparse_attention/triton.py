@@ -23,7 +23,10 @@ How it works: one program per (sequence, KV head, chunk of ``chunk`` tokens of t
 GQA decoding). Tiles are gathered rows of the cache, so token sets (block size 1) and block sets (16, 64) use
 the same code. Rows that read fewer tokens have fewer busy chunks; idle programs exit after writing an empty
 partial, so full and sparse heads in one launch are balanced by construction: every busy program does the
-same amount of work. A small combine step merges the chunk partials by their log-sum-exp.
+same amount of work. A small combine step merges the chunk partials by their log-sum-exp; where each row is one
+chunk, its program writes the output itself and no merge is launched. (Making a row one chunk on purpose, so
+that no merge runs, measured slower: DELTA's setting at 64 rows, sparse layers 1,024 tokens a row and KV head, one
+program each instead of four, delta 67.6 → 69.0 s, ``decode_delta_setting_onesplit_{on,off}{1,2}_h100.json``.)
 """
 
 from __future__ import annotations
@@ -237,8 +240,19 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile)
     chunk = tile * max(1, triton.cdiv(chunk, tile))  # whole tiles: a program's tiles never cross into the next's
     splits = max(1, triton.cdiv(max_read, chunk))
-    out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
-    lse_p = torch.empty(b, hkv, splits, g, device=query.device, dtype=torch.float32)
+    if splits == 1:  # each row in one program (short rows, or enough rows to fill the GPU): it writes the output
+        # and log-sum-exp itself, through views of them shaped as the partials; no merge to launch
+        if out is None:
+            out = torch.empty(b, hq, d, device=query.device, dtype=out_dtype)
+        elif out.shape != (b, hq, d) or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{b}, {hq}, {d}] with a unit last stride, got {list(out.shape)} "
+                             f"strides {out.stride()}")
+        lse = torch.empty(b, hq, device=query.device, dtype=torch.float32)
+        out_p = out.as_strided((b, hkv, 1, g, d), (out.stride(0), g * out.stride(1), 0, out.stride(1), 1))
+        lse_p = lse.view(b, hkv, 1, g)
+    else:
+        out_p = torch.empty(b, hkv, splits, g, d, device=query.device, dtype=torch.float32)
+        lse_p = torch.empty(b, hkv, splits, g, device=query.device, dtype=torch.float32)
     dummy = query  # stands in for absent optional tensors (never read)
     idx = None
     if indices is not None:  # any strides over (B, Hkv): a set shared by every head stays an expanded view
@@ -270,6 +284,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, HAS_IROWS=index_rows is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.options(query.device),
     )
+    if splits == 1:
+        return out, lse
     return combine_partials(out_p, lse_p, out_dtype, out=out)
 
 
