@@ -11,10 +11,9 @@ returns         ``[..., N]``    the new residual stream (``x``'s dtype) and its 
 ==============  ==============  ===============================================================
 
 Between a layer's GEMMs the decode step runs two of these. On CUDA it is the Triton kernel in ``triton.py``
-(unless ``ROLECALL_KERNELS=naive``),
-one program per row, launched with programmatic dependent launch (:mod:`runtime.kernels.pdl`), which lets the
-projection after it be placed while it runs; a ``torch.compile``-fused add and norm cannot take part in that
-chain. It computes in float32 and rounds once per output; the sum is rounded to ``x``'s dtype before it is
+(unless ``ROLECALL_KERNELS=naive``), one program per row, launched with programmatic dependent launch
+(:mod:`runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a ``torch.compile``-fused
+add and norm cannot take part in that chain. It computes in float32 and rounds once per output; the sum is rounded to ``x``'s dtype before it is
 normed, as the reference's two steps do. ``naive.py`` is the reference and the CPU path.
 """
 
@@ -34,8 +33,8 @@ def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: fl
         from runtime.kernels.add_rms_norm import triton  # noqa: F401  (registers torch.ops.rolecall.add_rms_norm)
 
         rows = x.numel() // n
-        x2, h = torch.ops.rolecall.add_rms_norm(x.reshape(rows, n).contiguous(), o.reshape(rows, n).contiguous(), weight,
-                                                eps, o_weight)
+        x2, h = torch.ops.rolecall.add_rms_norm(x.reshape(rows, n).contiguous(), o.reshape(rows, n).contiguous(),
+                                                weight, eps, o_weight)
         return x2.view(x.shape), h.view(x.shape)
     return reference(x, o, weight, eps, o_weight)
 

@@ -242,11 +242,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     splits = max(1, triton.cdiv(max_read, chunk))
     if splits == 1:  # each row in one program (short rows, or enough rows to fill the GPU): it writes the output
         # and log-sum-exp itself, through views of them shaped as the partials; no merge to launch
-        if out is None:
-            out = torch.empty(b, hq, d, device=query.device, dtype=out_dtype)
-        elif out.shape != (b, hq, d) or out.stride(-1) != 1:
-            raise ValueError(f"out must be [{b}, {hq}, {d}] with a unit last stride, got {list(out.shape)} "
-                             f"strides {out.stride()}")
+        out = _output(out, b, hq, d, query.device, out_dtype)
         lse = torch.empty(b, hq, device=query.device, dtype=torch.float32)
         out_p = out.as_strided((b, hkv, 1, g, d), (out.stride(0), g * out.stride(1), 0, out.stride(1), 1))
         lse_p = lse.view(b, hkv, 1, g)
@@ -324,17 +320,24 @@ def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s
         tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
+def _output(out: torch.Tensor | None, b: int, hq: int, d: int, device: torch.device,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The call's output: ``out`` when given (a ``[B, Hq, D]`` view with a unit last stride), else a new tensor."""
+    if out is None:
+        return torch.empty(b, hq, d, device=device, dtype=dtype)
+    if out.shape != (b, hq, d) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{b}, {hq}, {d}] with a unit last stride, got {list(out.shape)} "
+                         f"strides {out.stride()}")
+    return out
+
+
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                      parts: int | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``, or
     written into ``out``, a view with unit last stride) / ``[B, Hq]`` (float32). ``parts``: programs per head, each
     merging a slice of D (default: by the GPU's size)."""
     b, hkv, splits, g, d = out_p.shape
-    if out is None:
-        out = torch.empty(b, hkv * g, d, device=out_p.device, dtype=out_dtype)
-    elif out.shape != (b, hkv * g, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{b}, {hkv * g}, {d}] with a unit last stride, got {list(out.shape)} "
-                         f"strides {out.stride()}")
+    out = _output(out, b, hkv * g, d, out_p.device, out_dtype)
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
     sb = min(128, max(16, triton.next_power_of_2(splits)))  # every partial in one block up to 128 of them
     d_pad = triton.next_power_of_2(d)
