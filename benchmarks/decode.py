@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
-from runtime.atomic import check_writable, write_text  # noqa: E402
+from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
 from runtime.engine.cache import head_order_of  # noqa: E402
@@ -470,11 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.delta_samples < 2:
         p.error("--delta-samples must be at least 2 (the first and the last length)")
     for flag in ("out", "profile", "timeline"):  # written after minutes of timing: refused now if they cannot be
-        if getattr(args, flag):
-            try:
-                check_writable(getattr(args, flag), f"--{flag}")
-            except ValueError as e:
-                p.error(str(e))
+        p.check_writable(getattr(args, flag), f"--{flag}")
     return args
 
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
-from runtime.atomic import check_writable, write_text  # noqa: E402
+from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 from runtime.kernels import pdl  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
@@ -476,10 +476,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.calls_per_graph < 1:
         parser.error(f"--calls-per-graph must be at least 1, got {args.calls_per_graph}")
-    try:  # written after the timing: refused now if it cannot be
-        check_writable(args.out, "--out")
-    except ValueError as e:
-        parser.error(str(e))
+    parser.check_writable(args.out, "--out")  # written after the timing: refused now if it cannot be
     CALLS_PER_GRAPH = args.calls_per_graph
     try:
         rows_arg = tuple(int(r) for r in args.rows.split(",")) if args.rows else None

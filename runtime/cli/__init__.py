@@ -35,6 +35,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (`{self.prog} --help` lists the options)\n")
 
+    def check_writable(self, path: str | None, flag: str) -> None:
+        """An output ``path`` given to ``flag`` that is written after the work, refused now as a usage error
+        (:func:`runtime.atomic.check_writable`); nothing when the flag was left out."""
+        from runtime.atomic import check_writable
+
+        if path:
+            try:
+                check_writable(path, flag)
+            except ValueError as e:
+                self.error(str(e))
+
 
 def available() -> dict[str, tuple[str, str]]:
     """The subcommands whose module exists (found without importing it, so ``--help`` stays fast)."""
