@@ -34,6 +34,10 @@ bounds of 512 candidate pages of 8,192 per KV head, DS-Qwen-7B heads, then the c
 or 8 programs per head; the page-metadata update (``update_page``) alone; and both in one launch (``new_page=``),
 as the engine's step runs them.
 
+``--many-rows`` adds sparse calls over many rows (DS-Qwen-1.5B and 7B heads, 16-token pages, 1K and 2K tokens a
+row, 32 to 256 rows of (sequence, KV head) at 18K): one program a row in 128-token tiles against the split launch
+and its merge (``choose_chunk``, 64-token tiles), and which of them the engine takes (``choose_launch``).
+
 It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
 each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
 """
@@ -278,6 +282,52 @@ def sweep(b: int, t: int, g: torch.Generator) -> dict:
     return out
 
 
+MANY_ROWS = [  # (heads, Hq, Hkv, batch, tokens a row, dense): 32 to 256 rows of (sequence, KV head)
+    *((name, hq, hkv, b, tokens, False)
+      for name, hq, hkv, batches in (("1.5b", 12, 2, (16, 32, 48, 64)), ("7b", 28, 4, (8, 16, 24, 32, 64)))
+      for b in batches for tokens in (1024, 2048)),
+    *((name, hq, hkv, 64, tokens, True) for name, hq, hkv in (("1.5b", 12, 2), ("7b", 28, 4))
+      for tokens in (512, 1024, 2048, 4096)),
+]
+
+
+def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16) -> list[dict]:
+    """Calls over many rows (:data:`MANY_ROWS`; sparse: 16-token pages of a ``t``-token cache, dense: a cache of
+    the row's length): one program a row in 128-token tiles three stages deep against the split launch and its
+    merge (:func:`choose_chunk`, 64-token tiles, two stages), and which of the two the engine takes
+    (:func:`choose_launch`)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for name, hq, hkv, b, tokens, dense in MANY_ROWS:
+        length = tokens if dense else t
+        copies = max(2, math.ceil(L2_BYTES / (2 * b * hkv * length * D * 2)))
+        kv = Rotating.of([(torch.randn(b, hkv, length, D, device="cuda", dtype=torch.bfloat16),
+                           torch.randn(b, hkv, length, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)])
+        q = torch.randn(b, hq, D, device="cuda", dtype=torch.bfloat16)
+        idx = None
+        if not dense:
+            n = tokens // page
+            pages = torch.rand(b * hkv, t // page, generator=g, device="cuda").argsort(dim=1)[:, :n]
+            idx = pages.sort(dim=1).values.view(b, hkv, n).to(torch.int32)
+        launches = {"one_ms": {"chunk": 128 * math.ceil(tokens / 128), "tile": 128, "num_stages": 3},
+                    "split_ms": {"chunk": tri.choose_chunk(tokens, b * hkv, sms, dense=dense), "tile": 64,
+                                 "num_stages": 2}}
+        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense)[1] == 128
+        row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "dense": dense,
+               "engine": "one program a row" if one else "split"}
+        for key, launch in launches.items():
+            row[key] = graph_ms(lambda k, v, q=q, idx=idx, launch=launch: tri.sparse_decode_attention(
+                q, k, v, idx, scale=D**-0.5, block_size=page, out_dtype=torch.bfloat16, **launch), kv)
+        row["engine_bandwidth_fraction"] = (b * hkv * tokens * D * 4 / (row["one_ms" if one else "split_ms"] / 1e3)
+                                            / copy_bw)
+        print(f"many rows: {name} heads, {b:3d} × {hkv} rows, {tokens} tokens {'dense' if dense else 'of pages'}: "
+              f"one program a row {row['one_ms'] * 1e3:6.1f} µs, split {row['split_ms'] * 1e3:6.1f} µs; "
+              f"the engine: {row['engine']}", flush=True)
+        out.append(row)
+        kv.sets.clear()
+    return out
+
+
 PROJECTIONS = {  # name: (N, K, bias) of y = x W^T (+ b)
     "7b qkv": (4608, 3584, True), "7b o": (3584, 3584, False), "7b gate_up": (37888, 3584, False),
     "7b down": (3584, 18944, False), "1.5b qkv": (2048, 1536, True), "1.5b o": (1536, 1536, False),
@@ -470,6 +520,8 @@ def main() -> int:
                              f"{', '.join(PROJECTIONS)}")
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
+    parser.add_argument("--many-rows", action="store_true",
+                        help="also time sparse calls over 32 to 256 rows: one program a row against the split launch")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
     parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
                         help="calls captured in each timed CUDA graph (at least one per rotating copy; 1: one a copy)")
@@ -507,6 +559,8 @@ def main() -> int:
             report["topk"] = topk_rows()
         if args.refine:
             report["refine"] = refine_rows()
+        if args.many_rows:
+            report["many_rows"] = many_rows(copy_bw, g)
         write_text(args.out, json.dumps(report, indent=2))
         return 0
     warps, stages, tuning = tune(copy_bw, g)
@@ -524,6 +578,8 @@ def main() -> int:
         report["topk"] = topk_rows()
     if args.refine:
         report["refine"] = refine_rows()
+    if args.many_rows:
+        report["many_rows"] = many_rows(copy_bw, g)
     if args.sweep:
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
                            for b in map(int, args.batches.split(","))}

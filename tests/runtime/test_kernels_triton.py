@@ -94,6 +94,46 @@ def test_sparse_decode_with_uneven_chunks_matches_reference_in_interpreter():
     _check(case, 16, 1e-4, chunk=192)
 
 
+def _check_one_program_a_row(monkeypatch, b, hq, hkv, t, d, n, dtype, device, tol):
+    """A call whose gathered rows fill the GPU: one program a row (choose_launch), which writes the output itself
+    (no merge is launched), equal to the reference with log weights, a key mask and ragged rows."""
+    from runtime.kernels.sparse_attention import triton as tri
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("a call of one program a row launched the merge")
+
+    monkeypatch.setattr(tri, "combine_partials", no_merge)
+    _check(_case(b, hq, hkv, t, d, n, 16, dtype, device, weights=True, mask=True), 16, tol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+def test_sparse_decode_one_program_a_row_matches_reference_in_interpreter(monkeypatch):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.sparse_attention.triton import choose_launch
+
+    assert choose_launch(13 * 16, 4 * 2, 8, dense=False) == (256, 128, 3)  # the CPU stands for 8 SMs: 8 rows fill it
+    _check_one_program_a_row(monkeypatch, 4, 6, 2, 300, 16, 13, torch.float32, "cpu", 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, hkv, n, dtype", [(64, 12, 2, 64, torch.bfloat16), (48, 28, 4, 128, torch.float16)])
+def test_sparse_decode_one_program_a_row_matches_reference_on_gpu(monkeypatch, b, hq, hkv, n, dtype):
+    _check_one_program_a_row(monkeypatch, b, hq, hkv, 4096, 128, n, dtype, "cuda", 2e-2)
+
+
+@pytest.mark.parametrize("tokens, rows, dense, expected", [
+    (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads fill 132 SMs, one program a row
+    (1000, 256, False, (1024, 128, 3)),  # whole tiles
+    (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows: split, as choose_chunk says
+    (18432, 128, True, (4608, 64, 2)),  # rows that stream the cache always split
+])
+def test_choose_launch_gives_rows_one_program_once_they_fill_the_gpu(tokens, rows, dense, expected):
+    from runtime.kernels.sparse_attention.triton import choose_launch
+
+    assert choose_launch(tokens, rows, 132, dense=dense) == expected
+
+
 @pytest.mark.parametrize("tokens, rows, dense, tile, expected", [
     (18432, 128, True, 64, 4608),  # 1.5B heads at 18K x 64: four even chunks (a power of two gave three)
     (13120, 64, False, 64, 1664),  # 10 % of 64-token blocks at 128K x 8: eight chunks

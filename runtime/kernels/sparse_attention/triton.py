@@ -24,9 +24,9 @@ GQA decoding). Tiles are gathered rows of the cache, so token sets (block size 1
 the same code. Rows that read fewer tokens have fewer busy chunks; idle programs exit after writing an empty
 partial, so full and sparse heads in one launch are balanced by construction: every busy program does the
 same amount of work. A small combine step merges the chunk partials by their log-sum-exp; where each row is one
-chunk, its program writes the output itself and no merge is launched. (Making a row one chunk on purpose, so
-that no merge runs, measured slower: DELTA's setting at 64 rows, sparse layers 1,024 tokens a row and KV head, one
-program each instead of four, delta 67.6 → 69.0 s, ``decode_delta_setting_onesplit_{on,off}{1,2}_h100.json``.)
+chunk, its program writes the output itself and no merge is launched: :func:`choose_launch` makes each row one
+program, in 128-token tiles three stages deep, where the rows of gathered sets alone fill the GPU (a large batch
+such as DELTA's 64 rows); see there for what was measured.
 """
 
 from __future__ import annotations
@@ -192,11 +192,30 @@ def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int
     return tile * math.ceil(chunk / tile)
 
 
+ROW_PROGRAMS = 0.75  # gathered rows, as a share of the SMs, from which each row is one program (choose_launch)
+
+
+def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True) -> tuple[int, int, int]:
+    """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens``.
+
+    Rows of gathered sets (``dense=False``) numerous enough to fill the GPU by themselves (at least
+    :data:`ROW_PROGRAMS` of the SMs) are one program each, in 128-token tiles three stages deep: no merge to
+    launch, and half as many steps of the tile loop, each with twice the bytes in flight. Sparse layer of
+    DELTA's setting (DS-Qwen-1.5B heads, 64 rows × 2 KV heads, 1,024 tokens of 16-token pages, H100, graph of 16
+    calls with the merge): 28.3 µs against 33.3 for four programs a row in 64-token tiles; 2,048 tokens 51.0
+    against 56.5; DS-Qwen-7B heads at 64 rows × 4, 1,024 tokens: 52.9 against 60.0. With fewer rows the split
+    wins (7B heads at 8 rows, 2,048 tokens: 19.5 µs split, 31.1 as one program a row), so every other call
+    keeps :func:`choose_chunk` in 64-token tiles two stages deep (``kernels_rows_h100.json``)."""
+    if not dense and rows >= ROW_PROGRAMS * sms:
+        return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
+    return choose_chunk(tokens, rows, sms, dense), 64, 2
+
+
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                             full_rows: torch.Tensor | None = None, chunk: int | None = None,
-                            tile: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            tile: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                             key_span: tuple[torch.Tensor, torch.Tensor] | None = None,
                             index_rows: torch.Tensor | None = None,
@@ -237,7 +256,12 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if chunk is None:
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile)
+        if tile is None and num_stages is None and full_rows is None:
+            chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sms, dense=indices is None)
+        else:
+            chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile or 64)
+    tile = tile or 64
+    num_stages = num_stages or 2
     chunk = tile * max(1, triton.cdiv(chunk, tile))  # whole tiles: a program's tiles never cross into the next's
     splits = max(1, triton.cdiv(max_read, chunk))
     if splits == 1:  # each row in one program (short rows, or enough rows to fill the GPU): it writes the output
