@@ -282,23 +282,24 @@ def sweep(b: int, t: int, g: torch.Generator) -> dict:
     return out
 
 
-MANY_ROWS = [  # (heads, Hq, Hkv, batch, tokens a row, dense): 32 to 256 rows of (sequence, KV head)
-    *((name, hq, hkv, b, tokens, False)
+MANY_ROWS = [  # (heads, Hq, Hkv, batch, tokens a row, kind): 32 to 256 rows of (sequence, KV head)
+    *((name, hq, hkv, b, tokens, "pages")
       for name, hq, hkv, batches in (("1.5b", 12, 2, (16, 32, 48, 64)), ("7b", 28, 4, (8, 16, 24, 32, 64)))
       for b in batches for tokens in (1024, 2048)),
-    *((name, hq, hkv, 64, tokens, True) for name, hq, hkv in (("1.5b", 12, 2), ("7b", 28, 4))
-      for tokens in (512, 1024, 2048, 4096)),
+    *((name, hq, hkv, b, tokens, kind) for name, hq, hkv in (("1.5b", 12, 2), ("7b", 28, 4)) for b in (32, 64)
+      for tokens in (512, 1024, 2048, 4096, 8192, 18432) for kind in ("dense", "logits")),
 ]
 
 
 def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16) -> list[dict]:
-    """Calls over many rows (:data:`MANY_ROWS`; sparse: 16-token pages of a ``t``-token cache, dense: a cache of
-    the row's length): one program a row in 128-token tiles three stages deep against the split launch and its
-    merge (:func:`choose_chunk`, 64-token tiles, two stages), and which of the two the engine takes
-    (:func:`choose_launch`)."""
+    """Calls over many rows (:data:`MANY_ROWS`; ``pages``: 16-token pages of a ``t``-token cache; ``dense``: a
+    cache of the row's length; ``logits``: the same, keeping its logits as a Δ-layer does): one program a row in
+    128-token tiles three stages deep against the split launch and its merge (:func:`choose_chunk`, 64-token
+    tiles, two stages), and which of the two the engine takes (:func:`choose_launch`)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    for name, hq, hkv, b, tokens, dense in MANY_ROWS:
+    for name, hq, hkv, b, tokens, kind in MANY_ROWS:
+        dense = kind != "pages"
         length = tokens if dense else t
         copies = max(2, math.ceil(L2_BYTES / (2 * b * hkv * length * D * 2)))
         kv = Rotating.of([(torch.randn(b, hkv, length, D, device="cuda", dtype=torch.bfloat16),
@@ -313,16 +314,21 @@ def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16
                     "split_ms": {"chunk": tri.choose_chunk(tokens, b * hkv, sms, dense=dense), "tile": 64,
                                  "num_stages": 2}}
         one = tri.choose_launch(tokens, b * hkv, sms, dense=dense)[1] == 128
-        row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "dense": dense,
+        row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "kind": kind,
                "engine": "one program a row" if one else "split"}
         for key, launch in launches.items():
-            row[key] = graph_ms(lambda k, v, q=q, idx=idx, launch=launch: tri.sparse_decode_attention(
-                q, k, v, idx, scale=D**-0.5, block_size=page, out_dtype=torch.bfloat16, **launch), kv)
+            if kind == "logits":
+                call = lambda k, v, q=q, launch=launch: page_tri.decode_keeping_logits(  # noqa: E731
+                    q, k, v, D**-0.5, out_dtype=torch.bfloat16, **launch)
+            else:
+                call = lambda k, v, q=q, idx=idx, launch=launch: tri.sparse_decode_attention(  # noqa: E731
+                    q, k, v, idx, scale=D**-0.5, block_size=page, out_dtype=torch.bfloat16, **launch)
+            row[key] = graph_ms(call, kv)
         row["engine_bandwidth_fraction"] = (b * hkv * tokens * D * 4 / (row["one_ms" if one else "split_ms"] / 1e3)
                                             / copy_bw)
-        print(f"many rows: {name} heads, {b:3d} × {hkv} rows, {tokens} tokens {'dense' if dense else 'of pages'}: "
-              f"one program a row {row['one_ms'] * 1e3:6.1f} µs, split {row['split_ms'] * 1e3:6.1f} µs; "
-              f"the engine: {row['engine']}", flush=True)
+        print(f"many rows: {name} heads, {b:3d} × {hkv} rows, {tokens:5d} tokens, {kind:6s}: one program a row "
+              f"{row['one_ms'] * 1e3:6.1f} µs, split {row['split_ms'] * 1e3:6.1f} µs; the engine: {row['engine']}",
+              flush=True)
         out.append(row)
         kv.sets.clear()
     return out

@@ -95,8 +95,8 @@ def test_sparse_decode_with_uneven_chunks_matches_reference_in_interpreter():
 
 
 def _check_one_program_a_row(monkeypatch, b, hq, hkv, t, d, n, dtype, device, tol):
-    """A call whose gathered rows fill the GPU: one program a row (choose_launch), which writes the output itself
-    (no merge is launched), equal to the reference with log weights, a key mask and ragged rows."""
+    """A call of many rows: one program a row (choose_launch), which writes the output itself (no merge is
+    launched), equal to the reference with log weights, a key mask and ragged rows."""
     from runtime.kernels.sparse_attention import triton as tri
 
     def no_merge(*args, **kwargs):
@@ -112,7 +112,7 @@ def test_sparse_decode_one_program_a_row_matches_reference_in_interpreter(monkey
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     from runtime.kernels.sparse_attention.triton import choose_launch
 
-    assert choose_launch(13 * 16, 4 * 2, 8, dense=False) == (256, 128, 3)  # the CPU stands for 8 SMs: 8 rows fill it
+    assert choose_launch(13 * 16, 4 * 2, 8, dense=False) == (256, 128, 3)  # the CPU stands for 8 SMs
     _check_one_program_a_row(monkeypatch, 4, 6, 2, 300, 16, 13, torch.float32, "cpu", 1e-4)
 
 
@@ -123,12 +123,14 @@ def test_sparse_decode_one_program_a_row_matches_reference_on_gpu(monkeypatch, b
 
 
 @pytest.mark.parametrize("tokens, rows, dense, expected", [
-    (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads fill 132 SMs, one program a row
-    (1000, 256, False, (1024, 128, 3)),  # whole tiles
-    (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows: split, as choose_chunk says
-    (18432, 128, True, (4608, 64, 2)),  # rows that stream the cache always split
+    (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads, one program a row
+    (1000, 64, False, (1024, 128, 3)),  # whole tiles, from 64 rows of 132 SMs on
+    (18432, 128, True, (18432, 128, 3)),  # rows that stream the cache too
+    (1024, 48, False, (128, 64, 2)),  # fewer rows: split, as choose_chunk says
+    (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows
+    (131072, 32, True, (8192, 64, 2)),  # 7B at 128K × 8
 ])
-def test_choose_launch_gives_rows_one_program_once_they_fill_the_gpu(tokens, rows, dense, expected):
+def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, expected):
     from runtime.kernels.sparse_attention.triton import choose_launch
 
     assert choose_launch(tokens, rows, 132, dense=dense) == expected

@@ -25,8 +25,8 @@ the same code. Rows that read fewer tokens have fewer busy chunks; idle programs
 partial, so full and sparse heads in one launch are balanced by construction: every busy program does the
 same amount of work. A small combine step merges the chunk partials by their log-sum-exp; where each row is one
 chunk, its program writes the output itself and no merge is launched: :func:`choose_launch` makes each row one
-program, in 128-token tiles three stages deep, where the rows of gathered sets alone fill the GPU (a large batch
-such as DELTA's 64 rows); see there for what was measured.
+program, in 128-token tiles three stages deep, where the rows are many (a large batch such as DELTA's 64
+sequences); see there for what was measured.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def _next_pow2(x: int, floor: int = 16) -> int:
 
 
 def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int = 64) -> int:
-    """Tokens per program, a multiple of ``tile``: each row's ``tokens`` split evenly over enough programs to
-    fill the GPU about four times over, at least 256 tokens each for rows that stream the cache and 128 for
+    """Tokens per program of a call of few rows (:func:`choose_launch`), a multiple of ``tile``: each row's
+    ``tokens`` split evenly over enough programs to fill the GPU about four times over, at least 256 tokens each for rows that stream the cache and 128 for
     gathered sets, whose programs wait on their block ids (a 2K-token set of 16-token pages at 128K × 8,
     DS-Qwen-7B heads, H200: 12.5 µs a layer at 128 vs 14.2 at 256).
 
@@ -192,21 +192,28 @@ def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int
     return tile * math.ceil(chunk / tile)
 
 
-ROW_PROGRAMS = 0.75  # gathered rows, as a share of the SMs, from which each row is one program (choose_launch)
+ROW_PROGRAMS = 0.45  # rows of (sequence, KV head), as a share of the SMs, from which each row is one program
 
 
 def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True) -> tuple[int, int, int]:
     """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens``.
 
-    Rows of gathered sets (``dense=False``) numerous enough to fill the GPU by themselves (at least
-    :data:`ROW_PROGRAMS` of the SMs) are one program each, in 128-token tiles three stages deep: no merge to
-    launch, and half as many steps of the tile loop, each with twice the bytes in flight. Sparse layer of
-    DELTA's setting (DS-Qwen-1.5B heads, 64 rows × 2 KV heads, 1,024 tokens of 16-token pages, H100, graph of 16
-    calls with the merge): 28.3 µs against 33.3 for four programs a row in 64-token tiles; 2,048 tokens 51.0
-    against 56.5; DS-Qwen-7B heads at 64 rows × 4, 1,024 tokens: 52.9 against 60.0. With fewer rows the split
-    wins (7B heads at 8 rows, 2,048 tokens: 19.5 µs split, 31.1 as one program a row), so every other call
-    keeps :func:`choose_chunk` in 64-token tiles two stages deep (``kernels_rows_h100.json``)."""
-    if not dense and rows >= ROW_PROGRAMS * sms:
+    From :data:`ROW_PROGRAMS` of the SMs on (64 rows of 132 SMs: a batch of 32 or more on a model of two KV
+    heads, 16 on one of four), each row is one program in 128-token tiles three stages deep: no merge to launch,
+    and half as many steps of the tile loop, each with twice the bytes in flight. Fewer rows split, as
+    :func:`choose_chunk` says, in 64-token tiles two stages deep. ``python benchmarks/kernels.py --no-attention
+    --many-rows`` (H100, DS-Qwen heads, graph of 16 calls, ``benchmarks/results/kernels_rows_h100.json``), one
+    program a row against the split launch and its merge:
+
+    * 1,024 tokens of 16-token pages (DELTA's sparse layers): 1.5B heads at 64 rows × 2 KV heads 28.2 against 34.0
+      µs, 48 × 2 22.9 / 26.9, 32 × 2 18.1 / 20.2; 7B heads at 64 × 4 52.7 / 60.5; 2,048 tokens at 64 × 2 50.4 /
+      55.7, at 32 × 2 33.1 / 32.6 (even). At 16 × 2 the split wins: 9.7 against 14.7.
+    * Dense rows (also keeping their logits, as a Δ-layer does): 1.5B heads at 64 × 2, 512 tokens 14.9 against
+      19.9 µs, 4,096 90.4 / 96.9, 18,432 393.1 / 403.9 (keeping logits 422.6 / 437.9); at 32 × 2, 18,432 tokens
+      201.9 / 205.7; 7B heads at 64 × 4, 18,432 tokens 778.5 / 802.5.
+
+    ``dense`` only picks :func:`choose_chunk`'s floor for rows that split."""
+    if rows >= ROW_PROGRAMS * sms:
         return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
     return choose_chunk(tokens, rows, sms, dense), 64, 2
 
