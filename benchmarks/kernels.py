@@ -288,27 +288,40 @@ MANY_ROWS = [  # (heads, Hq, Hkv, batch, tokens a row, kind): 32 to 256 rows of 
       for b in batches for tokens in (1024, 2048)),
     *((name, hq, hkv, b, tokens, kind) for name, hq, hkv in (("1.5b", 12, 2), ("7b", 28, 4)) for b in (32, 64)
       for tokens in (512, 1024, 2048, 4096, 8192, 18432) for kind in ("dense", "logits")),
+    # long rows at 64 rows: Llama-3-8B heads at batch 8 (the kernel rows' shape), 7B heads at batch 16
+    *((name, hq, hkv, b, tokens, kind) for name, hq, hkv, b in (("llama8b", 32, 8, 8), ("7b", 28, 4, 16))
+      for tokens, kind in ((32768, "dense"), (131072, "dense"), (13120, "blocks"), (2048, "pages"))),
 ]
 
 
+def _many_rows_call(kind: str, q: torch.Tensor, idx: torch.Tensor | None, size: int, launch: dict):
+    """One call of :func:`many_rows` on ``(k, v)``: attention that keeps its logits, or plain attention."""
+    if kind == "logits":
+        return lambda k, v: page_tri.decode_keeping_logits(q, k, v, D**-0.5, out_dtype=torch.bfloat16, **launch)
+    return lambda k, v: tri.sparse_decode_attention(q, k, v, idx, scale=D**-0.5, block_size=size,
+                                                    out_dtype=torch.bfloat16, **launch)
+
+
 def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16) -> list[dict]:
-    """Calls over many rows (:data:`MANY_ROWS`; ``pages``: 16-token pages of a ``t``-token cache; ``dense``: a
-    cache of the row's length; ``logits``: the same, keeping its logits as a Δ-layer does): one program a row in
+    """Calls over many rows (:data:`MANY_ROWS`; ``pages``: 16-token pages of a ``t``-token cache; ``blocks``: 64-token
+    blocks of a 128K cache; ``dense``: a cache of the row's length; ``logits``: the same, keeping its logits as a
+    Δ-layer does): one program a row in
     128-token tiles three stages deep against the split launch and its merge (:func:`choose_chunk`, 64-token
     tiles, two stages), and which of the two the engine takes (:func:`choose_launch`)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for name, hq, hkv, b, tokens, kind in MANY_ROWS:
-        dense = kind != "pages"
-        length = tokens if dense else t
+        dense = kind in ("dense", "logits")
+        length = tokens if dense else (131072 if kind == "blocks" else t)
         copies = max(2, math.ceil(L2_BYTES / (2 * b * hkv * length * D * 2)))
         kv = Rotating.of([(torch.randn(b, hkv, length, D, device="cuda", dtype=torch.bfloat16),
                            torch.randn(b, hkv, length, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)])
         q = torch.randn(b, hq, D, device="cuda", dtype=torch.bfloat16)
         idx = None
+        size = 64 if kind == "blocks" else page  # blocks: 10 % of the 64-token blocks of a 128K cache
         if not dense:
-            n = tokens // page
-            pages = torch.rand(b * hkv, t // page, generator=g, device="cuda").argsort(dim=1)[:, :n]
+            n = tokens // size
+            pages = torch.rand(b * hkv, length // size, generator=g, device="cuda").argsort(dim=1)[:, :n]
             idx = pages.sort(dim=1).values.view(b, hkv, n).to(torch.int32)
         launches = {"one_ms": {"chunk": 128 * math.ceil(tokens / 128), "tile": 128, "num_stages": 3},
                     "split_ms": {"chunk": tri.choose_chunk(tokens, b * hkv, sms, dense=dense), "tile": 64,
@@ -317,13 +330,7 @@ def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16
         row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "kind": kind,
                "engine": "one program a row" if one else "split"}
         for key, launch in launches.items():
-            if kind == "logits":
-                call = lambda k, v, q=q, launch=launch: page_tri.decode_keeping_logits(  # noqa: E731
-                    q, k, v, D**-0.5, out_dtype=torch.bfloat16, **launch)
-            else:
-                call = lambda k, v, q=q, idx=idx, launch=launch: tri.sparse_decode_attention(  # noqa: E731
-                    q, k, v, idx, scale=D**-0.5, block_size=page, out_dtype=torch.bfloat16, **launch)
-            row[key] = graph_ms(call, kv)
+            row[key] = graph_ms(_many_rows_call(kind, q, idx, size, launch), kv)
         row["engine_bandwidth_fraction"] = (b * hkv * tokens * D * 4 / (row["one_ms" if one else "split_ms"] / 1e3)
                                             / copy_bw)
         print(f"many rows: {name} heads, {b:3d} × {hkv} rows, {tokens:5d} tokens, {kind:6s}: one program a row "

@@ -112,8 +112,8 @@ def test_sparse_decode_one_program_a_row_matches_reference_in_interpreter(monkey
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     from runtime.kernels.sparse_attention.triton import choose_launch
 
-    assert choose_launch(13 * 16, 4 * 2, 8, dense=False) == (256, 128, 3)  # the CPU stands for 8 SMs
-    _check_one_program_a_row(monkeypatch, 4, 6, 2, 300, 16, 13, torch.float32, "cpu", 1e-4)
+    assert choose_launch(13 * 16, 6 * 2, 8, dense=False) == (256, 128, 3)  # the CPU stands for 8 SMs
+    _check_one_program_a_row(monkeypatch, 6, 6, 2, 300, 16, 13, torch.float32, "cpu", 1e-4)
 
 
 @pytest.mark.gpu
@@ -124,11 +124,12 @@ def test_sparse_decode_one_program_a_row_matches_reference_on_gpu(monkeypatch, b
 
 @pytest.mark.parametrize("tokens, rows, dense, expected", [
     (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads, one program a row
-    (1000, 64, False, (1024, 128, 3)),  # whole tiles, from 64 rows of 132 SMs on
-    (18432, 128, True, (18432, 128, 3)),  # rows that stream the cache too
-    (1024, 48, False, (128, 64, 2)),  # fewer rows: split, as choose_chunk says
-    (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows
+    (1000, 96, False, (1024, 128, 3)),  # whole tiles, from 96 gathered rows of 132 SMs on
+    (1024, 64, False, (128, 64, 2)),  # 64 gathered rows split, as choose_chunk says
+    (18432, 128, True, (18432, 128, 3)),  # rows that stream the cache ...
+    (131072, 64, True, (131072, 128, 3)),  # ... from 64 rows on (Llama-3-8B heads at 128K × 8)
     (131072, 32, True, (8192, 64, 2)),  # 7B at 128K × 8
+    (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows
 ])
 def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, expected):
     from runtime.kernels.sparse_attention.triton import choose_launch

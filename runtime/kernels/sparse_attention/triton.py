@@ -26,7 +26,7 @@ partial, so full and sparse heads in one launch are balanced by construction: ev
 same amount of work. A small combine step merges the chunk partials by their log-sum-exp; where each row is one
 chunk, its program writes the output itself and no merge is launched: :func:`choose_launch` makes each row one
 program, in 128-token tiles three stages deep, where the rows are many (a large batch such as DELTA's 64
-sequences); see there for what was measured.
+sequences, or eight of a model with eight KV heads reading every token); see there for what was measured.
 """
 
 from __future__ import annotations
@@ -192,28 +192,32 @@ def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int
     return tile * math.ceil(chunk / tile)
 
 
-ROW_PROGRAMS = 0.45  # rows of (sequence, KV head), as a share of the SMs, from which each row is one program
+# rows of (sequence, KV head), as a share of the SMs, from which each row is one program (choose_launch)
+DENSE_ROW_PROGRAMS = 0.45  # rows that read every token: from 64 rows on 132 SMs
+GATHERED_ROW_PROGRAMS = 0.7  # rows that read a gathered set: from 96 rows
 
 
 def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True) -> tuple[int, int, int]:
-    """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens``.
+    """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens`` (``dense``: every token of the cache,
+    else a gathered set).
 
-    From :data:`ROW_PROGRAMS` of the SMs on (64 rows of 132 SMs: a batch of 32 or more on a model of two KV
-    heads, 16 on one of four), each row is one program in 128-token tiles three stages deep: no merge to launch,
-    and half as many steps of the tile loop, each with twice the bytes in flight. Fewer rows split, as
-    :func:`choose_chunk` says, in 64-token tiles two stages deep. ``python benchmarks/kernels.py --no-attention
-    --many-rows`` (H100, DS-Qwen heads, graph of 16 calls, ``benchmarks/results/kernels_rows_h100.json``), one
-    program a row against the split launch and its merge:
+    Many rows are one program each, in 128-token tiles three stages deep: no merge to launch, and half as many
+    steps of the tile loop, each with twice the bytes in flight. Rows that stream the cache do so from
+    :data:`DENSE_ROW_PROGRAMS` of the SMs on, rows of gathered sets, which keep fewer bytes in flight per
+    program, from :data:`GATHERED_ROW_PROGRAMS`. Fewer rows split, as :func:`choose_chunk` says, in 64-token
+    tiles two stages deep. ``python benchmarks/kernels.py --no-attention --many-rows`` (H100, DS-Qwen and
+    Llama-3-8B heads, graph of 16 calls, ``benchmarks/results/kernels_rows_h100.json``), one program a row against
+    the split launch and its merge, µs:
 
-    * 1,024 tokens of 16-token pages (DELTA's sparse layers): 1.5B heads at 64 rows × 2 KV heads 28.2 against 34.0
-      µs, 48 × 2 22.9 / 26.9, 32 × 2 18.1 / 20.2; 7B heads at 64 × 4 52.7 / 60.5; 2,048 tokens at 64 × 2 50.4 /
-      55.7, at 32 × 2 33.1 / 32.6 (even). At 16 × 2 the split wins: 9.7 against 14.7.
-    * Dense rows (also keeping their logits, as a Δ-layer does): 1.5B heads at 64 × 2, 512 tokens 14.9 against
-      19.9 µs, 4,096 90.4 / 96.9, 18,432 393.1 / 403.9 (keeping logits 422.6 / 437.9); at 32 × 2, 18,432 tokens
-      201.9 / 205.7; 7B heads at 64 × 4, 18,432 tokens 778.5 / 802.5.
-
-    ``dense`` only picks :func:`choose_chunk`'s floor for rows that split."""
-    if rows >= ROW_PROGRAMS * sms:
+    * gathered, 1,024 tokens of 16-token pages (DELTA's sparse layers): 1.5B heads at 64 rows × 2 KV heads 28.2
+      against 33.7, 48 × 2 22.8 / 26.9, 32 × 2 17.8 / 19.9, 16 × 2 14.9 / 9.6; 7B heads at 64 × 4 52.8 / 59.8;
+      2,048 tokens at 48 × 2 40.4 / 45.3, at 32 × 2 32.6 / 32.3 and 16 × 4 35.7 / 32.4; 10 % of the 64-token
+      blocks of 128K (13,120 tokens) at 8 × 8 (Llama-3-8B heads) 159.6 / 153.3;
+    * dense (also keeping their logits, as a Δ-layer does): 1.5B heads at 64 × 2, 512 tokens 14.7 / 19.7, 18,432
+      390.9 / 404.5 (keeping logits 421.4 / 437.8); at 32 × 2, 512 tokens 10.3 / 14.9, 18,432 201.5 / 205.2;
+      7B heads at 64 × 4, 18,432 tokens 780.4 / 803.4; Llama-3-8B heads at 8 × 8, 131,072 tokens 1396.6 /
+      1414.0."""
+    if rows >= (DENSE_ROW_PROGRAMS if dense else GATHERED_ROW_PROGRAMS) * sms:
         return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
     return choose_chunk(tokens, rows, sms, dense), 64, 2
 
