@@ -291,6 +291,10 @@ MANY_ROWS = [  # (heads, Hq, Hkv, batch, tokens a row, kind): 32 to 256 rows of 
     # long rows at 64 rows: Llama-3-8B heads at batch 8 (the kernel rows' shape), 7B heads at batch 16
     *((name, hq, hkv, b, tokens, kind) for name, hq, hkv, b in (("llama8b", 32, 8, 8), ("7b", 28, 4, 16))
       for tokens, kind in ((32768, "dense"), (131072, "dense"), (13120, "blocks"), (2048, "pages"))),
+    # sets of single tokens (Lethe's and vAttention's) from 64 to 256 rows
+    *((name, hq, hkv, b, tokens, "tokens") for name, hq, hkv, batches in (("1.5b", 12, 2, (32, 48, 64)),
+                                                                          ("7b", 28, 4, (32, 64)))
+      for b in batches for tokens in (1024, 2048)),
 ]
 
 
@@ -303,9 +307,9 @@ def _many_rows_call(kind: str, q: torch.Tensor, idx: torch.Tensor | None, size: 
 
 
 def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16) -> list[dict]:
-    """Calls over many rows (:data:`MANY_ROWS`; ``pages``: 16-token pages of a ``t``-token cache; ``blocks``: 64-token
-    blocks of a 128K cache; ``dense``: a cache of the row's length; ``logits``: the same, keeping its logits as a
-    Δ-layer does): one program a row in
+    """Calls over many rows (:data:`MANY_ROWS`; ``pages``: 16-token pages of a ``t``-token cache; ``tokens``: single
+    tokens of it; ``blocks``: 64-token blocks of a 128K cache; ``dense``: a cache of the row's length; ``logits``: the
+    same, keeping its logits as a Δ-layer does): one program a row in
     128-token tiles three stages deep against the split launch and its merge (:func:`choose_chunk`, 64-token
     tiles, two stages), and which of the two the engine takes (:func:`choose_launch`)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -318,7 +322,7 @@ def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16
                            torch.randn(b, hkv, length, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)])
         q = torch.randn(b, hq, D, device="cuda", dtype=torch.bfloat16)
         idx = None
-        size = 64 if kind == "blocks" else page  # blocks: 10 % of the 64-token blocks of a 128K cache
+        size = {"blocks": 64, "tokens": 1}.get(kind, page)  # blocks: 10 % of the 64-token blocks of a 128K cache
         if not dense:
             n = tokens // size
             pages = torch.rand(b * hkv, length // size, generator=g, device="cuda").argsort(dim=1)[:, :n]

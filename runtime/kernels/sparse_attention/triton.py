@@ -212,7 +212,9 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True) -> tuple
     * gathered, 1,024 tokens of 16-token pages (DELTA's sparse layers): 1.5B heads at 64 rows × 2 KV heads 28.2
       against 33.7, 48 × 2 22.8 / 26.9, 32 × 2 17.8 / 19.9, 16 × 2 14.9 / 9.6; 7B heads at 64 × 4 52.8 / 59.8;
       2,048 tokens at 48 × 2 40.4 / 45.3, at 32 × 2 32.6 / 32.3 and 16 × 4 35.7 / 32.4; 10 % of the 64-token
-      blocks of 128K (13,120 tokens) at 8 × 8 (Llama-3-8B heads) 159.6 / 153.3;
+      blocks of 128K (13,120 tokens) at 8 × 8 (Llama-3-8B heads) 159.6 / 153.3; single tokens (Lethe's and
+      vAttention's sets, a later run, ``kernels_rows_tokens_h100.json``), 1,024 of them at 64 × 2 29.2 / 33.0,
+      48 × 2 24.1 / 26.8, 32 × 2 20.0 / 19.8;
     * dense (also keeping their logits, as a Δ-layer does): 1.5B heads at 64 × 2, 512 tokens 14.7 / 19.7, 18,432
       390.9 / 404.5 (keeping logits 421.4 / 437.8); at 32 × 2, 512 tokens 10.3 / 14.9, 18,432 201.5 / 205.2;
       7B heads at 64 × 4, 18,432 tokens 780.4 / 803.4; Llama-3-8B heads at 8 × 8, 131,072 tokens 1396.6 /
