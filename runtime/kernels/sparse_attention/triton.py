@@ -177,9 +177,9 @@ def _next_pow2(x: int, floor: int = 16) -> int:
 
 def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int = 64) -> int:
     """Tokens per program of a call of few rows (:func:`choose_launch`), a multiple of ``tile``: each row's
-    ``tokens`` split evenly over enough programs to fill the GPU about four times over, at least 256 tokens each for rows that stream the cache and 128 for
-    gathered sets, whose programs wait on their block ids (a 2K-token set of 16-token pages at 128K × 8,
-    DS-Qwen-7B heads, H200: 12.5 µs a layer at 128 vs 14.2 at 256).
+    ``tokens`` split evenly over enough programs to fill the GPU about four times over, at least 256 tokens each
+    for rows that stream the cache and 128 for gathered sets, whose programs wait on their block ids (a 2K-token
+    set of 16-token pages at 128K × 8, DS-Qwen-7B heads, H200: 12.5 µs a layer at 128 vs 14.2 at 256).
 
     Even splits, not a power of two: rounding a chunk up to one halved the programs of some shapes (H200, whole
     call with the merge: DS-Qwen-1.5B heads at 18K × 64, dense, 300.8 µs with 3 chunks of 8,192 against 280.8
@@ -235,6 +235,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             out: torch.Tensor | None = None,
                             logit_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
+
+    ``chunk`` (tokens a program), ``tile`` and ``num_stages``: left None, :func:`choose_launch` picks all three;
+    where ``tile`` or ``num_stages`` is given, or the call mixes ``full_rows``, :func:`choose_chunk` picks the
+    chunk and the others default to 64-token tiles two stages deep.
 
     ``logits_out``: a float32 or float16 ``[B, logit_heads · G, T]`` buffer that receives every scaled logit
     (−inf where masked) of the first ``logit_heads`` KV heads' query heads (default: every KV head) among the
