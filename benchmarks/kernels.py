@@ -34,9 +34,11 @@ bounds of 512 candidate pages of 8,192 per KV head, DS-Qwen-7B heads, then the c
 or 8 programs per head; the page-metadata update (``update_page``) alone; and both in one launch (``new_page=``),
 as the engine's step runs them.
 
-``--many-rows`` adds sparse calls over many rows (DS-Qwen-1.5B and 7B heads, 16-token pages, 1K and 2K tokens a
-row, 32 to 256 rows of (sequence, KV head) at 18K): one program a row in 128-token tiles against the split launch
-and its merge (``choose_chunk``, 64-token tiles), and which of them the engine takes (``choose_launch``).
+``--many-rows`` adds attention calls over 32 to 256 rows of (sequence, KV head) (DS-Qwen-1.5B, 7B and Llama-3-8B
+heads): 1K and 2K tokens of 16-token pages or single tokens of an 18K cache, 10 % of the 64-token blocks of 128K,
+and dense rows of 512 to 128K tokens, with and without kept logits. Each is timed as one program a row in
+128-token tiles and as the split launch with its merge (``choose_chunk``, 64-token tiles), with the launch the
+engine takes (``choose_launch``).
 
 It prints a table and writes JSON with the GPU's name, a measured device-to-device copy bandwidth, the bytes
 each kernel must read, the achieved bandwidth, and the byte-bound speedup limit of each sparse setting.
@@ -308,10 +310,10 @@ def _many_rows_call(kind: str, q: torch.Tensor, idx: torch.Tensor | None, size: 
 
 def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16) -> list[dict]:
     """Calls over many rows (:data:`MANY_ROWS`; ``pages``: 16-token pages of a ``t``-token cache; ``tokens``: single
-    tokens of it; ``blocks``: 64-token blocks of a 128K cache; ``dense``: a cache of the row's length; ``logits``: the
-    same, keeping its logits as a Δ-layer does): one program a row in
-    128-token tiles three stages deep against the split launch and its merge (:func:`choose_chunk`, 64-token
-    tiles, two stages), and which of the two the engine takes (:func:`choose_launch`)."""
+    tokens of it; ``blocks``: 64-token blocks of a 128K cache; ``dense``: a cache of the row's length; ``logits``:
+    the same, keeping its logits as a Δ-layer does): one program a row in 128-token tiles three stages deep against
+    the split launch and its merge (:func:`choose_chunk`, 64-token tiles, two stages), and which of the two the
+    engine takes (:func:`choose_launch`)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for name, hq, hkv, b, tokens, kind in MANY_ROWS:
@@ -538,7 +540,8 @@ def main() -> int:
     parser.add_argument("--topk", action="store_true", help="also time the top-k selection kernel")
     parser.add_argument("--refine", action="store_true", help="also time DELTA's refining step (second stage)")
     parser.add_argument("--many-rows", action="store_true",
-                        help="also time sparse calls over 32 to 256 rows: one program a row against the split launch")
+                        help="also time attention calls over 32 to 256 rows: one program a row against the split "
+                             "launch")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
     parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
                         help="calls captured in each timed CUDA graph (at least one per rotating copy; 1: one a copy)")
