@@ -122,6 +122,29 @@ def test_sparse_decode_one_program_a_row_matches_reference_on_gpu(monkeypatch, b
     _check_one_program_a_row(monkeypatch, b, hq, hkv, 4096, 128, n, dtype, "cuda", 2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, dtype", [(256, torch.bfloat16), (128, torch.float32)])
+def test_many_rows_whose_tiles_do_not_fit_split_on_gpu(d, dtype):
+    """128 rows of heads of 256 (Gemma 3) or of a float32 cache, read through bounds as the engine reads: one
+    program a row would not fit in shared memory (test_one_program_a_row_only_where_its_tiles_fit), so these calls
+    split instead of failing to launch; gathered and dense, as the reference."""
+    from runtime.kernels.sparse_attention import triton as tri
+
+    b, t = 64, 2048
+    q, k, v, idx, _, _ = _case(b, 8, 2, t, d, 64, 16, dtype, "cuda")
+    first = torch.zeros(b, dtype=torch.long, device="cuda")
+    first[0] = t // 3  # left padding of the first sequence
+    last = torch.tensor(t - 2, device="cuda")
+    ids = torch.arange(t, device="cuda")
+    mask = (ids[None, :] >= first[:, None]) & (ids[None, :] <= last)
+    for indices in (idx, None):
+        got, lse = tri.sparse_decode_attention(q, k, v, indices, scale=d**-0.5, block_size=16, key_span=(first, last))
+        want, want_lse = _reference(q, k, v, indices, {"key_mask": mask}, None, 16, d**-0.5)
+        finite = torch.isfinite(want_lse)
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+        assert torch.equal(finite, torch.isfinite(lse)) and err[finite].max() < 2e-2
+
+
 @pytest.mark.parametrize("tokens, rows, dense, expected", [
     (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads, one program a row
     (1000, 96, False, (1024, 128, 3)),  # whole tiles, from 96 gathered rows of 132 SMs on
@@ -135,6 +158,25 @@ def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, exp
     from runtime.kernels.sparse_attention.triton import choose_launch
 
     assert choose_launch(tokens, rows, 132, dense=dense) == expected
+
+
+@pytest.mark.parametrize("head_dim, itemsize, shared, one", [
+    (128, 2, 232448, True),  # bf16 heads of 128 on an H100: 139,264 bytes compiled
+    (128, 2, 101376, False),  # ... not on sm86/sm89
+    (256, 2, 232448, False),  # Gemma 3's heads of 256: 274,432 bytes compiled, more than an H100 has
+    (128, 4, 232448, False),  # a float32 cache: 278,528
+    (64, 2, 101376, True),  # SmolLM2's heads of 64 fit sm89 (71,680)
+])
+def test_one_program_a_row_only_where_its_tiles_fit(head_dim, itemsize, shared, one):
+    """The tiles of one program a row must fit the GPU's shared memory, else the launch fails (Triton's
+    OutOfResources): where they would not, the call splits as it did before."""
+    from runtime.kernels.sparse_attention.triton import choose_launch, shared_bytes
+
+    chunk, tile, stages = choose_launch(1024, 128, 132, dense=True, head_dim=head_dim, itemsize=itemsize,
+                                        shared=shared)
+    assert (tile == 128) == one and (stages == 3) == one
+    compiled = {(128, 2): 139264, (256, 2): 274432, (128, 4): 278528, (64, 2): 71680}[(head_dim, itemsize)]
+    assert compiled <= shared_bytes(128, 3, head_dim, itemsize)  # the estimate bounds what Triton took
 
 
 @pytest.mark.parametrize("tokens, rows, dense, tile, expected", [

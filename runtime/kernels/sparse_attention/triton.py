@@ -31,6 +31,7 @@ sequences, or eight of a model with eight KV heads reading every token); see the
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -197,17 +198,37 @@ DENSE_ROW_PROGRAMS = 0.45  # rows that read every token: from 64 rows on 132 SMs
 GATHERED_ROW_PROGRAMS = 0.7  # rows that read a gathered set: from 96 rows
 
 
-def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True) -> tuple[int, int, int]:
+def shared_bytes(tile: int, stages: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory the partial kernel may take, at most: the K and V tiles of every stage in flight after the
+    first, and the rest (the query, block ids, layout conversions) bounded by 16 KB plus 16 rows of a head. Compiled
+    for sm80–sm90 (Triton 3.6 and 3.9, head dims 64–256, 2- and 4-byte caches) the rest took 6–24 KB: 139,264
+    bytes for 128-token tiles, three stages, head dim 128, bf16."""
+    d_pad = _next_pow2(head_dim)
+    return (stages - 1) * tile * d_pad * itemsize * 2 + 16 * 1024 + 16 * d_pad * itemsize
+
+
+@functools.cache
+def max_shared(index: int) -> int:
+    """Bytes of shared memory a program may take on CUDA device ``index`` (232,448 on an H100, 101,376 on sm89)."""
+    from triton.runtime.driver import driver
+
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim: int = 128, itemsize: int = 2,
+                  shared: int | None = None) -> tuple[int, int, int]:
     """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens`` (``dense``: every token of the cache,
-    else a gathered set).
+    else a gathered set) of ``head_dim``-wide heads of ``itemsize`` bytes, on a GPU whose programs may take
+    ``shared`` bytes of shared memory (None: no limit).
 
     Many rows are one program each, in 128-token tiles three stages deep: no merge to launch, and half as many
     steps of the tile loop, each with twice the bytes in flight. Rows that stream the cache do so from
     :data:`DENSE_ROW_PROGRAMS` of the SMs on, rows of gathered sets, which keep fewer bytes in flight per
-    program, from :data:`GATHERED_ROW_PROGRAMS`. Fewer rows split, as :func:`choose_chunk` says, in 64-token
-    tiles two stages deep. ``python benchmarks/kernels.py --no-attention --many-rows`` (H100, DS-Qwen and
-    Llama-3-8B heads, graph of 16 calls, ``benchmarks/results/kernels_rows_h100.json``), one program a row against
-    the split launch and its merge, µs:
+    program, from :data:`GATHERED_ROW_PROGRAMS`; both only where the tiles fit in ``shared``
+    (:func:`shared_bytes`: not for head dim 256 or a float32 cache on an H100, nor head dim 128 on sm86/sm89).
+    Fewer rows split, as :func:`choose_chunk` says, in 64-token tiles two stages deep. ``python
+    benchmarks/kernels.py --no-attention --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls,
+    ``benchmarks/results/kernels_rows_h100.json``), one program a row against the split launch and its merge, µs:
 
     * gathered, 1,024 tokens of 16-token pages (DELTA's sparse layers): 1.5B heads at 64 rows × 2 KV heads 28.2
       against 33.7, 48 × 2 22.8 / 26.9, 32 × 2 17.8 / 19.9, 16 × 2 14.9 / 9.6; 7B heads at 64 × 4 52.8 / 59.8;
@@ -219,7 +240,8 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True) -> tuple
       390.9 / 404.5 (keeping logits 421.4 / 437.8); at 32 × 2, 512 tokens 10.3 / 14.9, 18,432 201.5 / 205.2;
       7B heads at 64 × 4, 18,432 tokens 780.4 / 803.4; Llama-3-8B heads at 8 × 8, 131,072 tokens 1396.6 /
       1414.0."""
-    if rows >= (DENSE_ROW_PROGRAMS if dense else GATHERED_ROW_PROGRAMS) * sms:
+    fits = shared is None or shared_bytes(128, 3, head_dim, itemsize) <= shared
+    if fits and rows >= (DENSE_ROW_PROGRAMS if dense else GATHERED_ROW_PROGRAMS) * sms:
         return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
     return choose_chunk(tokens, rows, sms, dense), 64, 2
 
@@ -274,7 +296,12 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
         if tile is None and num_stages is None and full_rows is None:
-            chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sms, dense=indices is None)
+            shared = None  # the interpreter: no limit
+            if query.is_cuda:
+                index = query.device.index
+                shared = max_shared(index if index is not None else torch.cuda.current_device())
+            chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sms, dense=indices is None, head_dim=d,
+                                                    itemsize=key.element_size(), shared=shared)
         else:
             chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile or 64)
     tile = tile or 64
