@@ -332,7 +332,7 @@ def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16
         launches = {"one_ms": {"chunk": 128 * math.ceil(tokens / 128), "tile": 128, "num_stages": 3},
                     "split_ms": {"chunk": tri.choose_chunk(tokens, b * hkv, sms, dense=dense), "tile": 64,
                                  "num_stages": 2}}
-        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense, head_dim=D, shared=tri.max_shared(0))[1] == 128
+        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense, head_dim=D, shared=tri.max_shared(q))[1] == 128
         row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "kind": kind,
                "engine": "one program a row" if one else "split"}
         for key, launch in launches.items():

@@ -16,4 +16,10 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and _HAS_TRITON and os.environ.get("ROLECALL_KERNELS", "auto") != "naive"
 
 
-__all__ = ["use_triton"]
+def sm_count(tensor: torch.Tensor) -> int:
+    """Streaming multiprocessors of ``tensor``'s GPU, which the kernels size their grids by; 8 for a CPU tensor
+    (Triton's interpreter)."""
+    return torch.cuda.get_device_properties(tensor.device).multi_processor_count if tensor.is_cuda else 8
+
+
+__all__ = ["sm_count", "use_triton"]

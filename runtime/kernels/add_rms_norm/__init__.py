@@ -12,9 +12,10 @@ returns         ``[..., N]``    the new residual stream (``x``'s dtype) and its 
 
 Between a layer's GEMMs the decode step runs two of these. On CUDA it is the Triton kernel in ``triton.py``
 (unless ``ROLECALL_KERNELS=naive``), one program per row, launched with programmatic dependent launch
-(:mod:`runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a ``torch.compile``-fused
-add and norm cannot take part in that chain. It computes in float32 and rounds once per output; the sum is rounded to ``x``'s dtype before it is
-normed, as the reference's two steps do. ``naive.py`` is the reference and the CPU path.
+(:mod:`runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a
+``torch.compile``-fused add and norm cannot take part in that chain. It computes in float32 and rounds once per
+output; the sum is rounded to ``x``'s dtype before it is normed, as the reference's two steps do. ``naive.py`` is
+the reference and the CPU path.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import pdl
+from runtime.kernels import pdl, sm_count
 
 
 @triton.jit
@@ -167,8 +167,7 @@ def mixed_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if "chunk" not in kernel:  # size chunks by the mean row (the kernel's default sizes them by the sparse rows,
         # which splits the full rows into so many chunks that their partial results outweigh the saved launch)
         mean = (full_heads * t + (hkv - full_heads) * indices.shape[-1] * block_size) / hkv
-        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-        kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sms, dense=False)
+        kernel["chunk"] = attention.choose_chunk(math.ceil(mean), b * hkv, sm_count(query), dense=False)
     out, lse = attention.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
                                                  key_mask=key_mask, full_rows=full, logits_out=logits,
                                                  logit_heads=keeping or None, **kernel)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import pdl
+from runtime.kernels import pdl, sm_count
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -207,9 +207,17 @@ def shared_bytes(tile: int, stages: int, head_dim: int, itemsize: int) -> int:
     return (stages - 1) * tile * d_pad * itemsize * 2 + 16 * 1024 + 16 * d_pad * itemsize
 
 
+def max_shared(tensor: torch.Tensor) -> int | None:
+    """Bytes of shared memory a program may take on ``tensor``'s GPU (232,448 on an H100, 101,376 on sm89); None for
+    a CPU tensor (Triton's interpreter has no limit)."""
+    if not tensor.is_cuda:
+        return None
+    index = tensor.device.index
+    return _max_shared(index if index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def max_shared(index: int) -> int:
-    """Bytes of shared memory a program may take on CUDA device ``index`` (232,448 on an H100, 101,376 on sm89)."""
+def _max_shared(index: int) -> int:
     from triton.runtime.driver import driver
 
     return driver.active.utils.get_device_properties(index)["max_shared_mem"]
@@ -294,14 +302,10 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     max_read = t if (indices is None or full_rows is not None) else sparse_read
     if chunk is None:
         # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
-        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+        sms = sm_count(query)
         if tile is None and num_stages is None and full_rows is None:
-            shared = None  # the interpreter: no limit
-            if query.is_cuda:
-                index = query.device.index
-                shared = max_shared(index if index is not None else torch.cuda.current_device())
             chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sms, dense=indices is None, head_dim=d,
-                                                    itemsize=key.element_size(), shared=shared)
+                                                    itemsize=key.element_size(), shared=max_shared(query))
         else:
             chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile or 64)
     tile = tile or 64
@@ -411,8 +415,7 @@ def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.
     d_pad = triton.next_power_of_2(d)
     # Few heads (batch 1): split D too, so the merge spreads over more of the GPU than one program per head
     if parts is None:
-        sms = torch.cuda.get_device_properties(out_p.device).multi_processor_count if out_p.is_cuda else 8
-        parts = max(1, min(4, d_pad // 32, 2 * sms // max(1, b * hkv * g)))
+        parts = max(1, min(4, d_pad // 32, 2 * sm_count(out_p) // max(1, b * hkv * g)))
     parts = 1 << (min(parts, d_pad).bit_length() - 1)  # a power of two that divides d_pad
     db = d_pad // parts
     _combine[(b * hkv * g, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),

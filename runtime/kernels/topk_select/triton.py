@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import pdl
+from runtime.kernels import pdl, sm_count
 from runtime.kernels.arrivals import arrival_counters
 
 MAX_N = 16384  # scores per row one program holds in registers
@@ -193,8 +193,7 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, last: torch.Tens
     if not r:
         return result
     if parts is None:
-        sms = torch.cuda.get_device_properties(scores.device).multi_processor_count if scores.is_cuda else 8
-        parts, span = split_parts(r, n, w, sms)
+        parts, span = split_parts(r, n, w, sm_count(scores))
     else:
         parts = 1 << (max(1, min(parts, MAX_N // w_pad)).bit_length() - 1)
         span = triton.next_power_of_2(triton.cdiv(n, parts))
