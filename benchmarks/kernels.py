@@ -6,7 +6,9 @@ For each context T and batch B (Hq 32 / Hkv 8 / D 128, bf16, 64-token blocks) it
 timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve repeats:
 
 Every call is captured in a CUDA graph of ``--calls-per-graph`` calls (16), as a decode step runs, so neither
-launch overhead nor the graph's own launch counts.
+launch overhead nor the graph's own launch counts. rolecall's calls are launched as the engine launches them
+(``choose_launch``: programs a row, tile and stages from the rows, the GPU's SMs and its shared memory; each row
+of the JSON names the launch). ``--sweep`` also times the split launch at other warps, stages, tiles and chunks.
 
 * ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
 * ``ours_dense``: the Triton kernel reading every token;
@@ -59,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
-from runtime.kernels import pdl  # noqa: E402
+from runtime.kernels import pdl, sm_count  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
@@ -143,7 +145,17 @@ def graph_ms(fn, kv: Rotating, reps: int = 20) -> float:
     return median_ms(graph.replay, reps=reps) / (rounds * len(kv.sets))
 
 
-def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int, stages: int) -> dict:
+def engine_launch(b: int, tokens: int, dense: bool) -> dict:
+    """The launch the engine takes for a call of ``b`` sequences × :data:`HKV` KV heads, each row reading
+    ``tokens`` (``dense``: the whole cache, else a gathered set): ``choose_launch`` on this GPU's SMs and shared
+    memory, as programs a row, tile and stages."""
+    probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
+    chunk, tile, stages = tri.choose_launch(tokens, b * HKV, sm_count(probe), dense=dense, head_dim=D, itemsize=2,
+                                            shared=tri.max_shared(probe))
+    return {"programs_a_row": math.ceil(tokens / chunk), "tile": tile, "stages": stages}
+
+
+def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kv = Rotating(b, t)
@@ -154,7 +166,9 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     kv_bytes_row = t * D * 2 * 2  # K and V of one (sequence, KV head), bf16
     dense_bytes = b * HKV * kv_bytes_row
     sparse_bytes_row = idx.shape[-1] * BLOCK * D * 2 * 2
-    row = {"batch": b, "context": t, "blocks_read_per_sparse_head": int(idx.shape[-1])}
+    row = {"batch": b, "context": t, "blocks_read_per_sparse_head": int(idx.shape[-1]),
+           "dense_launch": engine_launch(b, t, dense=True),
+           "sparse_launch": engine_launch(b, idx.shape[-1] * BLOCK, dense=False)}
 
     backend = pick_sdpa_backend(q4, *kv.sets[0])
     row["sdpa_backend"] = backend
@@ -168,13 +182,13 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
         return sdpa_dense(q4, k, v)
 
     row["sdpa_ms"] = graph_ms(run_sdpa, kv)
-    row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
-        q, k, v, scale=scale, num_warps=warps, num_stages=stages), kv)
+    # every rolecall call below is the engine's: the launch choose_launch picks (no tile, warps or stages given)
+    row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(q, k, v, scale=scale), kv)
     for r in (0, 4, 8):
         # r = 8 is a fully sparse layer, called as the engine calls it (no full_rows)
         full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous() if r < HKV else None
         row[f"sparse_{r}_ms"] = graph_ms(lambda k, v, full=full: tri.sparse_decode_attention(
-            q, k, v, idx, scale=scale, block_size=BLOCK, full_rows=full, num_warps=warps, num_stages=stages), kv)
+            q, k, v, idx, scale=scale, block_size=BLOCK, full_rows=full), kv)
         read = b * ((HKV - r) * kv_bytes_row + r * sparse_bytes_row)
         row[f"sparse_{r}_bytes"] = read
         row[f"sparse_{r}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"sparse_{r}_ms"]
@@ -195,8 +209,7 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator, warps: int,
     _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
     row["page_scores_ms"] = graph_ms(lambda k, v: page_tri.page_scores(q, k, lse, scale, 16), kv)
     row["selection_overhead"] = row["page_scores_ms"] / row["ours_dense_ms"]
-    row["decode_and_score_ms"] = graph_ms(lambda k, v: page_tri.decode_and_score(
-        q, k, v, scale, 16, num_warps=warps, num_stages=stages), kv)
+    row["decode_and_score_ms"] = graph_ms(lambda k, v: page_tri.decode_and_score(q, k, v, scale, 16), kv)
     row["selection_overhead_fused"] = row["decode_and_score_ms"] / row["ours_dense_ms"] - 1.0
     row["sdpa_bandwidth_fraction"] = dense_bytes / (row["sdpa_ms"] / 1e3) / copy_bw
     row["ours_dense_bandwidth_fraction"] = dense_bytes / (row["ours_dense_ms"] / 1e3) / copy_bw
@@ -248,9 +261,9 @@ def flashinfer_peer(b: int, t: int, q: torch.Tensor, kv: Rotating, idx: torch.Te
     return out
 
 
-def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
-    """Pick num_warps / num_stages on the headline case (128K, batch 8, all heads sparse); also time tile and
-    chunk sizes for every context and batch asked for (reported, not used)."""
+def tune(g: torch.Generator) -> dict:
+    """``--sweep``: the headline case (128K, batch 8, all heads sparse) at each num_warps / num_stages of the split
+    launch (reported beside the engine's launch, not used by it)."""
     b, t = 8, 131072
     kv = Rotating(b, t, copies=1)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -260,9 +273,9 @@ def tune(copy_bw: float, g: torch.Generator) -> tuple[int, int, dict]:
         for stages in (1, 2, 3, 4):
             results[f"{warps}w{stages}s"] = graph_ms(lambda k, v, w=warps, s=stages: tri.sparse_decode_attention(
                 q, k, v, idx, scale=D**-0.5, block_size=BLOCK, num_warps=w, num_stages=s), kv)
-    best = min(results, key=results.get)
-    warps, stages = int(best.split("w")[0]), int(best.split("w")[1][:-1])
-    return warps, stages, results
+    results["engine"] = graph_ms(lambda k, v: tri.sparse_decode_attention(
+        q, k, v, idx, scale=D**-0.5, block_size=BLOCK), kv)
+    return results
 
 
 def sweep(b: int, t: int, g: torch.Generator) -> dict:
@@ -583,13 +596,11 @@ def main() -> int:
             report["many_rows"] = many_rows(copy_bw, g)
         write_text(args.out, json.dumps(report, indent=2))
         return 0
-    warps, stages, tuning = tune(copy_bw, g)
-    rows = [bench_config(b, t, copy_bw, g, warps, stages)
+    rows = [bench_config(b, t, copy_bw, g)
             for t in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
-              "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "num_warps": warps,
-              "num_stages": stages, "tuning_ms": tuning, "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch,
-              "rows": rows}
+              "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "launch": "engine (choose_launch)",
+              "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch, "rows": rows}
     if args.linear:
         report["linear"] = linear_rows(copy_bw, **linear_kw)
     if args.linear_tiles:
@@ -601,15 +612,16 @@ def main() -> int:
     if args.many_rows:
         report["many_rows"] = many_rows(copy_bw, g)
     if args.sweep:
+        report["tuning_ms"] = tune(g)
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
                            for b in map(int, args.batches.split(","))}
         for shape, times in report["sweep"].items():
             best = sorted(times, key=times.get)[:3]
             print(f"sweep {shape}: " + ", ".join(f"{k} {times[k]:.4f} ms" for k in best)
-                  + f" (default t64cNonew{warps}s{stages}: {times.get(f't64cNonew{warps}s{stages}', float('nan')):.4f})")
+                  + f" (t64cNonew4s2: {times.get('t64cNonew4s2', float('nan')):.4f})")
 
     print(f"{gpu}; copy {copy_bw / 1e12:.2f} TB/s; Hq {HQ} / Hkv {HKV} / D {D}, bf16, {BLOCK}-token blocks, "
-          f"{KEEP:.0%} kept; kernel {warps} warps, {stages} stages; medians in ms")
+          f"{KEEP:.0%} kept; rolecall's calls launched as the engine launches them; medians in ms")
     head = ("T", "B", "sdpa", "ours", "sp0", "sp4", "sp8", "sp8 x", "limit", "sp8 bw", "gather", "pages", "sel%",
             "fused", "fsel%", "FI dense", "FI sp8")
     print(" ".join(f"{h:>8}" for h in head))
