@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
-from runtime.kernels import pdl, sm_count  # noqa: E402
+from runtime.kernels import max_shared, pdl, sm_count  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
@@ -151,7 +151,7 @@ def engine_launch(b: int, tokens: int, dense: bool) -> dict:
     memory, as programs a row, tile and stages."""
     probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
     chunk, tile, stages = tri.choose_launch(tokens, b * HKV, sm_count(probe), dense=dense, head_dim=D, itemsize=2,
-                                            shared=tri.max_shared(probe))
+                                            shared=max_shared(probe))
     return {"programs_a_row": math.ceil(tokens / chunk), "tile": tile, "stages": stages}
 
 
@@ -345,7 +345,7 @@ def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16
         launches = {"one_ms": {"chunk": 128 * math.ceil(tokens / 128), "tile": 128, "num_stages": 3},
                     "split_ms": {"chunk": tri.choose_chunk(tokens, b * hkv, sms, dense=dense), "tile": 64,
                                  "num_stages": 2}}
-        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense, head_dim=D, shared=tri.max_shared(q))[1] == 128
+        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense, head_dim=D, shared=max_shared(q))[1] == 128
         row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "kind": kind,
                "engine": "one program a row" if one else "split"}
         for key, launch in launches.items():
@@ -405,7 +405,7 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16), projections=()) -> list[di
         for label, fn in (("cublas", F.linear), ("rolecall", linear)):
             times[label] = graph_ms(lambda w, b, fn=fn, x=x: fn(x, w, b), Rotating.of(ws))
         out.append({"projection": name, "rows": rows, "n": n, "k": k,
-                    "kernel": kernel_config(rows, n, k) is not None,
+                    "kernel": kernel_config(rows, n, k, shared=max_shared(x)) is not None,
                     "cublas_ms": times["cublas"], "rolecall_ms": times["rolecall"],
                     "cublas_bw_fraction": n * k * 2 / (times["cublas"] * 1e-3) / copy_bw,
                     "rolecall_bw_fraction": n * k * 2 / (times["rolecall"] * 1e-3) / copy_bw})
@@ -449,7 +449,7 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
             except OutOfResources:
                 continue
             times[tile_label(config)] = graph_ms(lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
-        chosen = kernel_config(rows, n, k)
+        chosen = kernel_config(rows, n, k, shared=max_shared(x))
         row = {"projection": name, "rows": rows, "n": n, "k": k, "times_ms": times,
                "engine_tile": None if chosen is None else tile_label(chosen)}
         if name.endswith("gate_up"):

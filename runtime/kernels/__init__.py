@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -22,4 +23,22 @@ def sm_count(tensor: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(tensor.device).multi_processor_count if tensor.is_cuda else 8
 
 
-__all__ = ["sm_count", "use_triton"]
+
+def max_shared(tensor: torch.Tensor) -> int | None:
+    """Bytes of shared memory one program may take on ``tensor``'s GPU (232,448 on an H100, 166,912 on an A100,
+    101,376 on sm86 and sm89: RTX 30 and 40 series, A10, A40, L4, L40S), which the kernels choose their tiles by; None
+    for a CPU tensor (Triton's interpreter has no limit)."""
+    if not tensor.is_cuda:
+        return None
+    index = tensor.device.index
+    return _max_shared(index if index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _max_shared(index: int) -> int:
+    from triton.runtime.driver import driver
+
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+__all__ = ["max_shared", "sm_count", "use_triton"]

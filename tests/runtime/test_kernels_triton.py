@@ -5,8 +5,12 @@ GPU run covers the odd shapes and dtypes that matter for speed (T up to 131072, 
 """
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -741,6 +745,41 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert kernel_config(8, 3072, 1536) is None  # wider than 2 K
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))  # the CPU takes F.linear
+
+
+SHARED_LIMITS = {80: 166912, 89: 101376, 90: 232448}  # bytes a program may take: A100, sm86/sm89 (L40S, RTX 4090), H100
+
+
+@pytest.mark.parametrize("rows, n, k, itemsize, gated, fits_sm89", [
+    (8, 2048, 1536, 2, False, False),  # 1.5B's q/k/v at 8 rows: 16 × 512 and 32 × 512 tiles of bf16, four stages
+    (16, 3584, 3584, 2, False, False),  # 7B's o at 16 rows
+    (1, 3584, 18944, 2, False, False),  # 7B's down at one row (long and narrow: tl.dot)
+    (8, 3584, 3584, 4, False, False),  # float32
+    (1, 3584, 3584, 2, False, True),  # one row, no tl.dot
+    (8, 1536, 8960, 2, False, True),  # the split kernel (1.5B's down)
+    (8, 37888, 3584, 2, True, True),  # 7B's gated gate/up at 8 rows
+    (64, 17920, 1536, 2, True, True),  # the gated kernel at DELTA's 64 rows
+])
+def test_projection_tiles_only_where_they_fit(rows, n, k, itemsize, gated, fits_sm89):
+    """Where a projection's tiles would take more shared memory than the GPU gives a program, Triton fails to launch
+    them (OutOfResources): the engine takes cuBLAS there. The bound the rule uses is checked against the compiler:
+    each case compiled for sm80, sm89 and sm90 (outside the interpreter, in a subprocess) takes at most
+    ``shared_bytes``, and the rule never picks a tile a GPU cannot hold."""
+    from runtime.kernels.skinny_linear.naive import kernel_config, shared_bytes
+
+    config = kernel_config(rows, n, k, itemsize, gated)
+    assert config is not None
+    assert kernel_config(rows, n, k, itemsize, gated, shared=SHARED_LIMITS[90]) == config  # the H100 keeps its tiles
+    assert (kernel_config(rows, n, k, itemsize, gated, shared=SHARED_LIMITS[89]) == config) == fits_sm89
+    cases = [[rows, n, k, itemsize, gated, cc] for cc in SHARED_LIMITS]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "tests.runtime.compiled_shared"], input=json.dumps(cases),
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for (*_, cc), sizes in zip(cases, json.loads(done.stdout)):
+        assert sizes and max(sizes) <= shared_bytes(config, rows, itemsize, gated), (cc, sizes)
+        if kernel_config(rows, n, k, itemsize, gated, shared=SHARED_LIMITS[cc]) is not None:
+            assert max(sizes) <= SHARED_LIMITS[cc], (cc, sizes)
 
 
 @pytest.mark.gpu

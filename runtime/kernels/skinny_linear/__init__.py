@@ -26,15 +26,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import use_triton
+from runtime.kernels import max_shared, use_triton
 from runtime.kernels.skinny_linear.naive import GATED, MAX_ROWS, activation, kernel_config, skinny_linear
 
 
 def _kernel_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> int:
     """``x``'s rows when the call takes the Triton kernel (CUDA and not ``ROLECALL_KERNELS=naive``, 1 to
-    :data:`MAX_ROWS` rows, a shape where it measured faster, :func:`kernel_config`), else 0."""
+    :data:`MAX_ROWS` rows, a shape where it measured faster and whose tiles fit the GPU, :func:`kernel_config`),
+    else 0."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if use_triton(x) and 0 < rows <= MAX_ROWS and kernel_config(rows, *weight.shape, x.element_size(), gated) is not None:
+    if (use_triton(x) and 0 < rows <= MAX_ROWS
+            and kernel_config(rows, *weight.shape, x.element_size(), gated, max_shared(x)) is not None):
         return rows
     return 0
 

@@ -21,9 +21,27 @@ class Config(NamedTuple):
     split: int = 1  # programs splitting K per feature tile, the last to finish summing their partials
 
 
-def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = False) -> Config | None:
+def shared_bytes(config: Config, rows: int, itemsize: int, gated: bool = False) -> int:
+    """Shared memory the kernel may take with ``config`` at ``rows`` rows, at most: the pipeline's buffers of the row
+    tile (padded to 16, 32 or 64 rows) and the weight tile (both halves' features for ``gated``), one fewer than
+    ``stages`` below 64 rows (on sm90 a 64-row tile keeps all ``stages``), and room for the result's layout change.
+    Compiled for sm80, sm89 and sm90 (Triton 3.9; 2 to 64 rows, 16 to 64 features of 64 to 512 columns, 2 to 4
+    stages, 2- and 4-byte dtypes, plain, gated and split; 1,296 cases) it bounded every size; 16 rows × 32 features
+    × 512 columns of bf16 in four stages, the tile of 2 to 16 rows, took 147,456 bytes on each."""
+    m_pad = max(TILE_ROWS, 1 << (rows - 1).bit_length())
+    features = 2 * max(TILE_ROWS, config.block_n // 2) if gated else config.block_n
+    buffers = config.stages if m_pad >= 64 else config.stages - 1
+    return buffers * (m_pad + features) * config.block_k * itemsize + m_pad * features * 4
+
+
+def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = False,
+                  shared: int | None = None) -> Config | None:
     """The Triton kernel's tiles for ``rows × [N, K]`` (``gated``: the gated gate/up kernel), or None where cuBLAS
-    measured as fast or faster.
+    measured as fast or faster, or where the tiles may not fit ``shared`` bytes of shared memory a program (the
+    GPU's limit, :func:`runtime.kernels.max_shared`; None: no limit: Triton would fail to launch them). The tiles
+    were measured on the H100 and H200; on GPUs of 101,376 bytes a program (sm86, sm89) the ``tl.dot`` tiles of 2 to
+    16 rows (and the one-row tile of a long narrow projection) do not fit and cuBLAS runs, while the gated kernel of
+    33 to 64 rows and the other one-row tiles do.
 
     From ``benchmarks/kernels.py --linear`` on an H200 (bf16, DS-Qwen-7B and 1.5B projections, weights streamed
     from HBM as in a decode step). One row: a float32 multiply-add over 512-column tiles, 8 features a program
@@ -54,6 +72,13 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     activation 22.9, 7B 74.0 against 75.8; at 32 rows it lost (22.7 / 21.2, 80.2 / 73.9), as did every plain
     projection from 17 rows on but the 1.5B's small q/k/v and o (0.4–0.6 µs each; 7B's lost by 0.7–10 µs,
     Llama-3-8B's gate/up by 20–48); so did the split kernel on the 1.5B's down (13.2 against 12.5)."""
+    config = _measured_config(rows, n, k, itemsize, gated)
+    if config is None or (shared is not None and shared_bytes(config, rows, itemsize, gated) > shared):
+        return None
+    return config
+
+
+def _measured_config(rows: int, n: int, k: int, itemsize: int, gated: bool) -> Config | None:
     if rows > MAX_ROWS or rows < 1:
         return None
     if rows > TILE_ROWS:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import pdl
+from runtime.kernels import max_shared, pdl
 from runtime.kernels.arrivals import arrival_counters
 from runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config
 
@@ -107,7 +107,7 @@ def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_B
 @torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ weight.T + bias`` for ``M ≤ 16`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
-    config = kernel_config(x.shape[0], *weight.shape, x.element_size())
+    config = kernel_config(x.shape[0], *weight.shape, x.element_size(), shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_linear: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
     return launch(x, weight, bias, config)
@@ -155,7 +155,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
 def skinny_gated(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(x @ gate.T) · (x @ up.T)`` for ``weight = [gate; up]`` and ``M ≤ 64`` rows (see
     :func:`runtime.kernels.skinny_linear.gated_linear`)."""
-    config = kernel_config(x.shape[0], *weight.shape, x.element_size(), gated=True)
+    config = kernel_config(x.shape[0], *weight.shape, x.element_size(), gated=True, shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_gated: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
     return launch(x, weight, None, config, gated=activation)

@@ -31,7 +31,6 @@ sequences, or eight of a model with eight KV heads reading every token); see the
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -39,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import pdl, sm_count
+from runtime.kernels import max_shared, pdl, sm_count
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -205,22 +204,6 @@ def shared_bytes(tile: int, stages: int, head_dim: int, itemsize: int) -> int:
     bytes for 128-token tiles, three stages, head dim 128, bf16."""
     d_pad = _next_pow2(head_dim)
     return (stages - 1) * tile * d_pad * itemsize * 2 + 16 * 1024 + 16 * d_pad * itemsize
-
-
-def max_shared(tensor: torch.Tensor) -> int | None:
-    """Bytes of shared memory a program may take on ``tensor``'s GPU (232,448 on an H100, 101,376 on sm89); None for
-    a CPU tensor (Triton's interpreter has no limit)."""
-    if not tensor.is_cuda:
-        return None
-    index = tensor.device.index
-    return _max_shared(index if index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _max_shared(index: int) -> int:
-    from triton.runtime.driver import driver
-
-    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim: int = 128, itemsize: int = 2,
