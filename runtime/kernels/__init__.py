@@ -27,15 +27,19 @@ def sm_count(tensor: torch.Tensor) -> int:
 def max_shared(tensor: torch.Tensor) -> int | None:
     """Bytes of shared memory one program may take on ``tensor``'s GPU (232,448 on an H100, 166,912 on an A100,
     101,376 on sm86 and sm89: RTX 30 and 40 series, A10, A40, L4, L40S), which the kernels choose their tiles by; None
-    for a CPU tensor (Triton's interpreter has no limit)."""
+    for a CPU tensor (Triton's interpreter has no limit). Read from torch's device properties, which a compiled
+    graph can trace (Triton's driver query cannot); Triton's where torch does not say."""
     if not tensor.is_cuda:
         return None
+    optin = getattr(torch.cuda.get_device_properties(tensor.device), "shared_memory_per_block_optin", 0)
+    if optin:
+        return int(optin)
     index = tensor.device.index
-    return _max_shared(index if index is not None else torch.cuda.current_device())
+    return _triton_max_shared(index if index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _max_shared(index: int) -> int:
+def _triton_max_shared(index: int) -> int:
     from triton.runtime.driver import driver
 
     return driver.active.utils.get_device_properties(index)["max_shared_mem"]

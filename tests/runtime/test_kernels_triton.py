@@ -149,6 +149,23 @@ def test_many_rows_whose_tiles_do_not_fit_split_on_gpu(d, dtype):
         assert torch.equal(finite, torch.isfinite(lse)) and err[finite].max() < 2e-2
 
 
+@pytest.mark.gpu
+def test_split_launch_of_a_smaller_gpu_matches_reference_on_gpu(monkeypatch):
+    """As on sm86/sm89 (101,376 bytes a program): heads of 256 in a float32 cache take 32-token tiles, which must give
+    the reference's output too, gathered and dense, split over programs with their merge."""
+    from runtime.kernels.sparse_attention import triton as tri
+
+    monkeypatch.setattr(tri, "max_shared", lambda tensor: 101376)
+    b, t, d = 3, 3000, 256
+    q, k, v, idx, _, _ = _case(b, 8, 2, t, d, 64, 16, torch.float32, "cuda")
+    assert tri.choose_launch(t, b * 2, 132, dense=True, head_dim=d, itemsize=4, shared=101376)[1] == 32
+    for indices in (idx, None):
+        got, lse = tri.sparse_decode_attention(q, k, v, indices, scale=d**-0.5, block_size=16)
+        want, want_lse = _reference(q, k, v, indices, {}, None, 16, d**-0.5)
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+        assert err.max() < 1e-2 and (lse - want_lse).abs().max() < 1e-2  # float32 through TF32 products
+
+
 @pytest.mark.parametrize("tokens, rows, dense, expected", [
     (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads, one program a row
     (1000, 96, False, (1024, 128, 3)),  # whole tiles, from 96 gathered rows of 132 SMs on
@@ -181,6 +198,26 @@ def test_one_program_a_row_only_where_its_tiles_fit(head_dim, itemsize, shared, 
     assert (tile == 128) == one and (stages == 3) == one
     compiled = {(128, 2): 139264, (256, 2): 274432, (128, 4): 278528, (64, 2): 71680}[(head_dim, itemsize)]
     assert compiled <= shared_bytes(128, 3, head_dim, itemsize)  # the estimate bounds what Triton took
+
+
+@pytest.mark.parametrize("head_dim, itemsize, shared, tile", [
+    (256, 4, 101376, 32),  # Gemma 3's heads in a float32 cache on sm86/sm89: 64-token tiles took 151,552 bytes
+    (256, 2, 101376, 64),  # ... in bf16 75,776
+    (128, 4, 101376, 64),  # heads of 128 in float32: 77,824
+    (256, 4, 232448, 64),  # an H100 holds them
+    (256, 4, None, 64),  # the CPU: no limit
+])
+def test_split_launch_tiles_fit_shared_memory(head_dim, itemsize, shared, tile):
+    """The split launch's tiles (two stages) also fit the GPU: 32-token tiles where 64 would not. Compiled sizes for
+    sm80, sm89 and sm90 (Triton 3.9, dense and gathered calls alike within 512 bytes) are bounded by the estimate."""
+    from runtime.kernels.sparse_attention.triton import choose_launch, shared_bytes, split_tile
+
+    assert split_tile(head_dim, itemsize, shared) == tile
+    assert choose_launch(4096, 16, 132, dense=True, head_dim=head_dim, itemsize=itemsize, shared=shared)[1:] == (tile, 2)
+    compiled = {(256, 4, 64): 152064, (256, 4, 32): 84224, (256, 2, 64): 76288, (128, 4, 64): 78336}
+    assert compiled[(head_dim, itemsize, tile)] <= shared_bytes(tile, 2, head_dim, itemsize) <= (shared or 1 << 30)
+    if tile == 32:
+        assert compiled[(head_dim, itemsize, 64)] > shared  # the tile it replaced would have failed to launch
 
 
 @pytest.mark.parametrize("tokens, rows, dense, tile, expected", [
@@ -671,7 +708,7 @@ def test_split_linear_matches_reference_on_gpu(m, n, k, split, dtype):
 @pytest.mark.parametrize("m, n, k, bias", [(1, 4608, 3584, True), (8, 3584, 3584, False), (1, 37888, 3584, False),
                                            (8, 3584, 18944, False), (1, 2048, 1536, True), (16, 1536, 1536, False),
                                            (8, 37888, 3584, False), (3, 17920, 1536, True), (1, 1536, 8960, False),
-                                           (16, 1536, 8960, True)])
+                                           (16, 1536, 8960, True), (64, 2048, 1536, True), (48, 1536, 1536, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias, dtype):
     # the custom op with the measured tiles (float32: tiles that fit shared memory, IEEE dots); bf16 output:
@@ -734,7 +771,9 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     # from 17 rows, only the gated MLP and only from 33 rows
     assert kernel_config(64, 17920, 1536, gated=True) == Config(True, 64, 64, 4, 4)
     assert kernel_config(64, 17920, 1536) is None and kernel_config(32, 17920, 1536, gated=True) is None
-    assert kernel_config(64, 2048, 1536) is None and kernel_config(64, 28672, 4096, gated=True) is None
+    assert kernel_config(64, 2048, 1536) == Config(True, 16, 256, 4, 4)  # 1.5B's q/k/v at DELTA's 64 rows ...
+    assert kernel_config(32, 2048, 1536) is None and kernel_config(64, 3584, 3584) is None  # ... from 33, small only
+    assert kernel_config(64, 28672, 4096, gated=True) is None
     assert kernel_config(8, 1536, 8960) == Config(True, 32, 128, 4, 4, 8)  # 1.5B's down: K split over 8 programs
     assert kernel_config(64, 1536, 8960) is None  # ... but cuBLAS at 64 rows
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot

@@ -65,13 +65,18 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     7B's q/k/v on the kernel made its step 0.2–1.2 % slower (H100, two alternating runs each,
     ``decode_qkv_rows8_ab_{on,off}{1,2}_h100.json``).
 
-    From 33 to 64 rows (a large batch such as DELTA's 64, padded to 64 in the kernel) only the gated gate/up
-    kernel, over 64 features × 64 columns in four stages (the best of 36 tiles at 64 rows on the 1.5B's
-    projections, ``benchmarks/results/kernels_tiles64_h200.json``). ``python benchmarks/kernels.py --no-attention
-    --linear --rows 32,64`` (``kernels_linear64_h200.json``): at 64 rows 1.5B 18.2 µs against cuBLAS then the
-    activation 22.9, 7B 74.0 against 75.8; at 32 rows it lost (22.7 / 21.2, 80.2 / 73.9), as did every plain
-    projection from 17 rows on but the 1.5B's small q/k/v and o (0.4–0.6 µs each; 7B's lost by 0.7–10 µs,
-    Llama-3-8B's gate/up by 20–48); so did the split kernel on the 1.5B's down (13.2 against 12.5)."""
+    From 33 to 64 rows (a large batch such as DELTA's 64, padded to 64 in the kernel) the gated gate/up kernel,
+    over 64 features × 64 columns in four stages, and a small q/k/v or o (N ≤ 2 K and at most 8 MB: the 1.5B's),
+    over 16 features × 256 columns in four stages: the best of 36 tiles at 64 rows on the 1.5B's projections
+    (``benchmarks/results/kernels_tiles64_h200.json``; q/k/v 5.5 µs against cuBLAS's 6.0, o 5.1 against 5.4).
+    ``python benchmarks/kernels.py --no-attention --linear --rows 32,64`` (``kernels_linear64_h200.json``): the
+    gated kernel at 64 rows 1.5B 18.2 µs against cuBLAS then the activation 22.9, 7B 74.0 against 75.8; at 32 rows
+    it lost (22.7 / 21.2, 80.2 / 73.9), as did every other plain projection from 17 rows on (7B's by 0.7–10 µs,
+    Llama-3-8B's gate/up by 20–48), and the split kernel on the 1.5B's down (13.2 against 12.5). The small q/k/v and
+    o, which gained 0.3–0.5 µs alone, take the kernel at 33 to 64 rows since the kernels take part in dependent
+    launches: DELTA's setting over three lengths (H100, two alternating runs each) 2.15×, 2.15× → 2.19×, 2.19×, delta
+    64.3, 63.9 → 62.0, 62.3 s and full 138.0, 137.8 → 136.0, 136.3 s
+    (``decode_small64_{off,on}{1,2}_h100.json``)."""
     config = _measured_config(rows, n, k, itemsize, gated)
     if config is None or (shared is not None and shared_bytes(config, rows, itemsize, gated) > shared):
         return None
@@ -82,7 +87,12 @@ def _measured_config(rows: int, n: int, k: int, itemsize: int, gated: bool) -> C
     if rows > MAX_ROWS or rows < 1:
         return None
     if rows > TILE_ROWS:
-        return Config(True, 64, 128 // itemsize, 4, 4) if gated and rows > 32 and n >= 8 * k else None
+        if rows <= 2 * TILE_ROWS:
+            return None
+        if gated:
+            return Config(True, 64, 128 // itemsize, 4, 4) if n >= 8 * k else None
+        small = n <= 2 * k and n * k * itemsize <= 8 << 20  # a small q/k/v or o (the 1.5B's)
+        return Config(True, 16, 512 // itemsize, 4, 4) if small else None
     if k >= 4 * n and n < 2048:  # long and narrow, few feature tiles: split K
         return Config(True, 32, 256 // itemsize, 4, 4, 8)
     dot = Config(True, 32, 1024 // itemsize, 4, 4)

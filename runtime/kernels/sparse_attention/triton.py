@@ -234,7 +234,14 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
     fits = shared is None or shared_bytes(128, 3, head_dim, itemsize) <= shared
     if fits and rows >= (DENSE_ROW_PROGRAMS if dense else GATHERED_ROW_PROGRAMS) * sms:
         return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
-    return choose_chunk(tokens, rows, sms, dense), 64, 2
+    tile = split_tile(head_dim, itemsize, shared)
+    return choose_chunk(tokens, rows, sms, dense, tile), tile, 2
+
+
+def split_tile(head_dim: int, itemsize: int, shared: int | None) -> int:
+    """Tokens a tile of the split launch (two stages): 64, or 32 where 64 would not fit ``shared`` bytes (heads of 256
+    in a float32 cache on sm86/sm89: 151,552 bytes compiled against 101,376)."""
+    return next((tile for tile in (64, 32) if shared is None or shared_bytes(tile, 2, head_dim, itemsize) <= shared), 16)
 
 
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -290,8 +297,9 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sms, dense=indices is None, head_dim=d,
                                                     itemsize=key.element_size(), shared=max_shared(query))
         else:
-            chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile or 64)
-    tile = tile or 64
+            tile = tile or split_tile(d, key.element_size(), max_shared(query))
+            chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile)
+    tile = tile or split_tile(d, key.element_size(), max_shared(query))
     num_stages = num_stages or 2
     chunk = tile * max(1, triton.cdiv(chunk, tile))  # whole tiles: a program's tiles never cross into the next's
     splits = max(1, triton.cdiv(max_read, chunk))
