@@ -751,8 +751,9 @@ def test_gated_linear_matches_reference_in_interpreter(rows, n, k, kind, dot):
 @pytest.mark.parametrize("rows, n, k", [(1, 18944, 3584), (8, 18944, 3584), (3, 8960, 1536), (16, 8960, 1536),
                                         (64, 8960, 1536), (33, 18944, 3584)])
 @pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
-def test_gated_linear_matches_reference_on_gpu(rows, n, k, kind):
-    _check_gated(rows, n, k, kind, None, "cuda", torch.bfloat16, 0.02)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_linear_matches_reference_on_gpu(rows, n, k, kind, dtype):
+    _check_gated(rows, n, k, kind, None, "cuda", dtype, 0.02 if dtype == torch.bfloat16 else 1e-4)
 
 
 def test_gated_linear_off_the_kernel_is_the_projection_then_the_activation():
@@ -773,6 +774,7 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert kernel_config(64, 17920, 1536) is None and kernel_config(32, 17920, 1536, gated=True) is None
     assert kernel_config(64, 2048, 1536) == Config(True, 16, 256, 4, 4)  # 1.5B's q/k/v at DELTA's 64 rows ...
     assert kernel_config(32, 2048, 1536) is None and kernel_config(64, 3584, 3584) is None  # ... from 33, small only
+    assert kernel_config(64, 2048, 1536, itemsize=4) is None and kernel_config(64, 17920, 1536, 4, gated=True) is None
     assert kernel_config(64, 28672, 4096, gated=True) is None
     assert kernel_config(8, 1536, 8960) == Config(True, 32, 128, 4, 4, 8)  # 1.5B's down: K split over 8 programs
     assert kernel_config(64, 1536, 8960) is None  # ... but cuBLAS at 64 rows
