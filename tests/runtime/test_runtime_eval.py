@@ -312,10 +312,12 @@ def test_the_engine_reference_of_a_trace_equals_one_transformers_forward(tiny_fo
     monkeypatch.setattr(engine_generate, "Generation", _without_reference(engine_generate.Generation))
     forward = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
     assert cached["kl_mean"] > 1e-5
-    for other in (copied, forward):
+    # one transformers forward sums in another order: KLs of about 5e-4 then differ by float32 rounding (1.3e-7 on
+    # some CPUs), far below what a wrong reference token or position would move
+    for other, tol in ((copied, 1e-7), (forward, 1e-6)):
         for a, b in zip(cached["samples"], other["samples"]):
             assert a["generated"] == b["generated"]
-            assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=1e-7)
+            assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=tol)
             assert a["top1_agreement"] == b["top1_agreement"]
 
 
