@@ -23,7 +23,6 @@ def sm_count(tensor: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(tensor.device).multi_processor_count if tensor.is_cuda else 8
 
 
-
 def max_shared(tensor: torch.Tensor) -> int | None:
     """Bytes of shared memory one program may take on ``tensor``'s GPU (232,448 on an H100, 166,912 on an A100,
     101,376 on sm86 and sm89: RTX 30 and 40 series, A10, A40, L4, L40S), which the kernels choose their tiles by; None

@@ -106,7 +106,7 @@ def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_B
 
 @torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ weight.T + bias`` for ``M ≤ 16`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
+    """``x [M, K] @ weight.T + bias`` for ``M ≤ 64`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size(), shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_linear: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
