@@ -258,7 +258,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
     ``chunk`` (tokens a program), ``tile`` and ``num_stages``: left None, :func:`choose_launch` picks all three;
     where ``tile`` or ``num_stages`` is given, or the call mixes ``full_rows``, :func:`choose_chunk` picks the
-    chunk and the others default to 64-token tiles two stages deep.
+    chunk and the others default to :func:`split_tile`'s tiles (64 tokens where they fit) two stages deep.
 
     ``logits_out``: a float32 or float16 ``[B, logit_heads · G, T]`` buffer that receives every scaled logit
     (−inf where masked) of the first ``logit_heads`` KV heads' query heads (default: every KV head) among the
@@ -290,17 +290,14 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     n = 0 if indices is None else indices.shape[-1]
     sparse_read = t if indices is None else n * block_size  # tokens a sparse row reads
     max_read = t if (indices is None or full_rows is not None) else sparse_read
-    if chunk is None:
-        # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
-        sms = sm_count(query)
-        if tile is None and num_stages is None and full_rows is None:
-            chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sms, dense=indices is None, head_dim=d,
-                                                    itemsize=key.element_size(), shared=max_shared(query))
-        else:
-            tile = tile or split_tile(d, key.element_size(), max_shared(query))
-            chunk = choose_chunk(sparse_read, b * hkv, sms, dense=indices is None, tile=tile)
+    # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
+    if chunk is None and tile is None and num_stages is None and full_rows is None:
+        chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sm_count(query), dense=indices is None,
+                                                head_dim=d, itemsize=key.element_size(), shared=max_shared(query))
     tile = tile or split_tile(d, key.element_size(), max_shared(query))
     num_stages = num_stages or 2
+    if chunk is None:
+        chunk = choose_chunk(sparse_read, b * hkv, sm_count(query), dense=indices is None, tile=tile)
     chunk = tile * max(1, triton.cdiv(chunk, tile))  # whole tiles: a program's tiles never cross into the next's
     splits = max(1, triton.cdiv(max_read, chunk))
     if splits == 1:  # each row in one program (short rows, or enough rows to fill the GPU): it writes the output
