@@ -563,12 +563,19 @@ def main() -> int:
         parser.error(f"--calls-per-graph must be at least 1, got {args.calls_per_graph}")
     parser.check_writable(args.out, "--out")  # written after the timing: refused now if it cannot be
     CALLS_PER_GRAPH = args.calls_per_graph
-    try:
-        rows_arg = tuple(int(r) for r in args.rows.split(",")) if args.rows else None
-    except ValueError:
-        parser.error(f"--rows takes comma-separated row counts, got {args.rows!r}")
-    if rows_arg and min(rows_arg) < 1:
-        parser.error(f"--rows must be at least 1 each, got {args.rows!r}")
+
+    def counts(flag: str, value: str, what: str) -> tuple[int, ...]:
+        try:
+            numbers = tuple(int(v) for v in value.split(","))
+        except ValueError:
+            parser.error(f"{flag} takes comma-separated {what}, got {value!r}")
+        if min(numbers) < 1:
+            parser.error(f"{flag} must be at least 1 each, got {value!r}")
+        return numbers
+
+    rows_arg = counts("--rows", args.rows, "row counts") if args.rows else None
+    contexts = counts("--contexts", args.contexts, "context lengths")
+    batches = counts("--batches", args.batches, "batch sizes")
     projections = tuple(p.strip() for p in args.projections.split(",") if p.strip())
     unknown = [p for p in projections if p not in PROJECTIONS]
     if unknown:
@@ -597,7 +604,7 @@ def main() -> int:
         write_text(args.out, json.dumps(report, indent=2))
         return 0
     rows = [bench_config(b, t, copy_bw, g)
-            for t in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
+            for t in contexts for b in batches]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "launch": "engine (choose_launch)",
               "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch, "rows": rows}
@@ -613,8 +620,7 @@ def main() -> int:
         report["many_rows"] = many_rows(copy_bw, g)
     if args.sweep:
         report["tuning_ms"] = tune(g)
-        report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in map(int, args.contexts.split(","))
-                           for b in map(int, args.batches.split(","))}
+        report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in contexts for b in batches}
         for shape, times in report["sweep"].items():
             best = sorted(times, key=times.get)[:3]
             print(f"sweep {shape}: " + ", ".join(f"{k} {times[k]:.4f} ms" for k in best)
