@@ -424,8 +424,10 @@ def linear_rows(copy_bw: float, rows_list=(1, 8, 16), projections=()) -> list[di
 
 TILES = [(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512) for warps in (4, 8)
          for stages in (2, 3, 4, 5)]
-SPLIT_TILES = [(bn, bk, 4, stages, split) for bn in (16, 32, 64) for bk in (128, 256) for stages in (3, 4)
-               for split in (2, 4, 8)]  # the split kernel's, on long narrow projections (K >= 4 N)
+SPLIT_TILES = [(bn, bk, warps, stages, split) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for warps in (4, 8)
+               for stages in (3, 4) for split in (2, 4, 8, 16)]  # the split kernel's, on long narrow projections (K >= 4 N)
+GATED_TILES = [(bn, bk, warps, stages) for bn in (32, 64, 128, 256) for bk in (32, 64, 128, 256) for warps in (4, 8)
+               for stages in (2, 3, 4, 5)]  # the gated kernel's (features of both halves), on gate/up projections
 
 
 def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
@@ -454,6 +456,17 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
                "engine_tile": None if chosen is None else tile_label(chosen)}
         if name.endswith("gate_up"):
             row["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
+            gated_times = {}
+            for config in (Config(True, *tile) for tile in GATED_TILES):
+                try:
+                    launch(x, ws[0][0], None, config, gated="silu")
+                except OutOfResources:
+                    continue
+                gated_times[tile_label(config)] = graph_ms(
+                    lambda w, b, x=x, c=config: launch(x, w, None, c, gated="silu"), Rotating.of(ws))
+            row["gated_tiles_ms"] = gated_times
+            chosen = kernel_config(rows, n, k, gated=True, shared=max_shared(x))
+            row["engine_gated_tile"] = None if chosen is None else tile_label(chosen)
             row["projection_then_activation_ms"] = graph_ms(
                 lambda w, b, x=x: (lambda g, u: activation(g, "silu") * u)(*F.linear(x, w).chunk(2, -1)),
                 Rotating.of(ws))
@@ -462,7 +475,9 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
         print(f"tiles {name:>13} rows {rows:>2}: " + ", ".join(f"{t} {1e3 * times[t]:.1f}" for t in best)
               + f" µs (engine: {row['engine_tile'] or 'cublas'})"
               + (f"; gated {1e3 * row['gated_ms']:.1f} µs against {1e3 * row['projection_then_activation_ms']:.1f}"
-                 if "gated_ms" in row else ""), flush=True)
+                 + " (best gated tiles: " + ", ".join(f"{t} {1e3 * row['gated_tiles_ms'][t]:.1f}" for t in
+                                                   sorted(row["gated_tiles_ms"], key=row["gated_tiles_ms"].get)[:3])
+                 + ")" if "gated_ms" in row else ""), flush=True)
     return out
 
 

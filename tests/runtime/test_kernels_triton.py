@@ -717,10 +717,11 @@ def test_skinny_linear_matches_reference_on_gpu(m, n, k, bias, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k, bias", [(64, 2048, 1536, True), (48, 1536, 1536, False), (33, 960, 576, True)])
+@pytest.mark.parametrize("m, n, k, bias", [(64, 2048, 1536, True), (48, 1536, 1536, False), (33, 960, 576, True),
+                                           (64, 1536, 8960, False), (40, 576, 2304, True)])
 def test_small_projection_of_many_rows_matches_reference_on_gpu(m, n, k, bias):
-    """The 1.5B's q/k/v and o (and SmolLM2's q/k/v) at 33 to 64 rows take the kernel in bf16 (float32 takes cuBLAS
-    there): the op with its measured tile against the reference."""
+    """The 1.5B's q/k/v, o and down (and SmolLM2's q/k/v, and a narrow odd shape) at 33 to 64 rows take the kernel in
+    bf16 (float32 takes cuBLAS there): the op with its measured tile against the reference."""
     _check_skinny_linear(m, n, k, bias, None, "cuda", torch.bfloat16, 0.02)
 
 
@@ -785,7 +786,8 @@ def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
     assert kernel_config(64, 2048, 1536, itemsize=4) is None and kernel_config(64, 17920, 1536, 4, gated=True) is None
     assert kernel_config(64, 28672, 4096, gated=True) is None
     assert kernel_config(8, 1536, 8960) == Config(True, 32, 128, 4, 4, 8)  # 1.5B's down: K split over 8 programs
-    assert kernel_config(64, 1536, 8960) is None  # ... but cuBLAS at 64 rows
+    assert kernel_config(64, 1536, 8960) == Config(True, 32, 256, 4, 4, 2)  # ... over 2 at DELTA's 64 rows ...
+    assert kernel_config(32, 1536, 8960) is None and kernel_config(64, 3584, 18944) is None  # ... not 32, not 7B's
     assert kernel_config(1, 3584, 18944).dot and not kernel_config(1, 3584, 3584).dot
     assert kernel_config(8, 37888, 3584) == Config(True, 64, 128, 4, 3)  # 7B's gate/up at 8 rows: measured faster
     assert kernel_config(8, 37888, 3584, itemsize=4).block_k == 64  # float32: half the columns a tile
@@ -808,6 +810,7 @@ SHARED_LIMITS = {80: 166912, 89: 101376, 90: 232448}  # bytes a program may take
     (8, 1536, 8960, 2, False, True),  # the split kernel (1.5B's down)
     (8, 37888, 3584, 2, True, True),  # 7B's gated gate/up at 8 rows
     (64, 17920, 1536, 2, True, True),  # the gated kernel at DELTA's 64 rows
+    (64, 1536, 8960, 2, False, False),  # the split kernel there (1.5B's down)
 ])
 def test_projection_tiles_only_where_they_fit(rows, n, k, itemsize, gated, fits_sm89):
     """Where a projection's tiles would take more shared memory than the GPU gives a program, Triton fails to launch

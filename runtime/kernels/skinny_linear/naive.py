@@ -76,8 +76,14 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     o, which gained 0.3–0.5 µs alone, take the kernel at 33 to 64 rows since the kernels take part in dependent
     launches: DELTA's setting over three lengths (H100, two alternating runs each) 2.15×, 2.15× → 2.19×, 2.19×, delta
     64.3, 63.9 → 62.0, 62.3 s and full 138.0, 137.8 → 136.0, 136.3 s
-    (``decode_small64_{off,on}{1,2}_h100.json``). These tiles are for 2-byte dtypes only: in float32, 48 and 64 rows
-    of the small tile missed the float32 reference by more than 1e-4 on an H100, where 16 rows met it."""
+    (``decode_small64_{off,on}{1,2}_h100.json``). A long narrow projection of fewer than 2048 features (the 1.5B's
+    down) takes the split kernel there, 32 features × 256 columns in four stages, K split over 2 programs, the best
+    of 255 tiles at 64 rows: 14.4 µs against cuBLAS's split-K 15.6 (H100, ``--linear-tiles --projections "1.5b down,7b
+    down,1.5b gate_up" --rows 64``, ``kernels_tiles_down64_h100.json``; the 7B's down, 53.4 against 54.3 on its best
+    tile, stays with cuBLAS, and no gated tile beat the engine's 24.1 µs by more than 0.1); DELTA's setting 2.18×,
+    2.19× → 2.21×, 2.21×, delta 62.7, 62.2 → 61.0, 61.2 s and full 136.7, 136.3 → 135.1, 135.3 s
+    (``decode_down64split_{off,on}{1,2}_h100.json``). These tiles are for 2-byte dtypes only: in float32, 48 and 64
+    rows of the small tile missed the float32 reference by more than 1e-4 on an H100, where 16 rows met it."""
     config = _measured_config(rows, n, k, itemsize, gated)
     if config is None or (shared is not None and shared_bytes(config, rows, itemsize, gated) > shared):
         return None
@@ -92,6 +98,8 @@ def _measured_config(rows: int, n: int, k: int, itemsize: int, gated: bool) -> C
             return None
         if gated:
             return Config(True, 64, 128 // itemsize, 4, 4) if n >= 8 * k else None
+        if k >= 4 * n and n < 2048:  # long and narrow (the 1.5B's down): K split over 2 programs
+            return Config(True, 32, 512 // itemsize, 4, 4, 2)
         small = n <= 2 * k and n * k * itemsize <= 8 << 20  # a small q/k/v or o (the 1.5B's)
         return Config(True, 16, 512 // itemsize, 4, 4) if small else None
     if k >= 4 * n and n < 2048:  # long and narrow, few feature tiles: split K
