@@ -64,7 +64,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
                         help="policy parameter, repeatable (e.g. -p budget=1024, -p ratio=0.1, -p epsilon=0.05)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one); on cuda "
-                        "full, delta and lychee run on the engine (static cache, CUDA graphs)")
+                        "full, delta, lychee, quest, lethe (with -p budget=) and vattention (with -p max_sample=) "
+                        "run on the engine (static cache, CUDA graphs)")
     parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
 
@@ -115,6 +116,9 @@ def check_prompt_arguments(args: argparse.Namespace) -> None:
     """The defaults that depend on other flags, then bad values refused in one line (``ValueError``)."""
     if args.max_new_tokens is None:
         args.max_new_tokens = 1024 if args.suite == "reasoning" else 12
+    for flag in ("samples_per_cell", "passkey_words"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if (args.batch_size or 1) > 1 and (why := _one_at_a_time(args)):

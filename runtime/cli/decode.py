@@ -35,7 +35,23 @@ def engine_line(last, device: str, prompt_tokens: int, policy: str) -> str:
             f"KV cache {last.info['cache_bytes'] / 2**20:.1f} MiB]")
 
 
+def transformers_line(device: str, prompt_tokens: int, generated: int, times: list[float], fraction, policy: str) -> str:
+    """The closing line of a transformers-path decode: tokens, the time to the first new token (the prefill and
+    one step), speed over the steps after it, the context read. ``times``: when the call began and when each
+    new token reached the streamer."""
+    timing = ""
+    if len(times) > 1:
+        timing = f", first token {(times[1] - times[0]) * 1e3:.0f} ms"
+        if len(times) > 2:
+            timing += f", {(len(times) - 2) / max(times[-1] - times[1], 1e-9):.1f} tokens/s decoding"
+    read = (f"attended fraction {fraction:.3f} (policy {policy})" if fraction is not None else
+            f"no decode step ran (policy {policy})")
+    return f"\n[transformers path on {device}: {prompt_tokens} prompt tokens, {generated} generated{timing}; {read}]"
+
+
 def run(args: argparse.Namespace) -> int:
+    import time
+
     import torch
     from transformers import TextStreamer
 
@@ -43,6 +59,19 @@ def run(args: argparse.Namespace) -> int:
     from runtime.models import load_config, load_model, load_tokenizer
     from runtime.session import attach
 
+    class TimedStreamer(TextStreamer):
+        """Streams the text and notes when each new token arrives (the first ``put`` is the prompt)."""
+
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+            super().put(value)
+
+    if not args.prompt.strip() and not args.chat:
+        raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
     try:  # the sampling flags, checked as the engine's sampler checks them (the transformers path takes the same)
@@ -57,19 +86,23 @@ def run(args: argparse.Namespace) -> int:
     # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
     # weights load
     params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=trust))
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
     tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
     if args.chat:
+        if tokenizer.chat_template is None:
+            raise ValueError(f"--chat: {args.model} has no chat template (a base model); leave out --chat")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    if not ids.shape[1]:
+        raise ValueError(f"--prompt {args.prompt!r} is no token at all for this tokenizer; give some text")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
     ids = ids.to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if args.layers:
         params["record_recall"] = True  # per-layer statistics come from the measuring (transformers) path
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                   do_sample=args.sample, pad_token_id=pad, streamer=streamer)
     if args.sample:
@@ -81,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             kwargs["seed"] = args.seed
         elif args.sample:
             torch.manual_seed(args.seed)
+        streamer.times.append(time.perf_counter())  # the call begins (the prompt's put follows at once)
         out = session.generate(**kwargs)
     generated = out.shape[1] - ids.shape[1]
     last = session.last
@@ -88,10 +122,9 @@ def run(args: argparse.Namespace) -> int:
         print(engine_line(last, device, ids.shape[1], args.policy), file=sys.stderr)
         return 0
     summary = session.summary()
-    fraction = summary["attended_fraction"]
-    print(f"\n[transformers path on {device}: {ids.shape[1]} prompt tokens, {generated} generated; "
-          + (f"attended fraction {fraction:.3f} (policy {args.policy})]" if fraction is not None else
-             f"no decode step ran (policy {args.policy})]"), file=sys.stderr)
+    times = streamer.times[:1] + streamer.times[2:]  # the call's start, then one per new token (not the prompt)
+    print(transformers_line(device, ids.shape[1], generated, times, summary["attended_fraction"], args.policy),
+          file=sys.stderr)
     if args.layers:
         for layer in summary["layers"]:
             kept = f"  kept {layer['kept_fraction']:.3f}" if layer["kept_fraction"] is not None else ""

@@ -63,7 +63,8 @@ SUITES = ("passkey", "ruler", "longbench")
 
 
 def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
-    """JSONL prompts → samples ``{"input_ids" [T], "answer" | None, "context_length", "depth": None}``."""
+    """JSONL prompts → samples ``{"input_ids" [T], "answer" | None, "task": "prompts", "context_length", "depth":
+    None}`` (task ``prompts``: scored per length in the task table, not as passkeys)."""
     samples = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
@@ -74,7 +75,8 @@ def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a 'prompt' string") from None
         ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-        sample = {"input_ids": ids, "answer": row.get("answer"), "context_length": len(ids), "depth": None}
+        sample = {"input_ids": ids, "answer": row.get("answer"), "task": "prompts", "context_length": len(ids),
+                  "depth": None}
         if row.get("answers") is not None:
             sample["answers"] = [str(a) for a in row["answers"]]
         samples.append(sample)
@@ -690,7 +692,8 @@ def format_table(result: dict[str, Any]) -> str:
     for layer in result["layers"]:
         lines.append(f"{layer['layer']:>5} {f(layer['attended_fraction']):>6} {f(layer['recall']):>7} "
                      f"{f(layer['kept_fraction']):>6}")
-    lines += ["", f"passkey accuracy {f(result['passkey_accuracy'])}  KL {f(result['kl_mean'], '.3e')}  "
+    passkeys = "" if result["passkey_accuracy"] is None else f"passkey accuracy {f(result['passkey_accuracy'])}  "
+    lines += ["", f"{passkeys}KL {f(result['kl_mean'], '.3e')}  "
                   f"top-1 agreement {f(result['top1_agreement'])}  attended fraction {f(result['attended_fraction'])}  "
                   f"generated tokens {result['generated_tokens_mean']:.1f}"
                   + (f"  KV cache {result['kv_bytes_per_prompt'] / 2**20:.2f} MiB per prompt"

@@ -56,7 +56,9 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
     assert 0 < recalls[2] < 1 and 0 < recalls[3] < 1
     assert sparse["attended_fraction"] < 1
     assert sparse["samples"][0]["correct"] is not None and sparse["samples"][1]["correct"] is None
-    assert sparse["passkey_grid"] == {str(sparse["samples"][0]["context_length"]): {"None": float(sparse["samples"][0]["correct"])}}
+    length = str(sparse["samples"][0]["context_length"])  # a prompt file's row: scored as task "prompts", no grid
+    assert sparse["passkey_grid"] == {} and sparse["passkey_accuracy"] is None
+    assert sparse["tasks"]["prompts"][length]["score"] == float(sparse["samples"][0]["correct"])
     evicting = evaluate(model, tok, None, "lethe", {"budget": 12}, settings)
     assert all(layer["recall"] < 1 for layer in evicting["layers"])  # evicted mass counts as missed
     assert all(layer["kept_fraction"] < 0.5 for layer in evicting["layers"])
@@ -105,8 +107,11 @@ def test_eval_and_decode_commands(tiny_folder, tmp_path, capsys):
                  "--prompts", str(tiny_folder / "prompts.jsonl"), "--max-new-tokens", "4", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "passkey accuracy" in printed and "recall" in printed
+    assert "recall" in printed and "passkey accuracy" not in printed  # a prompt file's rows are not passkeys ...
     result = json.loads(out.read_text())
+    assert [r["task"] for r in result["samples"]] == ["prompts", "prompts"] and result["passkey_grid"] == {}
+    first = str(result["samples"][0]["context_length"])
+    assert list(result["tasks"]) == ["prompts"] and result["tasks"]["prompts"][first]["n"] == 1  # one with an answer
     assert result["params"] == {"num_pages": 2, "page_size": 4, "recent_pages": 1} and len(result["layers"]) == 4
     code = main(["decode", "--model", str(tiny_folder), "--policy", "lethe", "-p", "budget=16", "--prompt",
                  "hello world " * 10, "--max-new-tokens", "5", "--layers"])
