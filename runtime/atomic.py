@@ -52,18 +52,22 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8"))
 
 
-def check_writable(path: str | os.PathLike, flag: str) -> None:
+def check_writable(path: str | os.PathLike, flag: str, folder: bool = False) -> None:
     """Refuse, before any work, an output ``path`` that cannot be written: its folder is made (as the write would
-    make it) and a temporary file opened in it and removed. One line naming the flag, the path, why and the fix."""
+    make it) and a temporary file opened in it and removed. One line naming the flag, the path, why and the fix.
+    With ``folder``, ``path`` is a folder the files are written into (made if missing), not a file."""
     path = Path(path)
-    if path.is_dir():
+    if folder and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: a file is there; give the path of a folder")
+    if not folder and path.is_dir():
         raise ValueError(f"{flag} {path}: a folder is there; give the path of a file")
     above = next((p for p in path.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ValueError(f"{flag} {path}: {above} is a file, not a folder; give a path you can write")
+    where = path if folder else path.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e}); give a path you can write") from None

@@ -248,6 +248,10 @@ def test_a_bad_manifest_is_refused_before_the_model_loads(model_dir, tmp_path, c
     assert rolecall_main([command, "--model", str(model_dir), "--policy", "delta", "--manifest", str(missing),
                           *extra]) == 2
     assert one_line(capsys, f"rolecall {command}").endswith(f"{missing}: no such manifest file")
+    assert rolecall_main([command, "--model", str(model_dir), "--policy", "delta", "--manifest", str(tmp_path),
+                          *extra]) == 2  # a folder: said so, not "no such manifest file"
+    assert one_line(capsys, f"rolecall {command}").endswith(f"{tmp_path}: a folder, not a manifest file; give the path "
+                                                            "of a manifest file (.safetensors)")
 
 
 @pytest.mark.parametrize("command", ["decode", "eval"])

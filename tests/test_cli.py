@@ -160,6 +160,71 @@ def test_export_import_merge_commands(manifest_path, tmp_path):
     assert RoleManifest.load(tmp_path / "both.safetensors").sections == ["layers", "heads"]
 
 
+def one_error_line(capsys, command: str) -> str:
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert not captured.out and "\n" not in err and "Errno" not in err, captured
+    assert err.startswith(f"rolecall {command}: error: "), err
+    return err
+
+
+def test_manifest_commands_refuse_an_output_they_cannot_write_before_any_work(manifest_path, tmp_path, capsys):
+    """Under a file, or a folder given for a file (a file given for duo's folder): one line naming the flag, before
+    any input is read (the inputs here do not exist) or anything is printed, and no temporary file left behind."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    missing = str(tmp_path / "absent.safetensors")
+    under = f"{blocker}/out.x: {blocker} is a file, not a folder; give a path you can write"
+    runs = {
+        "export": [["export", missing, "--format", "json", "-o", str(blocker / "out.x")], f"--output {under}"],
+        "merge": [["merge", missing, missing, "-o", str(blocker / "out.x")], f"--output {under}"],
+        "import": [["import", missing, "--format", "layers", "--model", "no-such-model", "-o", str(blocker / "out.x")],
+                   f"--output {under}"],
+        "inspect": [["inspect", str(manifest_path), "--plot", str(blocker / "out.x")], f"--plot {under}"],
+    }
+    for command, (argv, says) in runs.items():
+        assert main(argv) == 2, command
+        assert one_error_line(capsys, command).endswith(says)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert main(["export", missing, "--format", "json", "-o", str(folder)]) == 2
+    assert one_error_line(capsys, "export").endswith(f"--output {folder}: a folder is there; give the path of a file")
+    assert main(["inspect", str(manifest_path), "--plot", str(folder)]) == 2
+    assert one_error_line(capsys, "inspect").endswith(f"--plot {folder}: a folder is there; give the path of a file")
+    assert main(["export", missing, "--format", "duo", "-o", str(blocker)]) == 2
+    assert one_error_line(capsys, "export").endswith(f"--output {blocker}: a file is there; give the path of a folder")
+    assert blocker.read_text() == "x" and not any(folder.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "m.safetensors", "out"]
+
+
+def test_a_folder_given_as_a_manifest_is_named_as_such(tmp_path, capsys):
+    says = f"{tmp_path}: a folder, not a manifest file; give the path of a manifest file (.safetensors)"
+    for argv in (["inspect", str(tmp_path)], ["inspect", str(tmp_path), "--verify"]):  # a usage error, not a failed check
+        assert main(argv) == 2
+        assert one_error_line(capsys, "inspect").endswith(says)
+
+
+def test_inspect_shows_each_sections_metrics_of_a_merged_manifest(tmp_path, capsys):
+    config = tiny_config("qwen2", layers=2, heads=4, kv_heads=2)
+    identity = ModelIdentity.from_config(config, name="tiny-qwen2")
+    RoleManifest(identity, layer_role=[0, 1], metrics={"recall_mean": 0.875, "drift": [0.1, 0.2]}).save(
+        tmp_path / "layers.safetensors")
+    RoleManifest(identity, head_role=torch.ones(2, 2, dtype=torch.int8), metrics={"steps": 7}).save(
+        tmp_path / "heads.safetensors")
+    both = tmp_path / "both.safetensors"
+    assert main(["merge", str(tmp_path / "heads.safetensors"), str(tmp_path / "layers.safetensors"), "-o", str(both)]) == 0
+    first = both.read_bytes()
+    assert main(["merge", str(tmp_path / "layers.safetensors"), str(tmp_path / "heads.safetensors"), "-o", str(both)]) == 0
+    assert both.read_bytes() == first  # same inputs, same bytes, whichever order they come in
+    capsys.readouterr()
+    assert main(["inspect", str(both)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("metrics")]
+    assert lines == ['metrics      {"heads": {"steps": 7}, "layers": {"recall_mean": 0.875}}']
+    RoleManifest(identity, layer_role=[0, 1], metrics={"drift": [0.1, 0.2]}).save(tmp_path / "arrays.safetensors")
+    assert main(["inspect", str(tmp_path / "arrays.safetensors")]) == 0
+    assert "metrics      (arrays only; --json shows them)" in capsys.readouterr().out.splitlines()
+
+
 def test_engine_decode_line_names_speed_reads_and_cache_size():
     from types import SimpleNamespace
 

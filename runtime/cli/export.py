@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from runtime.atomic import check_writable
 from runtime.manifest import RoleManifest
 from runtime.manifest.interop import FORMATS, export_manifest
 
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_writable(args.output, "--output", folder=args.format == "duo")  # refused before the manifest is read
     manifest = RoleManifest.load(args.manifest)
     out = export_manifest(manifest, args.format, args.output, sink_size=args.sink_size, recent_size=args.recent_size)
     print(f"wrote {args.format} export of {args.manifest} to {out}", file=sys.stderr)

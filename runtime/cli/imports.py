@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from runtime.atomic import check_writable
 from runtime.manifest.interop import FORMATS, import_manifest
 from runtime.models import load_config
 
@@ -25,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
                                ("num_retrieval", args.num_retrieval)) if v is not None}
     if rule and args.format != "duo":
         raise ValueError("--threshold/--sparsity/--num-retrieval apply to --format duo only")
+    check_writable(args.output, "--output")  # refused before the model's config and the source are read
     manifest = import_manifest(args.source, args.format, load_config(args.model), name=args.model, **rule)
     manifest.save(args.output)
     print(f"wrote {args.output} ({', '.join(manifest.sections)})", file=sys.stderr)

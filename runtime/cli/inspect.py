@@ -53,6 +53,23 @@ def role_map(manifest: RoleManifest) -> str:
     return "\n".join(lines)
 
 
+def scalar_metrics(metrics: dict) -> dict:
+    """The single numbers and words of ``metrics``, per section in a merged manifest (``{"layers": {...}, "heads":
+    {...}}``); arrays are left to ``--json``."""
+    shown: dict = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float, str)):
+            shown[key] = value
+        elif isinstance(value, dict) and (inner := scalar_metrics(value)):
+            shown[key] = inner
+    return shown
+
+
+def has_values(doc: dict) -> bool:
+    """Whether ``doc`` holds anything but (nested) empty mappings."""
+    return any(not isinstance(v, dict) or has_values(v) for v in doc.values())
+
+
 def describe(manifest: RoleManifest, path: str = "") -> str:
     m = manifest.model
     out = [
@@ -74,9 +91,11 @@ def describe(manifest: RoleManifest, path: str = "") -> str:
         out.append(f"data         {json.dumps(manifest.data, sort_keys=True)}")
     if manifest.config:
         out.append(f"config       {json.dumps(manifest.config, sort_keys=True)}")
-    if manifest.metrics:
-        scalars = {k: v for k, v in manifest.metrics.items() if isinstance(v, (int, float, str))}
+    scalars = scalar_metrics(manifest.metrics)
+    if scalars:
         out.append(f"metrics      {json.dumps(scalars, sort_keys=True)}")
+    elif has_values(manifest.metrics):
+        out.append("metrics      (arrays only; --json shows them)")
     for key, value in sorted(manifest.extra.items()):
         out.append(f"{key:<12} {value}")
     if manifest.sections:
@@ -94,13 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "is corrupted, has no content hash to check, or is not canonical")
 
 
-def verify(path: str) -> tuple[bool, str]:
-    """(ok, message). Loading checks the content hash; a rolecall file must also re-serialise to its own bytes."""
-    from pathlib import Path
-
+def verify(raw: bytes, path: str) -> tuple[bool, str]:
+    """(ok, message) for the bytes ``raw`` of the file at ``path``. Loading checks the content hash; a rolecall
+    file must also re-serialise to its own bytes."""
     from runtime.manifest import CONTENT_HASH_KEY, RoleManifest, read_metadata
 
-    raw = Path(path).read_bytes()
     manifest = RoleManifest.from_bytes(raw, source=path)  # raises ManifestError on any corruption
     digest = read_metadata(raw).get(CONTENT_HASH_KEY)
     if digest is None:  # nothing was checked: an edited file whose hash was removed passes no verification
@@ -113,11 +130,15 @@ def verify(path: str) -> tuple[bool, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.manifest import ManifestError, RoleManifest
+    from runtime.atomic import check_writable
+    from runtime.manifest import ManifestError, RoleManifest, read_manifest_file
 
+    if args.plot:
+        check_writable(args.plot, "--plot")  # refused before anything is printed
     if args.verify:
+        raw = read_manifest_file(args.manifest)  # a missing path or a folder: a usage error (exit 2), not a failed check
         try:
-            ok, message = verify(args.manifest)
+            ok, message = verify(raw, args.manifest)
         except ManifestError as e:  # corrupted or foreign: a failed verification (exit 1, as --help says)
             ok, message = False, f"not verified: {e}"
         print(message, file=sys.stdout if ok else sys.stderr)

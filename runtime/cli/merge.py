@@ -13,9 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.atomic import check_writable
     from runtime.manifest import RoleManifest
     from runtime.manifest.interop import merge_manifests
 
+    check_writable(args.output, "--output")  # refused before the inputs are read
     merged = merge_manifests(RoleManifest.load(args.first), RoleManifest.load(args.second))
     merged.save(args.output)
     print(f"wrote {args.output} ({', '.join(merged.sections)})", file=sys.stderr)

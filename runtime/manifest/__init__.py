@@ -297,10 +297,7 @@ class RoleManifest:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoleManifest:
-        path = Path(path)
-        if not path.is_file():
-            raise ManifestError(f"{path}: no such manifest file")
-        return cls.from_bytes(path.read_bytes(), source=str(path))
+        return cls.from_bytes(read_manifest_file(path), source=str(path))
 
     @classmethod
     def from_bytes(cls, buf: bytes, source: str = "<bytes>") -> RoleManifest:
@@ -349,6 +346,16 @@ class RoleManifest:
 
     def equals(self, other: RoleManifest) -> bool:
         return self.to_bytes() == other.to_bytes()
+
+
+def read_manifest_file(path: str | os.PathLike) -> bytes:
+    """The bytes of the manifest file at ``path``; a missing path or a folder is refused in one line."""
+    path = Path(path)
+    if path.is_dir():
+        raise ManifestError(f"{path}: a folder, not a manifest file; give the path of a manifest file (.safetensors)")
+    if not path.is_file():
+        raise ManifestError(f"{path}: no such manifest file")
+    return path.read_bytes()
 
 
 def read_metadata(buf: bytes, source: str = "<bytes>") -> dict[str, str]:

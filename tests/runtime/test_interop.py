@@ -119,6 +119,18 @@ def test_layer_list_round_trip(tmp_path):
         export_manifest(heads_manifest(), "layers", tmp_path / "x.json")
 
 
+def test_merge_keeps_each_inputs_metrics_config_and_data_under_its_section():
+    heads, layers = heads_manifest(), layers_manifest()
+    heads.metrics, heads.config, heads.data = {"steps": 7, "gate": "hardkuma"}, {"lr": 0.02}, {"source": "pg"}
+    layers.metrics, layers.data = {"recall_mean": 0.88, "drift": [0.1, 0.2]}, {"traces": 8}
+    merged = merge_manifests(heads, layers)
+    assert merged.metrics == {"layers": layers.metrics, "heads": heads.metrics}
+    assert merged.config == {"layers": {}, "heads": heads.config}
+    assert merged.data == {"layers": layers.data, "heads": heads.data}
+    again = RoleManifest.from_bytes(merged.to_bytes())
+    assert again.metrics == merged.metrics and again.to_bytes() == merge_manifests(layers, heads).to_bytes()
+
+
 def test_merge_combines_and_refuses():
     merged = merge_manifests(heads_manifest(), layers_manifest())
     assert merged.sections == ["layers", "heads"]

@@ -154,6 +154,9 @@ def test_refusals(tmp_path):
             RoleManifest.load(tmp_path / name)
     with pytest.raises(ManifestError, match="no such manifest"):
         RoleManifest.load(tmp_path / "absent.safetensors")
+    with pytest.raises(ManifestError, match=f"^{tmp_path}: a folder, not a manifest file; give the path of a "
+                       r"manifest file \(\.safetensors\)$"):
+        RoleManifest.load(tmp_path)
 
 
 class _Boom:
