@@ -39,7 +39,8 @@ _SIDECAR = "_calibrate_config"  # attribute of a manifest from decide(): its con
 
 
 def _text_config(model):
-    cfg = model.config
+    """The text config of ``model``, or of ``model`` itself when it is a config (:func:`runtime.models.load_config`)."""
+    cfg = getattr(model, "config", model)
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
@@ -72,6 +73,25 @@ def candidate_layers(model, config: CalibrateConfig) -> list[int]:
     return candidates
 
 
+def check_layers(model, config: CalibrateConfig) -> int:
+    """Refuse, in one line, a ``warmup`` or a ``num_delta`` the model has no room for. ``model`` may be its config
+    alone (:func:`runtime.models.load_config`), so this runs before any weights load. Returns the number of layers
+    there are to select Δ-layers from: the candidates from layer ``warmup`` on."""
+    candidates = candidate_layers(model, config)
+    num_layers = int(_text_config(model).num_hidden_layers)
+    selectable = sum(1 for layer in candidates if layer >= config.warmup)
+    if not selectable:
+        raise ValueError(f"--warmup {config.warmup} leaves no layer to select Δ-layers from in a {num_layers}-layer "
+                         f"model; pass --warmup W with 0 <= W <= {candidates[-1]}")
+    if config.num_delta != "auto" and config.num_delta > selectable:
+        skipped = sum(1 for layer in excluded_layers(model, config) if layer >= config.warmup)
+        less = [f"{count} {kind}" for count, kind in ((config.warmup, "warm-up"), (skipped, "sliding-window")) if count]
+        raise ValueError(f"--num-delta {config.num_delta} is more than the {selectable} layers to select from "
+                         f"({num_layers} layers{' less ' + ' and '.join(less) if less else ''}); pass --num-delta N "
+                         f"with 1 <= N <= {selectable}, or --num-delta auto")
+    return selectable
+
+
 def record(model, traces: list[list[int]], config: CalibrateConfig, progress: bool = True) -> CalibrationTotals:
     """Record this process's share of ``traces`` and sum the totals over all processes."""
     text = _text_config(model)
@@ -98,8 +118,7 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
                          f"min_context={config.min_context}; lower --min-context or use longer traces")
     m = totals.means()
     num_layers = totals.num_layers
-    if config.warmup >= num_layers:
-        raise ValueError(f"warmup={config.warmup} leaves no layer to select in a {num_layers}-layer model; lower --warmup")
+    check_layers(model, config)
     kw = {"warmup": config.warmup, "min_gap": config.min_gap, "target_recall": config.target_recall}
     sliding = excluded_layers(model, config)
     candidates = candidate_layers(model, config)
@@ -171,6 +190,7 @@ def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | Non
                   "sha256": traces_sha256(traces), **(data or {})}
     if isinstance(provenance.get("source"), str):  # e.g. file:/home/me/t.jsonl -> file:t.jsonl
         provenance["source"] = portable_name(provenance["source"])
+    check_layers(model, config)  # before recording, which takes long
     totals = record(model, traces, config, progress=progress)
     return decide(model, totals, config, provenance)
 

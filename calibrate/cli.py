@@ -41,7 +41,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--target-recall", "target_recall", float, "recall goal for --num-delta auto"),
     ("--budget", "budget", float, "Lethe: mean fraction of the context a layer keeps"),
     ("--min-budget", "min_budget", float, "Lethe: smallest fraction any layer keeps"),
-    ("--dtype", "dtype", str, "model dtype (float32, bfloat16, ...) [the alias's]"),
+    ("--dtype", "dtype", str, "model dtype [the alias's]"),
     ("--device", "device", str, "cpu, cuda, cuda:N [cuda when available]"),
     ("--device-map", "device_map", str, "'auto' shards a model larger than one GPU"),
     ("--deepspeed", "deepspeed", str, "shard the model with this DeepSpeed ZeRO-3 JSON (path or name in "
@@ -50,9 +50,12 @@ _FLAGS: list[tuple[str, str, type, str]] = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from runtime.models import DTYPES
+
     parser.add_argument("--config", help="YAML of settings [configs/calibrate/<model>.yaml when it exists]")
     for flag, key, kind, text in _FLAGS:
-        parser.add_argument(flag, dest=key, type=kind, default=None, help=text)
+        choices = DTYPES if key == "dtype" else None
+        parser.add_argument(flag, dest=key, type=kind, default=None, choices=choices, help=text)
     parser.add_argument("--sample", dest="sample", action="store_const", const=True, default=None,
                         help="sample traces instead of greedy decoding")
     parser.add_argument("--no-plots", dest="plots", action="store_const", const=False, default=None,
@@ -95,12 +98,13 @@ def _default_output(model: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from calibrate.api import check_layers, save
     from calibrate.api import run as calibrate
-    from calibrate.api import save
     from calibrate.traces import read_traces
     from runtime import distributed
     from runtime.atomic import check_writable
-    from runtime.models import load_tokenizer
+    from runtime.cli.common import check_placement, chosen_device
+    from runtime.models import load_config, load_tokenizer
 
     config, config_path = resolve_config(args)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
@@ -113,18 +117,22 @@ def run(args: argparse.Namespace) -> int:
                          "pass --traces FILE of token ids")
     output = Path(config.output) if config.output else _default_output(config.model)
     check_writable(output, "--output")  # written at the end: refused now if it cannot be
+    wanted = chosen_device(config)  # a device this machine lacks: refused before anything loads
+    check_placement("calibrate-delta", config.device_map, config.deepspeed)
+    trust = args.trust_remote_code
+    model_config = load_config(config.model, trust_remote_code=trust)
+    selectable = check_layers(model_config, config)  # --warmup, --num-delta: against the model's layers, now
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
-    device = launched or torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = launched or torch.device(wanted)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    trust = args.trust_remote_code
     # token-id traces of a model given by its architecture alone need no tokenizer
     tokenizer = None if config.random_weights else load_tokenizer(config.model, trust_remote_code=trust)
     data = {}
     if config.traces:  # read before loading the model, so a bad file fails fast
         traces = read_traces(config.traces, tokenizer)
         data["source"] = f"file:{config.traces}"
-        check_traces(traces[: config.max_traces], config, args.allow_long_context, trust)
+        check_traces(traces[: config.max_traces], config, args.allow_long_context, trust, model_config)
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
                                           device=None if config.device_map else device, trust_remote_code=trust)
@@ -137,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
         for path in save(manifest, output, plots=config.plots):
             say(f"wrote {path}")
         m = manifest.metrics
+        if config.num_delta == "auto" and 2 * len(m["delta_layers"]) > selectable:
+            print(f"calibrate-delta: warning: --num-delta auto chose {len(m['delta_layers'])} of the {selectable} "
+                  f"selectable layers as Δ-layers to reach --target-recall {config.target_recall}; Δ-layers run full "
+                  "attention, so little of the model stays sparse; pass a lower --target-recall or a fixed --num-delta",
+                  file=sys.stderr)
         print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
               f"{m['recall_mean']:.4f} at K={config.num_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
@@ -180,15 +193,18 @@ def _cost(seconds: float, traces: int, device) -> str:
     return line + (f"; peak GPU memory {float(peaks.max()):.2f} GiB per process" if device.type == "cuda" else "")
 
 
-def check_traces(traces: list[list[int]], config, allow_long: bool = False, trust_remote_code: bool = False) -> None:
+def check_traces(traces: list[list[int]], config, allow_long: bool = False, trust_remote_code: bool = False,
+                 model_config=None) -> None:
     """Refuse, in one line and before the model loads, a trace with a token id the model has no embedding for
-    or one longer than its context (only a warning with ``allow_long``)."""
+    or one longer than its context (only a warning with ``allow_long``). ``model_config``: the model's config,
+    when already read."""
     from data.tokens import check_token_ids, vocab_size
     from runtime.models import check_context, context_limit, load_config
 
     if not traces:
         return
-    model_config = load_config(config.model, trust_remote_code=trust_remote_code)
+    if model_config is None:
+        model_config = load_config(config.model, trust_remote_code=trust_remote_code)
     check_token_ids(traces, vocab_size(model_config), f"trace {{n}} of {config.traces}")
     longest = max(range(len(traces)), key=lambda i: len(traces[i]))
     check_context(len(traces[longest]), context_limit(model_config, config.model),

@@ -81,8 +81,10 @@ class CalibrateConfig:
         need(self.num_delta == "auto" or (isinstance(self.num_delta, int) and self.num_delta >= 1),
              f"num_delta must be an integer ≥ 1 or 'auto', got {self.num_delta!r}")
         from calibrate.delta import SELECTORS
+        from runtime.models import DTYPES
 
         need(self.select in SELECTORS, f"select must be one of {sorted(SELECTORS)}, got {self.select!r}")
+        need(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(0.0 < self.target_recall <= 1.0, f"target_recall must be in (0, 1], got {self.target_recall}")
         need(0.0 < self.budget <= 1.0, f"budget must be a fraction in (0, 1], got {self.budget}")
         need(0.0 <= self.min_budget <= self.budget, f"min_budget must be in [0, budget], got {self.min_budget}")

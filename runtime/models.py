@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 DEFAULT_MODEL = "smollm2-135m"
+DTYPES = ("bfloat16", "float16", "float32")  # the weight dtypes every command's --dtype takes
 
 
 class ModelNotFoundError(OSError):

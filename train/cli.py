@@ -38,6 +38,8 @@ def _lengths(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from runtime.models import DTYPES
+
     d = argparse.Namespace(**{f.name: f.default for f in fields(TrainConfig)})  # the defaults, without building a
     # config (that checks the gate name against train.gates, which imports torch: --help stays fast)
     p.add_argument("--config", help="YAML of options: a path or a name in configs/train/, <model> or "
@@ -68,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
     p.add_argument("--no-tf32", dest="tf32", action="store_false", default=None,
                    help="exact float32 attention scores on GPUs (default: TF32 tensor cores)")
-    p.add_argument("--dtype", help="model weight dtype, e.g. bfloat16 (default: the alias's)")
+    p.add_argument("--dtype", choices=DTYPES, help="model weight dtype (default: the alias's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")
     p.add_argument("--deepspeed", metavar="CONFIG",
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
     from runtime import distributed
     from runtime.atomic import check_writable
+    from runtime.cli.common import check_placement, chosen_device
     from runtime.models import load_config, load_tokenizer
     from train.config import check_dataset, check_settings
     from train.recipe import run as train_run
@@ -157,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
 
         claim_output(config.resolved_output())  # an output taken by another run fails before anything loads
     check_writable(config.resolved_output(), "--output")  # checkpoints go beside it from the first interval on
+    wanted = chosen_device(args)  # a device this machine lacks: refused before anything loads
+    check_placement("train-heads", config.device_map, config.deepspeed)
     model_cfg = load_config(config.model, args.trust_remote_code)  # --target, --lengths: before any work
     limit = check_settings(config, model_cfg, args.allow_long_context)
     launched = distributed.init_from_launcher()  # accelerate launch / torchrun: one process per GPU
-    device = launched or torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = launched or torch.device(wanted)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     # a JSONL dataset is already tokenized: a model given by its architecture alone needs no tokenizer

@@ -89,6 +89,10 @@ class TrainConfig:
             raise ValueError(f"token_budget must be a fraction in (0, 1] (e.g. 0.3) or a token count >= 1, got {b!r}")
         if not (self.low < 0 < 1 < self.high):
             raise ValueError(f"low/high must satisfy low < 0 < 1 < high, got ({self.low}, {self.high})")
+        from runtime.models import DTYPES
+
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         lengths = tuple(int(x) for x in self.lengths)

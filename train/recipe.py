@@ -166,8 +166,8 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
                                                                  disable=not recipe.main) as bar:
         for step in range(recipe.start, config.steps):
             recipe.train_step(step)
-            bar.set_postfix(loss=f"{recipe.last_loss:.4g}", EL0=f"{recipe.records[-1]['expected_l0']:.2f}",
-                            lam=f"{recipe.lam:.3g}")
+            # E[L0] and λ of the gates after the step: the last values are the summary's
+            bar.set_postfix(loss=f"{recipe.last_loss:.4g}", EL0=f"{recipe.expected_l0:.2f}", lam=f"{recipe.lam:.3g}")
             bar.update()
     return recipe.finalize()
 
@@ -196,6 +196,7 @@ class HeadRecipe:
             raise ValueError(f"batch_size {config.batch_size} does not split evenly over {self.world} processes; "
                              f"use a multiple of {self.world} (--batch-size)")
         self.start, self.lam, self.records, self.last_loss = 0, 0.0, [], math.nan
+        self.expected_l0 = math.nan  # of the gates after the last step (the log has the one that step's λ update used)
 
     def setup(self, resume: str | Path | None, data_info: dict[str, Any] | None, overwrite: bool) -> None:
         config, model = self.config, self.model
@@ -288,7 +289,9 @@ class HeadRecipe:
     def _record(self, step: int, l0_value: float, began: float) -> None:
         config = self.config
         with torch.no_grad():
-            ez = self.gates.distribution().expected_gate().float().cpu()
+            after = self.gates.distribution()
+            ez = after.expected_gate().float().cpu()
+            self.expected_l0 = float(after.expected_l0())
         samples = [sample_index(p, len(self.dataset), config.seed)
                    for p in range(step * config.batch_size, (step + 1) * config.batch_size)]
         self.records.append({"step": step, "distill_loss": self.last_loss, "expected_l0": l0_value,

@@ -1,12 +1,17 @@
-"""What ``rolecall decode`` and ``rolecall eval`` share: the model, manifest and policy flags and their checks."""
+"""What ``rolecall decode`` and ``rolecall eval`` share: the model, manifest and policy flags and their checks; and
+the device, dtype and placement checks that ``calibrate-delta`` and ``train-heads`` share with them."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.models import DEFAULT_MODEL
+from runtime.models import DEFAULT_MODEL, DTYPES
+
+# what `torchrun` and `accelerate launch` set for each process they start, and DeepSpeed reads to join them
+LAUNCHER_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
 def parse_params(pairs: list[str] | None) -> dict[str, Any]:
@@ -66,7 +71,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one); on cuda "
                         "full, delta, lychee, quest, lethe (with -p budget=) and vattention (with -p max_sample=) "
                         "run on the engine (static cache, CUDA graphs)")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
 
 
@@ -174,3 +179,25 @@ def eval_settings(args: argparse.Namespace):
                         passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
                         prompts=args.prompts, max_new_tokens=args.max_new_tokens, suite=args.suite,
                         tasks=tuple(args.tasks or ()), seed=args.seed, data=args.data)
+
+
+def check_placement(prog: str, device_map: str | None, deepspeed: str | None) -> None:
+    """Where ``calibrate-delta`` and ``train-heads`` put the model, checked before anything loads: a ZeRO-3
+    config (``--deepspeed``, or accelerate's) in a process no launcher started is refused in one line
+    (``ValueError``; DeepSpeed would look for MPI instead), and ``--device-map`` on a machine without a GPU prints
+    a one-line warning."""
+    import os
+
+    import torch
+
+    from runtime import distributed
+
+    launched = all(name in os.environ for name in LAUNCHER_ENVIRONMENT) or (
+        torch.distributed.is_available() and torch.distributed.is_initialized())
+    if not launched and distributed.zero_stage(distributed.deepspeed_config(deepspeed)) >= 3:
+        raise ValueError(f"--deepspeed {deepspeed}: ZeRO-3 shards the model over the processes a launcher starts, "
+                         "and this one was started alone; run it under `accelerate launch --config_file "
+                         "configs/accelerate/zero3.yaml` or `torchrun`, or leave --deepspeed out")
+    if device_map and not torch.cuda.is_available():
+        print(f"{prog}: warning: --device-map {device_map} spreads a model over GPUs and this machine has none; on "
+              "the CPU it only slows the run down, so leave --device-map out", file=sys.stderr)

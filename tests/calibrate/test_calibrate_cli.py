@@ -87,7 +87,7 @@ def test_flags_override_yaml_override_defaults(tmp_path):
     (["--config", "/nonexistent.yaml"], "no such file"),
 ])
 def test_bad_input_is_one_line(model_dir, argv, message, capsys):
-    assert cli.main(["--model", str(model_dir), "--quiet", *argv]) == 2
+    assert cli.main(["--model", str(model_dir), "--quiet", "--num-delta", "2", *argv]) == 2  # 4 layers: 2 fit
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("calibrate-delta: error: ") and message in last
 
@@ -119,3 +119,85 @@ def _yaml(folder, text):
     path = folder / "old.yaml"
     path.write_text(text)
     return path
+
+
+# ---- refused before the model loads ---------------------------------------------------------------------------
+
+def _refused(capsys) -> str:
+    """The one line a refused run printed last (no traceback)."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import runtime.distributed
+
+    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+
+
+def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, capsys, no_model):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert cli.main(["--model", str(model_dir), *FLAGS, "--device", f"cuda:{gpus}"]) == 2
+    assert _refused(capsys).startswith(f"calibrate-delta: error: --device cuda:{gpus}: this machine has ")
+
+
+def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--model", str(model_dir), *FLAGS, "--dtype", "bogus"])
+    assert stop.value.code == 2
+    line = _refused(capsys)
+    assert "argument --dtype: invalid choice: 'bogus' (choose from 'bfloat16', 'float16', 'float32')" in line
+    assert cli.main(["--model", str(model_dir), *FLAGS, "--config", str(_yaml(tmp_path, "dtype: bogus\n"))]) == 2
+    assert "dtype must be one of bfloat16, float16, float32, got 'bogus'" in _refused(capsys)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--num-delta", "4"], "--num-delta 4 is more than the 3 layers to select from (4 layers less 1 warm-up); "
+                           "pass --num-delta N with 1 <= N <= 3, or --num-delta auto"),
+    (["--warmup", "4"], "--warmup 4 leaves no layer to select Δ-layers from in a 4-layer model; pass --warmup W "
+                        "with 0 <= W <= 3"),
+])
+def test_layer_counts_are_checked_against_the_models_config_before_it_loads(model_dir, capsys, no_model, flags, says):
+    assert cli.main(["--model", str(model_dir), *FLAGS, *flags]) == 2
+    assert _refused(capsys) == f"calibrate-delta: error: {says}"
+
+
+def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model,
+                                                                     monkeypatch):
+    from runtime.cli.common import LAUNCHER_ENVIRONMENT
+
+    for name in LAUNCHER_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"ids": list(range(60))}) + "\n")
+    assert cli.main(["--model", str(model_dir), *FLAGS, "--traces", str(traces), "--deepspeed", "zero3"]) == 2
+    line = _refused(capsys)
+    assert line.startswith("calibrate-delta: error: --deepspeed zero3: ZeRO-3 shards the model over the processes a "
+                           "launcher starts") and "`torchrun`" in line and "accelerate launch" in line
+
+
+def test_device_map_without_a_gpu_warns_in_one_line(model_dir, capsys, no_model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--model", str(model_dir), *FLAGS, "--device-map", "auto", "--num-delta", "9"]) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == ("calibrate-delta: warning: --device-map auto spreads a model over GPUs and this machine has "
+                       "none; on the CPU it only slows the run down, so leave --device-map out")
+    assert error.startswith("calibrate-delta: error: --num-delta 9")
+
+
+@pytest.mark.parametrize("target,warned", [("1.0", True), ("0.01", False)])
+def test_auto_keeping_most_layers_full_is_said(model_dir, tmp_path, cache_dir, capsys, target, warned):
+    out = tmp_path / "m.delta.safetensors"
+    argv = ["--model", str(model_dir), "--output", str(out), *FLAGS, "--no-plots", "--select", "recall",
+            "--num-delta", "auto", "--target-recall", target]
+    assert cli.main(argv) == 0
+    chosen = len(RoleManifest.load(out).delta_layers)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    if warned:
+        assert warnings == [f"calibrate-delta: warning: --num-delta auto chose {chosen} of the 3 selectable layers as "
+                            f"Δ-layers to reach --target-recall {float(target)}; Δ-layers run full attention, so "
+                            "little of the model stays sparse; pass a lower --target-recall or a fixed --num-delta"]
+    else:
+        assert chosen == 1 and warnings == []

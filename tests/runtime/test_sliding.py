@@ -94,7 +94,8 @@ def test_calibration_never_picks_a_sliding_layer(model, select):
     assert m.layer_role.tolist() == [0, 0, 1, 0, 0, 1]
     assert m.layer_budget[SLIDING].tolist() == [1.0] * 4  # no budgets: the window is the budget
     assert m.metrics["sliding_layers"] == SLIDING and m.model.sliding_layers == SLIDING
-    with pytest.raises(ValueError, match="num_delta must be in \\[1, 2\\]"):
+    with pytest.raises(ValueError, match=r"--num-delta 3 is more than the 2 layers to select from \(6 layers less 4 "
+                       r"sliding-window\); pass --num-delta N with 1 <= N <= 2"):
         _calibrate(model, num_delta=3, select=select)
 
 

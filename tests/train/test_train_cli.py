@@ -99,3 +99,73 @@ def test_summary_says_how_far_from_converged():
     assert line.startswith("not converged after 20 steps: 90 % of the gates are undecided") and "21.0 heads" in line
     assert "artifacts/smollm2-135m/heads-" in line and "\n" not in line
     assert convergence({**settled, "expected_l0": 10.0}) is not None  # decided gates, but off the target
+
+
+def test_the_progress_bar_ends_on_the_summarys_expected_l0(model_dir, data_file, tmp_path, capsys):
+    """The bar shows E[L0] of the gates after each step, so its last value is the one the summary reports (the log
+    keeps the value each step's λ update used, from before the step)."""
+    import re
+
+    out = tmp_path / "heads.safetensors"
+    assert main(_args(model_dir, data_file, out)) == 0
+    captured = capsys.readouterr()
+    shown = re.findall(r"EL0=([0-9.]+)", captured.err)
+    summary = re.search(r"E\[L0\] ([0-9.]+) \(goal", captured.out).group(1)
+    assert shown and shown[-1] == summary == f"{RoleManifest.load(out).metrics['expected_l0']:.2f}"
+    last = json.loads(out.with_name("heads.log.jsonl").read_text().splitlines()[-1])
+    assert f"{last['expected_l0']:.2f}" != summary  # the last step moved it
+
+
+# ---- refused before the model loads ---------------------------------------------------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import runtime.distributed
+
+    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+
+
+def _refused(capsys) -> str:
+    """The one line a refused run printed last (no traceback)."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys,
+                                                                       no_model):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert main([*_args(model_dir, data_file, tmp_path / "h.safetensors"), "--device", f"cuda:{gpus}"]) == 2
+    assert _refused(capsys).startswith(f"train-heads: error: --device cuda:{gpus}: this machine has ")
+
+
+def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, data_file, tmp_path, capsys, no_model):
+    with pytest.raises(SystemExit) as stop:
+        main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--dtype", "bogus"))
+    assert stop.value.code == 2
+    assert "argument --dtype: invalid choice: 'bogus' (choose from 'bfloat16', 'float16', 'float32')" in _refused(capsys)
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("dtype: bogus\n")
+    assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--config", str(yaml_file))) == 2
+    assert "dtype must be one of bfloat16, float16, float32, got 'bogus'" in _refused(capsys)
+
+
+def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys, no_model,
+                                                                    monkeypatch):
+    from runtime.cli.common import LAUNCHER_ENVIRONMENT
+
+    for name in LAUNCHER_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--deepspeed", "zero3")) == 2
+    line = _refused(capsys)
+    assert line.startswith("train-heads: error: --deepspeed zero3: ZeRO-3 shards the model over the processes a "
+                           "launcher starts") and "`torchrun`" in line and "accelerate launch" in line
+
+
+def test_device_map_without_a_gpu_warns_in_one_line(model_dir, data_file, tmp_path, capsys, no_model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--device-map", "auto", "--target", "9")) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == ("train-heads: warning: --device-map auto spreads a model over GPUs and this machine has none; "
+                       "on the CPU it only slows the run down, so leave --device-map out")
+    assert error.startswith("train-heads: error: target 9 is more than the 2 gated heads")
