@@ -287,6 +287,32 @@ def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir
     assert f"--device cuda:{gpus}: this machine has " in one_line(capsys, f"rolecall {command}")
 
 
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_decode_refuses_an_empty_prompt_before_the_model_loads(model_dir, capsys, no_model, prompt):
+    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", prompt]) == 2
+    assert "--prompt is empty" in one_line(capsys, "rolecall decode")
+
+
+def test_decode_refuses_chat_without_a_template_before_the_model_loads(tmp_path, capsys, no_model):
+    folder = tiny_folder(tmp_path / "base", "llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=CONTEXT)
+    config = folder / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    for extra in folder.glob("chat_template.*"):  # newer tokenizers keep the template in a file of its own
+        extra.unlink()
+    capsys.readouterr()  # saving the folder's progress
+    assert rolecall_main(["decode", "--model", str(folder), "--policy", "full", "--prompt", "hi", "--chat"]) == 2
+    err = one_line(capsys, "rolecall decode")
+    assert "has no chat template" in err and "leave out --chat" in err
+
+
+@pytest.mark.parametrize("flag", ["--samples-per-cell", "--passkey-words"])
+def test_eval_refuses_zero_counts_in_the_flags_words(model_dir, capsys, no_model, flag):
+    assert rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", flag, "0"]) == 2
+    assert f"{flag} must be at least 1, got 0" in one_line(capsys, "rolecall eval")
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--sample", "--temperature", "0"], "--temperature must be > 0 when sampling, got 0.0; leave out --sample for greedy decoding"),
     (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
