@@ -715,8 +715,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.summarize or reasoning or args.measure) and args.device == "cuda" and len(todo) > 1:
         print(f"{len(todo)} cells decode together: each batch is prefilled once for all of them", file=sys.stderr)
         shared = run_together(todo, model, tokenizer, settings, samples, args)
-    bar = tqdm(cells, desc="quality grid", unit="cell")
-    for cell in bar:
+    # On a terminal one bar over the cells, the prompts' bars below it; in a log (no terminal) a line per cell
+    # instead, since a bar below another moves the cursor up with escape codes a log keeps as text.
+    terminal = sys.stderr.isatty()
+    bar = tqdm(cells, desc="quality grid", unit="cell", disable=not terminal)
+    for number, cell in enumerate(bar, 1):
         if cell.name in done:
             rows.append(done[cell.name]["row"])
             continue
@@ -730,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
             {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
         partial_file(out, cell).unlink(missing_ok=True)
         rows.append(row)
+        if not terminal:
+            print(f"quality grid: cell {number}/{len(cells)} {cell.name} done", file=sys.stderr, flush=True)
     bar.close()
     names = [name for name in device_names(rows) if name]  # where the cells ran
     device_name = " and ".join(names) if names else here

@@ -49,12 +49,17 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
             "--delta", str(folder / "delta.safetensors"), "--heads", f"kuma={folder / 'heads.safetensors'}",
             "--lethe", str(folder / "delta.safetensors"), "--vattention-epsilon", "0.5", "--out", str(out)]
     assert quality.main(argv) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     labels = ["full", "delta", "lychee-kuma", "lethe", "vattention", "quest"]
     names = ["full"] + [f"{label}-b{b}" for label in labels[1:] for b in (32, 64)]
     assert sorted(p.stem for p in (out / "cells").glob("*.json")) == sorted(names)
     assert not list((out / "cells").glob("*.partial.jsonl"))  # each batch checkpoint goes once its cell is written
     assert f"{len(names)} cells run, 0 resumed" in printed
+    # not a terminal: a line per cell, no bar moving the cursor up over another
+    done = [line for line in captured.err.splitlines() if line.startswith("quality grid: cell ")]
+    assert len(done) == len(names) and done[-1].startswith(f"quality grid: cell {len(names)}/{len(names)} ")
+    assert "\x1b[A" not in captured.err
 
     summary = json.loads((out / "summary.json").read_text())
     rows = {(r["label"], r["budget"]): r for r in summary["rows"]}
