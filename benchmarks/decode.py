@@ -407,14 +407,13 @@ def crossovers(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n")[0])
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
-    p.add_argument("--contexts", type=ints, default=[4096, 8192, 16384, 32768, 131072])
-    p.add_argument("--batches", type=ints, default=[1, 8])
+    p.add_argument("--contexts", default="4096,8192,16384,32768,131072")
+    p.add_argument("--batches", default="1,8")
     p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, delta-refine "
                    "(two-stage, 4·K candidates), lychee, quest, vattention (on DELTA's roles, samples up to the "
                    "budget), lethe")
-    p.add_argument("--budgets", type=ints, default=[2048], help="tokens read by sparse heads / layers")
+    p.add_argument("--budgets", default="2048", help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")
     p.add_argument("--steps", type=int, default=30, help="timed replays per configuration")
@@ -444,8 +443,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")
     args = p.parse_args(argv)
+    args.contexts = p.counts(args.contexts, "--contexts", "context lengths")
+    args.batches = p.counts(args.batches, "--batches", "batch sizes")
+    args.budgets = p.counts(args.budgets, "--budgets", "token budgets")
+    for flag, low in (("steps", 1), ("warmup", 0), ("retrieval_heads", 0), ("delta_batch", 1), ("delta_budget", 1),
+                      ("delta_prompt", 1), ("real_new", 1), ("real_reps", 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if args.delta_total <= args.delta_prompt:
+        p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
+    if args.min_context is not None and args.min_context < 0:
+        p.error(f"--min-context must be at least 0, got {args.min_context}")
     args.models = [m for m in args.models.split(",") if m]
     args.policies = [x for x in args.policies.split(",") if x]
+    if not args.policies:
+        p.error("--policies takes comma-separated policy names, got none")
     if "full" in args.policies:
         args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first
     for m in args.models:

@@ -579,18 +579,11 @@ def main() -> int:
     parser.check_writable(args.out, "--out")  # written after the timing: refused now if it cannot be
     CALLS_PER_GRAPH = args.calls_per_graph
 
-    def counts(flag: str, value: str, what: str) -> tuple[int, ...]:
-        try:
-            numbers = tuple(int(v) for v in value.split(","))
-        except ValueError:
-            parser.error(f"{flag} takes comma-separated {what}, got {value!r}")
-        if min(numbers) < 1:
-            parser.error(f"{flag} must be at least 1 each, got {value!r}")
-        return numbers
-
-    rows_arg = counts("--rows", args.rows, "row counts") if args.rows else None
-    contexts = counts("--contexts", args.contexts, "context lengths")
-    batches = counts("--batches", args.batches, "batch sizes")
+    rows_arg = tuple(parser.counts(args.rows, "--rows", "row counts")) if args.rows else None
+    contexts = tuple(parser.counts(args.contexts, "--contexts", "context lengths", low=BLOCK))
+    if any(t % BLOCK for t in contexts):
+        parser.error(f"--contexts takes multiples of the {BLOCK}-token blocks the sparse calls read, got {args.contexts!r}")
+    batches = tuple(parser.counts(args.batches, "--batches", "batch sizes"))
     projections = tuple(p.strip() for p in args.projections.split(",") if p.strip())
     unknown = [p for p in projections if p not in PROJECTIONS]
     if unknown:

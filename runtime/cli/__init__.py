@@ -35,6 +35,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (`{self.prog} --help` lists the options)\n")
 
+    def counts(self, value: str | list[int], flag: str, what: str, low: int = 1) -> list[int]:
+        """``value`` (comma-separated, or already a list) as whole numbers of at least ``low``, or a usage error in
+        one line naming ``flag``: what it takes (``what``) and the value given."""
+        try:
+            numbers = [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+        except ValueError:
+            self.error(f"{flag} takes comma-separated {what}, got {value!r}")
+        if not numbers or min(numbers) < low:
+            self.error(f"{flag} takes comma-separated {what} of at least {low} each, got {value!r}")
+        return numbers
+
     def check_writable(self, path: str | None, flag: str) -> None:
         """An output ``path`` given to ``flag`` that is written after the work, refused now as a usage error
         (:func:`runtime.atomic.check_writable`); nothing when the flag was left out."""

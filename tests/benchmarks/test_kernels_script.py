@@ -1,4 +1,5 @@
-"""benchmarks/kernels.py refuses bad shape lists in one line before anything is timed (or a GPU is looked for)."""
+"""benchmarks/kernels.py and benchmarks/decode.py refuse bad shapes and counts in one line before anything is timed (or
+a GPU is looked for)."""
 
 import sys
 
@@ -7,8 +8,11 @@ import pytest
 
 @pytest.mark.parametrize("flags, says", [
     (["--contexts", "32k"], "--contexts takes comma-separated context lengths, got '32k'"),
-    (["--batches", "1,0"], "--batches must be at least 1 each, got '1,0'"),
+    (["--batches", "1,0"], "--batches takes comma-separated batch sizes of at least 1 each, got '1,0'"),
     (["--rows", "8,x"], "--rows takes comma-separated row counts, got '8,x'"),
+    (["--contexts", "4096,100"], "--contexts takes multiples of the 64-token blocks the sparse calls read, got "
+                                 "'4096,100'"),
+    (["--contexts", ","], "--contexts takes comma-separated context lengths of at least 64 each, got ','"),
 ])
 def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, says):
     from benchmarks import kernels
@@ -17,5 +21,24 @@ def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, say
     monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: pytest.fail("looked for a GPU first"))
     with pytest.raises(SystemExit) as done:
         kernels.main()
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and says in err and "\n" not in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--contexts", "a,b"], "--contexts takes comma-separated context lengths, got 'a,b'"),
+    (["--batches", "0"], "--batches takes comma-separated batch sizes of at least 1 each, got '0'"),
+    (["--budgets", "0,2048"], "--budgets takes comma-separated token budgets of at least 1 each, got '0,2048'"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--delta-batch", "0"], "--delta-batch must be at least 1, got 0"),
+    (["--retrieval-heads", "-2"], "--retrieval-heads must be at least 0, got -2"),
+    (["--delta-total", "512"], "--delta-total must be past --delta-prompt (512), got 512"),
+    (["--policies", ","], "--policies takes comma-separated policy names, got none"),
+])
+def test_decode_benchmark_refuses_bad_counts_in_one_line(capsys, flags, says):
+    from benchmarks import decode
+
+    with pytest.raises(SystemExit) as done:
+        decode.parse_args(flags)
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and says in err and "\n" not in err
