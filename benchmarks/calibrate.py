@@ -84,6 +84,7 @@ def main() -> int:
     p.add_argument("--baseline-lengths", default="8192,4096,2048", help="eager output_attentions lengths to try")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    p.check_writable(args.out, "--out", folder=True)  # written after the timing: refused now if it cannot be
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -196,6 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "where the grids have it)")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
+    p.check_writable(args.out, "--out", folder=True)
     bad = [c for c in args.case if "=" not in c]
     if bad:
         p.error(f"--case {bad[0]!r}: expected LABEL=CASE, e.g. lychee-hardkuma=lychee")

@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--large-trace-tokens", type=int, default=8192, help="large: tokens per calibration trace")
     p.add_argument("--limit", type=int, default=LIMIT_S, help="seconds before a command is killed")
     args = p.parse_args(argv)
+    p.check_writable(args.out, "--out", folder=True)
     globals()["LIMIT_S"] = args.limit
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="row labels to show, in this order (default: every row at the budget, in the grid's order)")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
+    p.check_writable(args.out, "--out", folder=True)
     bad = next((g for g in args.grid if "=" not in g or not g.split("=", 1)[0] or not g.split("=", 1)[1]), None)
     if bad is not None:
         p.error(f"--grid {bad!r}: write it as NAME=FOLDER, e.g. 'SmolLM2, 1K-8K=artifacts/smollm2-135m/ruler-grid-h200'")

@@ -649,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    parser.check_writable(args.out, "--out", folder=True)  # the cells are written into it as they finish
     try:
         check_prompt_arguments(args)
     except ValueError as e:

@@ -79,6 +79,8 @@ def main() -> int:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="also profile one step at the longest prompt and write the kernels by GPU time to FILE")
     args = p.parse_args()
+    for flag in ("json", "profile"):  # written after the timing: refused now if they cannot be
+        p.check_writable(getattr(args, flag), f"--{flag}")
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

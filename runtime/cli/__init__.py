@@ -46,14 +46,14 @@ class Parser(argparse.ArgumentParser):
             self.error(f"{flag} takes comma-separated {what} of at least {low} each, got {value!r}")
         return numbers
 
-    def check_writable(self, path: str | None, flag: str) -> None:
-        """An output ``path`` given to ``flag`` that is written after the work, refused now as a usage error
-        (:func:`runtime.atomic.check_writable`); nothing when the flag was left out."""
+    def check_writable(self, path: str | None, flag: str, folder: bool = False) -> None:
+        """An output ``path`` given to ``flag`` that is written after the work (``folder``: a folder written into),
+        refused now as a usage error (:func:`runtime.atomic.check_writable`); nothing when the flag was left out."""
         from runtime.atomic import check_writable
 
         if path:
             try:
-                check_writable(path, flag)
+                check_writable(path, flag, folder=folder)
             except ValueError as e:
                 self.error(str(e))
 
