@@ -55,7 +55,8 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 def check_writable(path: str | os.PathLike, flag: str, folder: bool = False) -> None:
     """Refuse, before any work, an output ``path`` that cannot be written: its folder is made (as the write would
     make it) and a temporary file opened in it and removed. One line naming the flag, the path, why and the fix.
-    With ``folder``, ``path`` is a folder the files are written into (made if missing), not a file."""
+    With ``folder``, ``path`` is a folder the files are written into, not a file; a missing one is not made here
+    (a refused run leaves nothing behind): the nearest folder above it must take a file."""
     path = Path(path)
     if folder and path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path}: a file is there; give the path of a folder")
@@ -64,9 +65,10 @@ def check_writable(path: str | os.PathLike, flag: str, folder: bool = False) -> 
     above = next((p for p in path.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ValueError(f"{flag} {path}: {above} is a file, not a folder; give a path you can write")
-    where = path if folder else path.parent
+    where = (path if path.exists() else above or Path.cwd()) if folder else path.parent
     try:
-        where.mkdir(parents=True, exist_ok=True)
+        if not folder:
+            where.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
