@@ -440,31 +440,28 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
     from runtime.kernels.skinny_linear.naive import Config
     from runtime.kernels.skinny_linear.triton import launch
 
+    def tile_times(x, ws, tiles, gated=None) -> dict[str, float]:
+        """Milliseconds of each ``tl.dot`` tile that fits (``gated``: the gated kernel, no bias)."""
+        times = {}
+        for config in (Config(True, *tile) for tile in tiles):
+            call = lambda w, b, c=config: launch(x, w, None if gated else b, c, gated=gated)  # noqa: E731
+            try:  # compiled outside the graph: a tile that does not fit fails here
+                call(*ws[0])
+            except OutOfResources:
+                continue
+            times[tile_label(config)] = graph_ms(call, Rotating.of(ws))
+        return times
+
     out = []
     for name, n, k, rows, x, ws in projection_cases(rows_list, projections):
         times = {"cublas": graph_ms(lambda w, b, x=x: F.linear(x, w, b), Rotating.of(ws))}
-        configs = [Config(True, *tile) for tile in TILES]
-        configs += [Config(True, *tile) for tile in SPLIT_TILES] if k >= 4 * n else []
-        for config in configs:
-            try:  # compiled outside the graph: a tile that does not fit fails here
-                launch(x, *ws[0], config)
-            except OutOfResources:
-                continue
-            times[tile_label(config)] = graph_ms(lambda w, b, x=x, c=config: launch(x, w, b, c), Rotating.of(ws))
+        times.update(tile_times(x, ws, TILES + (SPLIT_TILES if k >= 4 * n else [])))
         chosen = kernel_config(rows, n, k, shared=max_shared(x))
         row = {"projection": name, "rows": rows, "n": n, "k": k, "times_ms": times,
                "engine_tile": None if chosen is None else tile_label(chosen)}
         if name.endswith("gate_up"):
             row["gated_ms"] = graph_ms(lambda w, b, x=x: gated_linear(x, w, "silu"), Rotating.of(ws))
-            gated_times = {}
-            for config in (Config(True, *tile) for tile in GATED_TILES):
-                try:
-                    launch(x, ws[0][0], None, config, gated="silu")
-                except OutOfResources:
-                    continue
-                gated_times[tile_label(config)] = graph_ms(
-                    lambda w, b, x=x, c=config: launch(x, w, None, c, gated="silu"), Rotating.of(ws))
-            row["gated_tiles_ms"] = gated_times
+            row["gated_tiles_ms"] = tile_times(x, ws, GATED_TILES, gated="silu")
             chosen = kernel_config(rows, n, k, gated=True, shared=max_shared(x))
             row["engine_gated_tile"] = None if chosen is None else tile_label(chosen)
             row["projection_then_activation_ms"] = graph_ms(

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if config.traces:  # read before loading the model, so a bad file fails fast
         traces = read_traces(config.traces, tokenizer)
         data["source"] = f"file:{config.traces}"
-        check_traces(traces[: config.max_traces], config, args.allow_long_context, trust, model_config)
+        check_traces(traces[: config.max_traces], config, model_config, args.allow_long_context)
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
                                           device=None if config.device_map else device, trust_remote_code=trust)
@@ -193,18 +193,14 @@ def _cost(seconds: float, traces: int, device) -> str:
     return line + (f"; peak GPU memory {float(peaks.max()):.2f} GiB per process" if device.type == "cuda" else "")
 
 
-def check_traces(traces: list[list[int]], config, allow_long: bool = False, trust_remote_code: bool = False,
-                 model_config=None) -> None:
-    """Refuse, in one line and before the model loads, a trace with a token id the model has no embedding for
-    or one longer than its context (only a warning with ``allow_long``). ``model_config``: the model's config,
-    when already read."""
+def check_traces(traces: list[list[int]], config, model_config, allow_long: bool = False) -> None:
+    """Refuse, in one line and before the model loads, a trace with a token id the model (its ``model_config``)
+    has no embedding for or one longer than its context (only a warning with ``allow_long``)."""
     from data.tokens import check_token_ids, vocab_size
-    from runtime.models import check_context, context_limit, load_config
+    from runtime.models import check_context, context_limit
 
     if not traces:
         return
-    if model_config is None:
-        model_config = load_config(config.model, trust_remote_code=trust_remote_code)
     check_token_ids(traces, vocab_size(model_config), f"trace {{n}} of {config.traces}")
     longest = max(range(len(traces)), key=lambda i: len(traces[i]))
     check_context(len(traces[longest]), context_limit(model_config, config.model),

@@ -65,7 +65,7 @@ def check_writable(path: str | os.PathLike, flag: str, folder: bool = False) -> 
     above = next((p for p in path.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ValueError(f"{flag} {path}: {above} is a file, not a folder; give a path you can write")
-    where = (path if path.exists() else above or Path.cwd()) if folder else path.parent
+    where = (path if path.exists() else above) if folder else path.parent
     try:
         if not folder:
             where.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,16 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# what `torchrun` and `accelerate launch` set for each process they start, and DeepSpeed reads to join them
+LAUNCHER_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def started_by_launcher() -> bool:
+    """Whether a launcher started this process (its environment is set) or a process group already exists: what
+    DeepSpeed needs to join one without looking for MPI."""
+    return all(name in os.environ for name in LAUNCHER_ENVIRONMENT) or _dist() is not None
+
+
 def init_from_launcher() -> torch.device | None:
     """Join the process group that ``accelerate launch``/``torchrun`` set up; the device of this process.
 

@@ -35,11 +35,11 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (`{self.prog} --help` lists the options)\n")
 
-    def counts(self, value: str | list[int], flag: str, what: str, low: int = 1) -> list[int]:
-        """``value`` (comma-separated, or already a list) as whole numbers of at least ``low``, or a usage error in
-        one line naming ``flag``: what it takes (``what``) and the value given."""
+    def counts(self, value: str, flag: str, what: str, low: int = 1) -> list[int]:
+        """``value``, comma-separated, as whole numbers of at least ``low``, or a usage error in one line naming
+        ``flag``: what it takes (``what``) and the value given."""
         try:
-            numbers = [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+            numbers = [int(v) for v in value.split(",") if v.strip()]
         except ValueError:
             self.error(f"{flag} takes comma-separated {what}, got {value!r}")
         if not numbers or min(numbers) < low:

@@ -10,9 +10,6 @@ from typing import Any
 
 from runtime.models import DEFAULT_MODEL, DTYPES
 
-# what `torchrun` and `accelerate launch` set for each process they start, and DeepSpeed reads to join them
-LAUNCHER_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-
 
 def parse_params(pairs: list[str] | None) -> dict[str, Any]:
     """``["budget=1024", "ratio=0.1", "mode=x"]`` → ``{"budget": 1024, "ratio": 0.1, "mode": "x"}``."""
@@ -186,15 +183,11 @@ def check_placement(prog: str, device_map: str | None, deepspeed: str | None) ->
     config (``--deepspeed``, or accelerate's) in a process no launcher started is refused in one line
     (``ValueError``; DeepSpeed would look for MPI instead), and ``--device-map`` on a machine without a GPU prints
     a one-line warning."""
-    import os
-
     import torch
 
     from runtime import distributed
 
-    launched = all(name in os.environ for name in LAUNCHER_ENVIRONMENT) or (
-        torch.distributed.is_available() and torch.distributed.is_initialized())
-    if not launched and distributed.zero_stage(distributed.deepspeed_config(deepspeed)) >= 3:
+    if not distributed.started_by_launcher() and distributed.zero_stage(distributed.deepspeed_config(deepspeed)) >= 3:
         raise ValueError(f"--deepspeed {deepspeed}: ZeRO-3 shards the model over the processes a launcher starts, "
                          "and this one was started alone; run it under `accelerate launch --config_file "
                          "configs/accelerate/zero3.yaml` or `torchrun`, or leave --deepspeed out")

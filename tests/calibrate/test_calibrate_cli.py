@@ -166,7 +166,7 @@ def test_layer_counts_are_checked_against_the_models_config_before_it_loads(mode
 
 def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model,
                                                                      monkeypatch):
-    from runtime.cli.common import LAUNCHER_ENVIRONMENT
+    from runtime.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)

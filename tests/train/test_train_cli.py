@@ -152,7 +152,7 @@ def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, data_file, tmp_
 
 def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys, no_model,
                                                                     monkeypatch):
-    from runtime.cli.common import LAUNCHER_ENVIRONMENT
+    from runtime.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)

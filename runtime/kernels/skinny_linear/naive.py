@@ -93,16 +93,17 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
 def _measured_config(rows: int, n: int, k: int, itemsize: int, gated: bool) -> Config | None:
     if rows > MAX_ROWS or rows < 1:
         return None
+    long_narrow = k >= 4 * n and n < 2048  # few feature tiles (the 1.5B's down): K split over programs
     if rows > TILE_ROWS:
         if rows <= 2 * TILE_ROWS or itemsize != 2:  # float32 tiles of 64 rows missed float32's accuracy on an H100
             return None
         if gated:
             return Config(True, 64, 128 // itemsize, 4, 4) if n >= 8 * k else None
-        if k >= 4 * n and n < 2048:  # long and narrow (the 1.5B's down): K split over 2 programs
+        if long_narrow:  # over 2 programs
             return Config(True, 32, 512 // itemsize, 4, 4, 2)
         small = n <= 2 * k and n * k * itemsize <= 8 << 20  # a small q/k/v or o (the 1.5B's)
         return Config(True, 16, 512 // itemsize, 4, 4) if small else None
-    if k >= 4 * n and n < 2048:  # long and narrow, few feature tiles: split K
+    if long_narrow:  # over 8 programs
         return Config(True, 32, 256 // itemsize, 4, 4, 8)
     dot = Config(True, 32, 1024 // itemsize, 4, 4)
     if k >= 4 * n:  # long and narrow (7B's down projection)
