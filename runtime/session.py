@@ -14,6 +14,7 @@ policy, so policies see, and hand selections between, the full-attention layers 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -89,6 +90,7 @@ class Session:
         # Sliding-window layers keep their own attention under every policy: their window is their budget.
         self.dense_layers = set(sliding_layers(config))
         self.scratch: dict[str, Any] = {}
+        self.spread = len({p.device for p in model.parameters()}) > 1  # a device map spread the model (see _on)
         self.cache_layers: dict[int, Any] = {}  # layer -> the evicting cache layer that served it last
         self.stats = LayerStats(self.num_layers)
         self.record_recall, self.record_error = record_recall, record_error
@@ -136,6 +138,11 @@ class Session:
             return "engine='reference' was asked for"
         if self.engine == "auto" and self.model.device.type != "cuda":
             return "the model is not on a CUDA device"
+        from runtime.engine.weights import placement_problem
+
+        misplaced = placement_problem(self.model)
+        if misplaced:
+            return misplaced
         if self.record_recall or self.record_error:
             return "recording recall or error needs the measuring path"
         if self._engine_misfit:
@@ -236,13 +243,24 @@ class Session:
         keep_logical = keep_mask(attention_mask, 1, logical, query.device)[:, 0, -1, :].expand(b, logical)  # [B, T]
         keep = keep_logical.gather(1, cache_layer.positions) if cache_layer is not None else keep_logical
         q = query[:, :, 0, :]  # [B, Hq, D]
-        step = Step(layer, q, key, value, keep, scale, self.scratch, cache_layer)
-        plan: Plan = self.policy.plan(step)
-        mask = plan.key_mask if plan.key_mask is not None else keep
-        out, _ = sparse_decode_attention(q, key, value, plan.indices, scale=scale, block_size=plan.block_size,
-                                         log_weights=plan.log_weights, key_mask=mask)  # [B, Hq, D]
-        self._record(layer, step, plan, mask, out, keep_logical.sum())
+        with self._on(key.device):
+            step = Step(layer, q, key, value, keep, scale, self.scratch, cache_layer)
+            plan: Plan = self.policy.plan(step)
+            mask = plan.key_mask if plan.key_mask is not None else keep
+            out, _ = sparse_decode_attention(q, key, value, plan.indices, scale=scale, block_size=plan.block_size,
+                                             log_weights=plan.log_weights, key_mask=mask)  # [B, Hq, D]
+            self._record(layer, step, plan, mask, out, keep_logical.sum())
         return out[:, None].to(query.dtype), None  # [B, 1, Hq, D]
+
+    def _on(self, device: torch.device):
+        """Where a device map spread the model: the layer's GPU made current (the Triton kernels launch on the
+        current one), and what earlier layers left in the scratch moved to it. Elsewhere nothing to do."""
+        if not self.spread:
+            return contextlib.nullcontext()
+        for name, held in self.scratch.items():
+            if isinstance(held, torch.Tensor) and held.device != device:
+                self.scratch[name] = held.to(device)
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def _record(self, layer: int, step: Step, plan: Plan, mask: torch.Tensor, out: torch.Tensor,
                 available: torch.Tensor) -> None:

@@ -287,6 +287,28 @@ def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir
     assert f"--device cuda:{gpus}: this machine has " in one_line(capsys, f"rolecall {command}")
 
 
+@pytest.mark.parametrize("extra,says", [
+    (["decode", "--prompt", "hi", "--device", "cpu"], "--device-map auto places the model itself; leave --device cpu out"),
+    (["eval", "--batch-size", "4"], "--batch-size 4: --device-map runs the transformers path, which decodes one prompt "
+                                    "at a time"),
+    (["eval", "--suite", "reasoning"], "--suite reasoning runs on the engine, which runs a model on one GPU; leave "
+                                       "--device-map auto out"),
+])
+def test_a_device_map_the_command_cannot_use_is_refused_before_the_model_loads(model_dir, capsys, no_model, extra,
+                                                                               says):
+    command = extra[0]
+    assert rolecall_main([*extra, "--model", str(model_dir), "--policy", "full", "--device-map", "auto"]) == 2
+    assert says in one_line(capsys, f"rolecall {command}")
+
+
+def test_decode_with_a_device_map_runs_the_transformers_path(model_dir, capsys):
+    """A model placed by --device-map (here all of it on the CPU) decodes on the transformers path."""
+    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "hi", "--device-map",
+                          "cpu", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "[transformers path on --device-map cpu: " in err and ", 3 generated" in err
+
+
 @pytest.mark.parametrize("prompt", ["", "   "])
 def test_decode_refuses_an_empty_prompt_before_the_model_loads(model_dir, capsys, no_model, prompt):
     assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", prompt]) == 2

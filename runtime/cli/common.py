@@ -70,6 +70,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         "run on the engine (static cache, CUDA graphs)")
     parser.add_argument("--dtype", default=None, choices=DTYPES,
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--device-map", default=None, metavar="MAP",
+                        help="'auto' spreads a model too large for one GPU over every visible GPU (from_pretrained's "
+                        "device_map; also balanced, sequential or a device); it then decodes on the transformers "
+                        "path, since the engine runs a model on one GPU")
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int, alphabet: str, limit: int) -> None:
@@ -139,6 +143,8 @@ def _one_at_a_time(args: argparse.Namespace) -> str | None:
     before the prompts are built."""
     if getattr(args, "measure", False):
         return "--measure runs the transformers path"
+    if getattr(args, "device_map", None):
+        return "--device-map runs the transformers path"
     engine = parse_params(getattr(args, "param", None)).get("engine", "auto")
     if engine == "reference":
         return "-p engine=reference runs the transformers path"
@@ -166,6 +172,29 @@ def chosen_device(args: argparse.Namespace) -> str:
         have = f"{count} CUDA device(s)" if count else "no CUDA device (or a torch built without CUDA)"
         raise ValueError(f"--device {wanted}: this machine has {have}; use --device cpu or leave --device out")
     return wanted
+
+
+def check_device_map(args: argparse.Namespace, prog: str) -> None:
+    """``--device-map`` with ``--device`` is refused in one line (``ValueError``); without a GPU it warns."""
+    if not args.device_map:
+        return
+    if args.device:
+        raise ValueError(f"--device-map {args.device_map} places the model itself; leave --device {args.device} out")
+    check_placement(prog, args.device_map, None)
+
+
+def load_placed(args: argparse.Namespace):
+    """The model in ``--dtype`` (bf16 on a GPU, else fp32), on ``--device`` (default cuda when there is one) or
+    where ``--device-map`` puts it; ``--rope-theta`` where the command has it."""
+    import torch
+
+    from runtime.models import load_model
+
+    device = chosen_device(args)
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code,
+                       rope_theta=getattr(args, "rope_theta", None), device_map=args.device_map)
+    return model if args.device_map else model.to(device)
 
 
 def eval_settings(args: argparse.Namespace):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.cli.common import add_common, chosen_device, policy_inputs
+from runtime.cli.common import add_common, check_device_map, chosen_device, load_placed, policy_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from runtime.engine.sampling import Sampling
-    from runtime.models import load_config, load_model, load_tokenizer
+    from runtime.models import load_config, load_tokenizer
     from runtime.session import attach
 
     class TimedStreamer(TextStreamer):
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(text) from None
     trust = args.trust_remote_code
     device = chosen_device(args)
+    check_device_map(args, "rolecall decode")
     # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
     # weights load
     params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=trust))
@@ -96,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     if not ids.shape[1]:
         raise ValueError(f"--prompt {args.prompt!r} is no token at all for this tokenizer; give some text")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=trust).to(device)
-    ids = ids.to(device)
+    model = load_placed(args)
+    ids = ids.to(model.device)
+    if args.device_map:
+        device = f"--device-map {args.device_map}"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if args.layers:
         params["record_recall"] = True  # per-layer statistics come from the measuring (transformers) path

@@ -9,9 +9,11 @@ from runtime.atomic import check_writable, write_text
 from runtime.cli.common import (
     add_common,
     add_prompt_arguments,
+    check_device_map,
     check_prompt_arguments,
     chosen_device,
     eval_settings,
+    load_placed,
     policy_inputs,
 )
 
@@ -22,18 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the full result here")
     parser.add_argument("--measure", action="store_true", help="also measure per-layer attention recall and keys "
                         "read (runs the slower transformers path)")
-
-def load_for_eval(args: argparse.Namespace):
-    """The model on ``--device`` (default cuda when there is one) in ``--dtype`` (bf16 on cuda, else fp32)."""
-    import torch
-
-    from runtime.models import load_model
-
-    device = chosen_device(args)
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code,
-                      rope_theta=getattr(args, "rope_theta", None)).to(device)
-
 
 def write_json(path: str | None, result: dict) -> None:
     if path:
@@ -55,7 +45,7 @@ def run_reasoning(args: argparse.Namespace) -> int:
 
     params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=args.trust_remote_code))
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    model = load_for_eval(args)
+    model = load_placed(args)
     result = fidelity(model, tokenizer, manifest, args.policy, params, source=args.reasoning_source, limit=args.limit,
                       max_new_tokens=args.max_new_tokens)
     result["model"], result["manifest"] = args.model, args.manifest
@@ -70,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_prompt_arguments(args)
     chosen_device(args)  # a device this machine does not have: refused before anything is built or loaded
+    if args.suite == "reasoning" and args.device_map:
+        raise ValueError(f"--suite reasoning runs on the engine, which runs a model on one GPU; leave --device-map "
+                         f"{args.device_map} out")
+    check_device_map(args, "rolecall eval")
     if args.json:
         check_writable(args.json, "--json")  # the results are written at the end: refused now if they cannot be
     if args.suite == "reasoning":
@@ -92,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         longest = max(len(s["input_ids"]) for s in samples)
         check_context(longest + new, **fit, what=f"the longest prompt of {args.prompts} ({longest} tokens) plus "
                       f"--max-new-tokens {new}", fix="shorten the prompts or lower --max-new-tokens")
-    model = load_for_eval(args)
+    model = load_placed(args)
     result = evaluate(model, tokenizer, manifest, args.policy, params, settings, samples=samples,
                       measure=args.measure, batch_size=args.batch_size)
     result["model"] = args.model

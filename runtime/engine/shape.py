@@ -130,6 +130,11 @@ def unsupported(config: Any) -> str | None:
         return "the engine does not implement attention logit soft-capping"
     if kind == "gemma3_text" and getattr(c, "use_bidirectional_attention", False):
         return "the engine decodes causal models only"
+    quantized = getattr(getattr(config, "config", config), "quantization_config", None) or getattr(
+        c, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        return f"the engine reads unquantized weights, and this model is quantized ({getattr(method, 'value', method)})"
     return None
 
 

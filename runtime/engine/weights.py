@@ -85,6 +85,9 @@ class Weights:
         """The weights of a transformers causal LM of a supported family, with RoPE tables for ``positions``
         positions (default: the model's ``max_position_embeddings``)."""
         shape = ModelShape.from_config(model.config)
+        misplaced = placement_problem(model)
+        if misplaced:
+            raise ValueError(misplaced)
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         off = shape.norm_offset
 
@@ -133,6 +136,18 @@ class Weights:
             layers.append(replace(lw, wqkv=_permute_qkv(lw.wqkv, p, s), wo=wo,
                                   bqkv=None if lw.bqkv is None else _permute_qkv(lw.bqkv, p, s)))
         return replace(self, layers=layers)
+
+
+def placement_problem(model: torch.nn.Module) -> str | None:
+    """Why the engine cannot take ``model``'s weights where they are (one line), or None: the engine runs on one
+    device and reads every weight there, so a model that a device map spread over GPUs, or offloaded in part to
+    the CPU or the disk, decodes on the transformers path."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if "meta" in devices:
+        return "part of the model is offloaded (a device map's disk offload); the engine needs every weight on one GPU"
+    if len(devices) > 1:
+        return f"a device map spread the model over {', '.join(devices)}; the engine runs a model on one device"
+    return None
 
 
 def _tables(inv_freq: torch.Tensor, count: int, dtype: torch.dtype, scaling: float = 1.0):

@@ -3,7 +3,9 @@ sampling, stopping, the short-context fallback, attach()'s restoration and the e
 
 from __future__ import annotations
 
+import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import runtime.engine as engine
 from runtime import attach
 from runtime.engine import Generation, Sampling, Weights, default_min_context, unsupported
 from runtime.engine.sampling import Sampler, filtered_logits
+from runtime.engine.weights import placement_problem
 from runtime.manifest import ModelIdentity, RoleManifest
 from runtime.policies import PolicyError, get_policy
 from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
@@ -616,12 +619,69 @@ def test_unsupported_configs():
         "MLP bias": LlamaConfig(mlp_bias=True),
         "relu": LlamaConfig(hidden_act="relu"),
         "dynamic": LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "quantized (bitsandbytes)": LlamaConfig(quantization_config={"quant_method": "bitsandbytes",
+                                                                      "load_in_4bit": True}),
     }
     for word, config in cases.items():
         why = unsupported(config)
         assert isinstance(why, str) and why and "\n" not in why and word in why, (word, why)
     with pytest.raises(NotImplementedError, match="MLP bias"):
         engine.ModelShape.from_config(LlamaConfig(mlp_bias=True))
+
+
+def test_a_model_spread_over_devices_or_offloaded_stays_off_the_engine():
+    """The engine reads every weight on one device: a device map's spread or disk offload keeps a request on the
+    transformers path (one line saying why), and taking such a model's weights is refused."""
+    model = model_of("llama")
+    assert placement_problem(model) is None
+    spread = SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(f"cuda:{i}")) for i in (1, 0, 1)])
+    assert placement_problem(spread) == ("a device map spread the model over cuda:0, cuda:1; the engine runs a model "
+                                         "on one device")
+    ids, mask = left_padded(prompts())
+    with torch.device("meta"):
+        offloaded = torch.nn.Linear(4, 4)
+    model.model.layers[1].mlp.down_proj = offloaded  # what accelerate leaves in a module offloaded to the disk
+    why = placement_problem(model)
+    assert why and "offloaded" in why
+    with pytest.raises(ValueError, match="offloaded"):
+        Weights.from_model(model)
+    with attach(model, None, "full", engine="static") as s:
+        assert s.engine_reason({"input_ids": ids}) == why
+        with pytest.raises(PolicyError, match="offloaded"):
+            s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("policy", ["delta", "delta-per-head", "lychee", "quest", "vattention-delta", "lethe"])
+def test_a_model_spread_over_two_gpus_decodes_as_on_one(policy, capsys):
+    """A device map puts layers 0-1 on one GPU and 2-3 on another, so the pages a Δ-layer picks and the sets a
+    lychee head hands on cross to the other GPU: every policy gives the tokens it gives the model on one GPU."""
+    from accelerate import dispatch_model
+
+    model = model_of("llama")
+    name = policy.split("-")[0]
+    manifest = manifest_of(model, policy)
+    ids, mask = left_padded(prompts())
+    whole = copy.deepcopy(model).to("cuda:0")
+    placement = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                 "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
+    spread = dispatch_model(model, device_map=placement)
+    kwargs = dict(min_context=0, **PARAMS[policy])
+    with attach(whole, manifest, name, engine="reference", **kwargs) as s:
+        one = s.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **GREEDY)
+        read_one = s.summary()["attended_fraction"]
+    current = []  # (the current GPU, the layer's GPU) at each decode step's plan: the kernels launch on the first
+    with attach(spread, manifest, name, **kwargs) as s:
+        assert s.engine_reason({"input_ids": ids}).startswith("a device map spread the model over cuda:0, cuda:1")
+        plan = s.policy.plan
+        s.policy.plan = lambda step: (current.append((torch.cuda.current_device(), step.key.device.index)),
+                                      plan(step))[1]
+        two = s.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **GREEDY)
+        read_two = s.summary()["attended_fraction"]
+    assert "decoding on the transformers path (a device map spread the model" in capsys.readouterr().err
+    assert torch.equal(one, two.to(one.device)) and 0 < read_two == read_one < 1
+    assert {layer for _, layer in current} == {0, 1} and all(gpu == layer for gpu, layer in current)
 
 
 def test_auto_runs_the_reference_path_on_cpu_and_static_the_engine():
