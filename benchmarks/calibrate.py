@@ -11,6 +11,7 @@ CUDA-synchronised, the first trace of each phase is a warm-up and left out; the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import at_least  # noqa: E402
 from calibrate.config import resolve  # noqa: E402
 from calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
@@ -72,19 +74,39 @@ def timed_forwards(model, traces, device, fn, budget_s: float) -> tuple[list[flo
     return times, len(times)
 
 
-def main() -> int:
-    p = Parser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen-14b")
     p.add_argument("--traces", type=int, default=32)
-    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--length", type=int, default=8192, help="tokens per trace")
     p.add_argument("--stride", type=int, default=64)
     p.add_argument("--min-context", type=int, default=1024)
     p.add_argument("--query-block", type=int, default=32)
     p.add_argument("--budget-s", type=float, default=240.0, help="stop a phase after this many seconds and scale")
-    p.add_argument("--baseline-lengths", default="8192,4096,2048", help="eager output_attentions lengths to try")
+    p.add_argument("--baseline-lengths", default=None,
+                   help="eager output_attentions lengths to try, comma-separated, each at most --length (default: "
+                        "--length, a half and a quarter of it)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     p.check_writable(args.out, "--out", folder=True)  # written after the timing: refused now if it cannot be
+    at_least(p, args, traces=1, length=1, stride=1, min_context=0, query_block=1)
+    if args.min_context >= args.length:
+        p.error(f"--min-context must be below --length ({args.length}): queries are recorded from that position on, "
+                f"got {args.min_context}")
+    if not args.budget_s > 0:
+        p.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    if args.baseline_lengths is None:
+        args.baseline_lengths = [n for n in (args.length, args.length // 2, args.length // 4) if n]
+    else:
+        given = args.baseline_lengths
+        args.baseline_lengths = p.counts(given, "--baseline-lengths", "lengths")
+        if max(args.baseline_lengths) > args.length:
+            p.error(f"--baseline-lengths takes lengths of at most --length ({args.length}) each, got {given!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -132,7 +154,7 @@ def main() -> int:
     }
 
     baseline = []
-    for length in [int(x) for x in args.baseline_lengths.split(",") if x]:
+    for length in args.baseline_lengths:
         model.set_attn_implementation("eager")
         reset_peak(device)
         entry = {"length": length}

@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
@@ -446,14 +447,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.contexts = p.counts(args.contexts, "--contexts", "context lengths")
     args.batches = p.counts(args.batches, "--batches", "batch sizes")
     args.budgets = p.counts(args.budgets, "--budgets", "token budgets")
-    for flag, low in (("steps", 1), ("warmup", 0), ("retrieval_heads", 0), ("delta_batch", 1), ("delta_budget", 1),
-                      ("delta_prompt", 1), ("real_new", 1), ("real_reps", 1)):
-        if getattr(args, flag) < low:
-            p.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    at_least(p, args, steps=1, warmup=0, retrieval_heads=0, delta_batch=1, delta_budget=1, delta_prompt=1,
+             delta_samples=(2, "the first and the last length"), min_context=0, real_new=1, real_prefill=1,
+             real_reps=1)
     if args.delta_total <= args.delta_prompt:
         p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
-    if args.min_context is not None and args.min_context < 0:
-        p.error(f"--min-context must be at least 0, got {args.min_context}")
     args.models = [m for m in args.models.split(",") if m]
     args.policies = [x for x in args.policies.split(",") if x]
     if not args.policies:
@@ -477,10 +475,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.min_context = default_min_context("delta", args.delta_batch, args.delta_budget)
     if args.smoke and args.timeline:
         p.error("--timeline records GPU kernels; --smoke runs on the CPU, so there is nothing to record")
-    if any(n < 1 for n in args.real_prefill):
-        p.error(f"--real-prefill: every length must be at least 1 token, got {args.real_prefill}")
-    if args.delta_samples < 2:
-        p.error("--delta-samples must be at least 2 (the first and the last length)")
     for flag in ("out", "profile", "timeline"):  # written after minutes of timing: refused now if they cannot be
         p.check_writable(getattr(args, flag), f"--{flag}")
     return args

@@ -22,7 +22,6 @@ intervals as independent errors; none outside the reference's measured range.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -30,10 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import save_figure, write_report  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
+from benchmarks.report import at_least, grid_summary, read_report, save_figure, write_report  # noqa: E402
+from runtime.cli import Parser, run_reporting_errors  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
+PROG = Path(__file__).name
 Z = 1.959964
 
 
@@ -41,11 +41,10 @@ def load_rows(grids: list[str], task: str | None) -> list[dict[str, Any]]:
     """Rows of every grid, ``{label, policy, budget, params, manifest, score, interval, n, keys, prompts}``;
     where a (label, budget) repeats, the row with the most prompts."""
     best: dict[tuple[str, Any], dict[str, Any]] = {}
+    tasks: set[str] = set()
     for folder in grids:
-        path = Path(folder) / "summary.json"
-        if not path.exists():
-            raise SystemExit(f"--grid {folder}: no summary.json there; run benchmarks/quality.py into it first")
-        for r in json.loads(path.read_text())["rows"]:
+        for r in grid_summary(folder, "--grid")["rows"]:
+            tasks.update(r.get("tasks") or {})
             cell = r["score"] if task is None else r.get("tasks", {}).get(task)
             if cell is None:
                 continue
@@ -57,7 +56,11 @@ def load_rows(grids: list[str], task: str | None) -> list[dict[str, Any]]:
             if key not in best or best[key]["n"] < row["n"]:
                 best[key] = row
     if not best:
-        raise SystemExit(f"no rows{f' for task {task!r}' if task else ''} in {', '.join(grids)}")
+        if task is not None:
+            raise ValueError(f"--task {task}: no scored row of that task in {', '.join(grids)}; their tasks: "
+                             f"{', '.join(sorted(tasks)) or 'none'}")
+        raise ValueError(f"--grid {' '.join(grids)}: no scored rows in their summary.json; run the grid to the end "
+                         "with benchmarks/quality.py first")
     return sorted(best.values(), key=lambda r: (r["label"], r["budget"] or 0))
 
 
@@ -77,12 +80,13 @@ def attach_tpot(rows: list[dict[str, Any]], decode: list[str], context: int, bat
                 cases: dict[str, str]) -> dict:
     """Sets each row's ``tpot_ms`` (None where no decode JSON has such a case; a later file's figure wins);
     returns the header of the first file."""
-    files = [json.loads(Path(f).read_text()) for f in decode]
+    files = [read_report(Path(f), "--decode", "give a JSON that benchmarks/decode.py wrote (its --out)")
+             for f in decode]
     tpot = {(d["policy"], d["budget"]): d["tpot_ms"] for data in files for d in data["rows"]
             if d.get("context") == context and d.get("batch") == batch and "tpot_ms" in d}
     if not tpot:
         have = sorted({(d["context"], d["batch"]) for data in files for d in data["rows"]})
-        raise SystemExit(f"--decode {' '.join(decode)}: no rows at --context {context} --batch {batch}; "
+        raise ValueError(f"--decode {' '.join(decode)}: no rows at --context {context} --batch {batch}; "
                          f"they have {have}")
     data = files[0]
     for r in rows:
@@ -183,7 +187,7 @@ def plot(rows: list[dict[str, Any]], header: dict | None, title: str, path: Path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", nargs="+", required=True, help="benchmarks/quality.py output folders")
     p.add_argument("--task", default=None, help="one task of the suite (default: every task and length pooled)")
     p.add_argument("--decode", nargs="+", default=None, help="benchmarks/decode.py JSONs for the TPOT panel")
@@ -197,6 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
     p.check_writable(args.out, "--out", folder=True)
+    at_least(p, args, context=1, batch=1)
     bad = [c for c in args.case if "=" not in c]
     if bad:
         p.error(f"--case {bad[0]!r}: expected LABEL=CASE, e.g. lychee-hardkuma=lychee")
@@ -204,26 +209,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     rows = load_rows(args.grid, args.task)
     header = attach_tpot(rows, args.decode, args.context, args.batch, args.cases) if args.decode else None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    first = json.loads((Path(args.grid[0]) / "summary.json").read_text())
-    title = f"{first['model']}: {args.task or 'all tasks and lengths'}, score against cost"
-    plot(rows, header, title, out / "frontier.png")
     labels = {r["label"] for r in rows if r["budget"] is not None}
     if args.reference is not None and args.reference not in labels:
-        raise SystemExit(f"--reference {args.reference}: no row of that label with a budget in the grids; choose "
+        raise ValueError(f"--reference {args.reference}: no row of that label with a budget in the grids; choose "
                          f"from {', '.join(sorted(labels))}")
     args.reference = args.reference or "quest"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = grid_summary(args.grid[0], "--grid").get("model")
+    plot(rows, header, f"{model}: {args.task or 'all tasks and lengths'}, score against cost", out / "frontier.png")
     equal_keys(rows, args.reference)
     for r in rows:
         r.pop("scores")
     write_report(out, "frontier", {"task": args.task, "decode": header, "reference": args.reference, "rows": rows},
                  format_table(rows, args.reference))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Refusals in one line, exit status 2: bad flags from the parser, unusable grids and decode files from the
+    run."""
+    return run_reporting_errors(PROG, run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
@@ -571,8 +572,7 @@ def main() -> int:
     parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
                         help="calls captured in each timed CUDA graph (at least one per rotating copy; 1: one a copy)")
     args = parser.parse_args()
-    if args.calls_per_graph < 1:
-        parser.error(f"--calls-per-graph must be at least 1, got {args.calls_per_graph}")
+    at_least(parser, args, calls_per_graph=1)
     parser.check_writable(args.out, "--out")  # written after the timing: refused now if it cannot be
     CALLS_PER_GRAPH = args.calls_per_graph
 

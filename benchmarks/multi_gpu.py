@@ -39,6 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.report import at_least  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-14B's architecture (Qwen2.5-14B)
@@ -56,6 +57,7 @@ LLAMA_70B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
                  bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
 
 LIMIT_S = 300  # per command; --limit
+MIN_CONTEXT = 256  # calibrate-delta's --min-context: it records query positions from this one on
 
 
 def _env() -> dict[str, str]:
@@ -175,7 +177,7 @@ def random_dataset(path: Path, samples: int, prompt: int, vocab: int, seed: int 
 
 def part_calibrate(args, out: Path) -> dict[str, Any]:
     traces = traces_file(out / "traces.jsonl", args.model, args.traces, args.trace_tokens)
-    common = ["--model", args.model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", "256"]
+    common = ["--model", args.model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", str(MIN_CONTEXT)]
     one = launch("calibrate-1", "calibrate", [*common, "--output", str(out / "cal1.safetensors")], out)
     two = launch("calibrate-2", "calibrate", [*common, "--output", str(out / "cal2.safetensors")], out, 2, "multi_gpu")
     return {"runs": [one, two], **_compare_manifests(out / "cal1.safetensors", out / "cal2.safetensors")}
@@ -296,7 +298,7 @@ def part_large(args, out: Path) -> dict[str, Any]:
     traces.write_text("".join(json.dumps({"ids": torch.randint(0, LLAMA_70B["vocab_size"], (args.large_trace_tokens,),
                                                                 generator=g).tolist()}) + "\n"
                               for _ in range(args.large_traces)))
-    calibrate = [*model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", "256"]
+    calibrate = [*model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", str(MIN_CONTEXT)]
     for name, processes, extra in (("zero3", gpus, []), ("device-map", 1, ["--device-map", "auto"])):
         run = launch(f"large-calibrate-{name}", "calibrate",
                      [*calibrate, *extra, "--output", str(out / f"large-{name}.safetensors")], out,
@@ -312,12 +314,15 @@ def part_large(args, out: Path) -> dict[str, Any]:
     return {"runs": runs, **result}
 
 
+PARTS = {"calibrate": part_calibrate, "ddp": part_ddp, "zero3": part_zero3, "large": part_large}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(description=__doc__.split("\n")[0])
+    p = Parser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a real model for calibration and DDP training")
     p.add_argument("--model-name", help="name recorded in the manifests")
     p.add_argument("--out", default="benchmarks/results/multi_gpu")
-    p.add_argument("--parts", default="calibrate,ddp,zero3")
+    p.add_argument("--parts", default="calibrate,ddp,zero3", help=f"comma-separated: {', '.join(PARTS)}")
     p.add_argument("--traces", type=int, default=8)
     p.add_argument("--trace-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30, help="DDP comparison steps")
@@ -332,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=LIMIT_S, help="seconds before a command is killed")
     args = p.parse_args(argv)
     p.check_writable(args.out, "--out", folder=True)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown or not parts:
+        p.error(f"--parts: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; known: {', '.join(PARTS)}")
+    tokens = (MIN_CONTEXT + 1, f"calibrate-delta records from position {MIN_CONTEXT} on")
+    at_least(p, args, traces=1, trace_tokens=tokens, steps=(2, "a 1-GPU run resumes the half-way checkpoint"),
+             warmup=0, zero3_steps=(3, "the resumed runs continue from the step-2 checkpoint"), zero3_prompt=1,
+             prompt_lengths=1, large_lengths=1, large_steps=1, large_traces=1, large_trace_tokens=tokens, limit=1)
+    if args.warmup >= args.steps:
+        p.error(f"--warmup must be below --steps ({args.steps}): the steps after it are timed, got {args.warmup}")
     globals()["LIMIT_S"] = args.limit
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -339,10 +354,9 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                               "gpus": torch.cuda.device_count(), "torch": torch.__version__}
-    for part in args.parts.split(","):
+    for part in parts:
         print(f"[{part}]", flush=True)
-        result[part] = {"calibrate": part_calibrate, "ddp": part_ddp, "zero3": part_zero3,
-                        "large": part_large}[part](args, out)
+        result[part] = PARTS[part](args, out)
         (out / "multi_gpu.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result, indent=1, default=str))
     return 0

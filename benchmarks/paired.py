@@ -17,25 +17,18 @@ Writes ``paired.png``, ``paired.json`` and ``PAIRED.md`` (the table it prints).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import pairable_scores, save_figure, write_report  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
+from benchmarks.report import at_least, grid_summary, pairable_scores, save_figure, write_report  # noqa: E402
+from runtime.cli import Parser, run_reporting_errors  # noqa: E402
 from runtime.eval.stats import paired_difference  # noqa: E402
 
+PROG = Path(__file__).name
 BAND = 1.0  # points: "within one point of full"
-
-
-def load_grid(name: str, folder: str) -> list[dict[str, Any]]:
-    path = Path(folder) / "summary.json"
-    if not path.exists():
-        raise SystemExit(f"--grid {name}={folder}: no summary.json there; run benchmarks/quality.py into it first")
-    return json.loads(path.read_text())["rows"]
 
 
 def _shown(folder: str) -> str:
@@ -57,11 +50,11 @@ def compare(name: str, rows: list[dict[str, Any]], budget: int, labels: list[str
     """One grid's comparison: per row at ``budget`` its score and its paired differences to full and to Quest."""
     full = next((r for r in rows if r["policy"] == "full" and pairable_scores(r)), None)
     if full is None:
-        raise SystemExit(f"--grid {name}: no full-attention row with per-prompt scores to compare against")
+        raise ValueError(f"--grid {name}: no full-attention row with per-prompt scores to compare against")
     at = {r["label"]: r for r in rows if r["budget"] == budget and pairable_scores(r)}
     if not at:
         have = sorted({r["budget"] for r in rows if r["budget"] is not None})
-        raise SystemExit(f"--grid {name}: no row at --budget {budget}; it has budgets {have}")
+        raise ValueError(f"--grid {name}: no row at --budget {budget}; it has budgets {have}")
     quest = next((r for r in at.values() if r["policy"] == "quest"), None)
     if labels is None:
         picked = list(at)
@@ -71,7 +64,7 @@ def compare(name: str, rows: list[dict[str, Any]], budget: int, labels: list[str
     for label in picked:
         r = at[label]
         if len(r["scores"]) != len(full["scores"]):
-            raise SystemExit(f"--grid {name}: row {label} has {len(r['scores'])} prompts and full "
+            raise ValueError(f"--grid {name}: row {label} has {len(r['scores'])} prompts and full "
                              f"{len(full['scores'])}; a paired comparison needs the same prompts")
         vs_full = _points(r["scores"], full["scores"])
         vs_quest = None if quest is None or quest is r else _points(r["scores"], quest["scores"])
@@ -136,7 +129,7 @@ def plot(grids: list[dict[str, Any]], budget: int, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", action="append", required=True, metavar="NAME=FOLDER",
                    help="a benchmarks/quality.py output folder and the name of its panel, repeatable")
     p.add_argument("--budget", type=int, default=1024, help="the budget compared (default 1024)")
@@ -148,17 +141,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = next((g for g in args.grid if "=" not in g or not g.split("=", 1)[0] or not g.split("=", 1)[1]), None)
     if bad is not None:
         p.error(f"--grid {bad!r}: write it as NAME=FOLDER, e.g. 'SmolLM2, 1K-8K=artifacts/smollm2-135m/ruler-grid-h200'")
-    if args.budget < 1:
-        p.error(f"--budget must be at least 1, got {args.budget}")
+    at_least(p, args, budget=1)
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     named = [g.split("=", 1) for g in args.grid]
-    grids = [compare(name, load_grid(name, folder), args.budget, args.rows) for name, folder in named]
+    grids = [compare(name, grid_summary(folder, f"--grid {name}")["rows"], args.budget, args.rows)
+             for name, folder in named]
     if not any(g["rows"] for g in grids):
-        raise SystemExit(f"--rows {' '.join(args.rows or [])}: none of them is a row at --budget {args.budget} "
+        raise ValueError(f"--rows {' '.join(args.rows or [])}: none of them is a row at --budget {args.budget} "
                          "in these grids")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "grids": [{**g, "folder": sources[g["name"]]} for g in grids]},
                  format_table(grids, args.budget))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Refusals in one line, exit status 2: bad flags from the parser, unusable grids from the run."""
+    return run_reporting_errors(PROG, run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -43,14 +43,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import pairable_scores, save_figure  # noqa: E402
+from benchmarks.report import at_least, pairable_scores, save_figure  # noqa: E402
 from runtime import atomic  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
+from runtime.cli import Parser, run_reporting_errors  # noqa: E402
 from runtime.cli.common import add_prompt_arguments, check_policy, check_prompt_arguments, eval_settings  # noqa: E402
 from runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
 from runtime.models import DEFAULT_MODEL  # noqa: E402
 from runtime.policies import PolicyError, engine_policies, get_policy  # noqa: E402
 
+PROG = Path(__file__).name
 POLICIES = ("full", "delta", "lychee", "lethe", "vattention", "quest")
 BUDGETS = (256, 512, 1024, 2048)
 PAGE = 16  # DELTA's and Quest's page size P
@@ -103,7 +104,7 @@ def parse_heads(pairs: list[str] | None) -> list[tuple[str, str]]:
     for pair in pairs or []:
         name, sep, path = pair.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not path:
-            raise SystemExit(f"--heads {pair!r}: write it as NAME=PATH with NAME made of letters, digits, '_', '-', "
+            raise ValueError(f"--heads {pair!r}: write it as NAME=PATH with NAME made of letters, digits, '_', '-', "
                              "e.g. --heads hardkuma=artifacts/m/heads.safetensors")
         heads.append((name, path))
     return heads
@@ -118,15 +119,15 @@ def parse_variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any], s
     for spec in specs or []:
         policy, sep, pairs = spec.partition(":")
         if not sep or policy not in POLICIES or not pairs:
-            raise SystemExit(f"--variant {spec!r}: write it as POLICY:KEY=VALUE[,KEY=VALUE], POLICY one of "
+            raise ValueError(f"--variant {spec!r}: write it as POLICY:KEY=VALUE[,KEY=VALUE], POLICY one of "
                              f"{', '.join(POLICIES)}, e.g. --variant delta:per_head=true")
         try:
             extra = parse_params(pairs.split(","))
         except ValueError as e:
-            raise SystemExit(f"--variant {spec!r}: {e}") from None
+            raise ValueError(f"--variant {spec!r}: {e}") from None
         suffix = "".join(f"-{k}" if v is True else f"-{k}{v}" for k, v in extra.items())
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", suffix):
-            raise SystemExit(f"--variant {spec!r}: values must be letters, digits, '_', '.' or '-' (they name files)")
+            raise ValueError(f"--variant {spec!r}: values must be letters, digits, '_', '.' or '-' (they name files)")
         out.append((policy, extra, suffix))
     return out
 
@@ -140,16 +141,16 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
     wanted = args.policies or [p for p in POLICIES if have[p] and p in engine]
     off = [p for p in wanted if p in POLICIES and p not in engine]
     if off:
-        raise SystemExit(f"--suite reasoning runs on the engine: leave {' and '.join(off)} out of --policies")
+        raise ValueError(f"--suite reasoning runs on the engine: leave {' and '.join(off)} out of --policies")
     if args.combined and not ("vattention" in wanted and (args.delta or args.delta_recall)):
-        raise SystemExit("--combined runs vAttention on a DELTA manifest: give --delta (or --delta-recall) and keep "
+        raise ValueError("--combined runs vAttention on a DELTA manifest: give --delta (or --delta-recall) and keep "
                          "vattention in --policies")
     for p in wanted:
         if p not in POLICIES:
-            raise SystemExit(f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+            raise ValueError(f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}")
         if not have[p]:
             flag = {"delta": "--delta (or --delta-recall)", "lychee": "--heads NAME=PATH"}[p]
-            raise SystemExit(f"policy {p} needs {flag}; give the manifest or leave {p} out of --policies")
+            raise ValueError(f"policy {p} needs {flag}; give the manifest or leave {p} out of --policies")
     base: list[tuple[str, str, str | None]] = []
     for p in POLICIES:
         if p not in wanted:
@@ -181,7 +182,7 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
         try:
             get_policy(cell.policy, **cell.params)  # bad values fail here, before the model loads
         except PolicyError as e:
-            raise SystemExit(f"{cell.name}: {e}") from None
+            raise ValueError(f"{cell.name}: {e}") from None
     return cells
 
 
@@ -552,23 +553,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of this command not done there are left out and counted); no model loads")
 
 
-def settings_of(args: argparse.Namespace) -> EvalSettings:
-    try:
-        return eval_settings(args)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
 def new_tokens(args: argparse.Namespace) -> int:
-    """The most tokens a prompt generates (RULER tasks carry their own budget)."""
+    """The most tokens a prompt generates (RULER tasks carry their own budget; unknown tasks: ``ValueError``)."""
     from runtime.eval import suite_new_tokens
 
+    return args.max_new_tokens if args.suite == "reasoning" else suite_new_tokens(eval_settings(args))
+
+
+def check_source(args: argparse.Namespace) -> None:
+    """The prompts' source read before anything loads, as building the prompts will read it: the haystack corpus
+    (``--source``), LongBench's copy (``--data``) or the reasoning prompts (``--reasoning-source``); a prompt file
+    is checked with the prompt flags. Missing or unusable: ``ValueError`` in one line naming the flag."""
     if args.suite == "reasoning":
-        return args.max_new_tokens
+        from data.reasoning import load_problems
+
+        flag, read = "--reasoning-source", lambda: load_problems(args.reasoning_source, args.limit)
+    elif args.prompts:
+        return
+    elif args.suite == "longbench":
+        from data.longbench import TASKS, load_tasks
+
+        flag, read = "--data", lambda: load_tasks(args.tasks or tuple(TASKS), args.data, limit=args.samples_per_cell)
+    else:
+        from data.corpora import load_corpus
+
+        flag, read = "--source", lambda: load_corpus(args.source).fingerprint()
     try:
-        return suite_new_tokens(settings_of(args))
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+        read()
+    except (ValueError, OSError) as e:
+        raise ValueError(str(e) if str(e).startswith(flag) else f"{flag}: {e}") from None
 
 
 def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -582,7 +595,7 @@ def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[
         if path.exists():
             done[cell.name] = json.loads(path.read_text())
             if _comparable(done[cell.name]["grid"]) != _comparable(grids[cell.name]):
-                raise SystemExit(f"{path} was made with other settings (model, device, prompts, parameters or "
+                raise ValueError(f"{path} was made with other settings (model, device, prompts, parameters or "
                                  "manifest); use another --out or delete the file")
     return grids, done
 
@@ -616,22 +629,21 @@ def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, sample
     return result, row_of(cell, result, time.perf_counter() - start)
 
 
-def check_cells(cells: list[Cell], args: argparse.Namespace) -> None:
+def check_cells(cells: list[Cell], args: argparse.Namespace):
     """Each cell's manifest against the model's config (read without its weights) and against its policy, before
-    any cell runs: a grid stops here in one line, not when it reaches that cell."""
+    any cell runs: a grid stops here in one line (``ValueError``), not when it reaches that cell. Returns the
+    config."""
     from runtime.manifest import RoleManifest
     from runtime.models import load_config
 
-    try:
-        config = load_config(args.model, trust_remote_code=args.trust_remote_code)
-        manifests = {path: RoleManifest.load(path) for path in {c.manifest for c in cells if c.manifest}}
-        for cell in cells:
-            try:
-                check_policy(cell.policy, cell.params, manifests.get(cell.manifest), config)
-            except ValueError as e:
-                raise ValueError(f"{cell.name}: {e}") from None
-    except (ValueError, OSError) as e:
-        raise SystemExit(str(e)) from None
+    config = load_config(args.model, trust_remote_code=args.trust_remote_code)
+    manifests = {path: RoleManifest.load(path) for path in {c.manifest for c in cells if c.manifest}}
+    for cell in cells:
+        try:
+            check_policy(cell.policy, cell.params, manifests.get(cell.manifest), config)
+        except ValueError as e:
+            raise ValueError(f"{cell.name}: {e}") from None
+    return config
 
 
 def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, samples, args) -> dict[str, tuple]:
@@ -644,26 +656,42 @@ def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, sa
     return {c.name: (r, row_of(c, r, j.seconds)) for c, j, r in zip(cells, jobs, results)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags, with every value that the flags alone decide refused in one line before anything is read or
+    loaded: the prompts' settings, the cells and their manifest files, the dtype. Sets ``cells``, ``settings``
+    (None for ``--suite reasoning``) and ``command`` (the line ``COMMAND.txt`` records)."""
+    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     parser.check_writable(args.out, "--out", folder=True)  # the cells are written into it as they finish
     try:
         check_prompt_arguments(args)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise SystemExit(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16")
-    reasoning = args.suite == "reasoning"
-    settings = None if reasoning else settings_of(args)
-    budget, cells = new_tokens(args), build_cells(args)
-    missing = next((c for c in cells if c.manifest and not Path(c.manifest).is_file()), None)
+        parser.error(str(e))
+    at_least(parser, args, budgets=1, lengths=1, limit=1,
+             max_new_tokens=(2, "the first token comes from the dense prefill"))
+    if not all(0 <= d <= 1 for d in args.depths):
+        parser.error(f"--depths takes places in the context from 0 (its start) to 1 (its end), got "
+                     f"{' '.join(map(str, args.depths))}")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        parser.error(f"--dtype {args.dtype!r} is not a torch dtype; use float32, bfloat16 or float16")
+    try:
+        args.settings = None if args.suite == "reasoning" else eval_settings(args)
+        new_tokens(args)
+        args.cells = build_cells(args)
+    except ValueError as e:
+        parser.error(str(e))
+    missing = next((c for c in args.cells if c.manifest and not Path(c.manifest).is_file()), None)
     if missing is not None:
-        raise SystemExit(f"{missing.name}: no manifest file at {missing.manifest}; give the path that calibrate-delta "
-                         "or train-heads wrote")
+        parser.error(f"{missing.name}: no manifest file at {missing.manifest}; give the path that calibrate-delta or "
+                     "train-heads wrote")
+    args.command = shlex.join(["python", "benchmarks/quality.py", *argv])
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    reasoning, settings, cells, dtype = args.suite == "reasoning", args.settings, args.cells, args.dtype
     out = Path(args.out)
     common = {"model": args.model, "device": args.device, "dtype": dtype}
     if args.rope_theta is not None:  # another model, in effect: cells made without it are not these
@@ -674,45 +702,41 @@ def main(argv: list[str] | None = None) -> int:
         common["settings"] = asdict(settings)
     grids, done = resumed(cells, out, common)
     if args.summarize and not done:
-        raise SystemExit(f"--summarize: none of this command's {len(cells)} cells is done in {out / 'cells'}; "
+        raise ValueError(f"--summarize: none of this command's {len(cells)} cells is done in {out / 'cells'}; "
                          "run it without --summarize first")
-    if len(done) < len(cells) and not args.summarize:  # before anything is written or the weights load
-        check_cells([c for c in cells if c.name not in done], args)
+    tokenizer = samples = None
+    todo = [] if args.summarize else [c for c in cells if c.name not in done]  # a finished grid: the summary only
+    if todo:  # what the cells need, checked and built before anything is written or the weights load
+        from runtime.models import context_limit, load_tokenizer
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda: no CUDA device here, and {len(todo)} cells are not done; use --device cpu")
+        check_source(args)
+        limit, new = context_limit(check_cells(todo, args)), new_tokens(args)
+        if limit and not (args.prompts or reasoning) and max(args.lengths) + new > limit:
+            too_long = f"--lengths: {max(args.lengths)} + {new} new tokens exceeds the model's {limit} positions"
+            if not args.allow_long_context:
+                raise ValueError(f"{too_long}; use shorter lengths, or --allow-long-context with --rope-theta")
+            print(f"warning: {too_long} (--allow-long-context)", file=sys.stderr)
+        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+        # a length too short for a task's question, a corpus too small: one line, no cell run
+        samples = None if reasoning else suite_prompts(tokenizer, settings)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
-    command = shlex.join(["python", "benchmarks/quality.py", *argv])
-    if previous.rstrip("\n").rpartition("\n")[2] != command:  # the same command again (resumed, re-summarised): once
-        atomic.write_text(out / "COMMAND.txt", previous + command + "\n")
+    if previous.rstrip("\n").rpartition("\n")[2] != args.command:  # the same command again (resumed, re-summarised): once
+        atomic.write_text(out / "COMMAND.txt", previous + args.command + "\n")
 
     from tqdm import tqdm
 
-    from runtime.models import load_model, load_tokenizer
+    from runtime.models import load_model
 
-    model = tokenizer = samples = None
-    if len(done) < len(cells) and not args.summarize:  # a finished grid only rewrites the summary (any machine)
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise SystemExit(f"--device cuda: no CUDA device here, and {len(cells) - len(done)} cells are not done; "
-                             "use --device cpu")
-        trust = args.trust_remote_code
-        try:
-            model = load_model(args.model, dtype=dtype, trust_remote_code=trust, rope_theta=args.rope_theta).to(args.device)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-        tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit and not (args.prompts or reasoning) and max(args.lengths) + budget > limit:
-            too_long = (f"--lengths: {max(args.lengths)} + {budget} new tokens exceeds the model's {limit} positions")
-            if not args.allow_long_context:
-                raise SystemExit(f"{too_long}; use shorter lengths, or --allow-long-context with --rope-theta")
-            print(f"warning: {too_long} (--allow-long-context)", file=sys.stderr)
-        try:
-            samples = None if reasoning else suite_prompts(tokenizer, settings)
-        except ValueError as e:  # a length too short for a task's question, a corpus too small: one line, no cell run
-            raise SystemExit(str(e)) from None
+    model = None
+    if todo:
+        model = load_model(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code,
+                           rope_theta=args.rope_theta).to(args.device)
     here = (torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA") if args.device == "cuda" else "CPU"
 
     rows, shared = [], {}
-    todo = [c for c in cells if c.name not in done]
     if not (args.summarize or reasoning or args.measure) and args.device == "cuda" and len(todo) > 1:
         print(f"{len(todo)} cells decode together: each batch is prefilled once for all of them", file=sys.stderr)
         shared = run_together(todo, model, tokenizer, settings, samples, args)
@@ -751,7 +775,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from runtime.cli import run_reporting_errors
+def main(argv: list[str] | None = None) -> int:
+    """Refusals in one line, exit status 2: bad flags from the parser, the rest (a grid made with other settings,
+    a missing corpus, an out-of-memory GPU) from the run."""
+    return run_reporting_errors(PROG, run, parse_args(sys.argv[1:] if argv is None else list(argv)))
 
-    raise SystemExit(run_reporting_errors("benchmarks/quality.py", lambda _: main(), None))
+
+if __name__ == "__main__":
+    sys.exit(main())

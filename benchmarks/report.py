@@ -1,13 +1,51 @@
-"""What the summarising scripts share: the rows they can pair, and what they write last (their JSON, their table
-as Markdown, the table printed, their figures)."""
+"""What the benchmark scripts share: their checks of numeric flags, the reports they read (a quality grid's
+``summary.json``, a ``decode.py`` JSON), the rows they can pair, and what they write last (their JSON, their
+table as Markdown, the table printed, their figures)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 from runtime import atomic
+
+
+def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, **lows: float | tuple[float, str]) -> None:
+    """Each named flag's number (every item of a list; None is left alone) at least its low, given as ``steps=1``
+    or with the reason as ``steps=(2, "why")``; else a usage error in one line naming the flag, the low, the
+    reason and the value given."""
+    for dest, low in lows.items():
+        low, why = low if isinstance(low, tuple) else (low, "")
+        value = getattr(args, dest)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v < low for v in values):
+            parser.error(f"--{dest.replace('_', '-')} must be at least {low}{' each' if values is value else ''}"
+                         f"{f' ({why})' if why else ''}, got {' '.join(map(str, values))}")
+
+
+def read_report(path: Path, flag: str, fix: str) -> dict[str, Any]:
+    """The JSON report at ``path`` (an object with a ``rows`` list), given through ``flag``; a file that is
+    missing, unreadable, not JSON or without rows is a ``ValueError`` in one line naming the flag, the file and
+    ``fix``."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{flag}: no file {path}; {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: {path} is not JSON ({e.msg}, line {e.lineno}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: cannot read {path} ({getattr(e, 'strerror', None) or e}); {fix}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{flag}: {path} holds no list of rows; {fix}")
+    return data
+
+
+def grid_summary(folder: str, flag: str) -> dict[str, Any]:
+    """The ``summary.json`` that ``benchmarks/quality.py`` wrote into ``folder`` (:func:`read_report`)."""
+    return read_report(Path(folder) / "summary.json", flag,
+                       "give a folder that benchmarks/quality.py wrote (its --out), or run it into this one first")
 
 
 def pairable_scores(row: dict[str, Any] | None) -> list[float] | None:

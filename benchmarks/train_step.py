@@ -15,6 +15,7 @@ table and the JSON. Random weights give near-uniform attention, which does not c
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -24,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import event_times  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 from runtime.models import cache_keyword  # noqa: E402
@@ -63,8 +65,8 @@ def time_cuda(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def main() -> int:
-    p = Parser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000, 10000])
     p.add_argument("--span", type=int, default=730, help="target-span tokens (10 passkeys of 32 words: about 730 with SmolLM2's tokenizer)")
     p.add_argument("--answers", type=int, default=600, help="labelled tokens inside the span")
@@ -78,9 +80,21 @@ def main() -> int:
     p.add_argument("--json", default="train_step.json")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="also profile one step at the longest prompt and write the kernels by GPU time to FILE")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for flag in ("json", "profile"):  # written after the timing: refused now if they cannot be
         p.check_writable(getattr(args, flag), f"--{flag}")
+    at_least(p, args, lengths=1, span=(2, "the labelled tokens follow its first"), answers=1,
+             layers=(2, "layer 0 stays full, the others get gates"), prefill_chunk=1, warmup=0, repeats=1)
+    if args.answers >= args.span:
+        p.error(f"--answers must be below --span ({args.span}): each labels one of the span's tokens after its "
+                f"first, got {args.answers}")
+    if not 0 < args.budget <= 1:
+        p.error(f"--budget must be the fraction of the context a sparse head reads, in (0, 1], got {args.budget}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -14,3 +14,16 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def refusal(capsys, script, argv: list[str]) -> str:
+    """``script.main(argv)`` refused: exit status 2, returned (an error the run found) or raised (a usage error),
+    and one line on stderr, ``<script>.py: error: ...``, without a traceback. Returns that line."""
+    try:
+        code = script.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (code, err)
+    assert err.startswith(f"{Path(script.__file__).name}: error: "), err
+    return err

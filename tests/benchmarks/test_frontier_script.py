@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, refusal
 
 
 def load_script():
@@ -69,19 +69,36 @@ def test_case_override_task_and_errors(inputs, capsys):
                    "--out", str(out)])
     rows = {r["label"]: r for r in json.loads((out / "frontier.json").read_text())["rows"]}
     assert rows["vattention"]["tpot_ms"] == 6.0  # quest's 1024-budget row, by hand
-    with pytest.raises(SystemExit, match="no rows for task 'niah'"):
-        frontier.main(["--grid", str(inputs / "a"), "--task", "niah", "--out", str(out)])
-    with pytest.raises(SystemExit, match=r"no rows at --context 4096 --batch 8; they have \[\(32768, 8\), \(131072, 8\)\]"):
-        frontier.main(["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"), "--context", "4096",
-                       "--out", str(out)])
-    with pytest.raises(SystemExit, match="--reference nosuch: no row of that label with a budget.*choose from "
-                                         "delta-refine4, quest, vattention"):
-        frontier.main(["--grid", str(inputs / "a"), "--reference", "nosuch", "--out", str(out)])
-    with pytest.raises(SystemExit, match="no summary.json there"):
-        frontier.main(["--grid", str(inputs / "missing"), "--out", str(out)])
-    with pytest.raises(SystemExit):
-        frontier.main(["--grid", str(inputs / "a"), "--case", "quest", "--out", str(out)])
-    assert "expected LABEL=CASE" in capsys.readouterr().err
+    elsewhere = inputs / "elsewhere"
+
+    def refused(*argv):
+        return refusal(capsys, frontier, ["--grid", str(inputs / "a"), *argv, "--out", str(elsewhere)])
+
+    assert "--task niah: no scored row of that task" in refused("--task", "niah")
+    assert "no rows at --context 4096 --batch 8; they have [(32768, 8), (131072, 8)]" in refused(
+        "--decode", str(inputs / "decode.json"), "--context", "4096")
+    assert "--reference nosuch: no row of that label with a budget in the grids; choose from delta-refine4, quest, " \
+           "vattention" in refused("--reference", "nosuch")
+    assert "expected LABEL=CASE" in refused("--case", "quest")
+    assert "--batch must be at least 1, got 0" in refused("--batch", "0")
+    assert refusal(capsys, frontier, ["--grid", str(inputs / "missing"), "--out", str(elsewhere)]).startswith(
+        f"frontier.py: error: --grid: no file {inputs / 'missing' / 'summary.json'}; give a folder")
+    assert not elsewhere.exists()  # every refusal comes before anything is written
+
+
+def test_a_decode_file_it_cannot_read_is_refused_in_one_line_naming_it(inputs, capsys):
+    frontier = load_script()
+    (inputs / "notes.txt").write_text("not json")
+    (inputs / "summary-like.json").write_text(json.dumps({"model": "tiny"}))
+    fix = "give a JSON that benchmarks/decode.py wrote (its --out)"
+    for name, says in (("absent.json", f"no file {inputs / 'absent.json'}"),
+                       ("notes.txt", f"{inputs / 'notes.txt'} is not JSON (Expecting value, line 1)"),
+                       ("summary-like.json", f"{inputs / 'summary-like.json'} holds no list of rows"),
+                       ("a", f"cannot read {inputs / 'a'} (Is a directory)")):
+        err = refusal(capsys, frontier, ["--grid", str(inputs / "a"), "--decode", str(inputs / "decode.json"),
+                                         str(inputs / name), "--out", str(inputs / "out")])
+        assert err == f"frontier.py: error: --decode: {says}; {fix}"
+    assert not (inputs / "out").exists()
 
 
 def test_several_decode_files_merge_and_a_later_one_wins(inputs):

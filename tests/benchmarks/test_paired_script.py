@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, refusal
 
 
 def load_script():
@@ -80,21 +80,28 @@ def test_rows_and_budget_choose_what_is_compared(grids, tmp_path):
     assert [r["label"] for r in only] == ["delta"] and only[0]["vs_full"]["mean"] == pytest.approx(-25.0)
 
 
-def test_bad_inputs_are_one_line_errors_before_anything_is_written(grids, tmp_path):
+def test_bad_inputs_are_one_line_errors_before_anything_is_written(grids, tmp_path, capsys):
+    """A grid it cannot use, found when reading it, is refused like a bad flag: one line ``paired.py: error: ...``,
+    exit status 2."""
     paired = load_script()
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match="no summary.json there"):
-        paired.main(["--grid", f"A={tmp_path / 'absent'}", "--out", str(out)])
-    with pytest.raises(SystemExit, match=r"no row at --budget 512; it has budgets \[256, 1024\]"):
-        paired.main(["--grid", f"A={grids / 'a'}", "--budget", "512", "--out", str(out)])
-    with pytest.raises(SystemExit, match="none of them is a row at --budget 1024"):
-        paired.main(["--grid", f"A={grids / 'a'}", "--rows", "lethe", "--out", str(out)])
+
+    def refused(*argv):
+        return refusal(capsys, paired, [*argv, "--out", str(out)])
+
+    assert refused("--grid", f"A={tmp_path / 'absent'}") == (
+        f"paired.py: error: --grid A: no file {tmp_path / 'absent' / 'summary.json'}; give a folder that "
+        "benchmarks/quality.py wrote (its --out), or run it into this one first")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "summary.json").write_text("{")
+    assert refused("--grid", f"B={tmp_path / 'broken'}").startswith(f"paired.py: error: --grid B: "
+                                                                     f"{tmp_path / 'broken' / 'summary.json'} is not JSON")
+    assert "no row at --budget 512; it has budgets [256, 1024]" in refused("--grid", f"A={grids / 'a'}", "--budget", "512")
+    assert "none of them is a row at --budget 1024" in refused("--grid", f"A={grids / 'a'}", "--rows", "lethe")
     write_grid(tmp_path / "nofull", [row("delta", "delta", 1024, FULL)])
-    with pytest.raises(SystemExit, match="no full-attention row"):
-        paired.main(["--grid", f"N={tmp_path / 'nofull'}", "--out", str(out)])
+    assert "no full-attention row" in refused("--grid", f"N={tmp_path / 'nofull'}")
     write_grid(tmp_path / "short", [row("full", "full", None, FULL), row("delta", "delta", 1024, FULL[:3])])
-    with pytest.raises(SystemExit, match="row delta has 3 prompts and full 8"):
-        paired.main(["--grid", f"S={tmp_path / 'short'}", "--out", str(out)])
-    with pytest.raises(SystemExit):  # argparse: --grid without NAME=
-        paired.main(["--grid", str(grids / "a"), "--out", str(out)])
+    assert "row delta has 3 prompts and full 8" in refused("--grid", f"S={tmp_path / 'short'}")
+    assert "write it as NAME=FOLDER" in refused("--grid", str(grids / "a"))  # a usage error: the parser's
+    assert "--budget must be at least 1, got 0" in refused("--grid", f"A={grids / 'a'}", "--budget", "0")
     assert not out.exists()

@@ -1,6 +1,7 @@
 """benchmarks/quality.py end to end on a tiny model: every policy at two budgets, consistent outputs, resuming."""
 
 import json
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from runtime.manifest import ModelIdentity, RoleManifest
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, refusal
 from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,9 +106,9 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     assert "1 cells not done, left out" in capsys.readouterr().out
     partial = json.loads((out / "summary.json").read_text())["rows"]
     assert [r["label"] for r in partial].count("quest") == 1 and len(partial) == len(names) - 1
-    with pytest.raises(SystemExit, match="none of this command's 1 cells is done"):
-        quality.main([*argv[:argv.index("--budgets")], "--budgets", "48", *argv[argv.index("--budgets") + 3:],
-                      "--policies", "quest", "--summarize"])
+    assert "none of this command's 1 cells is done" in refusal(capsys, quality, [
+        *argv[:argv.index("--budgets")], "--budgets", "48", *argv[argv.index("--budgets") + 3:], "--policies", "quest",
+        "--summarize"])
     stamp = (out / "cells" / "delta-b32.json").stat().st_mtime_ns
     assert quality.main(argv) == 0
     assert f"1 cells run, {len(names) - 1} resumed" in capsys.readouterr().out
@@ -121,8 +122,7 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
         f"python benchmarks/quality.py {shlex.join(argv)}", f"python benchmarks/quality.py {shlex.join([*argv, '--summarize'])}"]
 
     # Other prompts into the same folder are refused rather than mixed with the old cells.
-    with pytest.raises(SystemExit, match="made with other settings"):
-        quality.main([a if a != "0.8" else "0.5" for a in argv])
+    assert "made with other settings" in refusal(capsys, quality, [a if a != "0.8" else "0.5" for a in argv])
     assert len((out / "COMMAND.txt").read_text().splitlines()) == 4  # refused before anything was written
 
     # A cell written before a setting existed (absent from its file, unset now) is the same cell; one that
@@ -134,33 +134,27 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     assert quality.main([*argv, "--summarize"]) == 0
     doc["grid"]["settings"]["data"] = "other.zip"
     cell.write_text(json.dumps(doc))
-    with pytest.raises(SystemExit, match="delta-b32.json was made with other settings"):
-        quality.main([*argv, "--summarize"])
+    assert "delta-b32.json was made with other settings" in refusal(capsys, quality, [*argv, "--summarize"])
 
 
-def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path):
+def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path, capsys):
     quality = load_script()
     base = ["--model", str(folder / "model"), "--out", str(tmp_path / "o")]
-    with pytest.raises(SystemExit, match="policy delta needs --delta"):
-        quality.main([*base, "--policies", "delta"])
-    with pytest.raises(SystemExit, match="write it as NAME=PATH"):
-        quality.main([*base, "--heads", "nopath"])
-    with pytest.raises(SystemExit, match="unknown policy 'dense'"):
-        quality.main([*base, "--policies", "dense"])
-    with pytest.raises(SystemExit, match="write it as POLICY:KEY=VALUE"):
-        quality.main([*base, "--variant", "dense:per_head=true"])
-    with pytest.raises(SystemExit, match=r"lethe-b\d+: no manifest file at .*absent.safetensors; give the path"):
-        quality.main([*base, "--policies", "lethe", "--lethe", str(tmp_path / "absent.safetensors")])
-    with pytest.raises(SystemExit, match="^--batch-size 2: the CPU runs the transformers path, which decodes one "
-                                         "prompt at a time; leave --batch-size out or pass 1$"):
-        quality.main([*base, "--device", "cpu", "--batch-size", "2"])
+    assert "policy delta needs --delta" in refusal(capsys, quality, [*base, "--policies", "delta"])
+    assert "write it as NAME=PATH" in refusal(capsys, quality, [*base, "--heads", "nopath"])
+    assert "unknown policy 'dense'" in refusal(capsys, quality, [*base, "--policies", "dense"])
+    assert "write it as POLICY:KEY=VALUE" in refusal(capsys, quality, [*base, "--variant", "dense:per_head=true"])
+    err = refusal(capsys, quality, [*base, "--policies", "lethe", "--lethe", str(tmp_path / "absent.safetensors")])
+    assert re.search(r"lethe-b\d+: no manifest file at .*absent.safetensors; give the path", err)
+    assert refusal(capsys, quality, [*base, "--device", "cpu", "--batch-size", "2"]) == (
+        "quality.py: error: --batch-size 2: the CPU runs the transformers path, which decodes one prompt at a time; "
+        "leave --batch-size out or pass 1 (`quality.py --help` lists the options)")
     assert not (tmp_path / "o").exists()  # refused before anything was written
-    with pytest.raises(SystemExit, match="per_head must be true or false"):
-        quality.main([*base, "--policies", "delta", "--delta", str(folder / "delta.safetensors"),
-                      "--variant", "delta:per_head=maybe"])
+    assert "per_head must be true or false" in refusal(capsys, quality, [
+        *base, "--policies", "delta", "--delta", str(folder / "delta.safetensors"), "--variant", "delta:per_head=maybe"])
 
 
-def test_a_manifest_its_cell_cannot_use_stops_the_grid_before_the_model_loads(folder, tmp_path, monkeypatch):
+def test_a_manifest_its_cell_cannot_use_stops_the_grid_before_the_model_loads(folder, tmp_path, monkeypatch, capsys):
     """Every cell is checked against the model's config and its policy first: a heads manifest given as DELTA's,
     or a manifest of another model, stops the grid in one line before anything is written or loaded."""
     import runtime.models
@@ -171,13 +165,46 @@ def test_a_manifest_its_cell_cannot_use_stops_the_grid_before_the_model_loads(fo
     monkeypatch.setattr(runtime.models, "load_model", refuse)
     quality = load_script()
     base = ["--model", str(folder / "model"), "--out", str(tmp_path / "o"), "--budgets", "32"]
-    with pytest.raises(SystemExit, match="^delta-b32: policy 'delta' needs a manifest with a layers section"):
-        quality.main([*base, "--policies", "delta", "--delta", str(folder / "heads.safetensors")])
+    assert refusal(capsys, quality, [*base, "--policies", "delta", "--delta", str(folder / "heads.safetensors")]).startswith(
+        "quality.py: error: delta-b32: policy 'delta' needs a manifest with a layers section")
     other = tiny_model("qwen2", layers=3, heads=4, kv_heads=2, head_dim=16)
     RoleManifest(ModelIdentity.from_config(other.config), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8)).save(
         tmp_path / "other.safetensors")
-    with pytest.raises(SystemExit, match="^delta-b32: manifest does not fit this model: model.num_layers is 3"):
-        quality.main([*base, "--policies", "delta", "--delta", str(tmp_path / "other.safetensors")])
+    assert refusal(capsys, quality, [*base, "--policies", "delta", "--delta", str(tmp_path / "other.safetensors")]).startswith(
+        "quality.py: error: delta-b32: manifest does not fit this model: model.num_layers is 3")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lengths", "1000", "0"], "--lengths must be at least 1 each, got 1000 0 (`quality.py --help`"),
+    (["--depths", "0.5", "1.5"], "--depths takes places in the context from 0 (its start) to 1 (its end), got 0.5 1.5"),
+    (["--budgets", "0"], "--budgets must be at least 1 each, got 0"),
+    (["--suite", "reasoning", "--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--suite", "reasoning", "--max-new-tokens", "1"],
+     "--max-new-tokens must be at least 2 (the first token comes from the dense prefill), got 1"),
+    (["--source", "text:{tmp}/absent"], "--source: text:{tmp}/absent: no such file or folder; pass text:"),
+    (["--source", "nosuch"], "--source: unknown corpus 'nosuch'; choose one of: pg-essays"),
+    (["--suite", "longbench", "--tasks", "musique", "--data", "{tmp}/absent.zip"],
+     "--data {tmp}/absent.zip: no such file or folder; pass LongBench's data.zip"),
+    (["--suite", "reasoning", "--reasoning-source", "jsonl:{tmp}/absent.jsonl"],
+     "--reasoning-source: reasoning source jsonl:{tmp}/absent.jsonl: no such file; pass jsonl:"),
+    (["--lengths", "5000"], "--lengths: 5000 + 4 new tokens exceeds the model's 4096 positions; use shorter lengths"),
+])
+def test_prompt_flags_are_refused_before_anything_loads_or_is_written(folder, tmp_path, monkeypatch, capsys, flags,
+                                                                         says):
+    """Lengths, depths, budgets and the prompts' sources (a corpus, LongBench's copy, reasoning prompts): one line,
+    exit status 2, before the tokenizer or the weights load and before --out is made."""
+    import runtime.models
+
+    def refuse(*a, **k):
+        raise AssertionError("loaded before the flags were checked")
+
+    monkeypatch.setattr(runtime.models, "load_model", refuse)
+    monkeypatch.setattr(runtime.models, "load_tokenizer", refuse)
+    quality = load_script()
+    argv = ["--model", str(folder / "model"), "--device", "cpu", "--policies", "full", "quest", "--budgets", "32",
+            "--max-new-tokens", "4", *[f.format(tmp=tmp_path) for f in flags], "--out", str(tmp_path / "o")]
+    assert says.format(tmp=tmp_path) in refusal(capsys, quality, argv)
     assert not (tmp_path / "o").exists()
 
 
@@ -200,7 +227,7 @@ def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
     combined = quality.build_cells(args)
     assert [(c.name, c.policy, c.manifest) for c in combined] == [
         ("vattention-b256", "vattention", None), ("vattention-delta-b256", "vattention", "a.safetensors")]
-    with pytest.raises(SystemExit, match="--combined runs vAttention on a DELTA manifest"):
+    with pytest.raises(ValueError, match="--combined runs vAttention on a DELTA manifest"):
         quality.build_cells(parser.parse_args(["--out", "o", "--policies", "vattention", "--combined"]))
     assert plain.params == {"budget": 1024, "page_size": 16, "recent_pages": 8}
     assert variant.params == {**plain.params, "per_head": True, "num_pages": 9} and variant.manifest == "a.safetensors"
@@ -243,8 +270,9 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
     # a length too short for a task's question: one line naming the length and the fix, no cell run
     short = [a if a != "300" else "10" for a in argv]
     short[short.index(str(out))] = str(tmp_path / "short")
-    with pytest.raises(SystemExit, match=r"length 10 leaves -\d+ tokens for the \w+ text; use lengths of at least"):
-        quality.main(short)
+    assert quality.main(short) == 2  # the prompts' bar is left on the line the error follows
+    assert re.search(r"quality.py: error: length 10 leaves -\d+ tokens for the \w+ text; use lengths of at least",
+                     capsys.readouterr().err)
     assert not list((tmp_path / "short").glob("cells/*.json"))
     assert "RULER-style suite (niah_single_noise, variable_tracking)" in table and "prompts/s" in table
     for name in ("quality.png", "quality-niah_single_noise.png", "quality-variable_tracking.png"):
@@ -271,8 +299,7 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
     finally:
         shutil.move(tmp_path / "away", folder / "model")
     assert "NVIDIA H200, bfloat16" in (out / "TABLE.md").read_text()
-    with pytest.raises(SystemExit, match="unknown RULER task"):
-        quality.main([*argv[:-2], "--tasks", "nope", "--out", str(tmp_path / "x")])
+    assert "unknown RULER task" in refusal(capsys, quality, [*argv[:-2], "--tasks", "nope", "--out", str(tmp_path / "x")])
 
 
 def test_reasoning_grid_reports_kl_with_bootstrap_intervals(folder, tmp_path, capsys, cache_dir):
@@ -301,6 +328,7 @@ def test_reasoning_grid_reports_kl_with_bootstrap_intervals(folder, tmp_path, ca
 def test_cells_run_together_prefill_each_batch_once(folder, tmp_path, cache_dir, monkeypatch):
     """What the grid does on a GPU (here the engine on the CPU): the cells still to run decode each batch from
     one prefill, every cell keeps its own checkpoint, and each row gets its own time."""
+    from runtime.cli.common import eval_settings
     from runtime.engine import StaticDecoder
     from runtime.eval import suite_prompts
     from runtime.models import load_model, load_tokenizer
@@ -314,7 +342,7 @@ def test_cells_run_together_prefill_each_batch_once(folder, tmp_path, cache_dir,
                               "400", "--depths", "0.2", "0.8", "--budgets", "32", "--max-new-tokens", "4", "--device",
                               "cpu", "--delta", str(folder / "delta.safetensors"), "--policies", "full", "delta",
                               "quest", "--batch-size", "2", "--out", str(out)])
-    settings, cells = quality.settings_of(args), quality.build_cells(args)
+    settings, cells = eval_settings(args), quality.build_cells(args)
     for cell in cells:
         cell.params["engine"] = "static"
     model, tok = load_model(str(folder / "model")), load_tokenizer(str(folder / "model"))

@@ -1,0 +1,54 @@
+"""benchmarks/calibrate.py, multi_gpu.py and train_step.py refuse bad counts, lengths and parts in one line (exit
+status 2, the flag, its limit and the value given) before any model is built, command launched or file written."""
+
+import pytest
+
+from tests.benchmarks import load_benchmark, refusal
+
+WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_step": ("build_model",)}
+
+
+@pytest.mark.parametrize("script, flags, says", [
+    ("calibrate", ["--traces", "0"], "--traces must be at least 1, got 0"),
+    ("calibrate", ["--length", "-8"], "--length must be at least 1, got -8"),
+    ("calibrate", ["--stride", "0"], "--stride must be at least 1, got 0"),
+    ("calibrate", ["--query-block", "0"], "--query-block must be at least 1, got 0"),
+    ("calibrate", ["--min-context", "-1"], "--min-context must be at least 0, got -1"),
+    ("calibrate", ["--length", "512"], "--min-context must be below --length (512): queries are recorded from that "
+                                       "position on, got 1024"),
+    ("calibrate", ["--budget-s", "0"], "--budget-s must be a positive number of seconds, got 0.0"),
+    ("calibrate", ["--baseline-lengths", "4096,0"],
+     "--baseline-lengths takes comma-separated lengths of at least 1 each, got '4096,0'"),
+    ("calibrate", ["--baseline-lengths", "16384"],
+     "--baseline-lengths takes lengths of at most --length (8192) each, got '16384'"),
+    ("multi_gpu", ["--parts", "calibrate,foo"], "--parts: unknown foo; known: calibrate, ddp, zero3, large"),
+    ("multi_gpu", ["--parts", ","], "--parts: none given; known: calibrate, ddp, zero3, large"),
+    ("multi_gpu", ["--traces", "0"], "--traces must be at least 1, got 0"),
+    ("multi_gpu", ["--trace-tokens", "256"],
+     "--trace-tokens must be at least 257 (calibrate-delta records from position 256 on), got 256"),
+    ("multi_gpu", ["--steps", "1"], "--steps must be at least 2 (a 1-GPU run resumes the half-way checkpoint), got 1"),
+    ("multi_gpu", ["--warmup", "30"], "--warmup must be below --steps (30): the steps after it are timed, got 30"),
+    ("multi_gpu", ["--zero3-steps", "2"], "--zero3-steps must be at least 3 (the resumed runs continue from the "
+                                          "step-2 checkpoint), got 2"),
+    ("multi_gpu", ["--prompt-lengths", "16384", "0"], "--prompt-lengths must be at least 1 each, got 16384 0"),
+    ("multi_gpu", ["--large-steps", "0"], "--large-steps must be at least 1, got 0"),
+    ("multi_gpu", ["--limit", "0"], "--limit must be at least 1, got 0"),
+    ("train_step", ["--lengths", "1000", "0"], "--lengths must be at least 1 each, got 1000 0"),
+    ("train_step", ["--span", "1"], "--span must be at least 2 (the labelled tokens follow its first), got 1"),
+    ("train_step", ["--answers", "730"], "--answers must be below --span (730): each labels one of the span's tokens "
+                                         "after its first, got 730"),
+    ("train_step", ["--layers", "1"], "--layers must be at least 2 (layer 0 stays full, the others get gates), got 1"),
+    ("train_step", ["--budget", "1.5"],
+     "--budget must be the fraction of the context a sparse head reads, in (0, 1], got 1.5"),
+    ("train_step", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    ("train_step", ["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
+])
+def test_bad_numbers_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, capsys, script, flags, says):
+    module = load_benchmark(script)
+    for name in WORK[script]:
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("work started on flags that should be refused"))
+    monkeypatch.chdir(tmp_path)
+    out = ["--json", "r.json"] if script == "train_step" else ["--out", "o"]
+    err = refusal(capsys, module, [*flags, *out])
+    assert says in err and err.endswith(f"(`{script}.py --help` lists the options)")
+    assert not list(tmp_path.iterdir())
