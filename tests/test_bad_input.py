@@ -309,6 +309,30 @@ def test_decode_with_a_device_map_runs_the_transformers_path(model_dir, capsys):
     assert "[transformers path on --device-map cpu: " in err and ", 3 generated" in err
 
 
+@pytest.mark.parametrize("extra,says", [
+    (["--prompts", "p.jsonl"], "--prompts p.jsonl: give --out FILE, the JSONL file the completions go to"),
+    (["--prompt", "hi", "--out", "o.jsonl"], "--out and --batch-size go with --prompts FILE; --prompt's text is "
+                                             "streamed"),
+    (["--prompts", "p.jsonl", "--out", "o.jsonl", "--layers"], "--layers prints the layers of one prompt's decode; "
+                                                               "leave it out with --prompts"),
+    (["--prompts", "missing.jsonl", "--out", "o.jsonl"], "--prompts missing.jsonl: no such file; give a JSONL file"),
+    (["--prompts", "p.jsonl", "--out", "o.jsonl", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--prompts", "p.jsonl", "--out", "o.jsonl", "--batch-size", "4", "--device", "cpu"],
+     "--batch-size 4: the CPU runs the transformers path, which decodes one prompt at a time"),
+    (["--prompts", "p.jsonl", "--out", "p.jsonl/o.jsonl"], "--out p.jsonl/o.jsonl: "),
+    (["--prompts", "bad.jsonl", "--out", "o.jsonl"], "bad.jsonl:2: each line must be a JSON object with a 'prompt' "
+                                                     "string"),
+])
+def test_decode_refuses_a_prompt_file_it_cannot_run_before_the_model_loads(model_dir, tmp_path, capsys, no_model,
+                                                                           monkeypatch, extra, says):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi"}, {"text": "no prompt key"}])
+    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", *extra]) == 2
+    assert says in one_line(capsys, "rolecall decode")
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.partial").exists()
+
+
 @pytest.mark.parametrize("prompt", ["", "   "])
 def test_decode_refuses_an_empty_prompt_before_the_model_loads(model_dir, capsys, no_model, prompt):
     assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", prompt]) == 2

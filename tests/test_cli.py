@@ -108,6 +108,8 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path
 
 @pytest.mark.parametrize("parse,argv,prog,says", [
     ("rolecall", ["decode", "--max-new-tokens", "many"], "rolecall decode", "argument --max-new-tokens: invalid int value: 'many'"),
+    ("rolecall", ["decode", "--prompts", "p.jsonl", "--prompt", "hi"], "rolecall decode",
+     "argument --prompt: not allowed with argument --prompts"),
     ("rolecall", ["evaluate"], "rolecall", "argument COMMAND: invalid choice: 'evaluate'"),
     ("calibrate", ["--bogus"], "calibrate-delta", "unrecognized arguments: --bogus"),
     ("train", ["--target"], "train-heads", "argument --target: expected one argument"),

@@ -113,6 +113,10 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int,
     parser.add_argument("--rope-theta", type=float, default=None,
                         help="another RoPE base for the model (run it past its trained context, with "
                         "--allow-long-context), e.g. 400000 for SmolLM2 at 16K-32K")
+    add_long_context(parser)
+
+
+def add_long_context(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-long-context", action="store_true",
                         help="run prompts longer than the model's context (max_position_embeddings) with only a "
                         "warning: for a model whose RoPE you extended on purpose")
@@ -125,11 +129,7 @@ def check_prompt_arguments(args: argparse.Namespace) -> None:
     for flag in ("samples_per_cell", "passkey_words"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if (args.batch_size or 1) > 1 and (why := _one_at_a_time(args)):
-        raise ValueError(f"--batch-size {args.batch_size}: {why}, which decodes one prompt at a time; "
-                         "leave --batch-size out or pass 1")
+    check_batch_size(args)
     if args.rope_theta is not None and args.rope_theta <= 0:
         raise ValueError(f"--rope-theta must be a positive number, got {args.rope_theta}")
     if args.prompts and not Path(args.prompts).is_file():
@@ -137,7 +137,16 @@ def check_prompt_arguments(args: argparse.Namespace) -> None:
                          "lines")
 
 
-def _one_at_a_time(args: argparse.Namespace) -> str | None:
+def check_batch_size(args: argparse.Namespace) -> None:
+    """``--batch-size``: at least 1, and 1 where the flags send the prompts one at a time (``ValueError``)."""
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if (args.batch_size or 1) > 1 and (why := one_at_a_time(args)):
+        raise ValueError(f"--batch-size {args.batch_size}: {why}, which decodes one prompt at a time; "
+                         "leave --batch-size out or pass 1")
+
+
+def one_at_a_time(args: argparse.Namespace) -> str | None:
     """Why these flags take the transformers path (no batches), or None: ``--measure``, ``-p engine=reference``, or
     the CPU unless ``-p engine=static``. Known before the model loads, so a batch size that cannot run is refused
     before the prompts are built."""

@@ -3,15 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
+from pathlib import Path
 
-from runtime.cli.common import add_common, check_device_map, chosen_device, load_placed, policy_inputs
+from runtime.atomic import check_writable, write_text
+from runtime.cli.common import (
+    add_common,
+    add_long_context,
+    check_batch_size,
+    check_device_map,
+    chosen_device,
+    load_placed,
+    one_at_a_time,
+    policy_inputs,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--prompt", required=True, help="the prompt text")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text (streamed)")
+    source.add_argument("--prompts", metavar="FILE", help='a JSONL file of {"prompt": ...} lines (other keys are '
+                        "kept): decoded in batches of --batch-size, written to --out")
+    parser.add_argument("--out", metavar="FILE", help="with --prompts: the JSONL file of completions, one line per "
+                        "prompt in the file's order (finished batches are kept in FILE.partial meanwhile: a rerun "
+                        "resumes there)")
+    parser.add_argument("--batch-size", type=int, default=None, help="with --prompts: prompts decoded together on "
+                        "the engine, similar lengths together [16 on a GPU, 1 elsewhere]")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample (default: greedy)")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -21,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string, repeatable")
     parser.add_argument("--layers", action="store_true", help="also print the attended fraction of every layer "
                         "(measured on the transformers path)")
+    add_long_context(parser)
 
 
 def engine_line(last, device: str, prompt_tokens: int, policy: str) -> str:
@@ -49,14 +71,111 @@ def transformers_line(device: str, prompt_tokens: int, generated: int, times: li
     return f"\n[transformers path on {device}: {prompt_tokens} prompt tokens, {generated} generated{timing}; {read}]"
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads."""
+    from runtime.engine.sampling import Sampling
+
+    if args.prompt is not None and not args.prompt.strip() and not args.chat:
+        raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    try:  # the sampling flags, checked as the engine's sampler checks them (the transformers path takes the same)
+        Sampling(args.sample, args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:  # its message in the flags' names
+        text = str(e).replace("use do_sample=False", "leave out --sample")
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            text = text.replace(f"{name} must", f"--{name.replace('_', '-')} must")
+        raise ValueError(text) from None
+    if args.prompts is None:
+        if args.out or args.batch_size is not None:
+            raise ValueError("--out and --batch-size go with --prompts FILE; --prompt's text is streamed")
+        return
+    if not args.out:
+        raise ValueError(f"--prompts {args.prompts}: give --out FILE, the JSONL file the completions go to")
+    if args.layers:
+        raise ValueError("--layers prints the layers of one prompt's decode; leave it out with --prompts")
+    if not Path(args.prompts).is_file():
+        raise ValueError(f'--prompts {args.prompts}: no such file; give a JSONL file of {{"prompt": ...}} lines')
+    check_writable(args.out, "--out")
+    check_batch_size(args)
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    """``text`` as token ids, wrapped in the chat template as a user turn with ``chat``."""
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
 def run(args: argparse.Namespace) -> int:
+    from runtime.models import check_context, context_limit, load_config, load_tokenizer
+
+    check_flags(args)
+    trust = args.trust_remote_code
+    device = chosen_device(args)
+    check_device_map(args, "rolecall decode")
+    # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
+    # weights load
+    config = load_config(args.model, trust_remote_code=trust)
+    params, manifest = policy_inputs(args, config)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
+    if args.chat and tokenizer.chat_template is None:
+        raise ValueError(f"--chat: {args.model} has no chat template (a base model); leave out --chat")
+    if args.prompts:
+        from runtime.eval import prompt_rows
+
+        rows = prompt_rows(args.prompts)
+        texts = [(f"{args.prompts}:{line}: the prompt", row["prompt"]) for line, row in rows]
+    else:
+        rows, texts = [], [("--prompt", args.prompt)]
+    prompts = [encode(tokenizer, text, args.chat) for _, text in texts]
+    for (where, text), ids in zip(texts, prompts):
+        if not ids:
+            raise ValueError(f"{where} {text!r} is no token at all for this tokenizer; give some text")
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    check_context(len(prompts[longest]) + args.max_new_tokens, context_limit(config, args.model),
+                  what=f"{texts[longest][0]} ({len(prompts[longest])} tokens) plus --max-new-tokens "
+                  f"{args.max_new_tokens}", fix="shorten the prompt or lower --max-new-tokens",
+                  allow_long=args.allow_long_context, prog="rolecall decode")
+    if args.device_map:
+        device = f"--device-map {args.device_map}"
+    if args.prompts:
+        return decode_file(args, params, manifest, tokenizer, rows, prompts, device)
+    return decode_one(args, params, manifest, tokenizer, prompts[0], device)
+
+
+def generate_kwargs(args: argparse.Namespace, tokenizer, pad: int) -> dict:
+    """``session.generate``'s arguments that the flags give."""
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=pad)
+    if args.sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.stop:
+        kwargs.update(stop_strings=args.stop, tokenizer=tokenizer)
+    return kwargs
+
+
+def seeded(session, kwargs: dict, args: argparse.Namespace) -> None:
+    """Sampling draws from ``--seed``: the engine's own counter-based draws, else torch's generator."""
+    import torch
+
+    if args.sample and session.engine_reason(dict(kwargs, seed=args.seed)) is None:
+        kwargs["seed"] = args.seed
+    elif args.sample:
+        torch.manual_seed(args.seed)
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prompt: list[int], device: str) -> int:
+    """``--prompt``: stream the text, then one closing line (and each layer's read fraction with ``--layers``)."""
     import time
 
     import torch
     from transformers import TextStreamer
 
-    from runtime.engine.sampling import Sampling
-    from runtime.models import load_config, load_tokenizer
     from runtime.session import attach
 
     class TimedStreamer(TextStreamer):
@@ -70,52 +189,15 @@ def run(args: argparse.Namespace) -> int:
             self.times.append(time.perf_counter())
             super().put(value)
 
-    if not args.prompt.strip() and not args.chat:
-        raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
-    try:  # the sampling flags, checked as the engine's sampler checks them (the transformers path takes the same)
-        Sampling(args.sample, args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as e:  # its message in the flags' names
-        text = str(e).replace("use do_sample=False", "leave out --sample")
-        for name in ("temperature", "top_k", "top_p", "seed"):
-            text = text.replace(f"{name} must", f"--{name.replace('_', '-')} must")
-        raise ValueError(text) from None
-    trust = args.trust_remote_code
-    device = chosen_device(args)
-    check_device_map(args, "rolecall decode")
-    # bad policies, parameters and manifests, and a manifest the policy or the model cannot use, fail before the
-    # weights load
-    params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=trust))
-    tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
-    if args.chat:
-        if tokenizer.chat_template is None:
-            raise ValueError(f"--chat: {args.model} has no chat template (a base model); leave out --chat")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-    if not ids.shape[1]:
-        raise ValueError(f"--prompt {args.prompt!r} is no token at all for this tokenizer; give some text")
     model = load_placed(args)
-    ids = ids.to(model.device)
-    if args.device_map:
-        device = f"--device-map {args.device_map}"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.tensor([prompt], device=model.device)
     if args.layers:
         params["record_recall"] = True  # per-layer statistics come from the measuring (transformers) path
     streamer = TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                  do_sample=args.sample, pad_token_id=pad, streamer=streamer)
-    if args.sample:
-        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if args.stop:
-        kwargs.update(stop_strings=args.stop, tokenizer=tokenizer)
+    kwargs = dict(generate_kwargs(args, tokenizer, pad_id(tokenizer)), input_ids=ids,
+                  attention_mask=torch.ones_like(ids), streamer=streamer)
     with attach(model, manifest, args.policy, **params) as session, torch.no_grad():
-        if args.sample and session.engine_reason(dict(kwargs, seed=args.seed)) is None:
-            kwargs["seed"] = args.seed
-        elif args.sample:
-            torch.manual_seed(args.seed)
+        seeded(session, kwargs, args)
         streamer.times.append(time.perf_counter())  # the call begins (the prompt's put follows at once)
         out = session.generate(**kwargs)
     generated = out.shape[1] - ids.shape[1]
@@ -132,4 +214,83 @@ def run(args: argparse.Namespace) -> int:
             kept = f"  kept {layer['kept_fraction']:.3f}" if layer["kept_fraction"] is not None else ""
             read = layer["attended_fraction"]
             print(f"layer {layer['layer']:>3}  read {read:.3f}{kept}" if read is not None else f"layer {layer['layer']:>3}  dense")
+    return 0
+
+
+def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, rows: list, prompts: list[list[int]],
+                device: str) -> int:
+    """``--prompts``: batches of similar lengths, each finished batch kept in ``--out``.partial (a rerun with the
+    same flags resumes there; one with other flags is refused), then ``--out`` in the file's order: each row's
+    own keys, then ``completion``, ``prompt_tokens``, ``new_tokens`` and ``finish`` (``eos``, ``stop``,
+    ``length``). No timings in the file: the same flags give the same bytes."""
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from runtime.engine import pad_left
+    from runtime.engine.generate import answer_end
+    from runtime.eval import Checkpoint, resume_plan
+    from runtime.session import attach
+
+    size = args.batch_size or (1 if one_at_a_time(args) else 16)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together: less padding
+    plan = [order[i:i + size] for i in range(0, len(order), size)]
+    digest = hashlib.sha256
+    header = {"model": args.model, "dtype": args.dtype, "policy": args.policy, "params": params,
+              "manifest": digest(Path(args.manifest).read_bytes()).hexdigest() if args.manifest else None,
+              "prompts": digest(json.dumps(prompts).encode()).hexdigest(), "max_new_tokens": args.max_new_tokens,
+              "sample": args.sample, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "seed": args.seed, "stop": args.stop}
+    checkpoint = Checkpoint(f"{args.out}.partial", header, plan)  # one of other flags is refused here
+    plan = resume_plan(plan, checkpoint.finished())  # another --batch-size keeps the finished batches
+    checkpoint.adopt(plan)
+    todo = [k for k in range(len(plan)) if k not in checkpoint.done]
+    pad = pad_id(tokenizer)
+    model = load_placed(args)
+    gc = model.generation_config
+    eos = gc.eos_token_id if gc.eos_token_id is not None else tokenizer.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    kwargs = generate_kwargs(args, tokenizer, pad)
+    generated = read = 0.0
+    engine = False
+    start = time.perf_counter()
+    with attach(model, manifest, args.policy, **params) as session, torch.no_grad(), tqdm(
+            total=sum(len(plan[k]) for k in todo), desc="prompts", unit="prompt", disable=None) as bar:
+        seeded(session, kwargs, args)
+        for k in todo:
+            ids, pads = pad_left([prompts[i] for i in plan[k]], pad, model.device)
+            first = torch.tensor(pads, device=ids.device)[:, None]  # each row's first real slot
+            mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] >= first).long()
+            out = session.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, ids.shape[1]:].tolist()
+            done = []
+            for i, row in zip(plan[k], out):
+                end, why = answer_end(row, eos, args.stop, tokenizer)
+                done.append({"prompt": i, "completion": tokenizer.decode(row[:end], skip_special_tokens=True),
+                             "prompt_tokens": len(prompts[i]), "new_tokens": end, "finish": why})
+            checkpoint.add({"batch": k, "rows": done})
+            new = sum(r["new_tokens"] for r in done)
+            if session.last is not None:  # the engine: its fraction read over this batch's steps
+                engine = True
+                read += new * (session.last.info["attended_fraction"] or 1.0)
+            generated += new
+            bar.update(len(plan[k]))
+        if not engine and todo:
+            read = generated * (session.summary()["attended_fraction"] or 1.0)
+    wall = time.perf_counter() - start
+    finished = {r["prompt"]: r for entry in checkpoint.done.values() for r in entry["rows"]}
+    lines = [json.dumps({**row, **{key: v for key, v in finished[i].items() if key != "prompt"}}, ensure_ascii=False)
+             for i, (_, row) in enumerate(rows)]
+    write_text(args.out, "\n".join(lines) + "\n")
+    checkpoint.path.unlink()
+    path = "engine" if engine else "transformers path" if todo else "nothing left to decode"
+
+    def batches(n: int) -> str:
+        return f"{n} batch{'' if n == 1 else 'es'}"
+
+    speed = (f", {int(generated):,} generated in {wall:.1f} s: {generated / max(wall, 1e-9):.1f} tokens/s; policy "
+             f"{args.policy} read {read / generated:.3f} of the context") if todo and generated else ""
+    kept = f" ({batches(len(plan) - len(todo))} kept from {checkpoint.path.name})" if len(todo) < len(plan) else ""
+    print(f"[{path} on {device}: {len(prompts)} prompts in {batches(len(plan))} of up to {size}{kept}{speed}; wrote "
+          f"{args.out}]", file=sys.stderr)
     return 0

@@ -91,6 +91,12 @@ def _row_end(row: list[int], cut: int | None, eos: list[int]) -> tuple[int, str]
     return (end, "eos") if end is not None else (len(row), "length")
 
 
+def answer_end(row: list[int], eos: list[int], stop_strings: Any = (), tokenizer: Any = None) -> tuple[int, str]:
+    """Where a row of generated ids ends and why (``stop``, ``eos``, ``length``), cut as the engine cuts its rows:
+    for the rows of ``model.generate`` (padding after the end) as well as the engine's."""
+    return _row_end(row, _cut_at_stop(tokenizer, row, list(stop_strings)) if stop_strings else None, eos)
+
+
 def _stream(streamer: Any, row: list[int], sent: int, cut: int | None, eos: list[int]) -> int:
     """Hand the streamer row 0's tokens from ``sent`` up to its end (its stop string or EOS, inclusive)."""
     end = _row_end(row, cut, eos)[0]

@@ -62,26 +62,37 @@ class EvalSettings:
 SUITES = ("passkey", "ruler", "longbench")
 
 
-def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
-    """JSONL prompts → samples ``{"input_ids" [T], "answer" | None, "task": "prompts", "context_length", "depth":
-    None}`` (task ``prompts``: scored per length in the task table, not as passkeys)."""
-    samples = []
+def prompt_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of a JSONL prompt file, each with its line number: one JSON object with a ``"prompt"`` string per
+    line (blank lines skipped); a file that is not so is refused in one line naming the line."""
+    rows = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            text = row["prompt"]
+            ok = isinstance(row["prompt"], str)
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a 'prompt' string") from None
-        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a 'prompt' string")
+        rows.append((i + 1, row))
+    if not rows:
+        raise ValueError(f"{path}: no prompts in the file; write one JSON object per line")
+    return rows
+
+
+def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
+    """JSONL prompts → samples ``{"input_ids" [T], "answer" | None, "task": "prompts", "context_length", "depth":
+    None}`` (task ``prompts``: scored per length in the task table, not as passkeys)."""
+    samples = []
+    for _, row in prompt_rows(path):
+        ids = torch.tensor(tokenizer(row["prompt"])["input_ids"], dtype=torch.long)
         sample = {"input_ids": ids, "answer": row.get("answer"), "task": "prompts", "context_length": len(ids),
                   "depth": None}
         if row.get("answers") is not None:
             sample["answers"] = [str(a) for a in row["answers"]]
         samples.append(sample)
-    if not samples:
-        raise ValueError(f"{path}: no prompts in the file; write one JSON object per line")
     return samples
 
 
