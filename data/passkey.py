@@ -229,18 +229,19 @@ def build_niah_dataset(tokenizer, source: str | Corpus = "pg-essays", lengths=(1
         hay.check_length(max(lengths))
         cells = [(n, d, r) for n in lengths for d in depths for r in range(samples_per_cell)]
         samples = []
-        for i, (n, d, _) in enumerate(tqdm(cells, desc="needle grid", leave=False)):
-            rng = np.random.default_rng([seed, 2, 1 + i])
-            passkey = make_passkey(rng, passkey_words, alphabet)
-            room = n - _overhead(tokenizer, passkey, chat_template)
-            if room < 1:
-                raise ValueError(f"length {n} leaves no room for a haystack: the prompt around it takes {n - room} "
-                                 "tokens; use longer lengths or fewer passkey_words")
-            pieces = _prompt_pieces(tokenizer, hay.cut(room, rng), [d], [passkey], bool(chat_template), True)
-            input_ids, labels, spans = tk.assemble(pieces)
-            samples.append({"input_ids": input_ids, "labels": labels, "prompt_length": spans[0][0],
-                            "context_length": n, "depth": d, "answer": passkey,
-                            "answer_spans": torch.tensor(spans, dtype=torch.long)})
+        with tqdm(cells, desc="needle grid", leave=False) as bar:  # closed (and cleared) by a refusal too
+            for i, (n, d, _) in enumerate(bar):
+                rng = np.random.default_rng([seed, 2, 1 + i])
+                passkey = make_passkey(rng, passkey_words, alphabet)
+                room = n - _overhead(tokenizer, passkey, chat_template)
+                if room < 1:
+                    raise ValueError(f"length {n} leaves no room for a haystack: the prompt around it takes "
+                                     f"{n - room} tokens; use longer lengths or fewer passkey_words")
+                pieces = _prompt_pieces(tokenizer, hay.cut(room, rng), [d], [passkey], bool(chat_template), True)
+                input_ids, labels, spans = tk.assemble(pieces)
+                samples.append({"input_ids": input_ids, "labels": labels, "prompt_length": spans[0][0],
+                                "context_length": n, "depth": d, "answer": passkey,
+                                "answer_spans": torch.tensor(spans, dtype=torch.long)})
         return samples
 
     return tk.cached("niah", key, build, use_cache=cache)

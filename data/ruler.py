@@ -371,10 +371,12 @@ def _build_samples(tokenizer, hay: Haystack, cells: list[tuple[str, int, int]], 
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                      initializer=_init_worker, initargs=(tokenizer, hay, seed, chat)) as pool:
-                return list(tqdm(pool.map(_worker_sample, cells, chunksize=4), **bar))
+                with tqdm(pool.map(_worker_sample, cells, chunksize=4), **bar) as done:  # cleared by a refusal too
+                    return list(done)
         except BrokenProcessPool as e:  # a worker died (memory, a signal): the same samples, serially
             print(f"RULER prompts: worker processes failed ({e}); building serially", file=sys.stderr)
-    return [_sample(tokenizer, hay, t, n, i, seed, chat) for t, n, i in tqdm(cells, **bar)]
+    with tqdm(cells, **bar) as todo:
+        return [_sample(tokenizer, hay, t, n, i, seed, chat) for t, n, i in todo]
 
 
 def build_ruler_dataset(tokenizer, tasks=tuple(TASKS), lengths=(4096,), samples_per_cell: int = 10, seed: int = 0,
