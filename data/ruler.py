@@ -370,9 +370,9 @@ def _build_samples(tokenizer, hay: Haystack, cells: list[tuple[str, int, int]], 
     if workers > 1 and not multiprocessing.current_process().daemon:  # a daemon process may not start others
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_init_worker, initargs=(tokenizer, hay, seed, chat)) as pool:
-                with tqdm(pool.map(_worker_sample, cells, chunksize=4), **bar) as done:  # cleared by a refusal too
-                    return list(done)
+                                     initializer=_init_worker, initargs=(tokenizer, hay, seed, chat)) as pool, \
+                    tqdm(pool.map(_worker_sample, cells, chunksize=4), **bar) as done:  # cleared by a refusal too
+                return list(done)
         except BrokenProcessPool as e:  # a worker died (memory, a signal): the same samples, serially
             print(f"RULER prompts: worker processes failed ({e}); building serially", file=sys.stderr)
     with tqdm(cells, **bar) as todo:
