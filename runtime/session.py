@@ -70,17 +70,11 @@ class Session:
 
     def __init__(self, model: torch.nn.Module, manifest: RoleManifest | None, policy: Any,
                  record_recall: bool = False, record_error: bool = False, engine: str = "auto",
-                 min_context: int | None = None, weights: Any = None) -> None:
+                 min_context: int | None = None) -> None:
         if engine not in ENGINE_CHOICES:
             raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
-        if weights is not None:
-            from runtime.engine import Weights
-
-            if not isinstance(weights, Weights):
-                raise PolicyError(f"weights must be another session's engine_weights (runtime.engine.Weights), got "
-                                  f"{type(weights).__name__}; pass session.engine_weights or leave it out")
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
-        self._weights: Any = weights
+        self._weights: Any = None  # the engine's weights, built at the first engine request
         self._notice_given = False
         self.min_context = min_context
         self.last: Any = None  # the engine's Generation of the last call, when the engine ran
@@ -99,10 +93,10 @@ class Session:
     # -- public helpers ----------------------------------------------------------------------------------------
     @property
     def engine_weights(self) -> Any:
-        """The engine's copy of the model's weights (``runtime.engine.Weights``: q/k/v and gate/up stacked, more
-        than half of the weights) that this session built or was given, or None before its first engine request.
-        Another session on the same model can take it (``attach(..., weights=session.engine_weights)``) instead
-        of building its own."""
+        """The engine's weights of the model (``runtime.engine.Weights``: q/k/v and gate/up stacked into one
+        matrix each) from this session's first engine request on, or None. Inside the session the model's own
+        projections are views of the stacked matrices, so they cost no second copy; when the session ends the
+        model gets standalone tensors back and these weights are spent."""
         return self._weights
 
     def cache(self):
@@ -192,8 +186,12 @@ class Session:
                             float(top_p if top_p is not None else (gc.top_p or 1.0)) if sample else 1.0, int(seed))
         new = int(max_new_tokens if max_new_tokens is not None else (gc.max_new_tokens or 20))
         need = max(len(r) for r in ids) + new
-        if self._weights is None or self._weights.max_positions < need or not self._weights.taken_from(self.model):
-            self._weights = Weights.from_model(self.model, positions=max(need, 1 << (need - 1).bit_length(), 4096))
+        positions = max(need, 1 << (need - 1).bit_length(), 4096)
+        if self._weights is None or not self._weights.taken_from(self.model):
+            self.close()  # weights this session took from the model before it was moved or cast
+            self._weights = Weights.from_model(self.model, positions=positions, share=True)
+        elif self._weights.max_positions < need:
+            self._weights = self._weights.with_positions(self.model, positions)
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
         out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
                        pad_token_id=int(pad), stop_strings=stops, tokenizer=tokenizer, streamer=streamer,
@@ -210,6 +208,12 @@ class Session:
             # copy: at a large vocabulary a batch's logits are gigabytes); the engine ran at least ``width`` steps
             logits = tuple(out.step_logits[:, :width].to(input_ids.device).unbind(1))
         return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)
+
+    def close(self) -> None:
+        """The model's projections standalone again where this session's engine weights took them as views (at
+        the end of :func:`attach`); those weights are spent then."""
+        if self._weights is not None:
+            self._weights.release(self.model)
 
     def reset_stats(self) -> None:
         self.stats = LayerStats(self.num_layers)
@@ -320,23 +324,23 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     ``engine``: ``"auto"`` (the engine on CUDA where it can run, default), ``"static"`` (the engine or an
     error, also on the CPU) or ``"reference"`` (always the transformers path); ``min_context``: below this
     many tokens the engine runs a sparse policy's full step (default: the measured crossover for the policy
-    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs);
-    ``weights``: the engine's weights of this model from an earlier session (``session.engine_weights``), so
-    that sessions one after another share one copy (taken again if they no longer fit the model or the request).
+    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs).
     """
     record_recall = bool(params.pop("record_recall", False))
     record_error = bool(params.pop("record_error", False))
     engine = params.pop("engine", "auto")
     min_context = params.pop("min_context", None)
-    weights = params.pop("weights", None)
     manifest = _load_manifest(manifest)
     pol = bound_policy(policy, manifest, model.config, **params)
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
         raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
-    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context, weights)
+    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context)
     with use_attention(model, session.attention, name=f"rolecall_{pol.name}"):
-        yield session
+        try:
+            yield session
+        finally:
+            session.close()
 
 
 __all__ = ["LayerStats", "Session", "attach", "bound_policy"]

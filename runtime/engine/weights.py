@@ -9,6 +9,8 @@ the same structure for benchmarks. Stacking copies the attention and gate/up mat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,14 +83,19 @@ class Weights:
 
     @classmethod
     @torch.no_grad()
-    def from_model(cls, model: torch.nn.Module, positions: int | None = None) -> Weights:
+    def from_model(cls, model: torch.nn.Module, positions: int | None = None, share: bool = False) -> Weights:
         """The weights of a transformers causal LM of a supported family, with RoPE tables for ``positions``
-        positions (default: the model's ``max_position_embeddings``)."""
+        positions (default: the model's ``max_position_embeddings``).
+
+        Stacking q/k/v and gate/up copies more than half of the weights. With ``share`` the model's own
+        projections become views of the stacked matrices, layer by layer as they are made, so no copy stays
+        (memory grows by one layer at most, and the model computes what it computed); :meth:`release` gives
+        the model standalone tensors again. :func:`shared_weights` does both around a block."""
         shape = ModelShape.from_config(model.config)
         misplaced = placement_problem(model)
         if misplaced:
             raise ValueError(misplaced)
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        base = decoder_of(model)
         off = shape.norm_offset
 
         def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
@@ -100,29 +107,45 @@ class Weights:
         for layer in base.layers:
             att, mlp = layer.self_attn, layer.mlp
             biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
+            qkv, gate_up = _stacked(layer)
+            wqkv, w_gate_up = torch.cat([p.detach() for p in qkv]), torch.cat([p.detach() for p in gate_up])
+            if share:
+                _view_into(qkv, wqkv)
+                _view_into(gate_up, w_gate_up)
             layers.append(LayerWeights(
-                norm(layer.input_layernorm),
-                torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
-                torch.cat(biases) if biases[0] is not None else None,
+                norm(layer.input_layernorm), wqkv, torch.cat(biases) if biases[0] is not None else None,
                 norm(getattr(att, "q_norm", None)), norm(getattr(att, "k_norm", None)),
                 att.o_proj.weight.detach(), att.o_proj.bias,
                 norm(layer.post_attention_layernorm) if shape.sandwich else None,
                 norm(layer.pre_feedforward_layernorm if shape.sandwich else layer.post_attention_layernorm),
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.detach(),
+                w_gate_up, mlp.down_proj.weight.detach(),
                 norm(layer.post_feedforward_layernorm) if shape.sandwich else None))
         embed = model.get_input_embeddings().weight.detach()
         head = model.get_output_embeddings().weight.detach()
-        config = getattr(base, "config", model.config)
-        count = positions or int(getattr(config, "max_position_embeddings", 0) or 32768)
-        tables = {kind: _model_tables(base.rotary_emb, kind, count, embed.dtype, embed.device)
-                  for kind in sorted(set(shape.rope_kinds))}
-        return cls(shape, embed, layers, norm(base.norm), head, tables)
+        return cls(shape, embed, layers, norm(base.norm), head, _rope_of(model, shape, positions, embed))
+
+    def with_positions(self, model: torch.nn.Module, positions: int) -> Weights:
+        """The same weights with RoPE tables for ``positions`` positions (from ``model``, whose they are)."""
+        return replace(self, rope=_rope_of(model, self.shape, positions, self.embed))
+
+    @torch.no_grad()
+    def release(self, model: torch.nn.Module) -> None:
+        """Undo :meth:`from_model`'s ``share``: layer by layer, the model's projections become standalone tensors
+        again and these weights drop their stacked matrices (memory grows by one layer at most). These weights
+        are then spent: :meth:`taken_from` says False."""
+        for layer, lw in zip(decoder_of(model).layers, self.layers):
+            qkv, gate_up = _stacked(layer)
+            for p in qkv + gate_up:
+                p.data = p.data.clone()
+            lw.wqkv = lw.w_gate_up = None
+        self.layers = []
 
     def taken_from(self, model: torch.nn.Module) -> bool:
         """Whether these weights were taken from ``model`` where its parameters now are (the same embedding
-        storage: a model moved or cast since then holds new tensors, and its weights must be taken again)."""
+        storage: a model moved or cast since then holds new tensors, and its weights must be taken again) and
+        are not spent (:meth:`release`)."""
         embed = model.get_input_embeddings().weight
-        return self.embed.data_ptr() == embed.data_ptr() and self.embed.shape == embed.shape
+        return bool(self.layers) and self.embed.data_ptr() == embed.data_ptr() and self.embed.shape == embed.shape
 
     def permute_kv_heads(self, perms: list[torch.Tensor]) -> Weights:
         """The same model with each layer's KV heads (and their query groups) stored in order ``perms[l]``
@@ -136,6 +159,42 @@ class Weights:
             layers.append(replace(lw, wqkv=_permute_qkv(lw.wqkv, p, s), wo=wo,
                                   bqkv=None if lw.bqkv is None else _permute_qkv(lw.bqkv, p, s)))
         return replace(self, layers=layers)
+
+
+@contextmanager
+def shared_weights(model: torch.nn.Module, positions: int | None = None) -> Iterator[Weights]:
+    """The engine's weights of ``model``, its q/k/v and gate/up projections views of their stacked matrices
+    inside the block (no second copy of them), standalone again after it, also when the block raises."""
+    weights = Weights.from_model(model, positions, share=True)
+    try:
+        yield weights
+    finally:
+        weights.release(model)
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def _stacked(layer: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """A decoder layer's projections that the engine stacks: q, k, v and gate, up."""
+    att, mlp = layer.self_attn, layer.mlp
+    return [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], [mlp.gate_proj.weight, mlp.up_proj.weight]
+
+
+def _view_into(params: list[torch.nn.Parameter], stacked: torch.Tensor) -> None:
+    """Each parameter's data becomes its rows of ``stacked`` (their concatenation): its own storage is freed."""
+    for p, rows in zip(params, stacked.split([p.shape[0] for p in params])):
+        p.data = rows
+
+
+def _rope_of(model: torch.nn.Module, shape: ModelShape, positions: int | None, embed: torch.Tensor):
+    """cos/sin tables per RoPE kind for ``positions`` (default: the model's ``max_position_embeddings``)."""
+    base = decoder_of(model)
+    config = getattr(base, "config", model.config)
+    count = positions or int(getattr(config, "max_position_embeddings", 0) or 32768)
+    return {kind: _model_tables(base.rotary_emb, kind, count, embed.dtype, embed.device)
+            for kind in sorted(set(shape.rope_kinds))}
 
 
 def placement_problem(model: torch.nn.Module) -> str | None:

@@ -430,9 +430,9 @@ class _Run:
     entries: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
-    def session(self, model, weights: Any = None):
+    def session(self, model):
         return attach(model, self.job.manifest, self.job.policy, record_recall=self.measure, min_context=0,
-                      weights=weights, **self.params)
+                      **self.params)
 
 
 @torch.no_grad()
@@ -531,12 +531,10 @@ def _one_plan(runs: list[_Run]) -> None:
 
 
 def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSettings) -> None:
-    """Batch by batch, every run in turn, one prefill a batch and one copy of the engine's weights for the
-    whole call (see :func:`evaluate_many`)."""
+    """Batch by batch, every run in turn, one prefill a batch (see :func:`evaluate_many`)."""
     from tqdm.auto import tqdm
 
     batches, device = runs[0].batches, device_label(model)
-    weights = None  # the engine's copy of the model's weights, built by the first session and shared by all
     with tqdm(total=sum(map(len, batches)) * len(runs), desc=f"prompts × {len(runs)} policies", unit="prompt",
               leave=False) as bar:
         for k, batch in enumerate(batches):
@@ -546,10 +544,9 @@ def _run_together(model, tokenizer, runs: list[_Run], samples, settings: EvalSet
                     r.entries.append(r.kept.done[k])
                 else:
                     start = time.perf_counter()
-                    with r.session(model, weights) as session:
+                    with r.session(model) as session:
                         rows, figures = _decode_batch(model, tokenizer, session, [samples[i] for i in batch],
                                                       settings, True, share)
-                        weights = session.engine_weights
                     seconds = time.perf_counter() - start
                     r.entries.append(_entry(k, rows, figures, seconds, device))
                     if r.kept is not None:
@@ -597,29 +594,29 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     divergence point, the first generated token the policy would have chosen otherwise (from there on its
     own greedy generation would part from full's)."""
     from data.reasoning import build_reasoning_dataset
-    from runtime.engine import Weights, lockstep, static_step_of
+    from runtime.engine import lockstep, shared_weights, static_step_of
 
     prompts = [s["input_ids"].tolist() for s in build_reasoning_dataset(tokenizer, source, limit)]
     with attach(model, manifest, policy, engine="static", **dict(params or {})) as session:
         bound = session.policy
-    weights = Weights.from_model(model, positions=max(map(len, prompts)) + max_new_tokens)
-    try:  # parameters the engine cannot run (a set size that changes per step) are refused here, in one line
-        static_step_of(bound, weights.shape)
-    except NotImplementedError as e:
-        raise ValueError(f"the reasoning suite runs on the engine: {e}") from None
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    records, agreed = [], 0
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
-        run = lockstep(weights, bound, chunk, step_divergence, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                       pad_token_id=pad)
-        for r in range(len(chunk)):
-            agreed += int(run.agree[r].sum())
-            records.append({"prompt_tokens": len(chunk[r]), "generated_tokens": len(run.tokens[r]),
-                            "kl_mean": float(run.kl[r].mean()) if run.kl[r].numel() else None,
-                            "top1_agreement": float(run.agree[r].float().mean()) if run.agree[r].numel() else None,
-                            "divergence": run.divergence(r), "kl": run.kl[r].tolist()})
+    with shared_weights(model, positions=max(map(len, prompts)) + max_new_tokens) as weights:  # no second copy of them
+        try:  # parameters the engine cannot run (a set size that changes per step) are refused here, in one line
+            static_step_of(bound, weights.shape)
+        except NotImplementedError as e:
+            raise ValueError(f"the reasoning suite runs on the engine: {e}") from None
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        records, agreed = [], 0
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
+            run = lockstep(weights, bound, chunk, step_divergence, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                           pad_token_id=pad)
+            for r in range(len(chunk)):
+                agreed += int(run.agree[r].sum())
+                records.append({"prompt_tokens": len(chunk[r]), "generated_tokens": len(run.tokens[r]),
+                                "kl_mean": float(run.kl[r].mean()) if run.kl[r].numel() else None,
+                                "top1_agreement": float(run.agree[r].float().mean()) if run.agree[r].numel() else None,
+                                "divergence": run.divergence(r), "kl": run.kl[r].tolist()})
     steps = [k for r in records for k in r["kl"]]
     points = sorted(r["divergence"] for r in records if r["divergence"] is not None)
     scored = [r for r in records if r["kl_mean"] is not None]

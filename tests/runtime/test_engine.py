@@ -865,25 +865,41 @@ def test_a_kept_prefill_serves_every_policy(family):
         engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
 
 
-def test_sessions_share_the_engine_weights_of_the_model_they_were_taken_from():
-    """A session given another session's engine weights uses them (no second copy) and decodes the same; weights
-    of another model, or of this model before it was cast, are taken again, so nothing decodes with stale ones."""
+def test_a_session_views_the_models_projections_and_gives_them_back(tmp_path):
+    """Inside a session the model's q/k/v and gate/up projections are views of the engine's stacked matrices: the
+    engine holds no second copy of any projection, and the model's storages hold the bytes they held. More
+    positions extend the RoPE tables only. At the end the model has standalone tensors of the same values (it
+    saves and loads as before), the session's weights are spent, and a later session takes them again."""
     model = model_of("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def storages(tensors) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    held = sum(storages(model.parameters()).values())
     kw = dict(input_ids=torch.tensor([prompts(seed=2)[0]]), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
-    with attach(model, None, "full", engine="static") as first:
-        want = first.generate(**kw)
-        shared = first.engine_weights
-    assert isinstance(shared, Weights) and shared.taken_from(model)
-    with attach(model, None, "full", engine="static", weights=shared) as second:
-        assert torch.equal(second.generate(**kw), want)
-        assert second.engine_weights is shared
-    other = model_of("llama")  # the same values in tensors of its own
-    assert not shared.taken_from(other)
-    with attach(other, None, "full", engine="static", weights=shared) as third:
-        third.generate(**kw)
-        assert third.engine_weights is not shared and third.engine_weights.taken_from(other)
+    with attach(model, None, "full", engine="static") as s:
+        want = s.generate(**kw)
+        w = s.engine_weights
+        ours = storages(model.parameters())
+        assert sum(ours.values()) == held
+        projections = [t for lw in w.layers for t in (lw.wqkv, lw.w_gate_up, lw.wo, lw.w_down)]
+        assert set(storages(projections)) <= set(ours)  # no projection copied
+        first = model.model.layers[0]
+        assert first.self_attn.k_proj.weight.untyped_storage().data_ptr() == w.layers[0].wqkv.data_ptr()
+        assert torch.equal(first.mlp.up_proj.weight, w.layers[0].w_gate_up[model.config.intermediate_size:])
+        longer = w.with_positions(model, 2 * w.max_positions)
+        assert longer.max_positions == 2 * w.max_positions and longer.layers[1].wqkv is w.layers[1].wqkv
+    assert not w.layers and not w.taken_from(model)
+    for p in model.parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()  # standalone again
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    model.save_pretrained(tmp_path / "saved")  # safetensors refuses tensors that share storage
+    again = type(model).from_pretrained(tmp_path / "saved")
+    assert all(torch.equal(v, before[k]) for k, v in again.state_dict().items())
+    with attach(model, None, "full", engine="static") as s:
+        assert torch.equal(s.generate(**kw), want) and s.engine_weights is not w
     model.to(torch.float64)
-    assert not shared.taken_from(model)
-    # a state dict is not the engine's weights
-    with pytest.raises(PolicyError, match="engine_weights"), attach(model, None, "full", weights=model.state_dict()):
-        pass
+    with attach(model, None, "full", engine="static") as s:
+        s.generate(**kw)
+        assert s.engine_weights.dtype == torch.float64
