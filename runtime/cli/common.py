@@ -72,8 +72,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--device-map", default=None, metavar="MAP",
                         help="'auto' spreads a model too large for one GPU over every visible GPU (from_pretrained's "
-                        "device_map; also balanced, sequential or a device); it then decodes on the transformers "
-                        "path, since the engine runs a model on one GPU")
+                        "device_map; also balanced, sequential or a device); a model spread over several decodes on "
+                        "the transformers path, since the engine runs a model on one GPU")
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int, alphabet: str, limit: int) -> None:
