@@ -152,8 +152,6 @@ def one_at_a_time(args: argparse.Namespace) -> str | None:
     before the prompts are built."""
     if getattr(args, "measure", False):
         return "--measure runs the transformers path"
-    if getattr(args, "device_map", None):
-        return "--device-map runs the transformers path"
     engine = parse_params(getattr(args, "param", None)).get("engine", "auto")
     if engine == "reference":
         return "-p engine=reference runs the transformers path"

@@ -60,9 +60,6 @@ def run(args: argparse.Namespace) -> int:
 
     check_prompt_arguments(args)
     chosen_device(args)  # a device this machine does not have: refused before anything is built or loaded
-    if args.suite == "reasoning" and args.device_map:
-        raise ValueError(f"--suite reasoning runs on the engine, which runs a model on one GPU; leave --device-map "
-                         f"{args.device_map} out")
     check_device_map(args, "rolecall eval")
     if args.json:
         check_writable(args.json, "--json")  # the results are written at the end: refused now if they cannot be
