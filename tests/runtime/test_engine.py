@@ -899,6 +899,11 @@ def test_a_session_views_the_models_projections_and_gives_them_back(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in again.state_dict().items())
     with attach(model, None, "full", engine="static") as s:
         assert torch.equal(s.generate(**kw), want) and s.engine_weights is not w
+    with pytest.raises(RuntimeError, match="boom"), attach(model, None, "full", engine="static") as s:
+        s.generate(**kw)
+        raise RuntimeError("boom")
+    assert not s.engine_weights.layers  # given back on the way out of a block that raised too
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     model.to(torch.float64)
     with attach(model, None, "full", engine="static") as s:
         s.generate(**kw)
