@@ -1,11 +1,13 @@
-"""benchmarks/calibrate.py, multi_gpu.py and train_step.py refuse bad counts, lengths and parts in one line (exit
-status 2, the flag, its limit and the value given) before any model is built, command launched or file written."""
+"""benchmarks/calibrate.py, multi_gpu.py, train_step.py and memory.py refuse bad counts, lengths and parts in one
+line (exit status 2, the flag, its limit and the value given) before any model is built, command launched or file
+written."""
 
 import pytest
 
 from tests.benchmarks import load_benchmark, refusal
 
-WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_step": ("build_model",)}
+WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_step": ("build_model",),
+        "memory": ("measure",)}
 
 
 @pytest.mark.parametrize("script, flags, says", [
@@ -42,6 +44,9 @@ WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_
      "--budget must be the fraction of the context a sparse head reads, in (0, 1], got 1.5"),
     ("train_step", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     ("train_step", ["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
+    ("memory", ["--models", "7b,9b"], "--models: unknown 9b; known: 7b, 1.5b, 32b"),
+    ("memory", ["--prompt", "0"], "--prompt must be at least 1, got 0"),
+    ("memory", ["--new", "-1"], "--new must be at least 1, got -1"),
 ])
 def test_bad_numbers_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, capsys, script, flags, says):
     module = load_benchmark(script)

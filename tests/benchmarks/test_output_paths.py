@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("multi_gpu.py", ["--out", "afile/sub"]),
     ("calibrate.py", ["--out", "afile/sub"]),
     ("train_step.py", ["--json", "afile/sub.json"]),
+    ("memory.py", ["--out", "afile/sub.json"]),
 ])
 def test_an_output_under_a_file_is_refused_in_one_line(tmp_path, script, flags):
     (tmp_path / "afile").write_text("")

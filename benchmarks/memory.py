@@ -1,0 +1,137 @@
+"""Peak GPU memory of one engine request, DS-R1-Distill-Qwen architectures with random bf16 weights.
+
+For each model shape it measures, in the same run, the memory a request holds beyond the model itself:
+
+- ``copy``: the engine's weights taken as a copy (``Weights.from_model(model)``): q/k/v and gate/up stacked
+  beside the model's own projections, more than half of the weights again;
+- ``shared``: what ``attach`` does (``runtime.engine.shared_weights``): the model's projections become views of
+  the stacked matrices, so the request holds its cache and activations only;
+
+and, after ``shared``, whether every byte came back (the model's projections standalone again). A variant that
+runs out of memory is reported as such (the 32B shape on an 80 GB GPU with a copy). Random weights change
+nothing here: memory depends on the shapes alone. The GPU is named in the table and the JSON.
+
+    python benchmarks/memory.py --models 7b,32b --out results/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import at_least  # noqa: E402
+from runtime.cli import Parser  # noqa: E402
+from runtime.engine import SHAPES, ModelShape  # noqa: E402
+
+# DeepSeek-R1-Distill-Qwen-32B (Qwen2 architecture): the largest of the family, beside the engine's 7B and 1.5B
+MODELS = {**SHAPES, "32b": ModelShape(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, intermediate=27648,
+                                     vocab=152064)}
+GB = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="1.5b,7b,32b", help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--prompt", type=int, default=2048, help="prompt tokens of the request")
+    p.add_argument("--new", type=int, default=16, help="tokens it generates")
+    p.add_argument("--out", default=None, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        p.error(f"--models: unknown {', '.join(unknown) or 'none given'}; known: {', '.join(MODELS)}")
+    at_least(p, args, prompt=1, new=1)
+    p.check_writable(args.out, "--out")
+    return args
+
+
+def config_of(shape: ModelShape):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.kv_heads, max_position_embeddings=32768, rope_theta=1e6,
+                       tie_word_embeddings=False)
+
+
+def held_beyond(run) -> float | None:
+    """Peak bytes allocated while ``run()`` runs, beyond what was allocated before it; None when it ran out."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    try:
+        run()
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def measure(name: str, args: argparse.Namespace) -> dict:
+    from runtime.distributed import random_model
+    from runtime.engine import Weights, generate, shared_weights
+    from runtime.policies import get_policy
+
+    model = random_model(config_of(MODELS[name]), torch.bfloat16, device="cuda")
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    stacked = sum(p.numel() * p.element_size() for layer in model.model.layers
+                  for p in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                            layer.self_attn.v_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))
+    prompt = torch.randint(0, MODELS[name].vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = get_policy("full")
+
+    def request(weights) -> None:
+        generate(weights, full, [prompt], max_new_tokens=args.new, eos_token_id=[], graphs=False)
+
+    def shared() -> None:
+        with shared_weights(model, positions=args.prompt + args.new) as weights:
+            request(weights)
+
+    row = {"model": name, "weights_gb": weights_bytes / GB, "stacked_gb": stacked / GB}
+    before = torch.cuda.memory_allocated()
+    row["shared_gb"] = held_beyond(shared)
+    row["left_after_gb"] = (torch.cuda.memory_allocated() - before) / GB  # 0: every byte came back
+    row["given_back"] = all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+    row["copy_gb"] = held_beyond(lambda: request(Weights.from_model(model, positions=args.prompt + args.new)))
+    for key in ("shared_gb", "copy_gb"):
+        row[key] = None if row[key] is None else row[key] / GB
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{Path(__file__).name}: error: needs a CUDA device", file=sys.stderr)
+        return 2
+    gpu, total = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args))
+        torch.cuda.empty_cache()  # the model of the last shape is gone
+    print(f"{gpu} ({total / GB:.1f} GB), torch {torch.__version__}, bf16, one request: {args.prompt} prompt tokens, "
+          f"{args.new} new; GB held beyond the model's weights at the peak")
+    print(f"{'model':>6} {'weights':>8} {'q/k/v+gate/up':>14} {'copy':>10} {'shared':>10} {'left after':>11}")
+    for r in rows:
+        copy = "out of mem" if r["copy_gb"] is None else f"{r['copy_gb']:.2f}"
+        shared = "out of mem" if r["shared_gb"] is None else f"{r['shared_gb']:.2f}"
+        left = f"{r['left_after_gb']:.3f}" + ("" if r["given_back"] else " (views!)")
+        print(f"{r['model']:>6} {r['weights_gb']:>8.2f} {r['stacked_gb']:>14.2f} {copy:>10} {shared:>10} {left:>11}")
+    if args.out:
+        from runtime.atomic import write_text
+
+        write_text(args.out, json.dumps({"gpu": gpu, "gpu_gb": total / GB, "torch": torch.__version__,
+                                         "prompt": args.prompt, "new": args.new, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
