@@ -323,11 +323,11 @@ def wall(fn, reps: int) -> float:
 def real_model(args: argparse.Namespace) -> dict:
     from runtime import attach
     from runtime.engine import Weights as EngineWeights
-    from runtime.models import load_model, load_tokenizer
+    from runtime.models import load_model, load_tokenizer, pad_token
 
     model = load_model(args.real, dtype=torch.bfloat16).to("cuda")
     tok = load_tokenizer(args.real)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_token(tok)
     chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              if tok.chat_template else p for p in REAL_PROMPTS]
     encoded = [tok(c, add_special_tokens=not tok.chat_template)["input_ids"] for c in chats]
@@ -452,18 +452,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              real_reps=1)
     if args.delta_total <= args.delta_prompt:
         p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
-    args.models = [m for m in args.models.split(",") if m]
-    args.policies = [x for x in args.policies.split(",") if x]
-    if not args.policies:
-        p.error("--policies takes comma-separated policy names, got none")
+    args.models = p.names(args.models, "--models", SHAPES)
+    args.policies = p.names(args.policies, "--policies", POLICIES)  # refused before anything is timed
     if "full" in args.policies:
         args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first
-    for m in args.models:
-        if m not in SHAPES:
-            p.error(f"unknown model {m!r}; known: {', '.join(SHAPES)}")
-    for name in args.policies:  # refused before anything is timed
-        if name not in POLICIES:
-            p.error(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     if args.smoke:
         args.contexts = [c for c in args.contexts if c <= 256] or [64, 160]
         args.batches = [min(b, 2) for b in args.batches]

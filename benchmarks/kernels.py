@@ -581,10 +581,7 @@ def main() -> int:
     if any(t % BLOCK for t in contexts):
         parser.error(f"--contexts takes multiples of the {BLOCK}-token blocks the sparse calls read, got {args.contexts!r}")
     batches = tuple(parser.counts(args.batches, "--batches", "batch sizes"))
-    projections = tuple(p.strip() for p in args.projections.split(",") if p.strip())
-    unknown = [p for p in projections if p not in PROJECTIONS]
-    if unknown:
-        parser.error(f"--projections: unknown {', '.join(unknown)}; known: {', '.join(PROJECTIONS)}")
+    projections = tuple(parser.names(args.projections, "--projections", PROJECTIONS))
     linear_kw = {"projections": projections, **({"rows_list": rows_arg} if rows_arg else {})}
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)

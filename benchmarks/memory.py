@@ -42,10 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=int, default=16, help="tokens it generates")
     p.add_argument("--out", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown or not args.models:
-        p.error(f"--models: unknown {', '.join(unknown) or 'none given'}; known: {', '.join(MODELS)}")
+    args.models = p.names(args.models, "--models", MODELS)
     at_least(p, args, prompt=1, new=1)
     p.check_writable(args.out, "--out")
     return args

@@ -337,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=LIMIT_S, help="seconds before a command is killed")
     args = p.parse_args(argv)
     p.check_writable(args.out, "--out", folder=True)
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = [x for x in parts if x not in PARTS]
-    if unknown or not parts:
-        p.error(f"--parts: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; known: {', '.join(PARTS)}")
+    parts = p.names(args.parts, "--parts", PARTS)
     tokens = (MIN_CONTEXT + 1, f"calibrate-delta records from position {MIN_CONTEXT} on")
     at_least(p, args, traces=1, trace_tokens=tokens, steps=(2, "a 1-GPU run resumes the half-way checkpoint"),
              warmup=0, zero3_steps=(3, "the resumed runs continue from the step-2 checkpoint"), zero3_prompt=1,

@@ -372,6 +372,11 @@ def _from_pretrained(auto_class: Any, name: str, *, tokenizer: bool = False, tru
         raise
 
 
+def pad_token(tokenizer) -> int | None:
+    """The id a batch is padded with: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     """The model's tokenizer. ``trust_remote_code``: allow a folder or repository that ships its own Python
     code (``auto_map``) to run it; otherwise such a model is refused in one line."""

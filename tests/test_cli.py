@@ -113,7 +113,7 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path
     ("rolecall", ["evaluate"], "rolecall", "argument COMMAND: invalid choice: 'evaluate'"),
     ("calibrate", ["--bogus"], "calibrate-delta", "unrecognized arguments: --bogus"),
     ("train", ["--target"], "train-heads", "argument --target: expected one argument"),
-    ("decode-benchmark", ["--models", "9b"], None, "unknown model '9b'; known: 7b, 1.5b"),  # prog: the script's
+    ("decode-benchmark", ["--models", "9b"], None, "--models: unknown 9b; known: 7b, 1.5b"),  # prog: the script's
 ])
 def test_a_usage_error_is_one_line(capsys, parse, argv, prog, says):
     """A bad argument is refused in one line (argparse's own message, then where the options are listed), with

@@ -46,6 +46,16 @@ class Parser(argparse.ArgumentParser):
             self.error(f"{flag} takes comma-separated {what} of at least {low} each, got {value!r}")
         return numbers
 
+    def names(self, value: str, flag: str, known) -> list[str]:
+        """``value``, comma-separated, as names each of ``known``, or a usage error in one line naming ``flag``,
+        the names it does not know (or that none was given) and the known ones."""
+        names = [v.strip() for v in value.split(",") if v.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            self.error(f"{flag}: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; known: "
+                       f"{', '.join(known)}")
+        return names
+
     def check_writable(self, path: str | None, flag: str, folder: bool = False) -> None:
         """An output ``path`` given to ``flag`` that is written after the work (``folder``: a folder written into),
         refused now as a usage error (:func:`runtime.atomic.check_writable`); nothing when the flag was left out."""

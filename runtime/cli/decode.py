@@ -19,6 +19,7 @@ from runtime.cli.common import (
     one_at_a_time,
     policy_inputs,
 )
+from runtime.models import pad_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,10 +166,6 @@ def seeded(session, kwargs: dict, args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)
 
 
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
 def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prompt: list[int], device: str) -> int:
     """``--prompt``: stream the text, then one closing line (and each layer's read fraction with ``--layers``)."""
     import time
@@ -194,7 +191,7 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
     if args.layers:
         params["record_recall"] = True  # per-layer statistics come from the measuring (transformers) path
     streamer = TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(generate_kwargs(args, tokenizer, pad_id(tokenizer)), input_ids=ids,
+    kwargs = dict(generate_kwargs(args, tokenizer, pad_token(tokenizer)), input_ids=ids,
                   attention_mask=torch.ones_like(ids), streamer=streamer)
     with attach(model, manifest, args.policy, **params) as session, torch.no_grad():
         seeded(session, kwargs, args)
@@ -228,7 +225,7 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     import torch
     from tqdm.auto import tqdm
 
-    from runtime.engine import pad_left
+    from runtime.engine import pad_left, padding_mask
     from runtime.engine.generate import answer_end
     from runtime.eval import Checkpoint, resume_plan
     from runtime.session import attach
@@ -246,7 +243,7 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     plan = resume_plan(plan, checkpoint.finished())  # another --batch-size keeps the finished batches
     checkpoint.adopt(plan)
     todo = [k for k in range(len(plan)) if k not in checkpoint.done]
-    pad = pad_id(tokenizer)
+    pad = pad_token(tokenizer)
     model = load_placed(args)
     gc = model.generation_config
     eos = gc.eos_token_id if gc.eos_token_id is not None else tokenizer.eos_token_id
@@ -260,8 +257,7 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
         seeded(session, kwargs, args)
         for k in todo:
             ids, pads = pad_left([prompts[i] for i in plan[k]], pad, model.device)
-            first = torch.tensor(pads, device=ids.device)[:, None]  # each row's first real slot
-            mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] >= first).long()
+            mask = padding_mask(pads, ids.shape[1], ids.device)
             out = session.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, ids.shape[1]:].tolist()
             done = []
             for i, row in zip(plan[k], out):

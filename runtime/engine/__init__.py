@@ -18,12 +18,12 @@ The policies' static steps live in their own files (``runtime/policies/<name>.py
 
 from runtime.engine.cache import StaticCache
 from runtime.engine.crossovers import NEVER, default_min_context
-from runtime.engine.decoder import StaticDecoder, pad_left, static_step_of
+from runtime.engine.decoder import StaticDecoder, pad_left, padding_mask, static_step_of
 from runtime.engine.generate import Generation, Lockstep, generate, lockstep
 from runtime.engine.sampling import Sampling
 from runtime.engine.shape import SHAPES, ModelShape, unsupported
 from runtime.engine.weights import Weights, shared_weights
 
 __all__ = ["NEVER", "SHAPES", "Generation", "Lockstep", "ModelShape", "Sampling", "StaticCache", "StaticDecoder",
-           "Weights", "default_min_context", "generate", "lockstep", "pad_left", "shared_weights", "static_step_of",
+           "Weights", "default_min_context", "generate", "lockstep", "pad_left", "padding_mask", "shared_weights", "static_step_of",
            "unsupported"]

@@ -509,7 +509,13 @@ def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[t
     return ids, pads
 
 
-__all__ = ["Pending", "StaticDecoder", "pad_left", "static_step_of"]
+def padding_mask(pads: list[int], width: int, device: Any = "cpu") -> torch.Tensor:
+    """``[B, width]`` long: 1 on the real tokens of rows left-padded by ``pads`` (:func:`pad_left`), 0 on padding,
+    the ``attention_mask`` transformers takes."""
+    return (torch.arange(width, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]).long()
+
+
+__all__ = ["Pending", "StaticDecoder", "pad_left", "padding_mask", "static_step_of"]
 
 
 _COMPILE_FAILED: set[Any] = set()  # the code of functions whose compilation failed once in this process

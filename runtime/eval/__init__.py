@@ -31,7 +31,7 @@ from transformers import DynamicCache
 
 from runtime import atomic
 from runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
-from runtime.models import cache_keyword
+from runtime.models import cache_keyword, pad_token
 from runtime.session import attach
 
 
@@ -204,10 +204,10 @@ def _batches(samples: list[dict[str, Any]], size: int, default_budget: int) -> l
 def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.Tensor]:
     """Full attention's logits at the last ``last[r]`` positions of each token list in ``rows``, in one batched
     forward (left-padded, positions counted from each row's first real token)."""
-    from runtime.engine import pad_left
+    from runtime.engine import pad_left, padding_mask
 
     ids, pads = pad_left(rows, 0, model.device)
-    mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] >= torch.tensor(pads, device=ids.device)[:, None]).long()
+    mask = padding_mask(pads, ids.shape[1], ids.device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     logits = model(ids, attention_mask=mask, position_ids=positions, use_cache=False,
                    logits_to_keep=max(last)).logits  # [B, max(last), V]
@@ -222,7 +222,7 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     prompt. ``share`` (on the engine): ``{"prefilled": ...}`` from an earlier policy on this batch, loaded instead
     of a prefill, or an empty dict that receives this call's prefill."""
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = pad_token(tokenizer)
     prompts = [s["input_ids"].tolist() for s in batch]  # one length (see _batches): no padding
     budgets = [int(s.get("max_new_tokens", settings.max_new_tokens)) for s in batch]
     width = len(prompts[0])
@@ -605,7 +605,7 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
         except NotImplementedError as e:
             raise ValueError(f"the reasoning suite runs on the engine: {e}") from None
         eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        pad = pad_token(tokenizer)
         records, agreed = [], 0
         for start in range(0, len(prompts), batch):
             chunk = prompts[start:start + batch]

@@ -33,7 +33,8 @@ def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, say
     (["--delta-batch", "0"], "--delta-batch must be at least 1, got 0"),
     (["--retrieval-heads", "-2"], "--retrieval-heads must be at least 0, got -2"),
     (["--delta-total", "512"], "--delta-total must be past --delta-prompt (512), got 512"),
-    (["--policies", ","], "--policies takes comma-separated policy names, got none"),
+    (["--policies", ","], "--policies: none given; known: full, delta, delta-refine, lychee, quest, vattention, lethe"),
+    (["--models", ""], "--models: none given; known: 7b, 1.5b"),
 ])
 def test_decode_benchmark_refuses_bad_counts_in_one_line(capsys, flags, says):
     from benchmarks import decode

@@ -188,7 +188,7 @@ def test_benchmark_smoke_run(tmp_path):
 def test_benchmark_refuses_an_unknown_policy_before_timing(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--policies", "full,bogus"])
-    assert "unknown policy 'bogus'; known: full, delta" in capsys.readouterr().err
+    assert "--policies: unknown bogus; known: full, delta" in capsys.readouterr().err
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------------------
