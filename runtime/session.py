@@ -75,6 +75,7 @@ class Session:
             raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
         self._weights: Any = None  # the engine's weights, built at the first engine request
+        self._decoders: Any = None  # the last engine request's decoder, kept for the next (runtime.engine.Decoders)
         self._notice_given = False
         self.min_context = min_context
         self.last: Any = None  # the engine's Generation of the last call, when the engine ran
@@ -111,13 +112,17 @@ class Session:
         between sessions, see :func:`runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
         :meth:`cache`. On the engine, ``output_logits=True`` gives one ``[B, V]`` per step as transformers does, but
         as views of one buffer in the model's dtype (transformers makes float32 copies; bf16 values are the same).
-        The previous request's generation is freed when this one starts."""
+        The previous request's generation is freed when this one starts; its decoder is kept for the next request
+        of the same kind that fits it (``runtime.engine.Decoders``: the CUDA graphs replay instead of being captured
+        again) and freed at the end of the session."""
         why = self.engine_reason(kwargs, args)
         self.last = None  # the previous request's generation (its logits, its prefill) is freed before this one runs
         if why is None:
             return self._generate_static(**kwargs)
         if self.engine == "static":
             raise PolicyError(f"engine='static' cannot run this request: {why}")
+        if self._decoders is not None:
+            self._decoders.clear()  # the transformers path needs the memory, not the engine's kept decoder
         if self.model.device.type == "cuda" and not self._notice_given:
             print(f"rolecall: decoding on the transformers path ({why})", file=sys.stderr)
             self._notice_given = True
@@ -171,7 +176,7 @@ class Session:
                          reference_logits: bool = False, prefilled: Any = None, keep_prefill: bool = False):
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        from runtime.engine import Sampling, Weights, generate
+        from runtime.engine import Decoders, Sampling, Weights, generate
 
         gc = self.model.generation_config
         ids = input_ids.tolist()
@@ -191,12 +196,14 @@ class Session:
             self.close()  # weights this session took from the model before it was moved or cast
             self._weights = Weights.from_model(self.model, positions=positions, share=True)
         elif self._weights.max_positions < need:
+            self._decoders.clear()  # its decoder reads the old weights' tables
             self._weights = self._weights.with_positions(self.model, positions)
+        self._decoders = self._decoders or Decoders()
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
         out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
                        pad_token_id=int(pad), stop_strings=stops, tokenizer=tokenizer, streamer=streamer,
                        output_logits=output_logits, min_context=self.min_context, reference_logits=reference_logits,
-                       prefilled=prefilled, keep_prefill=keep_prefill)
+                       prefilled=prefilled, keep_prefill=keep_prefill, decoders=self._decoders)
         self.last = out
         width = max(len(t) for t in out.tokens)
         rows = [t + [int(pad)] * (width - len(t)) for t in out.tokens]
@@ -212,6 +219,8 @@ class Session:
     def close(self) -> None:
         """The model's projections standalone again where this session's engine weights took them as views (at
         the end of :func:`attach`); those weights are spent then."""
+        if self._decoders is not None:
+            self._decoders.clear()
         if self._weights is not None:
             self._weights.release(self.model)
 

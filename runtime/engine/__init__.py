@@ -8,8 +8,9 @@
 ``decoder.py``      :class:`StaticDecoder`: the one-token step (CUDA graph), attention by the policy
 ``prefill.py``      chunked SDPA prefill into the cache
 ``sampling.py``     greedy / temperature / top-k / top-p choice on the device
-``generate.py``     :func:`generate`: prefill, steps, stopping, streaming; :func:`lockstep`: a policy
-                    fed full attention's greedy tokens, step by step
+``generate.py``     :func:`generate`: prefill, steps, stopping, streaming; :class:`Decoders`: the last
+                    request's decoder kept for the next; :func:`lockstep`: a policy fed full
+                    attention's greedy tokens, step by step
 ``crossovers.py``   below which context a sparse policy runs the full step (``crossovers.json``)
 ==================  ============================================================================
 
@@ -19,11 +20,11 @@ The policies' static steps live in their own files (``runtime/policies/<name>.py
 from runtime.engine.cache import StaticCache
 from runtime.engine.crossovers import NEVER, default_min_context
 from runtime.engine.decoder import StaticDecoder, pad_left, padding_mask, static_step_of
-from runtime.engine.generate import Generation, Lockstep, generate, lockstep
+from runtime.engine.generate import Decoders, Generation, Lockstep, generate, lockstep
 from runtime.engine.sampling import Sampling
 from runtime.engine.shape import SHAPES, ModelShape, unsupported
 from runtime.engine.weights import Weights, shared_weights
 
-__all__ = ["NEVER", "SHAPES", "Generation", "Lockstep", "ModelShape", "Sampling", "StaticCache", "StaticDecoder",
+__all__ = ["NEVER", "SHAPES", "Decoders", "Generation", "Lockstep", "ModelShape", "Sampling", "StaticCache", "StaticDecoder",
            "Weights", "default_min_context", "generate", "lockstep", "pad_left", "padding_mask", "shared_weights", "static_step_of",
            "unsupported"]

@@ -174,6 +174,25 @@ class StaticDecoder:
         if warmup is not None and self.max_len - self.position >= warmup:
             self.capture(warmup)
 
+    @property
+    def reusable(self) -> bool:
+        """Whether :meth:`reset` readies this decoder for another request: its cache is its own and its policy's
+        buffers keep their sizes (lethe's shrink to its budget when it settles, so each request builds anew)."""
+        return self.owns_cache and getattr(self.static, "reusable", True)
+
+    def reset(self) -> None:
+        """Ready for a new request over the same buffers, so the graphs captured so far replay for it: the cache
+        zeroed (as a new decoder's), no length, no padding, and the policy's cache-derived state rebuilt at the
+        next fill. The sampler's and the stopper's books are the caller's (``runtime.engine.generate``)."""
+        if not self.reusable:
+            raise RuntimeError(f"policy {self.policy.name!r}: this decoder cannot be reset; make a new one")
+        for t in self.cache.k + self.cache.v:
+            t.zero_()
+        for t in (self.cache.length, self.cache.pads, self.tokens, self.logits):
+            t.zero_()
+        self.position = 0
+        self._last_kind = self._settle_at = self._capture_when_settled = None
+
     def uses_full(self) -> bool:
         """Whether the next step falls back to full attention (a sparse policy below ``min_context``)."""
         return self.static.sparse and self.position < self.min_context
@@ -199,7 +218,8 @@ class StaticDecoder:
         return self.logits
 
     def capture(self, warmup: int = 2) -> None:
-        """Capture the step (and the full fallback when the policy can use it) in CUDA graphs.
+        """Capture the step (and the full fallback when the policy can use it) in CUDA graphs; a kind captured
+        before (a reused decoder, :meth:`reset`) is kept, so with nothing new to capture this does nothing.
 
         Warm-up runs (on a side stream) compile the kernels; afterwards the length, the next tokens, the
         sampler's and stopper's state and the cache slots they wrote are restored. Before a policy settles
@@ -209,6 +229,9 @@ class StaticDecoder:
             return
         start = time.perf_counter()
         kinds = ["policy"] + (["full"] if self.static.sparse and self.min_context > self.position else [])
+        kinds = [kind for kind in kinds if kind not in self.graphs]
+        if not kinds:
+            return
         c = self.cache
         if self.max_len - self.position < warmup:
             raise RuntimeError(f"capture needs {warmup} free cache slots for its warm-up, "

@@ -26,8 +26,8 @@ class Stopper:
     """Device-side bookkeeping, called inside the step with the chosen tokens ``[B]``."""
 
     def __init__(self, batch: int, limits: list[int], eos: list[int], pad: int, device: Any,
-                 vocab: int | None = None, dtype: torch.dtype = torch.float32) -> None:
-        width = max(limits)
+                 vocab: int | None = None, dtype: torch.dtype = torch.float32, width: int | None = None) -> None:
+        width = max(limits) if width is None else width  # the most tokens a row may take (a reused one: any request)
         self.out = torch.full((batch, width), pad, dtype=torch.long, device=device)  # generated tokens
         self.count = torch.zeros((), dtype=torch.long, device=device)  # tokens generated so far
         self.limits = torch.tensor(limits, dtype=torch.long, device=device)
@@ -42,6 +42,16 @@ class Stopper:
     def state(self) -> list[torch.Tensor]:
         extra = [self.logits_out] if self.logits_out is not None else []
         return [self.out, self.count, self.finished, *extra]
+
+    def reset(self, limits: list[int]) -> None:
+        """Empty books for a new request of the same rows (a reused decoder), each row its own limit."""
+        if len(limits) != len(self.finished) or max(limits) > self.width:
+            raise ValueError(f"the stopper keeps {len(self.finished)} rows of up to {self.width} tokens, "
+                             f"not {len(limits)} of up to {max(limits)}")
+        self.limits.copy_(torch.tensor(limits, dtype=torch.long))
+        self.out.fill_(self.pad)
+        self.count.zero_()
+        self.finished.zero_()
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         token = torch.where(self.finished, self.pad, token)
@@ -120,6 +130,47 @@ def _cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None
     return lo
 
 
+MIN_SLOTS = 256  # the smallest cache a kept decoder gets (see Decoders)
+
+
+class Decoders:
+    """The decoder of the last request, kept for the next one (what :class:`runtime.Session` holds): a request of
+    the same kind (the same weights and policy objects; rows, sampling, EOS and padding ids, kernels) whose
+    prompt and new tokens fit its cache runs on it after a :meth:`StaticDecoder.reset`, so its CUDA graphs replay
+    instead of being captured again (at one row, capture took about half of a 128-token request). A decoder is
+    built with its slots rounded up to an eighth of a power of two (at most a quarter more cache than the
+    request needs), so a run of similar requests fits one; a request that needs more, or of another kind, frees
+    the kept decoder first and builds its own."""
+
+    def __init__(self) -> None:
+        self._held: tuple[Any, Any, tuple, StaticDecoder] | None = None  # weights, policy, the rest, the decoder
+
+    def take(self, weights: Weights, policy: Any, kind: tuple, slots: int) -> StaticDecoder | None:
+        """The kept decoder, reset, when the request is of its kind and needs ``slots``, at least half of its
+        cache (or any part of the smallest one); else None, and the kept decoder is freed."""
+        if self._held is not None:
+            w, p, k, dec = self._held
+            if w is weights and p is policy and k == kind and slots <= dec.max_len <= max(2 * slots, MIN_SLOTS):
+                dec.reset()
+                return dec
+        self.clear()
+        return None
+
+    def keep(self, weights: Weights, policy: Any, kind: tuple, dec: StaticDecoder) -> None:
+        self._held = (weights, policy, kind, dec) if dec.reusable else None
+
+    def clear(self) -> None:
+        """Free the kept decoder (its cache, its graphs)."""
+        self._held = None
+
+    @staticmethod
+    def slots_for(slots: int, most: int) -> int:
+        """``slots`` rounded up to a multiple of an eighth of the next power of two (:data:`MIN_SLOTS` at least),
+        within ``most`` (never below ``slots``)."""
+        step = 1 << max(0, (slots - 1).bit_length() - 3)
+        return max(slots, min(max(MIN_SLOTS, -(-slots // step) * step), most))
+
+
 def _full_with_prompt(weights: Weights, batch: int, slots: int, prefilled: Any) -> StaticDecoder:
     """A full-attention decoder over ``weights`` (the model's) with the prefill loaded, for the dense pass only:
     the reference of a policy that evicted prompt keys (it reads them all)."""
@@ -137,7 +188,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
              check_every: int = 8, kernels: str = "auto", min_context: int | None = None,
              graphs: bool | None = None, prefill_chunk: int | None = None,
              output_logits: bool = False, reference_logits: bool = False, prefilled: Any = None,
-             keep_prefill: bool = False) -> Generation:
+             keep_prefill: bool = False, decoders: Decoders | None = None) -> Generation:
     """Generate for every prompt (token id lists of any lengths: a ragged batch is left-padded).
 
     ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
@@ -145,7 +196,9 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     tokens at every check. The cache holds
     ``longest prompt + max(max_new_tokens)`` tokens per row. ``keep_prefill``: keep a copy of the prefill in
     ``Generation.prefilled``; ``prefilled``: such a copy, made for the same prompts on the same model (with any
-    policy), loaded instead of prefilling again.
+    policy), loaded instead of prefilling again. ``decoders``: run on the decoder it keeps when this request
+    fits it, and keep this request's decoder there (see :class:`Decoders`; not with ``output_logits`` or
+    ``reference_logits``, whose buffers are sized to the request).
     """
     start = time.perf_counter()
     limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
@@ -154,12 +207,28 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if prefilled is not None and not prefilled.matches(ids, pads):
         raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
     slots = ids.shape[1] + max(limits)
-    stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None,
-                      weights.dtype)
-    dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
-                        sampler=Sampler(sampling or Sampling(), device), stopper=stopper, prompt_tokens=ids.shape[1])
-    stopper.source = dec.logits
+    sampling = sampling or Sampling()
     graphs = device.type == "cuda" if graphs is None else graphs
+    if decoders is not None and (output_logits or reference_logits):
+        decoders.clear()  # its memory goes to this request's decoder, which is not kept
+        decoders = None
+    kind = (b, sampling, tuple(eos), pad_token_id, kernels, min_context, graphs)
+    dec = decoders.take(weights, policy, kind, slots) if decoders is not None else None
+    if dec is not None:
+        stopper = dec.stopper
+        stopper.reset(limits)
+        dec.sampler.reset()
+    else:
+        if decoders is not None:  # room for the next requests (see Decoders)
+            slots = Decoders.slots_for(slots, weights.max_positions)
+        stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None,
+                          weights.dtype, width=None if decoders is None else slots - 1)
+        dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
+                            sampler=Sampler(sampling, device), stopper=stopper, prompt_tokens=ids.shape[1])
+        stopper.source = dec.logits
+        if decoders is not None:
+            decoders.keep(weights, policy, kind, dec)
+    captured = dec.capture_s
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if prefilled is not None:
@@ -195,8 +264,8 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     logits = None
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
         logits = stopper.logits_out[:, :count]  # left on the device: they are large
-    info = {"graphs": bool(dec.graphs), "cache_slots": slots, "cache_bytes": dec.cache.nbytes,
-            "setup_s": t0 - start, "capture_s": dec.capture_s, "min_context": dec.min_context,
+    info = {"graphs": bool(dec.graphs), "cache_slots": dec.max_len, "cache_bytes": dec.cache.nbytes,
+            "setup_s": t0 - start, "capture_s": dec.capture_s - captured, "min_context": dec.min_context,
             "kernels": "triton" if dec.triton else "naive", "attended_fraction": _fraction(dec, ids.shape[1], steps)}
     reference = None
     t4 = time.perf_counter()

@@ -63,6 +63,10 @@ class Sampler:
     def state(self) -> list[torch.Tensor]:
         return [self.step]
 
+    def reset(self) -> None:
+        """Draw from step 0 again (a new request on a reused decoder)."""
+        self.step.zero_()
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.sampling
         if not s.do_sample:

@@ -410,6 +410,7 @@ class LetheStep:
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
     full_fallback: ClassVar[bool] = False
+    reusable: ClassVar[bool] = False  # settling shrinks its buffers: the next request needs prompt-sized ones
     block_sizes: ClassVar[tuple[int, ...]] = ()
     _compiled: Any = field(default=None, init=False, repr=False)
 

@@ -174,13 +174,16 @@ class PageMeta:
         self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
 
     def after_fill(self, dec: Any) -> None:
+        """The bounds of the filled pages; the pages after them empty again (a reused decoder's last request
+        filled them)."""
         c, p = dec.cache, self.page_size
         length = dec.position
         keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[:, None]  # [B, T]
         for i in self.kmin:
             lo, hi = page_minmax(c.k[i][:, :, :length], keep, p)
-            self.kmin[i][:, :, :lo.shape[2]] = lo
-            self.kmax[i][:, :, :hi.shape[2]] = hi
+            n = lo.shape[2]
+            self.kmin[i][:, :, :n], self.kmax[i][:, :, :n] = lo, hi
+            self.kmin[i][:, :, n:], self.kmax[i][:, :, n:] = math.inf, -math.inf
 
     def update(self, dec: Any, layer: int, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute the new token's page of ``layer`` from the cache ``k``; its ``(kmin, kmax)`` buffers."""

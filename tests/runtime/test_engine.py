@@ -14,6 +14,7 @@ from transformers import GPT2Config, LlamaConfig, TopKLogitsWarper, TopPLogitsWa
 import runtime.engine as engine
 from runtime import attach
 from runtime.engine import Generation, Sampling, Weights, default_min_context, unsupported
+from runtime.engine.generate import MIN_SLOTS
 from runtime.engine.sampling import Sampler, filtered_logits
 from runtime.engine.weights import placement_problem
 from runtime.manifest import ModelIdentity, RoleManifest
@@ -863,6 +864,87 @@ def test_a_kept_prefill_serves_every_policy(family):
         assert shared.prefilled is None  # kept only when asked
     with pytest.raises(ValueError, match="other prompts"):
         engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
+
+
+def kept_decoder(decoders: engine.Decoders):
+    return decoders._held[3] if decoders._held is not None else None
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_kept_decoder_serves_the_next_requests_as_a_new_one(policy):
+    """Requests of one kind run on the decoder ``Decoders`` kept from the first (reset: cache, length, padding,
+    the policy's page bounds, the stopper's and sampler's books) and give what a new decoder of the same size
+    gives, to the last logit's bits, after longer and shorter prompts, per-row limits and sampling; another kind
+    (sampling) builds its own. Lethe's decoders shrink when they settle, so none is kept."""
+    model = model_of("gemma3" if policy == "lychee" else "llama")
+    w = Weights.from_model(model, positions=1024)
+    pol = get_policy(policy.split("-")[0], **PARAMS[policy])
+    pol.bind(manifest_of(model, policy), model.config)
+    kept = engine.Decoders()
+    greedy, sampled = Sampling(), Sampling(True, 0.9, 20, 0.95, seed=5)
+    requests = [((120, 70, 81), 20, greedy), ((40, 66, 52), 12, greedy), ((100, 30, 95), [5, 20, 9], greedy),
+                ((50, 60, 70), 16, sampled), ((90, 40, 20), 16, sampled)]
+    seen = []
+    for i, (lengths, new, sampling) in enumerate(requests):
+        rows = prompts(lengths, seed=i)
+        common = dict(max_new_tokens=new, sampling=sampling, pad_token_id=PAD, kernels="naive", min_context=0)
+        fresh = engine.Decoders()
+        got = engine.generate(w, pol, rows, decoders=kept, **common)
+        want = engine.generate(w, pol, rows, decoders=fresh, **common)
+        assert (got.tokens, got.finish) == (want.tokens, want.finish), (policy, i)
+        assert got.info["cache_slots"] == want.info["cache_slots"] == MIN_SLOTS
+        seen.append(kept_decoder(kept))
+        if seen[-1] is not None:
+            assert torch.equal(seen[-1].logits, kept_decoder(fresh).logits), (policy, i)
+    if policy == "lethe":
+        assert seen == [None] * len(requests)
+        return
+    assert all(d is seen[0] for d in seen[:3]) and seen[3] is not seen[0] and seen[4] is seen[3]
+    plain = engine.generate(w, pol, prompts(requests[1][0], seed=1), max_new_tokens=12, pad_token_id=PAD,
+                            kernels="naive", min_context=0)
+    assert plain.info["cache_slots"] == max(requests[1][0]) + 12  # without Decoders: sized to the request
+
+
+def test_kept_decoders_round_their_slots_and_serve_requests_that_fill_half():
+    assert [engine.Decoders.slots_for(n, 10**6) for n in (1, 102, 256, 257, 300, 1000, 1025, 5000)] == \
+        [256, 256, 256, 320, 320, 1024, 1280, 5120]
+    assert engine.Decoders.slots_for(3000, 2048) == 3000 and engine.Decoders.slots_for(1000, 1100) == 1024
+    model = model_of("llama")
+    w = Weights.from_model(model, positions=4096)
+    kept = engine.Decoders()
+    common = dict(max_new_tokens=4, pad_token_id=PAD, kernels="naive")
+    sizes = []
+    for n in (500, 300, 700, 200, 700):  # 504 → 512; 304 fits; 704 → 768; 204 is under half of 768; 704 → 768
+        engine.generate(w, None, [[i % 256 for i in range(n)]], decoders=kept, **common)
+        sizes.append((kept_decoder(kept).max_len, kept_decoder(kept)))
+    assert [s for s, _ in sizes] == [512, 512, 768, 256, 768]
+    assert sizes[0][1] is sizes[1][1] and len({id(d) for _, d in sizes[1:]}) == 4  # all held here: no id reused
+
+
+def test_a_session_keeps_its_decoder_between_requests_and_frees_it_at_the_end():
+    """Two requests in one session run on one decoder and give what a session each gives; a request for every
+    step's logits frees it (its own decoder is sized to it and not kept); the end of the session frees it."""
+    model = model_of("qwen3")
+    manifest = manifest_of(model, "delta")
+    requests = [prompts((90, 70, 81), seed=3), prompts((60, 88, 40), seed=4)]
+    alone = []
+    for rows in requests:
+        with attach(model, manifest, "delta", engine="static", min_context=0, **PARAMS["delta"]) as s:
+            alone.append(s.generate(input_ids=left_padded(rows)[0], attention_mask=left_padded(rows)[1], **GREEDY))
+    with attach(model, manifest, "delta", engine="static", min_context=0, **PARAMS["delta"]) as s:
+        together, decoders = [], []
+        for rows in requests:
+            ids, mask = left_padded(rows)
+            together.append(s.generate(input_ids=ids, attention_mask=mask, **GREEDY))
+            decoders.append(kept_decoder(s._decoders))
+        assert decoders[0] is decoders[1] is not None
+        s.generate(input_ids=ids, attention_mask=mask, **WITH_LOGITS)  # buffers sized to the request: not kept
+        assert kept_decoder(s._decoders) is None and isinstance(s.last, Generation)
+        s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+        assert kept_decoder(s._decoders) is not None
+    assert kept_decoder(s._decoders) is None
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)
 
 
 def test_a_session_views_the_models_projections_and_gives_them_back(tmp_path):

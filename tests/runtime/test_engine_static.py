@@ -9,6 +9,7 @@ import torch
 
 from benchmarks import decode as bench
 from runtime.engine import NEVER, SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context
+from runtime.engine.generate import Decoders, generate
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -250,6 +251,30 @@ def test_fallback_graphs_on_gpu():
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
         if i < 3:
             torch.testing.assert_close(got, dense, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["full", "delta", "delta-refine", "lychee", "quest", "vattention"])
+def test_a_kept_decoder_replays_its_graphs_for_the_next_requests_on_gpu(name):
+    """Requests on the decoder ``Decoders`` keeps give what a new decoder of the same size gives, token for
+    token; a request below ``min_context`` adds the full step's graph once (the first ran above it), and the
+    third captures nothing."""
+    weights = Weights.random(GPU_SHAPE, "cuda", torch.bfloat16, std=0.05, positions=4096)
+    pol = policy(name, GPU_SHAPE, 256, 5)
+    kept, g = Decoders(), torch.Generator().manual_seed(0)
+    captured, held = [], []
+    for lengths in ((700, 650), (600, 620), (400, 420)):  # 724 slots → 768, then 644 and 444 fit
+        rows = [torch.randint(0, GPU_SHAPE.vocab, (n,), generator=g).tolist() for n in lengths]
+        common = dict(max_new_tokens=24, min_context=640)
+        got = generate(weights, pol, rows, decoders=kept, **common)
+        want = generate(weights, pol, rows, decoders=Decoders(), **common)
+        assert got.tokens == want.tokens and got.info["graphs"] and got.info["cache_slots"] == 768
+        captured.append(got.info["capture_s"])
+        held.append(kept._held[3])
+    assert held[0] is held[1] is held[2]
+    sparse = name != "full"
+    assert captured[0] > 0 and (captured[1] > 0) == sparse and captured[2] == 0
+    assert set(held[0].graphs) == ({"policy", "full"} if sparse else {"policy"})
 
 
 @pytest.mark.gpu
