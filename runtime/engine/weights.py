@@ -149,11 +149,15 @@ class Weights:
 
     def permute_kv_heads(self, perms: list[torch.Tensor]) -> Weights:
         """The same model with each layer's KV heads (and their query groups) stored in order ``perms[l]``
-        (position j holds original head ``perms[l][j]``); the cache then follows that order too."""
+        (position j holds original head ``perms[l][j]``); the cache then follows that order too. A layer kept in
+        its order keeps its tensors (no copy)."""
         s = self.shape
         g, d = s.heads // s.kv_heads, s.head_dim
         layers = []
         for lw, p in zip(self.layers, perms):
+            if torch.equal(p.cpu().long(), torch.arange(s.kv_heads)):
+                layers.append(lw)
+                continue
             p = p.to(lw.wqkv.device)
             wo = lw.wo.unflatten(1, (s.kv_heads, g * d))[:, p].flatten(1, 2)
             layers.append(replace(lw, wqkv=_permute_qkv(lw.wqkv, p, s), wo=wo,

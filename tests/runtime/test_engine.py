@@ -866,6 +866,19 @@ def test_a_kept_prefill_serves_every_policy(family):
         engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
 
 
+def test_lychee_copies_only_the_layers_whose_heads_it_reorders():
+    """Lychee's decoder stores each layer's retrieval heads first; a layer already in that order (all, none, or a
+    prefix of retrieval heads) keeps the session's tensors, and only the others are copied."""
+    model = model_of("llama")
+    w = Weights.from_model(model, positions=256)
+    pol = get_policy("lychee", **PARAMS["lychee"])
+    pol.bind(manifest_of(model, "lychee"), model.config)  # retrieval heads [1, 1], [0, 1], [0, 0], [1, 0]
+    dec = engine.StaticDecoder(w, pol, 1, 64, kernels="naive")
+    shared = [dec.weights.layers[i].wqkv is w.layers[i].wqkv and dec.weights.layers[i].wo is w.layers[i].wo
+              for i in range(4)]
+    assert shared == [True, False, True, True]
+
+
 def kept_decoder(decoders: engine.Decoders):
     return decoders._held[3] if decoders._held is not None else None
 
