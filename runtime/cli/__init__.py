@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -30,7 +31,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 class Parser(argparse.ArgumentParser):
     """argparse with a usage error as one line, like every other refusal of the project's commands: argparse's
     own message (the argument, the value and what it accepts), then where the options are listed. Subcommand
-    parsers are of this class too (``add_subparsers`` takes the parent's class)."""
+    parsers are of this class too (``add_subparsers`` takes the parent's class). A value that starts with a minus
+    and a digit (``--lengths -100,200``) is a value, as argparse takes ``-100`` alone, so that its own check refuses
+    it instead of argparse missing an argument."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")  # what Python 3.12 on uses, lists included
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (`{self.prog} --help` lists the options)\n")

@@ -21,6 +21,8 @@ WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_
     ("calibrate", ["--budget-s", "0"], "--budget-s must be a positive number of seconds, got 0.0"),
     ("calibrate", ["--baseline-lengths", "4096,0"],
      "--baseline-lengths takes comma-separated lengths of at least 1 each, got '4096,0'"),
+    ("calibrate", ["--baseline-lengths", "-4096,8192"],  # a value, not an unknown option
+     "--baseline-lengths takes comma-separated lengths of at least 1 each, got '-4096,8192'"),
     ("calibrate", ["--baseline-lengths", "16384"],
      "--baseline-lengths takes lengths of at most --length (8192) each, got '16384'"),
     ("multi_gpu", ["--parts", "calibrate,foo"], "--parts: unknown foo; known: calibrate, ddp, zero3, large"),
