@@ -13,6 +13,7 @@ second when the Hub cannot be reached (one short probe, no retries).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.resources
@@ -26,6 +27,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,9 +176,10 @@ def embedded_folder(spec: ModelSpec) -> Path:
     try:
         if parts:
             gguf = _assemble(spec, parts, source)
-        with tqdm(total=3, desc=f"converting {gguf.name} (once)", leave=False) as bar:
+        with tqdm(total=3, desc=f"converting {gguf.name} (once)", leave=False) as bar, _quiet_transformers_bars():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
             _check_tokenizer(spec, tokenizer)
+            tokenizer.clean_up_tokenization_spaces = False  # see load_tokenizer
             bar.update()
             quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32",
                                                              trust_remote_code=False)
@@ -205,6 +208,21 @@ def embedded_folder(spec: ModelSpec) -> Path:
             if path is not None and path.exists():
                 shutil.rmtree(path, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def _quiet_transformers_bars() -> Iterator[None]:
+    """Transformers' own progress bars (loading and writing weights) off inside the block, so that the conversion's
+    one bar is all that shows; as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
@@ -382,7 +400,11 @@ def load_tokenizer(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     code (``auto_map``) to run it; otherwise such a model is refused in one line."""
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, name, tokenizer=True, trust_remote_code=trust_remote_code)[1]
+    spec, tokenizer = _from_pretrained(AutoTokenizer, name, tokenizer=True, trust_remote_code=trust_remote_code)
+    if spec.gguf:  # transformers 5.17 converts a GGUF tokenizer with clean-up on (later ones leave it off), which
+        # BPE ignores with a warning at every decode and other models apply: a folder converted by either decodes alike
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def rope_base(config: Any, theta: float) -> dict[str, Any]:

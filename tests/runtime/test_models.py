@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -147,6 +148,14 @@ def test_a_gguf_file_by_path_converts_once_and_loads_as_its_alias_does(cache_dir
         assert torch.equal(tensor, again.state_dict()[name]) and torch.equal(tensor, alias.state_dict()[name]), name
     probe = "The capital of France is Paris"
     assert load_tokenizer(str(path))(probe)["input_ids"] == load_tokenizer(DEFAULT_MODEL)(probe)["input_ids"]
+    # a folder converted with clean-up on (transformers 5.17 does so) decodes as one converted without it
+    config = folder / "tokenizer_config.json"
+    assert json.loads(config.read_text()).get("clean_up_tokenization_spaces") in (None, False)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "clean_up_tokenization_spaces": True}))
+    tokenizer = load_tokenizer(str(path))
+    assert tokenizer.clean_up_tokenization_spaces is False  # on, every decode would warn (once a process)
+    text = "Hello , world ! It 's a test ."
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
 
 
 def test_cache_keyword_follows_the_forward_signature():
