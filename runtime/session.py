@@ -195,8 +195,7 @@ class Session:
         if self._weights is None or not self._weights.taken_from(self.model):
             self.close()  # weights this session took from the model before it was moved or cast
             self._weights = Weights.from_model(self.model, positions=positions, share=True)
-        elif self._weights.max_positions < need:
-            self._decoders.clear()  # its decoder reads the old weights' tables
+        elif self._weights.max_positions < need:  # new weights: the kept decoder (the old ones') is freed by generate
             self._weights = self._weights.with_positions(self.model, positions)
         self._decoders = self._decoders or Decoders()
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])

@@ -37,7 +37,7 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-\.?\d")  # what Python 3.12 on uses, lists included
+        self._negative_number_matcher = re.compile(r"^-\.?\d")  # as newer Pythons' argparse has it, lists included
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (`{self.prog} --help` lists the options)\n")

@@ -156,6 +156,11 @@ class Decoders:
         self.clear()
         return None
 
+    @property
+    def kept(self) -> StaticDecoder | None:
+        """The decoder kept for the next request, or None."""
+        return self._held[3] if self._held is not None else None
+
     def keep(self, weights: Weights, policy: Any, kind: tuple, dec: StaticDecoder) -> None:
         self._held = (weights, policy, kind, dec) if dec.reusable else None
 

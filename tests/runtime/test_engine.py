@@ -879,10 +879,6 @@ def test_lychee_copies_only_the_layers_whose_heads_it_reorders():
     assert shared == [True, False, True, True]
 
 
-def kept_decoder(decoders: engine.Decoders):
-    return decoders._held[3] if decoders._held is not None else None
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_kept_decoder_serves_the_next_requests_as_a_new_one(policy):
     """Requests of one kind run on the decoder ``Decoders`` kept from the first (reset: cache, length, padding,
@@ -906,9 +902,9 @@ def test_a_kept_decoder_serves_the_next_requests_as_a_new_one(policy):
         want = engine.generate(w, pol, rows, decoders=fresh, **common)
         assert (got.tokens, got.finish) == (want.tokens, want.finish), (policy, i)
         assert got.info["cache_slots"] == want.info["cache_slots"] == MIN_SLOTS
-        seen.append(kept_decoder(kept))
+        seen.append(kept.kept)
         if seen[-1] is not None:
-            assert torch.equal(seen[-1].logits, kept_decoder(fresh).logits), (policy, i)
+            assert torch.equal(seen[-1].logits, fresh.kept.logits), (policy, i)
     if policy == "lethe":
         assert seen == [None] * len(requests)
         return
@@ -929,7 +925,7 @@ def test_kept_decoders_round_their_slots_and_serve_requests_that_fill_half():
     sizes = []
     for n in (500, 300, 700, 200, 700):  # 504 → 512; 304 fits; 704 → 768; 204 is under half of 768; 704 → 768
         engine.generate(w, None, [[i % 256 for i in range(n)]], decoders=kept, **common)
-        sizes.append((kept_decoder(kept).max_len, kept_decoder(kept)))
+        sizes.append((kept.kept.max_len, kept.kept))
     assert [s for s, _ in sizes] == [512, 512, 768, 256, 768]
     assert sizes[0][1] is sizes[1][1] and len({id(d) for _, d in sizes[1:]}) == 4  # all held here: no id reused
 
@@ -949,13 +945,13 @@ def test_a_session_keeps_its_decoder_between_requests_and_frees_it_at_the_end():
         for rows in requests:
             ids, mask = left_padded(rows)
             together.append(s.generate(input_ids=ids, attention_mask=mask, **GREEDY))
-            decoders.append(kept_decoder(s._decoders))
+            decoders.append(s._decoders.kept)
         assert decoders[0] is decoders[1] is not None
         s.generate(input_ids=ids, attention_mask=mask, **WITH_LOGITS)  # buffers sized to the request: not kept
-        assert kept_decoder(s._decoders) is None and isinstance(s.last, Generation)
+        assert s._decoders.kept is None and isinstance(s.last, Generation)
         s.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-        assert kept_decoder(s._decoders) is not None
-    assert kept_decoder(s._decoders) is None
+        assert s._decoders.kept is not None
+    assert s._decoders.kept is None
     for a, b in zip(alone, together):
         assert torch.equal(a, b)
 

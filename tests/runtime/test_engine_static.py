@@ -270,7 +270,7 @@ def test_a_kept_decoder_replays_its_graphs_for_the_next_requests_on_gpu(name):
         want = generate(weights, pol, rows, decoders=Decoders(), **common)
         assert got.tokens == want.tokens and got.info["graphs"] and got.info["cache_slots"] == 768
         captured.append(got.info["capture_s"])
-        held.append(kept._held[3])
+        held.append(kept.kept)
     assert held[0] is held[1] is held[2]
     sparse = name != "full"
     assert captured[0] > 0 and (captured[1] > 0) == sparse and captured[2] == 0
