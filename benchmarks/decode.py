@@ -10,7 +10,9 @@ and times ``--steps`` replays with CUDA events: median time per output token (TP
 and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
 plus the K/V bytes the policy must read, over the device-to-device copy bandwidth measured in the same run
 (bytes read + written per second, as in ``benchmarks/kernels.py``), and the fraction of it achieved. Page
-scores that Δ-layers write and read (4 bytes per head and token) are not counted.
+scores that Δ-layers write and read (4 bytes per head and token) are not counted. ``held MB`` (CUDA) is the memory
+the policy's decoder takes beside the weights and the cache: its own buffers (lychee's sets and kept logits,
+quest's page bounds), and nothing more, since every decoder reads the weights it was given.
 
 Policies are the runtime's own (``runtime.policies``, bound to manifests made for the shape): ``full``;
 ``delta`` (layers 0–1 full, Δ-layers 2, 14, 22, the rest read ``budget`` tokens of 16-token pages, 8 of them
@@ -130,6 +132,7 @@ class Bench:
         self.args, self.device, self.bandwidth = args, device, bandwidth
         self.graphs = device == "cuda"
         self.timelines: dict[str, dict] = {}  # --timeline: per configuration, one step's kernels in time order
+        self.held: int | None = None  # bytes the last measured decoder holds beside the weights and the cache
 
     def free_bytes(self) -> int:
         if self.device != "cuda":
@@ -148,11 +151,16 @@ class Bench:
         if cache is not None and not own:  # random contents are one state in any head order: the shared cache
             cache = copy.copy(cache)  # takes the order this policy stores its heads in (lychee's roles first)
             cache.head_order = head_order_of(static.head_order, weights.shape)
+        before = torch.cuda.memory_allocated() if self.device == "cuda" else None
         dec = StaticDecoder(weights, policy, batch, slots, cache=None if own else cache, min_context=0,
                             compile=self.args.compile and self.device == "cuda", prompt_tokens=0 if own else None)
         if own:
             dec.cache.fill_random()
         dec.set_length(start)
+        # what the policy's decoder adds (its buffers; a policy that stored the weights in its own order would
+        # show them here), its own cache not counted
+        own_cache = sum(t.numel() * t.element_size() for t in dec.cache.k + dec.cache.v) if own else 0
+        self.held = None if before is None else torch.cuda.memory_allocated() - before - own_cache
         if self.graphs:
             dec.capture()
         ms = statistics.median(event_times(dec.step, reps=a.steps, warmup=a.warmup))
@@ -234,6 +242,7 @@ class Bench:
                         ms = self.measure(weights, policy, batch, context, start, cache, name)
                         r = self.row(model, shape, policy, budget, batch, context, ms)
                         r["policy"] = name  # the case asked for ("delta-refine" is the delta policy refining)
+                        r["decoder_bytes"] = self.held
                         if name == "full":
                             full_ms = ms
                         if full_ms is not None:
@@ -375,14 +384,16 @@ def real_model(args: argparse.Namespace) -> dict:
 
 
 # -- reporting -----------------------------------------------------------------------------------------------------
-HEAD = ("model", "B", "T", "policy", "budget", "TPOT ms", "tok/s", "x full", "limit x", "bound ms", "of bound")
+HEAD = ("model", "B", "T", "policy", "budget", "TPOT ms", "tok/s", "x full", "limit x", "bound ms", "of bound",
+        "held MB")
 
 
 def print_row(r: dict, flush: bool = False) -> None:
     vals = (r["model"], r["batch"], r["context"], r["policy"], r["budget"] or "-", f"{r['tpot_ms']:.3f}",
             f"{r['tokens_per_s']:.1f}", f"{r.get('speedup_vs_full', float('nan')):.2f}",
             f"{r.get('speedup_limit', float('nan')):.2f}", f"{r['byte_limit_ms']:.3f}",
-            f"{100 * r['byte_limit_fraction']:.0f} %")
+            f"{100 * r['byte_limit_fraction']:.0f} %",
+            "-" if r.get("decoder_bytes") is None else f"{r['decoder_bytes'] / 1e6:.1f}")
     print(" ".join(f"{v:>9}" for v in vals), flush=flush)
 
 

@@ -45,6 +45,7 @@ from runtime.kernels.sparse_attention import naive as naive_attention
 from runtime.kernels.topk_select import topk_with_recent
 
 WINDOW_BLOCK = 64  # block size of a sliding-window layer's read set
+LAYER_ORDER = "layer"  # out_heads' default: the running layer's head map (StaticDecoder.head_maps)
 MIXED_MAX_BATCH = 8  # from this batch size a mixed layer takes two launches (see attend_mixed_and_choose)
 
 
@@ -76,8 +77,6 @@ class StaticDecoder:
         self.static = static_step_of(self.policy, s)
         self.full = Full().static_step(s)
         head_order = head_order_of(self.static.head_order, s)
-        if head_order is not None:
-            weights = weights.permute_kv_heads(self.static.head_order)
         if max_len > weights.max_positions:
             raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "
                              f"{weights.max_positions}; ask for fewer tokens")
@@ -95,6 +94,12 @@ class StaticDecoder:
             raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
                              "(create it with head_order=policy.static_step(shape).head_order)")
         self.cache, self.max_len = cache, max_len
+        # A cache that keeps a layer's KV heads in another order (the policy's head_order) does not reorder the
+        # weights: the new token's heads are read in the cache's order (rope_and_store) and every attention call
+        # writes its output back in the model's (out_heads), so the decoder shares the session's tensors.
+        self.head_maps = [None if o is None or torch.equal(o, torch.arange(s.kv_heads)) else
+                          o.to(device=device, dtype=torch.int32) for o in (head_order or [None] * s.layers)]
+        self._layer_heads: torch.Tensor | None = None  # the running layer's head map (out_heads' default)
         sparse = self.static.sparse
         if not getattr(self.static, "full_fallback", True):  # its state follows every step from the first
             if min_context:
@@ -278,11 +283,15 @@ class StaticDecoder:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                indices: torch.Tensor | None = None, block_size: int = 1, log_weights: torch.Tensor | None = None,
                with_lse: bool = False, key_mask: torch.Tensor | None = None, index_rows: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> Any:
+               out: torch.Tensor | None = None, out_heads: Any = LAYER_ORDER) -> Any:
         """``[B, Hq, D]`` attention over ``indices`` (blocks of ``block_size``; None = every slot; ``log_weights``
         added to each entry's logits; ``key_mask [B, S]`` narrows the span further; ``index_rows [Hkv]`` int32: KV
         head h reads ``indices[:, index_rows[h]]``), float32 from the references, the model's dtype from the GPU
-        kernels, written into ``out`` when given; with ``with_lse`` also each head's log-sum-exp."""
+        kernels, written into ``out`` when given; with ``with_lse`` also each head's log-sum-exp (in the cache's
+        head order). The output is in the model's head order: KV head h's query heads go to ``out_heads[h]``'s
+        (``LAYER_ORDER``: the running layer's map, None where the cache keeps the model's order; a call over a
+        part of the heads passes its part of the map, and ``out`` then holds all of them)."""
+        out_heads = self._heads(out_heads)
         keys = self.keys(span, k.shape[2])
         if key_mask is not None:
             keys["key_mask"] = keys["key_mask"] & key_mask if "key_mask" in keys else key_mask
@@ -290,7 +299,7 @@ class StaticDecoder:
         if self.triton:
             o, lse = self._sparse_triton.sparse_decode_attention(
                 q, k, v, indices, scale=scale, block_size=block_size, log_weights=log_weights, index_rows=index_rows,
-                out=out, **keys, **self._out)
+                out=out, out_heads=out_heads, **keys, **self._out)
         else:
             if index_rows is not None:
                 rows = index_rows.long()
@@ -298,33 +307,39 @@ class StaticDecoder:
                 log_weights = log_weights.index_select(1, rows) if log_weights is not None else None
             o, lse = naive_attention.sparse_decode_attention(q, k, v, indices, scale=scale, block_size=block_size,
                                                              log_weights=log_weights, **keys)
-            o = out.copy_(o) if out is not None else o
+            o = placed(o, out, out_heads)
         return (o, lse) if with_lse else o
 
+    def _heads(self, out_heads: Any) -> torch.Tensor | None:
+        return self._layer_heads if out_heads is LAYER_ORDER else out_heads
+
     def attend_and_score(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
-                         block_size: int, per_kv_head: bool,
-                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense attention (written into ``out`` when given) and block scores ``[B, n]`` (max over all heads) or
-        ``[B, Hkv, n]`` (per KV head)."""
+                         block_size: int, per_kv_head: bool, out: torch.Tensor | None = None,
+                         out_heads: Any = LAYER_ORDER) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense attention (written into ``out`` when given, ``out_heads`` as in :meth:`attend`) and block scores
+        ``[B, n]`` (max over all heads) or ``[B, Hkv, n]`` (per KV head, in the cache's order)."""
+        out_heads = self._heads(out_heads)
         keys = self.keys(span, k.shape[2])
         if self.triton:
             o, _, scores = self._page_triton.decode_and_score(q, k, v, self.shape.attention_scale, block_size,
-                                                              per_kv_head=per_kv_head, out=out, **keys, **self._out)
+                                                              per_kv_head=per_kv_head, out=out, out_heads=out_heads,
+                                                              **keys, **self._out)
             return o, scores
         o, _, scores = naive_decode_and_score(q, k, v, self.shape.attention_scale, block_size,
                                               per_kv_head=per_kv_head, **keys)
-        return (out.copy_(o) if out is not None else o), scores
+        return placed(o, out, out_heads), scores
 
     def attend_mixed_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                                 indices: torch.Tensor, block_size: int, full_heads: int, count: int, recent: int,
                                 index_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                                out_rows: torch.Tensor | None = None,
-                                choosing: int | None = None) -> tuple[torch.Tensor, Pending | None]:
+                                out_rows: torch.Tensor | None = None, choosing: int | None = None,
+                                out_heads: Any = LAYER_ORDER) -> tuple[torch.Tensor, Pending | None]:
         """The first ``full_heads`` KV heads read everything, and the first ``choosing`` of them (default all)
         choose blocks per KV head (as :meth:`attend_and_choose`); the others read ``indices`` (KV head h its row
         ``index_rows[h]`` when given, see :meth:`attend`): ``(out [B, Hq, D], Pending(choice [B, choosing,
         count]))``, or ``(out, None)`` when none chooses; with ``out``/``out_rows`` the choice goes into rows of
-        ``out`` as in :meth:`select`.
+        ``out`` as in :meth:`select`; the attention's output in the model's head order (``out_heads``, see
+        :meth:`attend`).
 
         On the GPU below :data:`MIXED_MAX_BATCH` rows the attention is one launch; from there on a dense launch
         over the head prefix and a block-sparse one over the rest, which measured faster (DS-Qwen-7B shape, 32 of
@@ -334,25 +349,30 @@ class StaticDecoder:
         g = q.shape[1] // k.shape[1]
         r = full_heads
         c = r if choosing is None else choosing
+        heads = self._heads(out_heads)
         rows = index_rows[r:] if index_rows is not None else None
         sparse = indices if index_rows is not None else indices[:, r:]
         if self.triton and q.is_cuda and self.batch < MIXED_MAX_BATCH:
             o, lse, logits = self._page_triton.mixed_keeping_logits(
                 q, k, v, indices, self.shape.attention_scale, block_size, r, index_rows=index_rows,
-                keeping_heads=c, **self.keys(span, k.shape[2]), **self._out)
+                keeping_heads=c, out_heads=heads, **self.keys(span, k.shape[2]), **self._out)
             if not c:
                 return o, None
             return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, True, count, recent, out, out_rows)
         o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
+        # each part writes its heads: into its slice of o, or by its part of the map into all of o
+        parts = ((o[:, r * g:], None), (o[:, :r * g], None)) if heads is None else ((o, heads[r:]), (o, heads[:r]))
         # On the GPU the sparse heads' gathers (latency-bound) run on a stream of their own beside the dense heads'
         # streaming launch; the step's stream waits for them before anything reads the output
         side = self._side_stream(q.device, "sparse") if self.triton and q.is_cuda else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows, out=o[:, r * g:])
+            self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows,
+                        out=parts[0][0], out_heads=parts[0][1])
         _, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count, recent,
-                                           out=out, out_rows=out_rows, into=o[:, :r * g], choosing=c)
+                                           out=out, out_rows=out_rows, into=parts[1][0], choosing=c,
+                                           out_heads=parts[1][1])
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         return o, chosen
@@ -360,26 +380,29 @@ class StaticDecoder:
     def attend_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan, block_size: int,
                           per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None = None,
                           out_rows: torch.Tensor | None = None, into: torch.Tensor | None = None,
-                          choosing: int | None = None) -> tuple[torch.Tensor, Pending | None]:
+                          choosing: int | None = None,
+                          out_heads: Any = LAYER_ORDER) -> tuple[torch.Tensor, Pending | None]:
         """Dense attention (written into ``into`` when given), and the blocks :meth:`select` chooses from its
         block scores (as :meth:`attend_and_score` then :meth:`select`, ``out``/``out_rows`` as there), the
         choice :class:`Pending`: on the GPU the block scores and the top-k run on a second stream beside the rest
         of the layer and the next layer's projections, and the step's stream waits for them where the choice is
         first read (``Pending.result``) or at the end of the step. The references (and the Triton kernels under
         the CPU interpreter) compute it in line. ``choosing`` (per KV head only): only the first ``choosing`` KV
-        heads choose, and only their logits are kept; with 0 the choice is None and this is plain attention."""
+        heads choose, and only their logits are kept; with 0 the choice is None and this is plain attention.
+        ``out_heads``: as in :meth:`attend`."""
+        out_heads = self._heads(out_heads)
         if choosing is not None and not per_kv_head:
             raise ValueError("choosing needs per_kv_head: a choice shared by all heads is made by all of them")
         c = k.shape[1] if choosing is None else choosing
         if not c:
-            return self.attend(q, k, v, span, out=into), None
+            return self.attend(q, k, v, span, out=into, out_heads=out_heads), None
         if not (self.triton and q.is_cuda):
-            o, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head, out=into)
+            o, scores = self.attend_and_score(q, k, v, span, block_size, per_kv_head, out=into, out_heads=out_heads)
             return o, Pending(self.select(scores[:, :c] if per_kv_head else scores, block_size, count, recent,
                                           out=out, out_rows=out_rows))
         o, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale, out=into,
-                                                                 keeping_heads=c, **self.keys(span, k.shape[2]),
-                                                                 **self._out)
+                                                                 out_heads=out_heads, keeping_heads=c,
+                                                                 **self.keys(span, k.shape[2]), **self._out)
         g = q.shape[1] // k.shape[1]
         return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, per_kv_head, count, recent, out, out_rows)
 
@@ -475,8 +498,9 @@ class StaticDecoder:
         slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
         for i, lw in enumerate(w.layers):
+            self._layer_heads = self.head_maps[i]  # q and the cache in the cache's head order, o in the model's
             q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
-                           slots.get(i, length), lw.q_norm, lw.k_norm, s.eps)  # [B, Hq, D]; new K/V in the cache
+                           slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # new K/V stored
             window = s.windows[i]
             if self.hybrid and window is not None:
                 span, blocks = spans[window]
@@ -485,6 +509,7 @@ class StaticDecoder:
                 o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
             x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
                               lw.w_down, lw.norm_mlp_out, L.next_norm(w, i))
+        self._layer_heads = None
         for side in self._joins:  # work put beside the step (attend_and_choose) ends within it
             torch.cuda.current_stream().wait_stream(side)
         self._joins.clear()
@@ -522,6 +547,17 @@ class Pending:
             torch.cuda.current_stream().wait_stream(self._stream)
             self._stream, self._keep = None, ()
         return self.value
+
+
+def placed(o: torch.Tensor, out: torch.Tensor | None, out_heads: torch.Tensor | None) -> torch.Tensor:
+    """A reference call's output ``o [B, h · G, D]`` as the GPU kernels write it: into ``out`` (else a new
+    tensor), KV head j's query heads at ``out_heads[j]``'s when given."""
+    if out_heads is None:
+        return out.copy_(o) if out is not None else o
+    out = torch.empty_like(o) if out is None else out
+    g = o.shape[1] // out_heads.shape[0]
+    out.unflatten(1, (-1, g)).index_copy_(1, out_heads.long(), o.unflatten(1, (-1, g)).to(out.dtype))
+    return out
 
 
 def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, list[int]]:

@@ -26,9 +26,10 @@ def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
     return x * float(torch.tensor(s, dtype=x.dtype)) if s != 1.0 else x
 
 
-def qkv(lw: LayerWeights, s: ModelShape, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def qkv(lw: LayerWeights, s: ModelShape, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        order: torch.Tensor | None = None):
     """See :func:`qkv_tensors`."""
-    return qkv_tensors(s, h, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin)
+    return qkv_tensors(s, h, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm, cos, sin, order)
 
 
 def finish_layer(w: Weights, i: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +70,13 @@ def compiled_finish(s: ModelShape):
                          options={"pattern_matcher": False})
 
 
-def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin):
+def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin, order=None):
     """Normed hidden ``h [..., H]`` → ``q [..., Hq, D]``, ``k``, ``v [..., Hkv, D]`` with RoPE applied
-    (:func:`runtime.kernels.rope_cache.split_rope`).
+    (:func:`runtime.kernels.rope_cache.split_rope`; KV heads in ``order`` when given, query groups with them).
 
     ``cos``/``sin`` broadcast against ``[..., 1, D]`` (one row per position); ``sin`` is signed
     (:func:`signed_sin`) so that rotating half of a head is one ``roll``."""
-    return split_rope(linear(h, wqkv, bqkv), s.heads, s.kv_heads, cos, sin, q_norm, k_norm, s.eps)
+    return split_rope(linear(h, wqkv, bqkv), s.heads, s.kv_heads, cos, sin, q_norm, k_norm, s.eps, order)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:

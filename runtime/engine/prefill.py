@@ -177,7 +177,8 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
     rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
     x, h = L.first_input(w, input_ids)  # [B, C, H]
     for i, lw in enumerate(w.layers):
-        q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]])  # [B, C, H*, D]
+        order = dec.head_maps[i]  # the cache's head order: q, k, v in it, the output back in the model's
+        q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]], order)  # [B, C, H*, D]
         c.k[i][:, :, start:end] = k.transpose(1, 2)
         c.v[i][:, :, start:end] = v.transpose(1, 2)
         blocks, q = masks[s.windows[i]], q.transpose(1, 2)  # q [B, Hq, C, D]
@@ -194,5 +195,9 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
                 parts.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask,
                                                             scale=s.attention_scale))
             o = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-        x, h = L.finish_layer(w, i, x, o.transpose(1, 2).flatten(2))
+        o = o.transpose(1, 2)  # [B, C, Hq, D]
+        if order is not None:
+            o = torch.empty_like(o).unflatten(2, (s.kv_heads, g)).index_copy_(
+                2, order.long(), o.unflatten(2, (s.kv_heads, g))).flatten(2, 3)
+        x, h = L.finish_layer(w, i, x, o.flatten(2))
     return h

@@ -147,23 +147,6 @@ class Weights:
         embed = model.get_input_embeddings().weight
         return bool(self.layers) and self.embed.data_ptr() == embed.data_ptr() and self.embed.shape == embed.shape
 
-    def permute_kv_heads(self, perms: list[torch.Tensor]) -> Weights:
-        """The same model with each layer's KV heads (and their query groups) stored in order ``perms[l]``
-        (position j holds original head ``perms[l][j]``); the cache then follows that order too. A layer kept in
-        its order keeps its tensors (no copy)."""
-        s = self.shape
-        g, d = s.heads // s.kv_heads, s.head_dim
-        layers = []
-        for lw, p in zip(self.layers, perms):
-            if torch.equal(p.cpu().long(), torch.arange(s.kv_heads)):
-                layers.append(lw)
-                continue
-            p = p.to(lw.wqkv.device)
-            wo = lw.wo.unflatten(1, (s.kv_heads, g * d))[:, p].flatten(1, 2)
-            layers.append(replace(lw, wqkv=_permute_qkv(lw.wqkv, p, s), wo=wo,
-                                  bqkv=None if lw.bqkv is None else _permute_qkv(lw.bqkv, p, s)))
-        return replace(self, layers=layers)
-
 
 @contextmanager
 def shared_weights(model: torch.nn.Module, positions: int | None = None) -> Iterator[Weights]:
@@ -229,11 +212,3 @@ def _model_tables(rotary: torch.nn.Module, kind: str, count: int, dtype: torch.d
     except TypeError:
         cos, sin = rotary(x, positions)
     return cos[0].to(dtype), sin[0].to(dtype)
-
-
-def _permute_qkv(w: torch.Tensor, order: torch.Tensor, s: ModelShape) -> torch.Tensor:
-    """Rows (or bias entries) of the stacked q, k, v projections with KV heads in ``order``."""
-    g, d, hkv = s.heads // s.kv_heads, s.head_dim, s.kv_heads
-    q, k, v = w.split([s.heads * d, hkv * d, hkv * d])
-    return torch.cat([q.unflatten(0, (hkv, g * d))[order].flatten(0, 1),
-                      k.unflatten(0, (hkv, d))[order].flatten(0, 1), v.unflatten(0, (hkv, d))[order].flatten(0, 1)])

@@ -140,8 +140,9 @@ class Lychee:
 
 @dataclass
 class LycheeStep:
-    """The engine's step. A layer's retrieval heads are stored first (``head_order``: the engine permutes the
-    weights once and the cache keeps that order), so they are a head prefix that reads the whole cache, while the
+    """The engine's step. A layer's retrieval heads are stored first (``head_order``: the cache keeps that order;
+    the decoder reads the new token's heads in it and writes the attention's output back in the model's, so the
+    weights stay the session's), so they are a head prefix that reads the whole cache, while the
     sparse heads read what they inherit (one launch below 8 rows, two from there;
     :meth:`~runtime.engine.decoder.StaticDecoder.attend_mixed_and_choose`). Within that prefix the heads whose
     choice a later layer reads (``choosing``, :func:`passes_on`) come first: only they keep their logits, and

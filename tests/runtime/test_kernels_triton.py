@@ -363,7 +363,7 @@ def test_decode_and_score_on_gpu(b, hq, hkv, t, d, per_kv):
     _check_decode_and_score(b, hq, hkv, t, d, 16, torch.bfloat16, "cuda", per_kv)
 
 
-def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol):
+def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol, ordered=False):
     from runtime.kernels.rope_cache import naive as rope_naive
     from runtime.kernels.rope_cache import triton as rope_tri
 
@@ -372,30 +372,42 @@ def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol):
     cos, sin = torch.randn(2, b, d, generator=g).to(device, dtype)
     qn, kn = (1 + 0.1 * torch.randn(2, d, generator=g)).to(device, dtype) if norms else (None, None)
     slot = torch.tensor(5, device=device)
+    order = torch.randperm(hkv, generator=g).to(device, torch.int32) if ordered else None
     caches = {}
-    for name, impl in (("naive", rope_naive), ("triton", rope_tri)):
+    for name, impl, heads in (("plain", rope_naive, None), ("naive", rope_naive, order), ("triton", rope_tri, order)):
         kc, vc = torch.zeros(2, b, hkv, 9, d, device=device, dtype=dtype)
-        q = impl.rope_and_store(y, hq, hkv, cos, sin, kc, vc, slot, qn, kn, 1e-6)
+        q = impl.rope_and_store(y, hq, hkv, cos, sin, kc, vc, slot, qn, kn, 1e-6, heads)
         caches[name] = (q.float(), kc.float(), vc.float())
     (q0, k0, v0), (q1, k1, v1) = caches["naive"], caches["triton"]
     assert torch.equal(v0, v1)  # values are copied as they are
     assert k1[:, :, 5].abs().sum() > 0 and k1[:, :, :5].abs().sum() == 0 and k1[:, :, 6:].abs().sum() == 0
     assert (q0 - q1).abs().max() < tol * q0.abs().max() and (k0 - k1).abs().max() < tol * k0.abs().max()
+    if ordered:  # stored KV head j is the model's head order[j], its query heads with it
+        qp, kp, vp = caches["plain"]
+        heads = order.long()
+        assert torch.equal(k0, kp.index_select(1, heads)) and torch.equal(v0, vp.index_select(1, heads))
+        assert torch.equal(q0.unflatten(1, (hkv, -1)), qp.unflatten(1, (hkv, -1)).index_select(1, heads))
+        assert not torch.equal(order.cpu(), torch.arange(hkv, dtype=torch.int32))
+        with pytest.raises(ValueError, match="order must be int32"):
+            rope_tri.rope_and_store(y, hq, hkv, cos, sin, kc, vc, slot, qn, kn, 1e-6, order.long())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
-@pytest.mark.parametrize("b, hq, hkv, d, norms", [(2, 4, 2, 16, False), (1, 6, 3, 24, True), (3, 2, 1, 32, True)])
-def test_rope_cache_matches_reference_in_interpreter(b, hq, hkv, d, norms):
+@pytest.mark.parametrize("b, hq, hkv, d, norms, ordered", [(2, 4, 2, 16, False, False), (1, 6, 3, 24, True, False),
+                                                           (3, 2, 1, 32, True, False), (2, 8, 4, 16, True, True),
+                                                           (1, 6, 3, 24, False, True)])
+def test_rope_cache_matches_reference_in_interpreter(b, hq, hkv, d, norms, ordered):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    _check_rope_cache(b, hq, hkv, d, norms, torch.float32, "cpu", 1e-5)
+    _check_rope_cache(b, hq, hkv, d, norms, torch.float32, "cpu", 1e-5, ordered)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b, hq, hkv, d, norms", [(1, 28, 4, 128, False), (8, 32, 8, 128, True), (4, 9, 3, 64, False),
-                                                  (2, 4, 1, 256, True)])
-def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms):
-    _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2)
+@pytest.mark.parametrize("b, hq, hkv, d, norms, ordered", [(1, 28, 4, 128, False, False), (8, 32, 8, 128, True, False),
+                                                           (4, 9, 3, 64, False, False), (2, 4, 1, 256, True, False),
+                                                           (1, 28, 4, 128, False, True), (8, 32, 8, 128, True, True)])
+def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms, ordered):
+    _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2, ordered)
 
 
 def _check_combine(splits, device, d=16, parts=None):
@@ -454,6 +466,22 @@ def _check_head_map_and_out(device, dtype, tol):
         tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, index_rows=rows.long())
     with pytest.raises(ValueError, match="out must be"):
         tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, out=buffer[:, :11])
+    # out_heads: KV head h's four query heads go to the output's group out_heads[h], whether the programs write
+    # the output themselves (one chunk a row) or the merge of their partials does (chunks of 64 of 96 tokens)
+    for chunk in (64, 256):
+        plain, plain_lse = tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, chunk=chunk, **kw)
+        placed = torch.full((2, 12, 16), float("nan"), device=device)
+        got, lse = tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, chunk=chunk, out=placed,
+                                               out_heads=rows, **kw)
+        assert got.data_ptr() == placed.data_ptr() and torch.equal(lse, plain_lse)  # lse in the call's order
+        assert torch.equal(got.unflatten(1, (3, 4)).index_select(1, rows.long()), plain.unflatten(1, (3, 4)))
+        # a call over a part of the heads (KV heads 1 and 2) writes its groups (rows[1:] = 0, 1) and no other
+        part = torch.full((2, 12, 16), float("nan"), device=device)
+        tri.sparse_decode_attention(q[:, 4:], k[:, 1:], v[:, 1:], idx[:, 1:], scale=0.25, block_size=16, chunk=chunk,
+                                    out=part, out_heads=rows[1:], log_weights=kw["log_weights"][:, 1:])
+        assert torch.equal(part[:, :8], plain[:, 4:]) and part[:, 8:].isnan().all()
+    with pytest.raises(ValueError, match="out_heads must be int32"):
+        tri.sparse_decode_attention(q, k, v, idx, scale=0.25, block_size=16, out_heads=rows.long())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")

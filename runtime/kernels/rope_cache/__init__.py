@@ -1,7 +1,7 @@
 """The new token's projections → rotary-embedded query, and its key and value written into the cache.
 
-``rope_and_store(y, heads, kv_heads, cos, sin, k_cache, v_cache, slot, q_norm=None, k_norm=None, eps=1e-6)
--> query``
+``rope_and_store(y, heads, kv_heads, cos, sin, k_cache, v_cache, slot, q_norm=None, k_norm=None, eps=1e-6,
+order=None) -> query``
 
 =================  ===========================  =======================================================
 ``y``              ``[B, (Hq + 2 Hkv) · D]``    the fused q/k/v projection of one token per row
@@ -11,6 +11,8 @@
 ``v_cache``
 ``q_norm``,        ``[D]`` or None              per-head RMS norms applied before RoPE (Qwen3, Gemma 3)
 ``k_norm``
+``order``          ``[Hkv]`` int32 or None      the cache's head order: stored KV head j is the model's
+                                                head ``order[j]`` (the query comes in that order too)
 ``query``          ``[B, Hq, D]``               in ``y``'s dtype
 =================  ===========================  =======================================================
 

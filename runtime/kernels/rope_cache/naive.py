@@ -8,13 +8,18 @@ import torch.nn.functional as F
 
 def split_rope(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               eps: float = 1e-6, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``y [..., (Hq + 2 Hkv) · D]`` → ``q [..., Hq, D]``, ``k``, ``v [..., Hkv, D]`` with the per-head norms
-    and RoPE applied to q and k. ``cos``/``sin`` broadcast against ``[..., 1, D]``."""
+    and RoPE applied to q and k. ``cos``/``sin`` broadcast against ``[..., 1, D]``. ``order [Hkv]``: KV head j
+    of the result is the model's head ``order[j]``, its query heads with it."""
     d = y.shape[-1] // (heads + 2 * kv_heads)
     q = y[..., : heads * d].unflatten(-1, (heads, d))
     k = y[..., heads * d:(heads + kv_heads) * d].unflatten(-1, (kv_heads, d))
     v = y[..., (heads + kv_heads) * d:].unflatten(-1, (kv_heads, d))
+    if order is not None:
+        order = order.to(device=y.device, dtype=torch.long)
+        q = q.unflatten(-2, (kv_heads, heads // kv_heads)).index_select(-3, order).flatten(-3, -2)
+        k, v = k.index_select(-2, order), v.index_select(-2, order)
     if q_norm is not None:
         q, k = F.rms_norm(q, (d,), q_norm, eps), F.rms_norm(k, (d,), k_norm, eps)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -26,9 +31,9 @@ def split_rope(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, si
 def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
     """See :mod:`runtime.kernels.rope_cache`."""
-    q, k, v = split_rope(y, heads, kv_heads, cos, sin, q_norm, k_norm, eps)
+    q, k, v = split_rope(y, heads, kv_heads, cos, sin, q_norm, k_norm, eps, order)
     at = slot.reshape(1)
     k_cache.index_copy_(2, at, k[:, :, None].to(k_cache.dtype))
     v_cache.index_copy_(2, at, v[:, :, None].to(v_cache.dtype))

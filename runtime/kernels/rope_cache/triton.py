@@ -26,18 +26,26 @@ def _normed(y_row, d, ok, NORM, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT,
+def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER,
                 s_yb, s_cb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
-    pdl.let_next_start(PDL)  # the attention's programs may be placed now; they wait for these to finish
+                HAS_NORM: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): query heads, [HQ, HQ + HKV): keys, then values
+    src = h  # the head of y this program reads: with ORDER, stored KV head j is the model's head ORDER[j]
+    if HAS_ORDER:  # read before the wait: no kernel of the step writes the map
+        if h < HQ:
+            src = tl.load(ORDER + h // (HQ // HKV)) * (HQ // HKV) + h % (HQ // HKV)
+        elif h < HQ + HKV:
+            src = HQ + tl.load(ORDER + h - HQ)
+        else:
+            src = HQ + HKV + tl.load(ORDER + h - HQ - HKV)
+    pdl.wait(PDL)
+    pdl.let_next_start(PDL)  # the attention's programs may be placed now; they wait for these to finish
     d = tl.arange(0, D_PAD)
     ok = d < D
     slot = tl.load(SLOT)
-    y_row = Y + b * s_yb + h * D
+    y_row = Y + b * s_yb + src * D
     if h >= HQ + HKV:
         v = tl.load(y_row + d, mask=ok, other=0.0)
         tl.store(VC + b * s_vb + (h - HQ - HKV) * s_vh + slot * s_vt + d, v.to(VC.dtype.element_ty), mask=ok)
@@ -56,7 +64,7 @@ def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT,
 def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
     """See :mod:`runtime.kernels.rope_cache`."""
     b, width = y.shape
     d = k_cache.shape[-1]
@@ -65,14 +73,18 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
                          "in its last dimension, or only one of q_norm / k_norm was given")
     if any(t.stride(-1) != 1 for t in (cos, sin, k_cache, v_cache)) or cos.stride() != sin.stride():
         raise ValueError("cos, sin and the caches need a unit last stride, and cos and sin the same strides")
+    if order is not None and (order.shape != (kv_heads,) or order.dtype != torch.int32):
+        raise ValueError(f"order must be int32 [{kv_heads}], got {order.dtype} {list(order.shape)}")
     q = torch.empty(b, heads, d, device=y.device, dtype=y.dtype)
     norm = q_norm is not None
     _rope_store[(b, heads + 2 * kv_heads)](
         y, cos, sin, q_norm if norm else y, k_norm if norm else y, q, k_cache, v_cache, slot,
+        order if order is not None else slot,
         y.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
-        HQ=heads, HKV=kv_heads, D=d, D_PAD=triton.next_power_of_2(d), HAS_NORM=norm, num_warps=1,
+        HQ=heads, HKV=kv_heads, D=d, D_PAD=triton.next_power_of_2(d), HAS_NORM=norm,
+        HAS_ORDER=order is not None, num_warps=1,
         **pdl.options(y.device),
     )
     return q

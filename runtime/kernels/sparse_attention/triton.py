@@ -14,6 +14,9 @@ Same contract as :func:`runtime.kernels.sparse_attention.naive.sparse_decode_att
                                              weights): sets kept in another head order, read in place
 ``out``            ``[B, Hq, D]``            where the output goes (any strides with unit last stride:
                                              a slice of a larger output), instead of a new tensor
+``out_heads``      ``[Hkv]`` int32           KV head h's query heads go to ``out``'s group ``out_heads[h]``
+                                             (``out`` then ``[B, H · G, D]``, any H): a cache kept in
+                                             another head order answers in the model's
 =================  ========================  =======================================================
 
 Returns ``out [B, Hq, D]`` (``out_dtype``, float32 by default) and ``lse [B, Hq]`` float32.
@@ -91,7 +94,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, fu
 
 @triton.jit
 def _sparse_decode_partial(
-    Q, K, V, IDX, IROWS, LOGW, KMASK, FIRST, LAST, FULL, OUT, LSE, LOGITS,
+    Q, K, V, IDX, IROWS, LOGW, KMASK, FIRST, LAST, FULL, OUT, OHEADS, LSE, LOGITS,
     s_qb, s_qh,
     s_kb, s_kh, s_kt,
     s_vb, s_vh, s_vt,
@@ -105,16 +108,19 @@ def _sparse_decode_partial(
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
     HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr, HAS_IROWS: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_OHEADS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
     h = row % HKV
     hi = h  # the row of the indices (and log weights) this KV head reads
-    if HAS_IROWS:
+    if HAS_IROWS:  # the head maps are read before the wait: no kernel of the step writes them
         hi = tl.load(IROWS + h)
+    ho = h  # the output's group of this KV head (its own, or OHEADS[h] where the program writes the output)
+    if HAS_OHEADS:
+        ho = tl.load(OHEADS + h)
+    pdl.wait(PDL)
 
     # full = 1: this row reads every token (a retrieval head, or no indices at all)
     if HAS_IDX:
@@ -166,7 +172,7 @@ def _sparse_decode_partial(
     busy = l_i > 0
     out = acc / tl.where(busy, l_i, 1.0)[:, None]
     lse = tl.where(busy, m_i + tl.log(tl.where(busy, l_i, 1.0)), float("-inf"))
-    o_ptr = OUT + b * s_ob + h * s_oh + split * s_os + g[:, None] * s_og + d[None, :]
+    o_ptr = OUT + b * s_ob + ho * s_oh + split * s_os + g[:, None] * s_og + d[None, :]
     tl.store(o_ptr, out, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(LSE + b * s_lb + h * s_lh + split * s_ls + g, lse, mask=g_ok)
 
@@ -252,7 +258,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             logits_out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                             key_span: tuple[torch.Tensor, torch.Tensor] | None = None,
                             index_rows: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None, out_heads: torch.Tensor | None = None,
                             logit_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
 
@@ -272,8 +278,9 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if indices is None and (log_weights is not None or full_rows is not None or index_rows is not None):
         raise ValueError("log_weights, full_rows and index_rows need indices (without indices every row reads "
                          "every token)")
-    if index_rows is not None and (index_rows.shape != (hkv,) or index_rows.dtype != torch.int32):
-        raise ValueError(f"index_rows must be int32 [{hkv}], got {index_rows.dtype} {list(index_rows.shape)}")
+    for name, rows in (("index_rows", index_rows), ("out_heads", out_heads)):
+        if rows is not None and (rows.shape != (hkv,) or rows.dtype != torch.int32):
+            raise ValueError(f"{name} must be int32 [{hkv}], got {rows.dtype} {list(rows.shape)}")
     g = hq // hkv
     logit_heads = hkv if logit_heads is None else logit_heads
     if not 0 < logit_heads <= hkv:
@@ -302,7 +309,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     splits = max(1, triton.cdiv(max_read, chunk))
     if splits == 1:  # each row in one program (short rows, or enough rows to fill the GPU): it writes the output
         # and log-sum-exp itself, through views of them shaped as the partials; no merge to launch
-        out = _output(out, b, hq, d, query.device, out_dtype)
+        out = _output(out, b, hq, d, query.device, out_dtype, g if out_heads is not None else None)
         lse = torch.empty(b, hq, device=query.device, dtype=torch.float32)
         out_p = out.as_strided((b, hkv, 1, g, d), (out.stride(0), g * out.stride(1), 0, out.stride(1), 1))
         lse_p = lse.view(b, hkv, 1, g)
@@ -323,7 +330,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         idx if idx is not None else dummy, index_rows if index_rows is not None else dummy,
         logw if logw is not None else dummy,
         km if km is not None else dummy, first, last, fr if fr is not None else dummy,
-        out_p, lse_p, logits_out if logits_out is not None else out_p,
+        out_p, out_heads if out_heads is not None and splits == 1 else dummy, lse_p,
+        logits_out if logits_out is not None else out_p,
         query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -338,24 +346,27 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
         HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, HAS_IROWS=index_rows is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl.options(query.device),
+        HAS_OHEADS=out_heads is not None and splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl.options(query.device),
     )
     if splits == 1:
         return out, lse
-    return combine_partials(out_p, lse_p, out_dtype, out=out)
+    return combine_partials(out_p, lse_p, out_dtype, out=out, out_heads=out_heads)
 
 
 @triton.jit
-def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_yb, s_yh, HKV, G, S,
-             SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, PDL: tl.constexpr):
+def _combine(OUT_P, LSE_P, OUT, OHEADS, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_yb, s_yh, HKV, G, S,
+             SB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, HAS_OHEADS: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, query head, DB of its D dims): merge its S partials, SB at a time (usually all at once),
     by an online log-sum-exp (each block rescales what came before)."""
-    pdl.wait(PDL)
     pid = tl.program_id(0)
     part = tl.program_id(1)
     b = pid // (HKV * G)
     h = (pid // G) % HKV
     g = pid % G
+    ho = h
+    if HAS_OHEADS:  # read before the wait: no kernel of the step writes the map
+        ho = tl.load(OHEADS + h)
+    pdl.wait(PDL)
     d = part * DB + tl.arange(0, DB)
     lse_base = LSE_P + b * s_lb + h * s_lh + g
     m = tl.max(tl.full([SB], float("-inf"), tl.float32), 0)  # 0-d float32 tensors: the loop's carried state
@@ -374,30 +385,35 @@ def _combine(OUT_P, LSE_P, OUT, LSE, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(OUT + b * s_yb + (h * G + g) * s_yh + d, out, mask=d < D)
+    tl.store(OUT + b * s_yb + (ho * G + g) * s_yh + d, out, mask=d < D)
     if part == 0:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         tl.store(LSE + pid, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
 def _output(out: torch.Tensor | None, b: int, hq: int, d: int, device: torch.device,
-            dtype: torch.dtype) -> torch.Tensor:
-    """The call's output: ``out`` when given (a ``[B, Hq, D]`` view with a unit last stride), else a new tensor."""
+            dtype: torch.dtype, groups_of: int | None = None) -> torch.Tensor:
+    """The call's output: ``out`` when given (a ``[B, Hq, D]`` view with a unit last stride; with ``out_heads``,
+    ``[B, H · groups_of, D]`` for any H), else a new tensor."""
     if out is None:
         return torch.empty(b, hq, d, device=device, dtype=dtype)
-    if out.shape != (b, hq, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{b}, {hq}, {d}] with a unit last stride, got {list(out.shape)} "
+    heads_ok = out.shape[1] == hq if groups_of is None else out.shape[1] % groups_of == 0
+    if out.shape[0] != b or out.shape[2] != d or not heads_ok or out.stride(-1) != 1:
+        want = hq if groups_of is None else f"H · {groups_of}"
+        raise ValueError(f"out must be [{b}, {want}, {d}] with a unit last stride, got {list(out.shape)} "
                          f"strides {out.stride()}")
     return out
 
 
 def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                     parts: int | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     parts: int | None = None, out: torch.Tensor | None = None,
+                     out_heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partials ``[B, Hkv, S, G, D]`` / ``[B, Hkv, S, G]`` into ``[B, Hq, D]`` (``out_dtype``, or
-    written into ``out``, a view with unit last stride) / ``[B, Hq]`` (float32). ``parts``: programs per head, each
-    merging a slice of D (default: by the GPU's size)."""
+    written into ``out``, a view with unit last stride; KV head h's group at ``out_heads[h]`` when given, as in
+    :func:`sparse_decode_attention`) / ``[B, Hq]`` (float32, in the partials' order). ``parts``: programs per
+    head, each merging a slice of D (default: by the GPU's size)."""
     b, hkv, splits, g, d = out_p.shape
-    out = _output(out, b, hkv * g, d, out_p.device, out_dtype)
+    out = _output(out, b, hkv * g, d, out_p.device, out_dtype, g if out_heads is not None else None)
     lse = torch.empty(b, hkv * g, device=out_p.device, dtype=torch.float32)
     sb = min(128, max(16, triton.next_power_of_2(splits)))  # every partial in one block up to 128 of them
     d_pad = triton.next_power_of_2(d)
@@ -406,9 +422,11 @@ def combine_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_dtype: torch.
         parts = max(1, min(4, d_pad // 32, 2 * sm_count(out_p) // max(1, b * hkv * g)))
     parts = 1 << (min(parts, d_pad).bit_length() - 1)  # a power of two that divides d_pad
     db = d_pad // parts
-    _combine[(b * hkv * g, parts)](out_p, lse_p, out, lse, out_p.stride(0), out_p.stride(1), out_p.stride(2),
+    _combine[(b * hkv * g, parts)](out_p, lse_p, out, out_heads if out_heads is not None else lse, lse,
+                                   out_p.stride(0), out_p.stride(1), out_p.stride(2),
                                    out_p.stride(3), lse_p.stride(0), lse_p.stride(1), lse_p.stride(2), out.stride(0),
                                    out.stride(1), hkv, g, splits,
-                                   SB=sb, D=d, DB=db, num_warps=4 if sb * db <= 4096 else 8,
+                                   SB=sb, D=d, DB=db, HAS_OHEADS=out_heads is not None,
+                                   num_warps=4 if sb * db <= 4096 else 8,
                                    **pdl.options(out_p.device))
     return out, lse
