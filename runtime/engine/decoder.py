@@ -36,6 +36,7 @@ import torch
 from runtime.engine import layers as L
 from runtime.engine.cache import KeySpan, StaticCache, head_order_of, same_order
 from runtime.engine.crossovers import default_min_context
+from runtime.engine.prefill import PrefillGraphs
 from runtime.engine.weights import Weights
 from runtime.kernels import use_triton
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
@@ -130,6 +131,7 @@ class StaticDecoder:
         # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
         self.hybrid = bool(windows) and len(windows) < s.layers
         self.graphs: dict[str, Any] = {}
+        self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
             compile = device.type == "cuda" and os.environ.get("ROLECALL_COMPILE", "1") != "0"
         self.compiles = compile  # whether the step's small ops go through torch.compile (policies may too)
@@ -526,13 +528,15 @@ class StaticDecoder:
 
     # -- prefill -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: int | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: int | None = None,
+                graph: bool = False) -> torch.Tensor:
         """Fill an empty cache with ``input_ids [B, P]`` (left-padded: row b's first ``pads[b]`` ids are
         padding); returns the last position's logits ``[B, vocab]`` and sets the next tokens to the choice
-        made from them. See :func:`runtime.engine.prefill.prefill`."""
+        made from them. ``graph``: a short prompt's prefill replays a CUDA graph of its width from the second
+        time this decoder sees that width. See :func:`runtime.engine.prefill.prefill`."""
         from runtime.engine.prefill import prefill
 
-        return prefill(self, input_ids, pads, chunk)
+        return prefill(self, input_ids, pads, chunk, graph)
 
 
 class Pending:
@@ -560,9 +564,14 @@ def placed(o: torch.Tensor, out: torch.Tensor | None, out_heads: torch.Tensor | 
     return out
 
 
-def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, list[int]]:
-    """Token id lists of any lengths → a left-padded ``[B, P]`` tensor and the pad count of each row."""
-    width = max(len(r) for r in rows)
+def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu",
+             width: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Token id lists of any lengths → a left-padded ``[B, P]`` tensor (``P``: ``width``, default the longest
+    row) and the pad count of each row."""
+    longest = max(len(r) for r in rows)
+    if width is not None and width < longest:
+        raise ValueError(f"width {width} is shorter than the longest row ({longest} ids)")
+    width = width or longest
     pads = [width - len(r) for r in rows]
     ids = torch.tensor([[pad_id] * p + list(r) for p, r in zip(pads, rows)], dtype=torch.long, device=device)
     return ids, pads

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runtime.engine.decoder import StaticDecoder, pad_left
-from runtime.engine.prefill import dense_logits, keeps_prompt, snapshot
+from runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
 from runtime.engine.prefill import load as load_prefill
 from runtime.engine.sampling import Sampler, Sampling
 from runtime.engine.weights import Weights
@@ -208,12 +208,14 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     start = time.perf_counter()
     limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     b, device = len(prompts), weights.device
-    ids, pads = pad_left(prompts, pad_token_id, device)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    # short prompts on the GPU: padded to a width the decoder keeps a prefill graph of (see runtime.engine.prefill)
+    width = graph_width(max(len(p) for p in prompts), b) if graphs and prefilled is None else None
+    ids, pads = pad_left(prompts, pad_token_id, device, width)
     if prefilled is not None and not prefilled.matches(ids, pads):
         raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
     slots = ids.shape[1] + max(limits)
     sampling = sampling or Sampling()
-    graphs = device.type == "cuda" if graphs is None else graphs
     if decoders is not None and (output_logits or reference_logits):
         decoders.clear()  # its memory goes to this request's decoder, which is not kept
         decoders = None
@@ -239,7 +241,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if prefilled is not None:
         load_prefill(dec, prefilled)
     else:
-        dec.prefill(ids, pads, prefill_chunk)
+        dec.prefill(ids, pads, prefill_chunk, graph=graphs and decoders is not None)
         # a policy that evicts prompt keys leaves no prompt for the reference: keep the prefill's copy for it
         evicts = reference_logits and not keeps_prompt(dec)
         prefilled = snapshot(dec, ids, pads) if keep_prefill or evicts else None

@@ -931,6 +931,20 @@ def test_kept_decoders_round_their_slots_and_serve_requests_that_fill_half():
     assert sizes[0][1] is sizes[1][1] and len({id(d) for _, d in sizes[1:]}) == 4  # all held here: no id reused
 
 
+def test_short_prompts_are_padded_to_a_graph_width():
+    """The prefill graph's widths: the smallest that holds the longest prompt, none past 1,024 tokens or 4,096
+    rows × width; pad_left pads to a given width and refuses a shorter one."""
+    from runtime.engine.prefill import graph_width
+
+    assert [graph_width(n, 1) for n in (1, 16, 17, 25, 49, 100, 700, 1024, 1025)] == \
+        [16, 16, 24, 32, 64, 128, 768, 1024, None]
+    assert graph_width(60, 64) == 64 and graph_width(65, 64) is None and graph_width(200, 16) == 256
+    ids, pads = engine.pad_left([[5, 6], [7]], 0, width=4)
+    assert ids.tolist() == [[0, 0, 5, 6], [0, 0, 0, 7]] and pads == [2, 3]
+    with pytest.raises(ValueError, match="width 1 is shorter than the longest row"):
+        engine.pad_left([[5, 6]], 0, width=1)
+
+
 def test_a_session_keeps_its_decoder_between_requests_and_frees_it_at_the_end():
     """Two requests in one session run on one decoder and give what a session each gives; a request for every
     step's logits frees it (its own decoder is sized to it and not kept); the end of the session frees it."""

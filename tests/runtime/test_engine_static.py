@@ -263,18 +263,58 @@ def test_a_kept_decoder_replays_its_graphs_for_the_next_requests_on_gpu(name):
     pol = policy(name, GPU_SHAPE, 256, 5)
     kept, g = Decoders(), torch.Generator().manual_seed(0)
     captured, held = [], []
-    for lengths in ((700, 650), (600, 620), (400, 420)):  # 724 slots → 768, then 644 and 444 fit
+    # prompts past the prefill graphs' widths (1,024), so that they are not padded: 1,524 slots → 1,536, then
+    # 1,444 and 1,244 fit; the second and third start below min_context
+    for lengths in ((1500, 1450), (1400, 1420), (1200, 1220)):
         rows = [torch.randint(0, GPU_SHAPE.vocab, (n,), generator=g).tolist() for n in lengths]
-        common = dict(max_new_tokens=24, min_context=640)
+        common = dict(max_new_tokens=24, min_context=1440)
         got = generate(weights, pol, rows, decoders=kept, **common)
         want = generate(weights, pol, rows, decoders=Decoders(), **common)
-        assert got.tokens == want.tokens and got.info["graphs"] and got.info["cache_slots"] == 768
+        assert got.tokens == want.tokens and got.info["graphs"] and got.info["cache_slots"] == 1536
         captured.append(got.info["capture_s"])
         held.append(kept.kept)
     assert held[0] is held[1] is held[2]
     sparse = name != "full"
     assert captured[0] > 0 and (captured[1] > 0) == sparse and captured[2] == 0
     assert set(held[0].graphs) == ({"policy", "full"} if sparse else {"policy"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["full", "delta", "lychee"])
+def test_a_kept_decoder_replays_its_prefill_graph_for_short_prompts_on_gpu(name):
+    """Short prompts are left-padded to a graph width; a decoder prefills a width eagerly the first time and from a
+    CUDA graph from the second (the same logits and cache bit for bit, for other prompts of that width too), and
+    requests on a kept decoder give a new decoder's tokens."""
+    from runtime.engine import pad_left
+    from runtime.engine.prefill import graph_width
+
+    weights = Weights.random(GPU_SHAPE, "cuda", torch.bfloat16, std=0.05, positions=4096)
+    pol = policy(name, GPU_SHAPE, 256, 5)
+    g = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(0, GPU_SHAPE.vocab, (n,), generator=g).tolist() for n in lengths]
+               for lengths in ((40, 33), (45, 41), (35, 48))]
+    assert {graph_width(max(map(len, rows)), 2) for rows in batches} == {48}
+
+    def prefilled(dec, rows):
+        ids, pads = pad_left(rows, 0, "cuda", 48)
+        logits = dec.prefill(ids, pads, graph=True).clone()
+        return logits, [t[:, :, :48].clone() for t in dec.cache.k + dec.cache.v]
+
+    dec = StaticDecoder(weights, pol, 2, 256, min_context=0)
+    eager = [prefilled(StaticDecoder(weights, pol, 2, 256, min_context=0), rows) for rows in batches]
+    for k, rows in enumerate(batches + batches[:1]):
+        dec.reset()
+        logits, cache = prefilled(dec, rows)
+        want_logits, want_cache = eager[k % len(batches)]
+        assert torch.equal(logits, want_logits) and all(torch.equal(a, b) for a, b in zip(cache, want_cache))
+        assert set(dec.prefill_graphs.graphs) == (set() if k == 0 else {48})
+
+    kept = Decoders()
+    for k, rows in enumerate(batches):
+        got = generate(weights, pol, rows, decoders=kept, max_new_tokens=16)
+        want = generate(weights, pol, rows, decoders=Decoders(), max_new_tokens=16)  # a new decoder: eager prefill
+        assert got.tokens == want.tokens and got.info["cache_slots"] == 256  # 48 + 16 slots → the smallest cache
+        assert set(kept.kept.prefill_graphs.graphs) == (set() if k == 0 else {48})
 
 
 @pytest.mark.gpu
