@@ -463,7 +463,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              real_reps=1)
     if args.delta_total <= args.delta_prompt:
         p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
-    args.models = p.names(args.models, "--models", SHAPES)
+    args.models = p.names(args.models, "--models", SHAPES, none_ok="--real" if args.real else None)
     args.policies = p.names(args.policies, "--policies", POLICIES)  # refused before anything is timed
     if "full" in args.policies:
         args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first

@@ -53,12 +53,13 @@ class Parser(argparse.ArgumentParser):
             self.error(f"{flag} takes comma-separated {what} of at least {low} each, got {value!r}")
         return numbers
 
-    def names(self, value: str, flag: str, known) -> list[str]:
+    def names(self, value: str, flag: str, known, none_ok: str | None = None) -> list[str]:
         """``value``, comma-separated, as names each of ``known``, or a usage error in one line naming ``flag``,
-        the names it does not know (or that none was given) and the known ones."""
+        the names it does not know (or that none was given: allowed where ``none_ok`` says when, and that is
+        the case) and the known ones."""
         names = [v.strip() for v in value.split(",") if v.strip()]
         unknown = [n for n in names if n not in known]
-        if unknown or not names:
+        if unknown or not (names or none_ok):
             self.error(f"{flag}: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; known: "
                        f"{', '.join(known)}")
         return names

@@ -35,6 +35,7 @@ def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, say
     (["--delta-total", "512"], "--delta-total must be past --delta-prompt (512), got 512"),
     (["--policies", ","], "--policies: none given; known: full, delta, delta-refine, lychee, quest, vattention, lethe"),
     (["--models", ""], "--models: none given; known: 7b, 1.5b"),
+    (["--models", "", "--real", "x", "--policies", "quick"], "--policies: unknown quick; known: full, delta"),
 ])
 def test_decode_benchmark_refuses_bad_counts_in_one_line(capsys, flags, says):
     from benchmarks import decode
@@ -43,3 +44,10 @@ def test_decode_benchmark_refuses_bad_counts_in_one_line(capsys, flags, says):
         decode.parse_args(flags)
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and says in err and "\n" not in err
+
+
+def test_decode_benchmark_times_only_the_real_model_without_models():
+    from benchmarks import decode
+
+    args = decode.parse_args(["--models", "", "--no-delta-setting", "--real", "smollm2-135m"])
+    assert args.models == [] and args.real == "smollm2-135m"
