@@ -37,6 +37,7 @@ from runtime.engine import layers as L
 from runtime.engine.cache import KeySpan, StaticCache, head_order_of, same_order
 from runtime.engine.crossovers import default_min_context
 from runtime.engine.prefill import PrefillGraphs
+from runtime.engine.prefill import prefill as _prefill
 from runtime.engine.weights import Weights
 from runtime.kernels import use_triton
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
@@ -499,19 +500,21 @@ class StaticDecoder:
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
-        for i, lw in enumerate(w.layers):
-            self._layer_heads = self.head_maps[i]  # q and the cache in the cache's head order, o in the model's
-            q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
-                           slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # new K/V stored
-            window = s.windows[i]
-            if self.hybrid and window is not None:
-                span, blocks = spans[window]
-                o = self.attend(q, c.k[i], c.v[i], span, blocks, WINDOW_BLOCK)
-            else:
-                o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
-            x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
-                              lw.w_down, lw.norm_mlp_out, L.next_norm(w, i))
-        self._layer_heads = None
+        try:
+            for i, lw in enumerate(w.layers):
+                self._layer_heads = self.head_maps[i]  # q and the cache in the cache's head order, o in the model's
+                q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
+                               slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # K/V stored
+                window = s.windows[i]
+                if self.hybrid and window is not None:
+                    span, blocks = spans[window]
+                    o = self.attend(q, c.k[i], c.v[i], span, blocks, WINDOW_BLOCK)
+                else:
+                    o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
+                x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,
+                                  lw.w_down, lw.norm_mlp_out, L.next_norm(w, i))
+        finally:
+            self._layer_heads = None
         for side in self._joins:  # work put beside the step (attend_and_choose) ends within it
             torch.cuda.current_stream().wait_stream(side)
         self._joins.clear()
@@ -534,9 +537,7 @@ class StaticDecoder:
         padding); returns the last position's logits ``[B, vocab]`` and sets the next tokens to the choice
         made from them. ``graph``: a short prompt's prefill replays a CUDA graph of its width from the second
         time this decoder sees that width. See :func:`runtime.engine.prefill.prefill`."""
-        from runtime.engine.prefill import prefill
-
-        return prefill(self, input_ids, pads, chunk, graph)
+        return _prefill(self, input_ids, pads, chunk, graph)
 
 
 class Pending:
