@@ -310,7 +310,7 @@ class StaticDecoder:
                 log_weights = log_weights.index_select(1, rows) if log_weights is not None else None
             o, lse = naive_attention.sparse_decode_attention(q, k, v, indices, scale=scale, block_size=block_size,
                                                              log_weights=log_weights, **keys)
-            o = placed(o, out, out_heads)
+            o = L.placed(o, out, out_heads)
         return (o, lse) if with_lse else o
 
     def _heads(self, out_heads: Any) -> torch.Tensor | None:
@@ -330,7 +330,7 @@ class StaticDecoder:
             return o, scores
         o, _, scores = naive_decode_and_score(q, k, v, self.shape.attention_scale, block_size,
                                               per_kv_head=per_kv_head, **keys)
-        return placed(o, out, out_heads), scores
+        return L.placed(o, out, out_heads), scores
 
     def attend_mixed_and_choose(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                                 indices: torch.Tensor, block_size: int, full_heads: int, count: int, recent: int,
@@ -364,7 +364,10 @@ class StaticDecoder:
             return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, True, count, recent, out, out_rows)
         o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
         # each part writes its heads: into its slice of o, or by its part of the map into all of o
-        parts = ((o[:, r * g:], None), (o[:, :r * g], None)) if heads is None else ((o, heads[r:]), (o, heads[:r]))
+        if heads is None:
+            (sparse_out, sparse_heads), (dense_out, dense_heads) = (o[:, r * g:], None), (o[:, :r * g], None)
+        else:
+            (sparse_out, sparse_heads), (dense_out, dense_heads) = (o, heads[r:]), (o, heads[:r])
         # On the GPU the sparse heads' gathers (latency-bound) run on a stream of their own beside the dense heads'
         # streaming launch; the step's stream waits for them before anything reads the output
         side = self._side_stream(q.device, "sparse") if self.triton and q.is_cuda else None
@@ -372,10 +375,10 @@ class StaticDecoder:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.attend(q[:, r * g:], k[:, r:], v[:, r:], span, sparse, block_size, index_rows=rows,
-                        out=parts[0][0], out_heads=parts[0][1])
+                        out=sparse_out, out_heads=sparse_heads)
         _, chosen = self.attend_and_choose(q[:, :r * g], k[:, :r], v[:, :r], span, block_size, True, count, recent,
-                                           out=out, out_rows=out_rows, into=parts[1][0], choosing=c,
-                                           out_heads=parts[1][1])
+                                           out=out, out_rows=out_rows, into=dense_out, choosing=c,
+                                           out_heads=dense_heads)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         return o, chosen
@@ -552,17 +555,6 @@ class Pending:
             torch.cuda.current_stream().wait_stream(self._stream)
             self._stream, self._keep = None, ()
         return self.value
-
-
-def placed(o: torch.Tensor, out: torch.Tensor | None, out_heads: torch.Tensor | None) -> torch.Tensor:
-    """A reference call's output ``o [B, h · G, D]`` as the GPU kernels write it: into ``out`` (else a new
-    tensor), KV head j's query heads at ``out_heads[j]``'s when given."""
-    if out_heads is None:
-        return out.copy_(o) if out is not None else o
-    out = torch.empty_like(o) if out is None else out
-    g = o.shape[1] // out_heads.shape[0]
-    out.unflatten(1, (-1, g)).index_copy_(1, out_heads.long(), o.unflatten(1, (-1, g)).to(out.dtype))
-    return out
 
 
 def pad_left(rows: list[list[int]], pad_id: int, device: Any = "cpu",

@@ -212,7 +212,10 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     # short prompts on the GPU: padded to a width the decoder keeps a prefill graph of (see runtime.engine.prefill);
     # a kept prefill's prompts are padded as they were then
     longest = max(len(p) for p in prompts)
-    width = max(prefilled.ids.shape[1], longest) if prefilled is not None else graph_width(longest, b) if graphs else None
+    if prefilled is not None:
+        width = max(prefilled.ids.shape[1], longest)
+    else:
+        width = graph_width(longest, b) if graphs else None
     ids, pads = pad_left(prompts, pad_token_id, device, width)
     if prefilled is not None and not prefilled.matches(ids, pads):
         raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")

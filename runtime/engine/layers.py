@@ -79,6 +79,18 @@ def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin, order=No
     return split_rope(linear(h, wqkv, bqkv), s.heads, s.kv_heads, cos, sin, q_norm, k_norm, s.eps, order)
 
 
+def placed(o: torch.Tensor, out: torch.Tensor | None, out_heads: torch.Tensor | None) -> torch.Tensor:
+    """Attention output ``o [B, h · G, ...]`` (h KV heads' query groups) in the model's head order, as the GPU
+    kernels write it: into ``out`` (else a new tensor), KV head j's query heads at ``out_heads[j]``'s when given
+    (a cache that keeps heads in another order, ``StaticDecoder.head_maps``)."""
+    if out_heads is None:
+        return out.copy_(o) if out is not None else o
+    out = torch.empty_like(o) if out is None else out
+    g = o.shape[1] // out_heads.shape[0]
+    out.unflatten(1, (-1, g)).index_copy_(1, out_heads.long(), o.unflatten(1, (-1, g)).to(out.dtype))
+    return out
+
+
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``sin [..., D]`` with its first half negated: ``rotate_half(x) · sin = roll(x, D/2) · signed``."""
     half = sin.shape[-1] // 2

@@ -248,9 +248,6 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
                 parts.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask,
                                                             scale=s.attention_scale))
             o = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-        o = o.transpose(1, 2)  # [B, C, Hq, D]
-        if order is not None:
-            o = torch.empty_like(o).unflatten(2, (s.kv_heads, g)).index_copy_(
-                2, order.long(), o.unflatten(2, (s.kv_heads, g))).flatten(2, 3)
-        x, h = L.finish_layer(w, i, x, o.flatten(2))
+        o = L.placed(o, None, order)  # [B, Hq, C, D] in the model's head order
+        x, h = L.finish_layer(w, i, x, o.transpose(1, 2).flatten(2))
     return h
