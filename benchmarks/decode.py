@@ -3,7 +3,8 @@
     python benchmarks/decode.py                     # the default grid, JSON to benchmarks/results/decode_<gpu>.json
     python benchmarks/decode.py --smoke --out x.json  # tiny shapes on the CPU: checks that it runs
 
-Models are DS-Qwen-7B / DS-Qwen-1.5B shaped (random bf16 weights: speed does not depend on the values). For
+Models are DS-Qwen-7B / DS-Qwen-1.5B shaped, or Gemma-3-4B shaped (``gemma3-4b``, a hybrid model whose sliding
+layers hold rings of their window; random bf16 weights: speed does not depend on the values). For
 each model, context, batch, policy and budget it fills a static cache with random keys and values (the
 prefill is not timed), captures :class:`runtime.engine.StaticDecoder`'s step in a CUDA graph, warms up,
 and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s (batch / TPOT)
@@ -69,10 +70,23 @@ POLICIES = ("full", "delta", "delta-refine", "lychee", "quest", "vattention", "l
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
+# Gemma 3 4B's text decoder: a hybrid model, five of every six layers with a 1,024-token window (rings in the
+# engine's cache), the sixth with full attention and its own RoPE table
+GEMMA3_4B = ModelShape(layers=34, hidden=2560, heads=8, kv_heads=4, head_dim=256, intermediate=10240, vocab=262208,
+                       qkv_bias=False, qk_norm=True, norm_offset=1.0, sandwich=True, embed_scale=2560 ** 0.5,
+                       activation="gelu_pytorch_tanh", scale=256 ** -0.5, tied=True,
+                       windows=tuple(None if i % 6 == 5 else 1024 for i in range(34)),
+                       rope_kinds=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(34)))
+MODELS = {**SHAPES, "gemma3-4b": GEMMA3_4B}
+
+
 def _config(shape: ModelShape) -> SimpleNamespace:
-    """What a policy's bind() reads of a config, for random weights."""
+    """What a policy's bind() reads of a config, for random weights (a hybrid shape's layer kinds too)."""
+    kinds = {"layer_types": ["full_attention" if w is None else "sliding_attention" for w in shape.windows]} \
+        if any(w is not None for w in shape.windows) else {}
     return SimpleNamespace(num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                           num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden)
+                           num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden,
+                           **kinds)
 
 
 def spread_heads(layers: int, kv_heads: int, count: int, seed: int = 0) -> torch.Tensor:
@@ -87,10 +101,18 @@ def spread_heads(layers: int, kv_heads: int, count: int, seed: int = 0) -> torch
 
 
 def delta_manifest(shape: ModelShape) -> RoleManifest:
-    """DELTA's roles for ``shape``: layers 0–1 full, three Δ-layers (2, 14, 22 for 28 layers), the rest sparse."""
+    """DELTA's roles for ``shape``: layers 0–1 full, three Δ-layers (2, 14, 22 for 28 layers), the rest sparse.
+    A hybrid shape's sliding layers get role 0 (as calibration gives them) and its full-attention layers the
+    roles in turn: the first full, then Δ and sparse alternating."""
     identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
-    selection = (2, 14, 22) if shape.layers > 22 else tuple(range(2, shape.layers, 2))[:3]
-    roles = [0 if i < 2 else 1 if i in selection else 2 for i in range(shape.layers)]
+    attention = [i for i, w in enumerate(shape.windows) if w is None]
+    if 0 < len(attention) < shape.layers:
+        roles = [0] * shape.layers
+        for k, i in enumerate(attention[1:]):
+            roles[i] = 1 if k % 2 == 0 else 2
+    else:
+        selection = (2, 14, 22) if shape.layers > 22 else tuple(range(2, shape.layers, 2))[:3]
+        roles = [0 if i < 2 else 1 if i in selection else 2 for i in range(shape.layers)]
     return RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
 
 
@@ -419,7 +441,7 @@ def crossovers(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b (the fixed-context grid)")
+    p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b, gemma3-4b (the fixed-context grid)")
     p.add_argument("--contexts", default="4096,8192,16384,32768,131072")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, delta-refine "
@@ -463,7 +485,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              real_reps=1)
     if args.delta_total <= args.delta_prompt:
         p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
-    args.models = p.names(args.models, "--models", SHAPES, none_ok="--real" if args.real else None)
+    args.models = p.names(args.models, "--models", MODELS, none_ok="--real" if args.real else None)
     args.policies = p.names(args.policies, "--policies", POLICIES)  # refused before anything is timed
     if "full" in args.policies:
         args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first
@@ -495,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             print("benchmarks/decode.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
             return 2
         device, gpu, dtype = "cuda", torch.cuda.get_device_name(), torch.bfloat16
-        shapes = {m: SHAPES[m] for m in args.models}
+        shapes = {m: MODELS[m] for m in args.models}
         delta_shape = SHAPES["1.5b"]
         bandwidth = copy_bandwidth(device, 2**30)
     out = Path(args.out or Path(__file__).resolve().parent / "results" / f"decode_{gpu_slug(gpu)}.json")

@@ -5,7 +5,8 @@ scalar, the new token's K/V are written at that length (with its RoPE: one kerne
 is chosen on the device (greedy, or the sampler's choice) and ``length += 1`` happens on the device. No ``.item()``, no host
 sync and no shape that changes per step, so the step is captured in a CUDA graph (:meth:`capture`) and
 replayed. Attention goes through the policy's static step (``policy.static_step(shape)``, written in the
-policy's own file); sliding-window layers of hybrid models read their window themselves.
+policy's own file); sliding-window layers of hybrid models read their window themselves, from a ring of
+``window + 1`` slots (:class:`~runtime.engine.cache.StaticCache`).
 
 A selection layer's choice may run beside the step on a second stream (:meth:`StaticDecoder.attend_and_choose`:
 DELTA's page scores and top-k), joined where the choice is first read and at the end of the step, so the graph
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import sys
 import time
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from runtime.engine import layers as L
-from runtime.engine.cache import KeySpan, StaticCache, head_order_of, same_order
+from runtime.engine.cache import KeySpan, StaticCache, head_order_of, ring_slots, ring_span, same_order
 from runtime.engine.crossovers import default_min_context
 from runtime.engine.prefill import PrefillGraphs
 from runtime.engine.prefill import prefill as _prefill
@@ -46,7 +46,6 @@ from runtime.kernels.skinny_linear import linear
 from runtime.kernels.sparse_attention import naive as naive_attention
 from runtime.kernels.topk_select import topk_with_recent
 
-WINDOW_BLOCK = 64  # block size of a sliding-window layer's read set
 LAYER_ORDER = "layer"  # out_heads' default: the running layer's head map (StaticDecoder.head_maps)
 MIXED_MAX_BATCH = 8  # from this batch size a mixed layer takes two launches (see attend_mixed_and_choose)
 
@@ -127,10 +126,9 @@ class StaticDecoder:
         self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (last_block)
         self._aside: dict[Any, Any] = {}  # per (device, role), a stream beside the step's (_side_stream)
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
-        windows = [w for w in s.windows if w is not None]
-        # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers); a
-        # window on every layer (Mistral) is part of every layer's mask and the policy still runs.
-        self.hybrid = bool(windows) and len(windows) < s.layers
+        # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers), over
+        # their rings; a window on every layer (Mistral) is part of every layer's mask and the policy still runs.
+        self._ring_last = {w: torch.tensor(w - 1, device=device) for w in set(cache.rings.values())}
         self.graphs: dict[str, Any] = {}
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
@@ -247,8 +245,9 @@ class StaticDecoder:
         saved_state = [t.clone() for t in self._state()]
         written = self.position + torch.arange(warmup, device=c.length.device)
         owned = getattr(self.static, "owned_layers", set())  # compact layers: whole buffers in the step's state()
-        plain = [i for i in range(len(c.k)) if i not in owned]
+        plain = [i for i in range(len(c.k)) if i not in owned and i not in c.rings]
         saved = [(c.k[i].index_select(2, written), c.v[i].index_select(2, written)) for i in plain]
+        rings = {i: (c.k[i].clone(), c.v[i].clone()) for i in c.rings}  # a few hundred slots: kept whole
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -263,6 +262,9 @@ class StaticDecoder:
         for i, (sk, sv) in zip(plain, saved):
             c.k[i].index_copy_(2, written, sk)
             c.v[i].index_copy_(2, written, sv)
+        for i, (sk, sv) in rings.items():
+            c.k[i].copy_(sk)
+            c.v[i].copy_(sv)
         for kind in kinds:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -471,23 +473,17 @@ class StaticDecoder:
         return last
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _spans(self, length: torch.Tensor) -> dict[Any, Any]:
-        """The readable slots of this step: ``None`` → every valid slot; a window W → its span (and, for the
-        sliding layers of a hybrid model, the blocks that cover it)."""
+    def _spans(self, length: torch.Tensor) -> tuple[dict[Any, KeySpan], dict[int, torch.Tensor]]:
+        """The readable slots of this step (``None`` → every valid slot; a window W → its span) and, per window
+        of the cache's rings, the slot ``[B]`` each row writes there (and the ring's span instead)."""
         pads = self.cache.pads
-        spans: dict[Any, Any] = {None: KeySpan(pads, length)}
+        spans: dict[Any, KeySpan] = {None: KeySpan(pads, length)}
         for w in sorted({w for w in self.shape.windows if w is not None}):
-            span = KeySpan(torch.maximum(pads, length - w + 1), length)
-            if self.hybrid:
-                n = math.ceil(w / WINDOW_BLOCK) + 1
-                first = torch.div((length - w + 1).clamp_min(0), WINDOW_BLOCK, rounding_mode="floor")
-                blocks = first + torch.arange(n, device=length.device)
-                last = torch.div(length, WINDOW_BLOCK, rounding_mode="floor")
-                blocks = torch.where(blocks <= last, blocks, -1).to(torch.int32)
-                spans[w] = (span, blocks[None, None, :].expand(self.batch, self.shape.kv_heads, n))
-            else:
-                spans[w] = span
-        return spans
+            spans[w] = KeySpan(torch.maximum(pads, length - w + 1), length)
+        ring_at, positions = {}, length - pads
+        for w, last in self._ring_last.items():
+            spans[w], ring_at[w] = ring_span(positions, w, last), ring_slots(positions, w)
+        return spans, ring_at
 
     @torch.no_grad()
     def _run(self, static: Any) -> None:
@@ -497,11 +493,12 @@ class StaticDecoder:
         positions = length - c.pads  # [B]
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
-        spans = self._spans(length)
+        spans, ring_at = self._spans(length)
         self._last_block = {}  # the new token's block per block size (last_block)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
-        slots = static.write_slots() if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
+        slots = dict(static.write_slots()) if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
+        slots.update({i: ring_at[w] for i, w in c.rings.items()})  # each row at its own slot of a ring
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
         try:
             for i, lw in enumerate(w.layers):
@@ -509,9 +506,8 @@ class StaticDecoder:
                 q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
                                slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # K/V stored
                 window = s.windows[i]
-                if self.hybrid and window is not None:
-                    span, blocks = spans[window]
-                    o = self.attend(q, c.k[i], c.v[i], span, blocks, WINDOW_BLOCK)
+                if i in c.rings:  # a hybrid model's sliding layer: its own attention, over its ring
+                    o = self.attend(q, c.k[i], c.v[i], spans[window])
                 else:
                     o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
                 x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,

@@ -9,6 +9,9 @@ are repeated for the masked kernel, which does not take grouped heads). A slidin
 of ``max(window, WINDOW_BLOCK)`` queries, each reading only the keys its window reaches (the block and the
 ``window - 1`` slots before it): per query at most one block and one window of keys, not the whole chunk
 (Gemma 3's 512-token windows in a 4,096-token chunk: under a third of the keys, and a block × keys mask per call).
+A hybrid model's sliding layer holds a ring (:class:`~runtime.engine.cache.StaticCache`): a chunk reads the
+``window - 1`` tokens before it from the ring and its own from its projections, then leaves its last ``window``
+tokens there.
 
 A short prompt's prefill is bound by launching its kernels, not by its arithmetic (SmolLM2-135M, one row of a
 few dozen tokens: about 57 ms on an H100, against 0.73 ms for a decode step). A batch whose width is one of
@@ -125,7 +128,7 @@ class Prefilled:
 
     ids: torch.Tensor  # [B, P] the left-padded prompt ids
     pads: list[int]
-    k: list[torch.Tensor]  # per layer [B, Hkv, P, D]
+    k: list[torch.Tensor]  # per layer [B, Hkv, P, D] (a ring: [B, Hkv, window + 1, D], the whole ring)
     v: list[torch.Tensor]
     logits: torch.Tensor  # [B, V] the last prompt position's
 
@@ -141,7 +144,8 @@ def snapshot(dec, ids: torch.Tensor, pads: list[int]) -> Prefilled:
         raise RuntimeError(f"snapshot needs the decoder right after its prefill of {p} tokens (it holds {dec.position})")
     k, v = [], []
     for i in range(len(c.k)):
-        ki, vi = c.k[i][:, :, :p], c.v[i][:, :, :p]
+        held = c.k[i].shape[2] if i in c.rings else p
+        ki, vi = c.k[i][:, :, :held], c.v[i][:, :, :held]
         if c.head_order is not None:  # slot j holds the model's head order[j]: back to the model's order
             back = torch.argsort(c.head_order[i]).to(ki.device)
             ki, vi = ki.index_select(1, back), vi.index_select(1, back)
@@ -156,17 +160,20 @@ def load(dec, pre: Prefilled) -> torch.Tensor:
     c = dec.cache
     b, p = pre.ids.shape
     _check_fits(dec, b, p, pre.pads)
-    want = (b, dec.shape.kv_heads, p, dec.shape.head_dim)
-    if len(pre.k) != len(c.k) or any(tuple(t.shape) != want or t.dtype != c.k[0].dtype for t in pre.k + pre.v):
-        raise ValueError(f"the prefill's K/V are not this model's: {len(c.k)} layers of {want} in {c.k[0].dtype} needed")
+    want = [(b, dec.shape.kv_heads, c.k[i].shape[2] if i in c.rings else p, dec.shape.head_dim)
+            for i in range(len(c.k))]
+    if len(pre.k) != len(c.k) or any(tuple(t.shape) != shape or t.dtype != c.k[0].dtype
+                                     for t, shape in zip(pre.k + pre.v, want * 2)):
+        raise ValueError(f"the prefill's K/V are not this model's: {len(c.k)} layers of {want[0]} in "
+                         f"{c.k[0].dtype} needed")
     c.pads.copy_(torch.tensor(pre.pads, device=c.length.device))
     for i in range(len(c.k)):
         k, v = pre.k[i], pre.v[i]
         if c.head_order is not None:
             order = c.head_order[i].to(k.device)
             k, v = k.index_select(1, order), v.index_select(1, order)
-        c.k[i][:, :, :p].copy_(k)
-        c.v[i][:, :, :p].copy_(v)
+        c.k[i][:, :, :k.shape[2]].copy_(k)
+        c.v[i][:, :, :v.shape[2]].copy_(v)
     dec.choose(pre.logits)
     dec.set_length(p)
     return dec.logits
@@ -177,9 +184,13 @@ def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None
     the prefill's padded width) over the prompt's K/V in the cache, by the prefill's dense pass: the
     teacher-forced reference of a trace a policy generated, without reading the prompt again. Their K/V overwrite
     what the decode steps wrote there, so the decoder's generation is over. A policy that evicts prompt tokens
-    (compact layers) leaves no prompt to score against."""
-    if not keeps_prompt(dec):
+    (compact layers) leaves no prompt to score against; a sliding layer's ring holds the prompt's last tokens only
+    until the first decode step, so with rings this runs right after the prefill (or a :func:`load`)."""
+    if getattr(dec.static, "owned_layers", None):
         raise ValueError(f"policy {dec.policy.name!r} keeps compact layers: the prompt keys it evicted are gone")
+    if dec.cache.rings and dec.position != start:
+        raise ValueError(f"the sliding layers' rings hold slots up to {dec.position}, not the prompt's last tokens "
+                         f"before slot {start}: run the dense pass on a decoder that has just prefilled")
     c, (b, n) = dec.cache, tokens.shape
     if b != dec.batch or not 0 < start <= dec.position or start + n > c.slots:
         raise ValueError(f"{n} tokens at slot {start} do not fit a cache of {dec.batch} rows × {c.slots} slots "
@@ -193,8 +204,9 @@ def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None
 
 
 def keeps_prompt(dec) -> bool:
-    """Whether the prompt's K/V are still in the cache after decoding (no layer of the policy's is compact)."""
-    return not getattr(dec.static, "owned_layers", None)
+    """Whether the prompt's K/V are still in the cache after decoding: no layer of the policy's is compact, and
+    no sliding layer keeps a ring (the decode steps overwrite the prompt's last tokens there)."""
+    return not getattr(dec.static, "owned_layers", None) and not dec.cache.rings
 
 
 def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Tensor:
@@ -232,8 +244,16 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
     for i, lw in enumerate(w.layers):
         order = dec.head_maps[i]  # the cache's head order: q, k, v in it, the output back in the model's
         q, k, v = L.qkv(lw, s, h, *rope[s.rope_kinds[i]], order)  # [B, C, H*, D]
-        c.k[i][:, :, start:end] = k.transpose(1, 2)
-        c.v[i][:, :, start:end] = v.transpose(1, 2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, C, D]
+        if i in c.rings:  # the keys of slots base .. end - 1: the window before the chunk, from the ring, and its own
+            base = max(0, start - s.windows[i] + 1)
+            before_k, before_v = c.read_ring(i, base, start)
+            keys_all, values_all = torch.cat([before_k, k], 2), torch.cat([before_v, v], 2)
+            c.write_ring(i, start, k, v)
+        else:
+            c.k[i][:, :, start:end] = k
+            c.v[i][:, :, start:end] = v
+            base, keys_all, values_all = 0, c.k[i], c.v[i]
         blocks, q = masks[s.windows[i]], q.transpose(1, 2)  # q [B, Hq, C, D]
         if blocks is None:
             causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(end - start, end)}
@@ -242,7 +262,8 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
         else:
             parts = []
             for q0, q1, first, mask in blocks:
-                keys, values = c.k[i][:, :, first:start + q1], c.v[i][:, :, first:start + q1]
+                keys = keys_all[:, :, first - base:start + q1 - base]
+                values = values_all[:, :, first - base:start + q1 - base]
                 if g > 1:
                     keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
                 parts.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask,

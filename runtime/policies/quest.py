@@ -128,7 +128,8 @@ class QuestStep:
         self.meta = PageMeta(self.page_size)
 
     def prepare(self, dec: Any) -> None:
-        self.meta.prepare(dec, range(self.dense_layers, dec.cache.shape.layers))
+        # a hybrid model's sliding layers (the cache's rings) run their own attention, not this step
+        self.meta.prepare(dec, [i for i in range(self.dense_layers, dec.cache.shape.layers) if i not in dec.cache.rings])
 
     def after_fill(self, dec: Any) -> None:
         self.meta.after_fill(dec)

@@ -785,7 +785,13 @@ def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch
     assert reads == want, (family, reads)
     for i in range(layers):
         k = out.past_key_values.layers[i].keys[:, :, -90:]  # a sliding layer's cache holds its window
-        assert float((dec.cache.k[i][:, :, 90 - k.shape[2]:90] - k).abs().max()) < 1e-4, (family, i)
+        n = k.shape[2]
+        held = dec.cache.read_ring(i, 90 - n, 90)[0] if i in dec.cache.rings else dec.cache.k[i][:, :, 90 - n:90]
+        assert float((held - k).abs().max()) < 1e-4, (family, i)
+    # Gemma 3's sliding layers hold rings of window + 1 slots; the other layers (and Mistral's) every slot
+    assert {i: t.shape[2] for i, t in enumerate(dec.cache.k)} == \
+        {i: 9 if i in dec.cache.rings else 96 for i in range(layers)}, family
+    assert sorted(dec.cache.rings) == ([] if family == "mistral" else [i for i in range(layers) if i not in dense])
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -854,7 +860,8 @@ def test_a_kept_prefill_serves_every_policy(family):
         bound[policy] = pol
     common = dict(max_new_tokens=NEW, pad_token_id=PAD, kernels="naive", output_logits=True, min_context=0)
     kept = engine.generate(w, bound["full"], rows, keep_prefill=True, **common).prefilled
-    assert kept is not None and kept.k[0].shape[2] == max(LENGTHS)
+    dense = w.shape.windows.index(None)  # a layer without a window holds the prompt; a sliding one its ring
+    assert kept is not None and kept.k[dense].shape[2] == max(LENGTHS)
     for policy, pol in bound.items():
         own = engine.generate(w, pol, rows, **common)
         shared = engine.generate(w, pol, rows, prefilled=kept, **common)

@@ -41,6 +41,54 @@ def test_byte_bounds_of_the_speed_targets():
     assert refine.refine == 4 and refine.reads(s7, 131072) == policy("delta", s7).static_step(s7).reads(s7, 131072)
 
 
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("chunks", [(4, 2), (4, 1, 7, 2)])
+def test_a_sliding_layers_ring_holds_each_rows_last_window(window, chunks):
+    """A hybrid model's sliding layer holds ``window + 1`` slots, whatever the request's length: written in chunks
+    of any size (the prefill's, padding included) and then one token a step at each row's own slot, the ring
+    gives back every row's tokens of the last ``window`` slots, and the step's span covers exactly the row's
+    last ``min(p + 1, window)`` tokens; padding never lands in a readable slot. A window on every layer keeps
+    every slot."""
+    import dataclasses
+
+    from runtime.engine.cache import ring_slots, ring_span
+
+    shape = dataclasses.replace(SHAPES["1.5b"], layers=3, kv_heads=2, head_dim=4, windows=(window, None, window))
+    b, slots, pads = 3, 40, torch.tensor([0, 5, 2])
+    cache = StaticCache(shape, b, slots, "cpu", torch.float32)
+    assert cache.rings == {0: window, 2: window} and [t.shape[2] for t in cache.k] == [window + 1, slots, window + 1]
+    assert cache.nbytes == StaticCache.bytes_needed(shape, b, slots, element=4) < \
+        StaticCache.bytes_needed(dataclasses.replace(shape, windows=(None,) * 3), b, slots, element=4)
+    cache.pads.copy_(pads)
+    truth = torch.randn(b, 2, slots, 4)  # every slot's key, padding included
+    truth_v = truth + 100
+    filled = 0
+    for n in chunks:  # the prefill in chunks
+        cache.write_ring(0, filled, truth[:, :, filled:filled + n], truth_v[:, :, filled:filled + n])
+        filled += n
+    last = torch.tensor(window - 1)
+    for t in range(filled, slots):
+        if t > filled:  # decode steps: each row its own slot, from its position
+            positions = t - pads
+            at = ring_slots(positions, window)
+            rows = torch.arange(b)
+            cache.k[0][rows, :, at], cache.v[0][rows, :, at] = truth[:, :, t], truth_v[:, :, t]
+            span = ring_span(positions, window, last)
+            for r in range(b):  # the readable slots hold exactly the row's last min(p + 1, window) tokens
+                want = {float(truth[r, 0, j, 0]) for j in range(max(int(pads[r]), t - window + 1), t + 1)}
+                got = {float(cache.k[0][r, 0, j, 0]) for j in range(int(span.first[r]), window)}
+                assert got == want, (window, t, r)
+        else:  # one more token written as the prefill writes it
+            cache.write_ring(0, t, truth[:, :, t:t + 1], truth_v[:, :, t:t + 1])
+        lo = max(0, t - window + 1)
+        k, v = cache.read_ring(0, lo, t + 1)
+        real = torch.arange(lo, t + 1)[None, :] >= pads[:, None]  # [B, n]: not padding
+        assert torch.equal(k[real[:, None, :, None].expand_as(k)], truth[:, :, lo:t + 1][real[:, None, :, None].expand_as(k)])
+        assert torch.equal(v[real[:, None, :, None].expand_as(v)], truth_v[:, :, lo:t + 1][real[:, None, :, None].expand_as(v)])
+    mistral = StaticCache(dataclasses.replace(shape, windows=(window,) * 3), b, slots, "cpu", torch.float32)
+    assert mistral.rings == {} and all(t.shape[2] == slots for t in mistral.k)
+
+
 def test_default_min_context_follows_the_measured_crossovers():
     assert [default_min_context("delta", b) for b in (1, 4, 8, 15, 16, 64)] == [32768, 32768, 8192, 8192, 4096, 4096]
     assert [default_min_context("lychee", b) for b in (1, 7, 8, 16, 63, 64)] == [65536, 65536, 32768, 8192, 8192, 4096]
@@ -319,6 +367,43 @@ def test_a_kept_decoder_replays_its_prefill_graph_for_short_prompts_on_gpu(name)
     again = generate(weights, policy("full", GPU_SHAPE), batches[-1], max_new_tokens=16, prefilled=got.prefilled)
     fresh = generate(weights, policy("full", GPU_SHAPE), batches[-1], max_new_tokens=16)
     assert got.prefilled.ids.shape[1] == 48 and again.tokens == fresh.tokens
+
+
+HYBRID_SHAPE = ModelShape(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=128, intermediate=1024, vocab=1000,
+                          windows=(32, None, 24, None))  # Gemma 3's layout: sliding layers held as rings
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("short", [False, True])
+def test_a_hybrid_models_rings_on_gpu(short):
+    """A hybrid model's sliding layers held as rings, on the GPU: after a ragged prefill longer than the windows
+    (or a short batch's, from its CUDA graph the second time: ring reads and writes captured, logits and cache
+    bit for bit as the eager pass), the Triton step replayed from a graph, each row writing its own ring slot,
+    follows the reference kernels' eager step past several wraps of the rings."""
+    from runtime.engine import pad_left
+
+    weights = Weights.random(HYBRID_SHAPE, "cuda", torch.bfloat16, std=0.05, positions=4096)
+    g = torch.Generator().manual_seed(2)
+    lengths = ((40, 33, 47), (45, 41, 35)) if short else ((300, 257, 290),)
+    batches = [[torch.randint(0, HYBRID_SHAPE.vocab, (n,), generator=g).tolist() for n in row] for row in lengths]
+    fast = StaticDecoder(weights, None, 3, 512, kernels="triton", min_context=0)
+    ref = StaticDecoder(weights, None, 3, 512, kernels="naive", min_context=0, compile=False)
+    assert sorted(fast.cache.rings) == [0, 2] and [t.shape[2] for t in fast.cache.k] == [33, 512, 25, 512]
+    for k, rows in enumerate(batches):
+        ids, pads = pad_left(rows, 0, "cuda", 48 if short else None)
+        fast.reset()
+        got = fast.prefill(ids, pads, graph=True).clone()
+        assert set(fast.prefill_graphs.graphs) == (set() if k == 0 or not short else {48})
+        eager = StaticDecoder(weights, None, 3, 512, kernels="triton", min_context=0)
+        assert torch.equal(got, eager.prefill(ids, pads))
+        assert all(torch.equal(a, b) for a, b in zip(fast.cache.k + fast.cache.v, eager.cache.k + eager.cache.v))
+    ref.prefill(ids, pads)
+    fast.capture()
+    for i in range(70):  # more than twice the longest window
+        t = torch.full((3,), 7 * i % HYBRID_SHAPE.vocab, device="cuda")
+        got, want = fast.step(t).float(), ref.step(t).float()
+        assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max()), i
+    assert fast.graphs
 
 
 @pytest.mark.gpu

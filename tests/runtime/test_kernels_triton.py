@@ -363,7 +363,7 @@ def test_decode_and_score_on_gpu(b, hq, hkv, t, d, per_kv):
     _check_decode_and_score(b, hq, hkv, t, d, 16, torch.bfloat16, "cuda", per_kv)
 
 
-def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol, ordered=False):
+def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol, ordered=False, per_row=False):
     from runtime.kernels.rope_cache import naive as rope_naive
     from runtime.kernels.rope_cache import triton as rope_tri
 
@@ -381,6 +381,19 @@ def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol, ordered=False):
     (q0, k0, v0), (q1, k1, v1) = caches["naive"], caches["triton"]
     assert torch.equal(v0, v1)  # values are copied as they are
     assert k1[:, :, 5].abs().sum() > 0 and k1[:, :, :5].abs().sum() == 0 and k1[:, :, 6:].abs().sum() == 0
+    if per_row:  # each row its own slot (a sliding layer's ring): the same K/V, at that row's slot only
+        rows = torch.tensor([(8 - 3 * r) % 9 for r in range(b)], device=device)
+        for impl in (rope_naive, rope_tri):
+            kc, vc = torch.zeros(2, b, hkv, 9, d, device=device, dtype=dtype)
+            q = impl.rope_and_store(y, hq, hkv, cos, sin, kc, vc, rows, qn, kn, 1e-6, order)
+            assert torch.equal(q.float(), q0 if impl is rope_naive else q1)
+            for r, at in enumerate(rows.tolist()):
+                k_want, v_want = (k0 if impl is rope_naive else k1)[r, :, 5], v0[r, :, 5]
+                assert torch.equal(kc[r, :, at].float(), k_want) and torch.equal(vc[r, :, at].float(), v_want)
+                others = [j for j in range(9) if j != at]
+                assert kc[r, :, others].abs().sum() == 0 and vc[r, :, others].abs().sum() == 0
+        with pytest.raises(ValueError, match="one per row"):
+            rope_tri.rope_and_store(y, hq, hkv, cos, sin, kc, vc, rows[:1].repeat(b + 1), qn, kn, 1e-6, order)
     assert (q0 - q1).abs().max() < tol * q0.abs().max() and (k0 - k1).abs().max() < tol * k0.abs().max()
     if ordered:  # stored KV head j is the model's head order[j], its query heads with it
         qp, kp, vp = caches["plain"]
@@ -399,7 +412,7 @@ def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol, ordered=False):
 def test_rope_cache_matches_reference_in_interpreter(b, hq, hkv, d, norms, ordered):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    _check_rope_cache(b, hq, hkv, d, norms, torch.float32, "cpu", 1e-5, ordered)
+    _check_rope_cache(b, hq, hkv, d, norms, torch.float32, "cpu", 1e-5, ordered, per_row=b > 1)
 
 
 @pytest.mark.gpu
@@ -407,7 +420,7 @@ def test_rope_cache_matches_reference_in_interpreter(b, hq, hkv, d, norms, order
                                                            (4, 9, 3, 64, False, False), (2, 4, 1, 256, True, False),
                                                            (1, 28, 4, 128, False, True), (8, 32, 8, 128, True, True)])
 def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms, ordered):
-    _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2, ordered)
+    _check_rope_cache(b, hq, hkv, d, norms, torch.bfloat16, "cuda", 2e-2, ordered, per_row=b > 1)
 
 
 def _check_combine(splits, device, d=16, parts=None):

@@ -7,8 +7,8 @@ order=None) -> query``
 ``y``              ``[B, (Hq + 2 Hkv) · D]``    the fused q/k/v projection of one token per row
 ``cos``, ``sin``   ``[B, D]``                   the row's RoPE tables; ``sin`` signed (its first half
                                                 negated), so rotating half a head is one roll
-``k_cache``,       ``[B, Hkv, S, D]``           the cache; slot ``slot`` (a device scalar) is written
-``v_cache``
+``k_cache``,       ``[B, Hkv, S, D]``           the cache; slot ``slot`` is written: a device scalar,
+``v_cache``                                     or ``[B]``, each row's own (a sliding layer's ring)
 ``q_norm``,        ``[D]`` or None              per-head RMS norms applied before RoPE (Qwen3, Gemma 3)
 ``k_norm``
 ``order``          ``[Hkv]`` int32 or None      the cache's head order: stored KV head j is the model's

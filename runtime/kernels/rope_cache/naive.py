@@ -34,7 +34,12 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
                    eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
     """See :mod:`runtime.kernels.rope_cache`."""
     q, k, v = split_rope(y, heads, kv_heads, cos, sin, q_norm, k_norm, eps, order)
-    at = slot.reshape(1)
-    k_cache.index_copy_(2, at, k[:, :, None].to(k_cache.dtype))
-    v_cache.index_copy_(2, at, v[:, :, None].to(v_cache.dtype))
+    if slot.numel() == 1:
+        at = slot.reshape(1)
+        k_cache.index_copy_(2, at, k[:, :, None].to(k_cache.dtype))
+        v_cache.index_copy_(2, at, v[:, :, None].to(v_cache.dtype))
+    else:  # each row its own slot
+        rows = torch.arange(k.shape[0], device=k.device)
+        k_cache[rows, :, slot] = k.to(k_cache.dtype)
+        v_cache[rows, :, slot] = v.to(v_cache.dtype)
     return q

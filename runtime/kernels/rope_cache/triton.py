@@ -27,7 +27,7 @@ def _normed(y_row, d, ok, NORM, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
 
 @triton.jit
 def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER,
-                s_yb, s_cb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, eps,
+                s_yb, s_cb, s_sb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 HAS_NORM: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
@@ -44,7 +44,7 @@ def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER,
     pdl.let_next_start(PDL)  # the attention's programs may be placed now; they wait for these to finish
     d = tl.arange(0, D_PAD)
     ok = d < D
-    slot = tl.load(SLOT)
+    slot = tl.load(SLOT + b * s_sb)  # one slot for every row (s_sb = 0), or the row's own
     y_row = Y + b * s_yb + src * D
     if h >= HQ + HKV:
         v = tl.load(y_row + d, mask=ok, other=0.0)
@@ -75,12 +75,14 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
         raise ValueError("cos, sin and the caches need a unit last stride, and cos and sin the same strides")
     if order is not None and (order.shape != (kv_heads,) or order.dtype != torch.int32):
         raise ValueError(f"order must be int32 [{kv_heads}], got {order.dtype} {list(order.shape)}")
+    if slot.numel() not in (1, b):
+        raise ValueError(f"slot must be one slot or one per row ({b}), got {list(slot.shape)}")
     q = torch.empty(b, heads, d, device=y.device, dtype=y.dtype)
     norm = q_norm is not None
     _rope_store[(b, heads + 2 * kv_heads)](
         y, cos, sin, q_norm if norm else y, k_norm if norm else y, q, k_cache, v_cache, slot,
         order if order is not None else slot,
-        y.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        y.stride(0), cos.stride(0), slot.stride(0) if slot.numel() > 1 else 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
         HQ=heads, HKV=kv_heads, D=d, D_PAD=triton.next_power_of_2(d), HAS_NORM=norm,
