@@ -46,6 +46,7 @@ from runtime.kernels.skinny_linear import linear
 from runtime.kernels.sparse_attention import naive as naive_attention
 from runtime.kernels.topk_select import topk_with_recent
 
+RING_BLOCK = 64  # a ring is read as blocks of this many slots (a gathered set's launch: more, shorter programs)
 LAYER_ORDER = "layer"  # out_heads' default: the running layer's head map (StaticDecoder.head_maps)
 MIXED_MAX_BATCH = 8  # from this batch size a mixed layer takes two launches (see attend_mixed_and_choose)
 
@@ -129,6 +130,8 @@ class StaticDecoder:
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers), over
         # their rings; a window on every layer (Mistral) is part of every layer's mask and the policy still runs.
         self._ring_last = {w: torch.tensor(w - 1, device=device) for w in set(cache.rings.values())}
+        self._ring_blocks = {w: torch.arange(-(-w // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
+                             .expand(batch, s.kv_heads, -1) for w in self._ring_last}
         self.graphs: dict[str, Any] = {}
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
@@ -507,7 +510,7 @@ class StaticDecoder:
                                slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # K/V stored
                 window = s.windows[i]
                 if i in c.rings:  # a hybrid model's sliding layer: its own attention, over its ring
-                    o = self.attend(q, c.k[i], c.v[i], spans[window])
+                    o = self.attend(q, c.k[i], c.v[i], spans[window], self._ring_blocks[window], RING_BLOCK)
                 else:
                     o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
                 x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,

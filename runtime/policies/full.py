@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.policies import Plan, Step
+from runtime.policies import Plan, Step, mean_tokens_read
 
 
 @dataclass
@@ -31,8 +31,8 @@ class FullStep:
     block_sizes: ClassVar[tuple[int, ...]] = ()
 
     def reads(self, shape: Any, context: int) -> float:
-        """Mean tokens read per (layer, KV head) at ``context`` tokens."""
-        return float(context)
+        """Mean tokens read per (layer, KV head) at ``context`` tokens (a sliding layer reads its window)."""
+        return mean_tokens_read(shape, context, context, [1.0] * shape.layers)
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         return dec.attend(q, k, v, span)
