@@ -1,4 +1,5 @@
-"""Peak GPU memory of one engine request, DS-R1-Distill-Qwen architectures with random bf16 weights.
+"""Peak GPU memory of one engine request, DS-R1-Distill-Qwen architectures (and Gemma 3 4B's) with random bf16
+weights.
 
 For each model shape it measures, in the same run, the memory a request holds beyond the model itself:
 
@@ -8,15 +9,19 @@ For each model shape it measures, in the same run, the memory a request holds be
   the stacked matrices, so the request holds its cache and activations only;
 
 and, after ``shared``, whether every byte came back (the model's projections standalone again). A variant that
-runs out of memory is reported as such (the 32B shape on an 80 GB GPU with a copy). Random weights change
-nothing here: memory depends on the shapes alone. The GPU is named in the table and the JSON.
+runs out of memory is reported as such (the 32B shape on an 80 GB GPU with a copy). ``--policies`` measures
+``shared`` again for other policies (``lychee``: its cache keeps retrieval heads first, and its decoder still
+holds no weights of its own). Random weights change nothing here: memory depends on the shapes alone. The GPU
+is named in the table and the JSON.
 
     python benchmarks/memory.py --models 7b,32b --out results/memory.json
+    python benchmarks/memory.py --models gemma3-4b --prompt 32768   # a hybrid model: its sliding layers' rings
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -25,13 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.decode import GEMMA3_4B, make_policy, scaled_retrieval_heads  # noqa: E402
 from benchmarks.report import at_least  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 from runtime.engine import SHAPES, ModelShape  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-32B (Qwen2 architecture): the largest of the family, beside the engine's 7B and 1.5B
 MODELS = {**SHAPES, "32b": ModelShape(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, intermediate=27648,
-                                     vocab=152064)}
+                                     vocab=152064), "gemma3-4b": GEMMA3_4B}
+POLICIES = ("full", "lychee")
 GB = 1e9
 
 
@@ -40,15 +47,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="1.5b,7b,32b", help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--prompt", type=int, default=2048, help="prompt tokens of the request")
     p.add_argument("--new", type=int, default=16, help="tokens it generates")
+    p.add_argument("--policies", default="full", help=f"comma-separated, from {', '.join(POLICIES)}: the shared "
+                   "request under each besides full (lychee with 32 of the 7B's 112 KV heads retrieving, the same "
+                   "share elsewhere)")
     p.add_argument("--out", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     args.models = p.names(args.models, "--models", MODELS)
+    args.policies = p.names(args.policies, "--policies", POLICIES)
     at_least(p, args, prompt=1, new=1)
     p.check_writable(args.out, "--out")
     return args
 
 
 def config_of(shape: ModelShape):
+    """A transformers config of ``shape``: Gemma 3's text decoder for a hybrid shape, else Qwen2."""
+    if any(w is not None for w in shape.windows):
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                                intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                                head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim,
+                                sliding_window=next(w for w in shape.windows if w is not None),
+                                layer_types=[k for k in shape.rope_kinds], max_position_embeddings=131072)
     from transformers import Qwen2Config
 
     return Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -83,15 +104,16 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     stacked = sum(p.numel() * p.element_size() for layer in model.model.layers
                   for p in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                             layer.self_attn.v_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))
-    prompt = torch.randint(0, MODELS[name].vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    shape = MODELS[name]
+    prompt = torch.randint(0, shape.vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     full = get_policy("full")
 
-    def request(weights) -> None:
-        generate(weights, full, [prompt], max_new_tokens=args.new, eos_token_id=[], graphs=False)
+    def request(weights, policy=full) -> None:
+        generate(weights, policy, [prompt], max_new_tokens=args.new, eos_token_id=[], graphs=False)
 
-    def shared() -> None:
+    def shared(policy=full) -> None:
         with shared_weights(model, positions=args.prompt + args.new) as weights:
-            request(weights)
+            request(weights, policy)
 
     row = {"model": name, "weights_gb": weights_bytes / GB, "stacked_gb": stacked / GB}
     before = torch.cuda.memory_allocated()
@@ -99,7 +121,10 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     row["left_after_gb"] = (torch.cuda.memory_allocated() - before) / GB  # 0: every byte came back
     row["given_back"] = all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     row["copy_gb"] = held_beyond(lambda: request(Weights.from_model(model, positions=args.prompt + args.new)))
-    for key in ("shared_gb", "copy_gb"):
+    for policy in [p for p in args.policies if p != "full"]:  # full's is shared_gb
+        bound = make_policy(policy, shape, 2048, scaled_retrieval_heads(shape, 32))
+        row[f"shared_{policy}_gb"] = held_beyond(functools.partial(shared, bound))
+    for key in [k for k in row if k.endswith("_gb") and k not in ("weights_gb", "stacked_gb", "left_after_gb")]:
         row[key] = None if row[key] is None else row[key] / GB
     return row
 
@@ -116,17 +141,23 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the model of the last shape is gone
     print(f"{gpu} ({total / GB:.1f} GB), torch {torch.__version__}, bf16, one request: {args.prompt} prompt tokens, "
           f"{args.new} new; GB held beyond the model's weights at the peak")
-    print(f"{'model':>6} {'weights':>8} {'q/k/v+gate/up':>14} {'copy':>10} {'shared':>10} {'left after':>11}")
+    others = [p for p in args.policies if p != "full"]
+    print(f"{'model':>9} {'weights':>8} {'q/k/v+gate/up':>14} {'copy':>10} {'shared':>10} {'left after':>11}"
+          + "".join(f" {'shared, ' + p:>14}" for p in others))
+
+    def gb(value: float | None) -> str:
+        return "out of mem" if value is None else f"{value:.2f}"
+
     for r in rows:
-        copy = "out of mem" if r["copy_gb"] is None else f"{r['copy_gb']:.2f}"
-        shared = "out of mem" if r["shared_gb"] is None else f"{r['shared_gb']:.2f}"
         left = f"{r['left_after_gb']:.3f}" + ("" if r["given_back"] else " (views!)")
-        print(f"{r['model']:>6} {r['weights_gb']:>8.2f} {r['stacked_gb']:>14.2f} {copy:>10} {shared:>10} {left:>11}")
+        print(f"{r['model']:>9} {r['weights_gb']:>8.2f} {r['stacked_gb']:>14.2f} {gb(r['copy_gb']):>10} "
+              f"{gb(r['shared_gb']):>10} {left:>11}" + "".join(f" {gb(r[f'shared_{p}_gb']):>14}" for p in others))
     if args.out:
         from runtime.atomic import write_text
 
         write_text(args.out, json.dumps({"gpu": gpu, "gpu_gb": total / GB, "torch": torch.__version__,
-                                         "prompt": args.prompt, "new": args.new, "rows": rows}, indent=2) + "\n")
+                                         "prompt": args.prompt, "new": args.new, "policies": args.policies,
+                                         "rows": rows}, indent=2) + "\n")
     return 0
 
 

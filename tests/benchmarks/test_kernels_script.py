@@ -51,3 +51,20 @@ def test_decode_benchmark_times_only_the_real_model_without_models():
 
     args = decode.parse_args(["--models", "", "--no-delta-setting", "--real", "smollm2-135m"])
     assert args.models == [] and args.real == "smollm2-135m"
+
+
+def test_the_gemma_shape_is_what_the_engine_reads_of_its_config_and_its_roles_skip_sliding_layers():
+    """decode.py's and memory.py's Gemma 3 4B shape is the shape the engine reads from the config memory.py builds
+    for it (a hybrid model: 29 of 34 layers slide), and DELTA's roles for it give sliding layers role 0, the first
+    full-attention layer full, then Δ and sparse in turn."""
+    from benchmarks import decode, memory
+    from runtime.engine import ModelShape
+
+    shape = decode.GEMMA3_4B
+    assert ModelShape.from_config(memory.config_of(shape)) == shape
+    assert sum(w is not None for w in shape.windows) == 29
+    assert decode.delta_manifest(shape).layer_role.tolist() == \
+        [{11: 1, 17: 2, 23: 1, 29: 2}.get(i, 0) for i in range(34)]
+    assert decode.delta_manifest(decode.SHAPES["7b"]).layer_role.tolist() == \
+        [0, 0, 1] + [2] * 11 + [1] + [2] * 7 + [1] + [2] * 5
+    assert memory.parse_args(["--policies", "full,lychee"]).policies == ["full", "lychee"]
