@@ -742,6 +742,34 @@ def test_embedded_model_engine_equals_generate(name):
         assert math.isfinite(s.last.tokens_per_s)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_long_chunks_mlp_runs_in_parts_with_the_same_result(family, monkeypatch):
+    """A prefill chunk's output projection and MLP run over at most ``MLP_TOKENS`` tokens at once (rows × positions;
+    a ragged batch, Gemma 3's sandwich norms): the logits and every layer's cache equal those of one pass."""
+    from runtime.engine import StaticDecoder, pad_left
+    from runtime.engine import layers as L
+
+    model = model_of(family)
+    ids, pads = pad_left(prompts(), PAD)
+    w = Weights.from_model(model, positions=256)
+
+    def prefill():
+        dec = StaticDecoder(w, get_policy("full"), batch=ids.shape[0], max_len=128, kernels="naive")
+        return dec.prefill(ids, pads).clone(), [t.clone() for t in dec.cache.k + dec.cache.v]
+
+    whole, whole_cache = prefill()
+    calls = []
+    finish = L.finish_tensors
+    monkeypatch.setattr(L, "finish_tensors", lambda s, x, attn, **kw: calls.append(x.shape[1]) or finish(s, x, attn, **kw))
+    monkeypatch.setattr(L, "MLP_TOKENS", 3 * 17)  # 17 positions of 3 rows a part
+    parts, parts_cache = prefill()
+    layers = model.config.num_hidden_layers
+    p = ids.shape[1]
+    assert p > 17 and calls == ([17] * (p // 17) + ([p % 17] if p % 17 else [])) * layers
+    assert float((parts - whole).abs().max()) < 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(parts_cache, whole_cache)) < 1e-5
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch):
     """An unpadded prompt in chunks: each chunk after the first reads the keys before it through SDPA's causal
