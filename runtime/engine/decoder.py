@@ -481,7 +481,7 @@ class StaticDecoder:
         of the cache's rings, the slot ``[B]`` each row writes there (and the ring's span instead)."""
         pads = self.cache.pads
         spans: dict[Any, KeySpan] = {None: KeySpan(pads, length)}
-        for w in sorted({w for w in self.shape.windows if w is not None}):
+        for w in sorted({w for w in self.shape.windows if w is not None} - set(self._ring_last)):
             spans[w] = KeySpan(torch.maximum(pads, length - w + 1), length)
         ring_at, positions = {}, length - pads
         for w, last in self._ring_last.items():

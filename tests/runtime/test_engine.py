@@ -742,6 +742,37 @@ def test_embedded_model_engine_equals_generate(name):
         assert math.isfinite(s.last.tokens_per_s)
 
 
+@pytest.mark.slow
+def test_gemma3_engine_equals_generate_past_its_window():
+    """Gemma-3-270M's sliding layers hold rings of 513 slots on the engine: a prompt of 700 tokens of an essay
+    wraps them in the prefill, and 64 greedy tokens move them on; the tokens equal ``model.generate``'s (float32),
+    as does a ragged batch of that prompt beside a short one."""
+    from data.corpora import CorpusNotFoundError, load_corpus
+    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
+
+    try:
+        model = load_model("gemma3-270m", dtype="float32")
+        tok = load_tokenizer("gemma3-270m")
+        essay = next(iter(load_corpus("pg-essays"))).text
+    except (ModelNotFoundError, CorpusNotFoundError) as e:
+        pytest.skip(str(e))
+    assert model.config.sliding_window == 512
+    long = tok(essay, return_tensors="pt")["input_ids"][:, :700]
+    short = tok(ENGLISH[0], return_tensors="pt")["input_ids"]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ragged = torch.full((2, 700), pad, dtype=long.dtype)
+    ragged[0], ragged[1, 700 - short.shape[1]:] = long[0], short[0]
+    mask = (torch.arange(700)[None, :] >= torch.tensor([[0], [700 - short.shape[1]]])).long()
+    for ids, attention in ((long, None), (ragged, mask)):
+        kw = dict(input_ids=ids, attention_mask=attention, do_sample=False, max_new_tokens=64, pad_token_id=pad)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        with attach(model, None, "full", engine="static") as s:
+            got = s.generate(**kw)
+            assert isinstance(s.last, Generation)
+        assert torch.equal(got, want), (tok.decode(got[0, 700:]), tok.decode(want[0, 700:]))
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_a_long_chunks_mlp_runs_in_parts_with_the_same_result(family, monkeypatch):
     """A prefill chunk's output projection and MLP run over at most ``MLP_TOKENS`` tokens at once (rows × positions;
