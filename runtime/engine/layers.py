@@ -37,18 +37,19 @@ MLP_TOKENS = 8192  # tokens of a prefill chunk whose output projection and MLP r
 
 def finish_layer(w: Weights, i: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`finish_tensors`; layer ``i`` of ``w``, over ``x``, ``attn [B, C, ...]`` in parts of at most
-    :data:`MLP_TOKENS` tokens. Each token's MLP is its own, so a long chunk (one row's: 32K tokens, for its
+    :data:`MLP_TOKENS` tokens (rows of ``[B · C, ...]``). Each token's MLP is its own, so a long chunk (one row's: 32K tokens, for its
     attention) need not hold its MLP's activations all at once: DS-Qwen-32B's gate/up output alone is 3.6 GB at
     32K tokens, against 0.9 GB in parts, whose GEMMs are still thousands of rows tall."""
     lw = w.layers[i]
     finish = functools.partial(finish_tensors, w.shape, wo=lw.wo, bo=lw.bo, norm_attn_out=lw.norm_attn_out,
                                norm_mlp=lw.norm_mlp, w_gate_up=lw.w_gate_up, w_down=lw.w_down,
                                norm_mlp_out=lw.norm_mlp_out, norm_next=next_norm(w, i))
-    step = max(1, MLP_TOKENS // x.shape[0])
-    if x.shape[1] <= step:
+    tokens = x.shape[:-1].numel()
+    if tokens <= MLP_TOKENS:
         return finish(x, attn)
-    parts = [finish(x[:, k:k + step], attn[:, k:k + step]) for k in range(0, x.shape[1], step)]
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    x_rows, attn_rows = x.reshape(tokens, -1), attn.reshape(tokens, -1)  # parts of these are contiguous
+    parts = [finish(x_rows[k:k + MLP_TOKENS], attn_rows[k:k + MLP_TOKENS]) for k in range(0, tokens, MLP_TOKENS)]
+    return torch.cat([p[0] for p in parts]).view_as(x), torch.cat([p[1] for p in parts]).view_as(x)
 
 
 def next_norm(w: Weights, i: int) -> torch.Tensor:

@@ -247,8 +247,11 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, C, D]
         if i in c.rings:  # the keys of slots base .. end - 1: the window before the chunk, from the ring, and its own
             base = max(0, start - s.windows[i] + 1)
-            before_k, before_v = c.read_ring(i, base, start)
-            keys_all, values_all = torch.cat([before_k, k], 2), torch.cat([before_v, v], 2)
+            if base == start:  # the first chunk: nothing before it
+                keys_all, values_all = k, v
+            else:
+                before_k, before_v = c.read_ring(i, base, start)
+                keys_all, values_all = torch.cat([before_k, k], 2), torch.cat([before_v, v], 2)
             c.write_ring(i, start, k, v)
         else:
             c.k[i][:, :, start:end] = k

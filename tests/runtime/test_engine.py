@@ -791,12 +791,12 @@ def test_a_long_chunks_mlp_runs_in_parts_with_the_same_result(family, monkeypatc
     whole, whole_cache = prefill()
     calls = []
     finish = L.finish_tensors
-    monkeypatch.setattr(L, "finish_tensors", lambda s, x, attn, **kw: calls.append(x.shape[1]) or finish(s, x, attn, **kw))
-    monkeypatch.setattr(L, "MLP_TOKENS", 3 * 17)  # 17 positions of 3 rows a part
+    monkeypatch.setattr(L, "finish_tensors", lambda s, x, attn, **kw: calls.append(x.shape[0]) or finish(s, x, attn, **kw))
+    monkeypatch.setattr(L, "MLP_TOKENS", 50)  # rows of [B · C, H]: parts cross from one prompt into the next
     parts, parts_cache = prefill()
     layers = model.config.num_hidden_layers
-    p = ids.shape[1]
-    assert p > 17 and calls == ([17] * (p // 17) + ([p % 17] if p % 17 else [])) * layers
+    n = ids.numel()
+    assert n > 100 and n % 50 and calls == ([50] * (n // 50) + [n % 50]) * layers
     assert float((parts - whole).abs().max()) < 1e-5
     assert max(float((a - b).abs().max()) for a, b in zip(parts_cache, whole_cache)) < 1e-5
 
