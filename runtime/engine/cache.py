@@ -5,11 +5,12 @@ Rows of a ragged batch are left-padded, so every row writes its next token into 
 leading slots of each row are padding. A row's token in slot ``t`` sits at position ``t - pads[b]``.
 
 The sliding-window layers of a hybrid model (Gemma 3: five of every six layers) never read a key more than
-``window - 1`` positions back, so each holds a ring of ``window + 1`` slots instead (:attr:`StaticCache.rings`),
-whatever the request's length: a row's position ``p`` goes to slot ``window - 1 - (p mod window)``, each row by
-its own position, so a new token overwrites the one that just left its window, and the readable slots are always
-one span ending at slot ``window - 1`` (:func:`ring_span`). Padding goes to the last slot, which no step reads.
-At 128K tokens this holds a Gemma 3 model's KV in about a sixth of the memory, as transformers' own cache does.
+``window - 1`` positions back, so each holds a ring of ``n + 1`` slots instead (:attr:`StaticCache.rings`), where
+``n = min(window, slots)``: a row's position ``p`` goes to slot ``n - 1 - (p mod n)``, each row by its own
+position, so a new token overwrites the one that just left its window (a request shorter than the window never
+wraps), and the readable slots are always one span ending at slot ``n - 1`` (:func:`ring_span`). Padding goes to
+the last slot, which no step reads. At 128K tokens this holds a Gemma 3 model's KV in about a sixth of the
+memory, as transformers' own cache does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class StaticCache:
     def __init__(self, shape: ModelShape, batch: int, slots: int, device: Any, dtype: torch.dtype,
                  head_order: list[torch.Tensor] | None = None, layer_slots: dict[int, int] | None = None) -> None:
         self.shape, self.batch, self.slots = shape, batch, int(slots)
-        self.rings = ring_windows(shape)  # layer -> its window: held as a ring of window + 1 slots
+        self.rings = ring_lengths(shape, self.slots)  # layer -> n: a ring of n tokens and the padding's slot
         sizes = [self.rings[i] + 1 if i in self.rings else min(int((layer_slots or {}).get(i, slots)), self.slots)
                  for i in range(shape.layers)]
         self.k = [torch.zeros(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=dtype) for n in sizes]
@@ -53,7 +54,7 @@ class StaticCache:
 
     @staticmethod
     def bytes_needed(shape: ModelShape, batch: int, slots: int, element: int = 2) -> int:
-        rings = ring_windows(shape)
+        rings = ring_lengths(shape, slots)
         held = sum(rings[i] + 1 if i in rings else slots for i in range(shape.layers))
         return 2 * element * batch * shape.kv_heads * shape.head_dim * held
 
@@ -76,8 +77,8 @@ class StaticCache:
         return self.k[layer].gather(2, at), self.v[layer].gather(2, at)
 
     def write_ring(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``, ``v [B, Hkv, n, D]`` of slots ``start .. start + n - 1`` into ``layer``'s ring: the last
-        ``window`` of them, the ones the ring keeps (no two of those share a slot, but padding)."""
+        """Write ``k``, ``v [B, Hkv, m, D]`` of slots ``start .. start + m - 1`` into ``layer``'s ring: the last
+        ``n`` of them, the ones the ring keeps (no two of those share a slot, but padding)."""
         skip = max(0, k.shape[2] - self.rings[layer])
         at = self._ring_index(layer, start + skip, start + k.shape[2])
         self.k[layer].scatter_(2, at, k[:, :, skip:].to(self.k[layer].dtype))
@@ -90,25 +91,25 @@ class StaticCache:
         return at[:, None, :, None].expand(-1, self.shape.kv_heads, -1, self.shape.head_dim)
 
 
-def ring_windows(shape: ModelShape) -> dict[int, int]:
-    """The layers a cache holds as rings, with their windows: the sliding-window layers of a hybrid model. A
-    window on every layer (Mistral) is part of every layer's mask, where a policy's step runs: those layers
-    keep every slot."""
-    windows = {i: int(w) for i, w in enumerate(shape.windows) if w is not None}
+def ring_lengths(shape: ModelShape, slots: int) -> dict[int, int]:
+    """The layers a cache of ``slots`` slots holds as rings, with the tokens each ring holds (its window, or
+    ``slots`` if fewer): the sliding-window layers of a hybrid model. A window on every layer (Mistral) is part
+    of every layer's mask, where a policy's step runs: those layers keep every slot."""
+    windows = {i: min(int(w), int(slots)) for i, w in enumerate(shape.windows) if w is not None}
     return windows if len(windows) < shape.layers else {}
 
 
-def ring_slots(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """A ring's slot of each position (long, any shape): ``window - 1 - (p mod window)``, and ``window`` (the
-    slot no step reads) where ``p < 0`` (padding)."""
-    return torch.where(positions >= 0, window - 1 - positions.remainder(window), window)
+def ring_slots(positions: torch.Tensor, n: int) -> torch.Tensor:
+    """The slot of each position (long, any shape) in a ring of ``n`` tokens: ``n - 1 - (p mod n)``, and ``n``
+    (the slot no step reads) where ``p < 0`` (padding)."""
+    return torch.where(positions >= 0, n - 1 - positions.remainder(n), n)
 
 
-def ring_span(positions: torch.Tensor, window: int, last: torch.Tensor) -> KeySpan:
-    """The readable slots of a ring whose rows have just written positions ``positions [B]``: the row's last
-    ``min(p + 1, window)`` tokens, slots ``window - 1 - p`` (at least 0) to ``last`` (``window - 1``, a device
+def ring_span(positions: torch.Tensor, n: int, last: torch.Tensor) -> KeySpan:
+    """The readable slots of a ring of ``n`` tokens whose rows have just written positions ``positions [B]``: the
+    row's last ``min(p + 1, n)`` tokens, slots ``n - 1 - p`` (at least 0) to ``last`` (``n - 1``, a device
     scalar)."""
-    return KeySpan((window - 1 - positions).clamp_min(0), last)
+    return KeySpan((n - 1 - positions).clamp_min(0), last)
 
 
 def head_order_of(orders: list[torch.Tensor] | None, shape: ModelShape) -> list[torch.Tensor] | None:

@@ -5,7 +5,7 @@ scalar, the new token's K/V are written at that length (with its RoPE: one kerne
 is chosen on the device (greedy, or the sampler's choice) and ``length += 1`` happens on the device. No ``.item()``, no host
 sync and no shape that changes per step, so the step is captured in a CUDA graph (:meth:`capture`) and
 replayed. Attention goes through the policy's static step (``policy.static_step(shape)``, written in the
-policy's own file); sliding-window layers of hybrid models read their window themselves, from a ring of
+policy's own file); sliding-window layers of hybrid models read their window themselves, from a ring of at most
 ``window + 1`` slots (:class:`~runtime.engine.cache.StaticCache`).
 
 A selection layer's choice may run beside the step on a second stream (:meth:`StaticDecoder.attend_and_choose`:
@@ -129,9 +129,9 @@ class StaticDecoder:
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers), over
         # their rings; a window on every layer (Mistral) is part of every layer's mask and the policy still runs.
-        self._ring_last = {w: torch.tensor(w - 1, device=device) for w in set(cache.rings.values())}
-        self._ring_blocks = {w: torch.arange(-(-w // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
-                             .expand(batch, s.kv_heads, -1) for w in self._ring_last}
+        self._ring_last = {n: torch.tensor(n - 1, device=device) for n in set(cache.rings.values())}  # per ring size
+        self._ring_blocks = {n: torch.arange(-(-n // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
+                             .expand(batch, s.kv_heads, -1) for n in self._ring_last}
         self.graphs: dict[str, Any] = {}
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
@@ -476,17 +476,17 @@ class StaticDecoder:
         return last
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _spans(self, length: torch.Tensor) -> tuple[dict[Any, KeySpan], dict[int, torch.Tensor]]:
-        """The readable slots of this step (``None`` → every valid slot; a window W → its span) and, per window
-        of the cache's rings, the slot ``[B]`` each row writes there (and the ring's span instead)."""
-        pads = self.cache.pads
+    def _spans(self, length: torch.Tensor) -> tuple[dict[Any, KeySpan], dict[int, tuple[KeySpan, torch.Tensor]]]:
+        """The readable slots of this step (``None`` → every valid slot; a window W → its span) and, per size n of
+        the cache's rings, a ring's span and the slot ``[B]`` each row writes there."""
+        c = self.cache
+        pads = c.pads
         spans: dict[Any, KeySpan] = {None: KeySpan(pads, length)}
-        for w in sorted({w for w in self.shape.windows if w is not None} - set(self._ring_last)):
+        for w in sorted({w for i, w in enumerate(self.shape.windows) if w is not None and i not in c.rings}):
             spans[w] = KeySpan(torch.maximum(pads, length - w + 1), length)
-        ring_at, positions = {}, length - pads
-        for w, last in self._ring_last.items():
-            spans[w], ring_at[w] = ring_span(positions, w, last), ring_slots(positions, w)
-        return spans, ring_at
+        positions = length - pads
+        rings = {n: (ring_span(positions, n, last), ring_slots(positions, n)) for n, last in self._ring_last.items()}
+        return spans, rings
 
     @torch.no_grad()
     def _run(self, static: Any) -> None:
@@ -496,12 +496,12 @@ class StaticDecoder:
         positions = length - c.pads  # [B]
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
-        spans, ring_at = self._spans(length)
+        spans, rings = self._spans(length)
         self._last_block = {}  # the new token's block per block size (last_block)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
         slots = dict(static.write_slots()) if hasattr(static, "write_slots") else {}  # compact layers write elsewhere
-        slots.update({i: ring_at[w] for i, w in c.rings.items()})  # each row at its own slot of a ring
+        slots.update({i: rings[n][1] for i, n in c.rings.items()})  # each row at its own slot of a ring
         x, h = L.first_input(w, self.tokens)  # [B, H]: the residual stream and the first layer's normed input
         try:
             for i, lw in enumerate(w.layers):
@@ -510,7 +510,8 @@ class StaticDecoder:
                                slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # K/V stored
                 window = s.windows[i]
                 if i in c.rings:  # a hybrid model's sliding layer: its own attention, over its ring
-                    o = self.attend(q, c.k[i], c.v[i], spans[window], self._ring_blocks[window], RING_BLOCK)
+                    n = c.rings[i]
+                    o = self.attend(q, c.k[i], c.v[i], rings[n][0], self._ring_blocks[n], RING_BLOCK)
                 else:
                     o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
                 x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,

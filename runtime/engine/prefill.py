@@ -128,7 +128,7 @@ class Prefilled:
 
     ids: torch.Tensor  # [B, P] the left-padded prompt ids
     pads: list[int]
-    k: list[torch.Tensor]  # per layer [B, Hkv, P, D] (a ring: [B, Hkv, window + 1, D], the whole ring)
+    k: list[torch.Tensor]  # per layer [B, Hkv, P, D] (a ring: the last min(P, window) slots', in slot order)
     v: list[torch.Tensor]
     logits: torch.Tensor  # [B, V] the last prompt position's
 
@@ -144,8 +144,10 @@ def snapshot(dec, ids: torch.Tensor, pads: list[int]) -> Prefilled:
         raise RuntimeError(f"snapshot needs the decoder right after its prefill of {p} tokens (it holds {dec.position})")
     k, v = [], []
     for i in range(len(c.k)):
-        held = c.k[i].shape[2] if i in c.rings else p
-        ki, vi = c.k[i][:, :, :held], c.v[i][:, :, :held]
+        if i in c.rings:  # what any decoder's ring keeps of the prompt, whatever its size (at least min(P, window))
+            ki, vi = c.read_ring(i, p - min(p, c.rings[i]), p)
+        else:
+            ki, vi = c.k[i][:, :, :p], c.v[i][:, :, :p]
         if c.head_order is not None:  # slot j holds the model's head order[j]: back to the model's order
             back = torch.argsort(c.head_order[i]).to(ki.device)
             ki, vi = ki.index_select(1, back), vi.index_select(1, back)
@@ -160,7 +162,7 @@ def load(dec, pre: Prefilled) -> torch.Tensor:
     c = dec.cache
     b, p = pre.ids.shape
     _check_fits(dec, b, p, pre.pads)
-    want = [(b, dec.shape.kv_heads, c.k[i].shape[2] if i in c.rings else p, dec.shape.head_dim)
+    want = [(b, dec.shape.kv_heads, min(p, c.rings[i]) if i in c.rings else p, dec.shape.head_dim)
             for i in range(len(c.k))]
     if len(pre.k) != len(c.k) or any(tuple(t.shape) != shape or t.dtype != c.k[0].dtype
                                      for t, shape in zip(pre.k + pre.v, want * 2)):
@@ -172,8 +174,11 @@ def load(dec, pre: Prefilled) -> torch.Tensor:
         if c.head_order is not None:
             order = c.head_order[i].to(k.device)
             k, v = k.index_select(1, order), v.index_select(1, order)
-        c.k[i][:, :, :k.shape[2]].copy_(k)
-        c.v[i][:, :, :v.shape[2]].copy_(v)
+        if i in c.rings:
+            c.write_ring(i, p - k.shape[2], k, v)
+        else:
+            c.k[i][:, :, :p].copy_(k)
+            c.v[i][:, :, :p].copy_(v)
     dec.choose(pre.logits)
     dec.set_length(p)
     return dec.logits

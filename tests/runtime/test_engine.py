@@ -932,6 +932,29 @@ def test_a_kept_prefill_serves_every_policy(family):
         engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
 
 
+def test_a_ring_shorter_than_the_window_holds_a_short_request_and_a_kept_prefill_fits_any_ring():
+    """A cache shorter than a sliding layer's window holds a ring of its own length (no more slots than the request
+    needs) and never wraps; a kept prefill carries a ring's last min(prompt, window) tokens in slot order, so it loads
+    into a decoder whose ring is of another length and generates what that decoder generates from its own prefill."""
+    model = tiny_model("gemma3", layers=6, heads=4, kv_heads=2, head_dim=16, sliding_window=48)
+    w = Weights.from_model(model, positions=256)
+    rows = prompts(lengths=(30, 22, 36), seed=4)
+    common = dict(pad_token_id=PAD, kernels="naive", output_logits=True, min_context=0)
+    short = engine.generate(w, get_policy("full"), rows, max_new_tokens=6, keep_prefill=True, **common)
+    sliding = model.config.layer_types.count("sliding_attention")
+    assert short.info["cache_slots"] == 42 and 0 < sliding < 6
+    # K and V in float32, 3 rows × 2 KV heads × 16: every layer 42 slots, a ring its 42 tokens and the padding's slot
+    assert short.info["cache_bytes"] == 2 * 4 * 3 * 2 * 16 * (42 * 6 + sliding)
+    long_ = engine.generate(w, get_policy("full"), rows, max_new_tokens=40, **common)  # 76 slots: rings of 48
+    loaded = engine.generate(w, get_policy("full"), rows, max_new_tokens=40, prefilled=short.prefilled, **common)
+    assert loaded.tokens == long_.tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(loaded.logits, long_.logits)) < 1e-5
+    with torch.no_grad():  # and both equal transformers past the window (76 > 48 positions for the longest row)
+        ids = torch.tensor([rows[2] + long_.tokens[2][:-1]])
+        want = model(ids).logits[0, len(rows[2]) - 1:]
+    assert float((long_.logits[2][:want.shape[0]] - want).abs().max()) < 1e-4
+
+
 def test_lychee_keeps_the_sessions_weights_while_its_cache_reorders_heads():
     """Lychee's cache stores each layer's retrieval heads first; the decoder reads and writes heads through that
     order, so it holds the session's tensors themselves (no copy in its order) and its cache is in that order."""

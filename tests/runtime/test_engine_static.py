@@ -41,14 +41,15 @@ def test_byte_bounds_of_the_speed_targets():
     assert refine.refine == 4 and refine.reads(s7, 131072) == policy("delta", s7).static_step(s7).reads(s7, 131072)
 
 
-@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("window", [1, 3, 8, 64])
 @pytest.mark.parametrize("chunks", [(4, 2), (4, 1, 7, 2)])
 def test_a_sliding_layers_ring_holds_each_rows_last_window(window, chunks):
-    """A hybrid model's sliding layer holds ``window + 1`` slots, whatever the request's length: written in chunks
-    of any size (the prefill's, padding included) and then one token a step at each row's own slot, the ring
-    gives back every row's tokens of the last ``window`` slots, and the step's span covers exactly the row's
-    last ``min(p + 1, window)`` tokens; padding never lands in a readable slot. A window on every layer keeps
-    every slot."""
+    """A hybrid model's sliding layer holds ``n + 1`` slots, ``n = min(window, slots)``, whatever the request's
+    length (a cache shorter than the window: its slots, never wrapped): written in chunks of any size (the
+    prefill's, padding included) and then one token a step at each row's own slot, the ring gives back every
+    row's tokens of the last ``window`` slots, and the step's span covers exactly the row's last
+    ``min(p + 1, window)`` tokens; padding never lands in a readable slot. A window on every layer keeps every
+    slot."""
     import dataclasses
 
     from runtime.engine.cache import ring_slots, ring_span
@@ -56,9 +57,10 @@ def test_a_sliding_layers_ring_holds_each_rows_last_window(window, chunks):
     shape = dataclasses.replace(SHAPES["1.5b"], layers=3, kv_heads=2, head_dim=4, windows=(window, None, window))
     b, slots, pads = 3, 40, torch.tensor([0, 5, 2])
     cache = StaticCache(shape, b, slots, "cpu", torch.float32)
-    assert cache.rings == {0: window, 2: window} and [t.shape[2] for t in cache.k] == [window + 1, slots, window + 1]
-    assert cache.nbytes == StaticCache.bytes_needed(shape, b, slots, element=4) < \
-        StaticCache.bytes_needed(dataclasses.replace(shape, windows=(None,) * 3), b, slots, element=4)
+    held = min(window, slots)
+    assert cache.rings == {0: held, 2: held} and [t.shape[2] for t in cache.k] == [held + 1, slots, held + 1]
+    assert cache.nbytes == StaticCache.bytes_needed(shape, b, slots, element=4) == \
+        2 * 4 * b * 2 * 4 * (slots + 2 * (held + 1))  # K and V, float32, 2 KV heads of 4
     cache.pads.copy_(pads)
     truth = torch.randn(b, 2, slots, 4)  # every slot's key, padding included
     truth_v = truth + 100
@@ -66,17 +68,17 @@ def test_a_sliding_layers_ring_holds_each_rows_last_window(window, chunks):
     for n in chunks:  # the prefill in chunks
         cache.write_ring(0, filled, truth[:, :, filled:filled + n], truth_v[:, :, filled:filled + n])
         filled += n
-    last = torch.tensor(window - 1)
+    last = torch.tensor(held - 1)
     for t in range(filled, slots):
         if t > filled:  # decode steps: each row its own slot, from its position
             positions = t - pads
-            at = ring_slots(positions, window)
+            at = ring_slots(positions, held)
             rows = torch.arange(b)
             cache.k[0][rows, :, at], cache.v[0][rows, :, at] = truth[:, :, t], truth_v[:, :, t]
-            span = ring_span(positions, window, last)
+            span = ring_span(positions, held, last)
             for r in range(b):  # the readable slots hold exactly the row's last min(p + 1, window) tokens
                 want = {float(truth[r, 0, j, 0]) for j in range(max(int(pads[r]), t - window + 1), t + 1)}
-                got = {float(cache.k[0][r, 0, j, 0]) for j in range(int(span.first[r]), window)}
+                got = {float(cache.k[0][r, 0, j, 0]) for j in range(int(span.first[r]), held)}
                 assert got == want, (window, t, r)
         else:  # one more token written as the prefill writes it
             cache.write_ring(0, t, truth[:, :, t:t + 1], truth_v[:, :, t:t + 1])
