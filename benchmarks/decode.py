@@ -82,8 +82,9 @@ MODELS = {**SHAPES, "gemma3-4b": GEMMA3_4B}
 
 def _config(shape: ModelShape) -> SimpleNamespace:
     """What a policy's bind() reads of a config, for random weights (a hybrid shape's layer kinds too)."""
-    kinds = {"layer_types": ["full_attention" if w is None else "sliding_attention" for w in shape.windows]} \
-        if any(w is not None for w in shape.windows) else {}
+    sliding = shape.sliding_layers
+    kinds = {"layer_types": ["sliding_attention" if i in sliding else "full_attention"
+                             for i in range(shape.layers)]} if sliding else {}
     return SimpleNamespace(num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                            num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden,
                            **kinds)
@@ -105,8 +106,8 @@ def delta_manifest(shape: ModelShape) -> RoleManifest:
     A hybrid shape's sliding layers get role 0 (as calibration gives them) and its full-attention layers the
     roles in turn: the first full, then Δ and sparse alternating."""
     identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
-    attention = [i for i, w in enumerate(shape.windows) if w is None]
-    if 0 < len(attention) < shape.layers:
+    if shape.sliding_layers:
+        attention = [i for i in range(shape.layers) if i not in shape.sliding_layers]
         roles = [0] * shape.layers
         for k, i in enumerate(attention[1:]):
             roles[i] = 1 if k % 2 == 0 else 2

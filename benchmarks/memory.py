@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_of(shape: ModelShape):
     """A transformers config of ``shape``: Gemma 3's text decoder for a hybrid shape, else Qwen2."""
-    if any(w is not None for w in shape.windows):
+    if shape.sliding_layers:
         from transformers import Gemma3TextConfig
 
         return Gemma3TextConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,

@@ -95,8 +95,7 @@ def ring_lengths(shape: ModelShape, slots: int) -> dict[int, int]:
     """The layers a cache of ``slots`` slots holds as rings, with the tokens each ring holds (its window, or
     ``slots`` if fewer): the sliding-window layers of a hybrid model. A window on every layer (Mistral) is part
     of every layer's mask, where a policy's step runs: those layers keep every slot."""
-    windows = {i: min(int(w), int(slots)) for i, w in enumerate(shape.windows) if w is not None}
-    return windows if len(windows) < shape.layers else {}
+    return {i: min(int(shape.windows[i]), int(slots)) for i in shape.sliding_layers}
 
 
 def ring_slots(positions: torch.Tensor, n: int) -> torch.Tensor:

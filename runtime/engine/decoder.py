@@ -129,9 +129,10 @@ class StaticDecoder:
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
         # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers), over
         # their rings; a window on every layer (Mistral) is part of every layer's mask and the policy still runs.
-        self._ring_last = {n: torch.tensor(n - 1, device=device) for n in set(cache.rings.values())}  # per ring size
-        self._ring_blocks = {n: torch.arange(-(-n // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
-                             .expand(batch, s.kv_heads, -1) for n in self._ring_last}
+        # per ring size n: its last readable slot (a device scalar) and the blocks that cover it
+        self._ring_reads = {n: (torch.tensor(n - 1, device=device),
+                                torch.arange(-(-n // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
+                                .expand(batch, s.kv_heads, -1)) for n in set(cache.rings.values())}
         self.graphs: dict[str, Any] = {}
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
@@ -476,16 +477,17 @@ class StaticDecoder:
         return last
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _spans(self, length: torch.Tensor) -> tuple[dict[Any, KeySpan], dict[int, tuple[KeySpan, torch.Tensor]]]:
+    def _spans(self, length: torch.Tensor, positions: torch.Tensor) -> tuple[dict[Any, KeySpan], dict[int, Any]]:
         """The readable slots of this step (``None`` → every valid slot; a window W → its span) and, per size n of
-        the cache's rings, a ring's span and the slot ``[B]`` each row writes there."""
+        the cache's rings, a ring's span, the slot ``[B]`` each row writes there and the blocks that cover it
+        (``positions [B]``: each row's position of the new token)."""
         c = self.cache
         pads = c.pads
         spans: dict[Any, KeySpan] = {None: KeySpan(pads, length)}
         for w in sorted({w for i, w in enumerate(self.shape.windows) if w is not None and i not in c.rings}):
             spans[w] = KeySpan(torch.maximum(pads, length - w + 1), length)
-        positions = length - pads
-        rings = {n: (ring_span(positions, n, last), ring_slots(positions, n)) for n, last in self._ring_last.items()}
+        rings = {n: (ring_span(positions, n, last), ring_slots(positions, n), blocks)
+                 for n, (last, blocks) in self._ring_reads.items()}
         return spans, rings
 
     @torch.no_grad()
@@ -496,7 +498,7 @@ class StaticDecoder:
         positions = length - c.pads  # [B]
         rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                 for kind, (cos, sin) in self._rope.items()}  # [B, D]
-        spans, rings = self._spans(length)
+        spans, rings = self._spans(length, positions)
         self._last_block = {}  # the new token's block per block size (last_block)
         state: dict[str, Any] = {}
         rope_store = self._rope_triton.rope_and_store if self.triton else naive_rope_and_store
@@ -510,8 +512,8 @@ class StaticDecoder:
                                slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # K/V stored
                 window = s.windows[i]
                 if i in c.rings:  # a hybrid model's sliding layer: its own attention, over its ring
-                    n = c.rings[i]
-                    o = self.attend(q, c.k[i], c.v[i], rings[n][0], self._ring_blocks[n], RING_BLOCK)
+                    span, _, blocks = rings[c.rings[i]]
+                    o = self.attend(q, c.k[i], c.v[i], span, blocks, RING_BLOCK)
                 else:
                     o = static.attention(self, i, q, c.k[i], c.v[i], spans[window], state)  # [B, Hq, D]
                 x, h = self._post(x, o.view(b, hq * d), lw.wo, lw.bo, lw.norm_attn_out, lw.norm_mlp, lw.w_gate_up,

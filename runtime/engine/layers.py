@@ -37,9 +37,9 @@ MLP_TOKENS = 8192  # tokens of a prefill chunk whose output projection and MLP r
 
 def finish_layer(w: Weights, i: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`finish_tensors`; layer ``i`` of ``w``, over ``x``, ``attn [B, C, ...]`` in parts of at most
-    :data:`MLP_TOKENS` tokens (rows of ``[B · C, ...]``). Each token's MLP is its own, so a long chunk (one row's: 32K tokens, for its
-    attention) need not hold its MLP's activations all at once: DS-Qwen-32B's gate/up output alone is 3.6 GB at
-    32K tokens, against 0.9 GB in parts, whose GEMMs are still thousands of rows tall."""
+    :data:`MLP_TOKENS` tokens (rows of ``[B · C, ...]``). Each token's MLP is its own, so a long chunk (one row's:
+    32K tokens, for its attention) need not hold its MLP's activations all at once: DS-Qwen-32B's gate/up output
+    alone is 3.6 GB at 32K tokens, against 0.9 GB in parts, whose GEMMs are still thousands of rows tall."""
     lw = w.layers[i]
     finish = functools.partial(finish_tensors, w.shape, wo=lw.wo, bo=lw.bo, norm_attn_out=lw.norm_attn_out,
                                norm_mlp=lw.norm_mlp, w_gate_up=lw.w_gate_up, w_down=lw.w_down,

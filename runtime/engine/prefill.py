@@ -10,8 +10,8 @@ of ``max(window, WINDOW_BLOCK)`` queries, each reading only the keys its window 
 ``window - 1`` slots before it): per query at most one block and one window of keys, not the whole chunk
 (Gemma 3's 512-token windows in a 4,096-token chunk: under a third of the keys, and a block × keys mask per call).
 A hybrid model's sliding layer holds a ring (:class:`~runtime.engine.cache.StaticCache`): a chunk reads the
-``window - 1`` tokens before it from the ring and its own from its projections, then leaves its last ``window``
-tokens there.
+``window - 1`` tokens before it from the ring and its own from its projections, then leaves as many of its last
+tokens there as the ring holds.
 
 A short prompt's prefill is bound by launching its kernels, not by its arithmetic (SmolLM2-135M, one row of a
 few dozen tokens: about 57 ms on an H100, against 0.73 ms for a decode step). A batch whose width is one of

@@ -60,9 +60,14 @@ def test_the_gemma_shape_is_what_the_engine_reads_of_its_config_and_its_roles_sk
     from benchmarks import decode, memory
     from runtime.engine import ModelShape
 
+    from runtime.models import sliding_layers
+
     shape = decode.GEMMA3_4B
     assert ModelShape.from_config(memory.config_of(shape)) == shape
     assert sum(w is not None for w in shape.windows) == 29
+    assert list(shape.sliding_layers) == sliding_layers(memory.config_of(shape)) == \
+        sliding_layers(decode._config(shape))  # the shape, its config and the policies' config agree
+    assert decode.SHAPES["7b"].sliding_layers == () and "layer_types" not in vars(decode._config(decode.SHAPES["7b"]))
     assert decode.delta_manifest(shape).layer_role.tolist() == \
         [{11: 1, 17: 2, 23: 1, 29: 2}.get(i, 0) for i in range(34)]
     assert decode.delta_manifest(decode.SHAPES["7b"]).layer_role.tolist() == \
