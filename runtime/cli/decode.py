@@ -72,6 +72,15 @@ def transformers_line(device: str, prompt_tokens: int, generated: int, times: li
     return f"\n[transformers path on {device}: {prompt_tokens} prompt tokens, {generated} generated{timing}; {read}]"
 
 
+def chat_hint(tokenizer, chat: bool, empty: int, of: int) -> str | None:
+    """A line for completions that ended without text (``empty`` of ``of``) on a model with a chat template whose
+    prompts went in bare: an instruct model often ends at once on text outside its template."""
+    if not empty or chat or tokenizer.chat_template is None:
+        return None
+    which = "the completion is" if of == 1 else f"{empty} of {of} completions are"
+    return f"[{which} empty: this model has a chat template; --chat wraps each prompt in it as a user turn]"
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads."""
     from runtime.engine.sampling import Sampling
@@ -198,14 +207,20 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
         streamer.times.append(time.perf_counter())  # the call begins (the prompt's put follows at once)
         out = session.generate(**kwargs)
     generated = out.shape[1] - ids.shape[1]
+    empty = not tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    hint = chat_hint(tokenizer, args.chat, int(empty), 1)
     last = session.last
     if last is not None:
         print(engine_line(last, device, ids.shape[1], args.policy), file=sys.stderr)
+        if hint:
+            print(hint, file=sys.stderr)
         return 0
     summary = session.summary()
     times = streamer.times[:1] + streamer.times[2:]  # the call's start, then one per new token (not the prompt)
     print(transformers_line(device, ids.shape[1], generated, times, summary["attended_fraction"], args.policy),
           file=sys.stderr)
+    if hint:
+        print(hint, file=sys.stderr)
     if args.layers:
         for layer in summary["layers"]:
             kept = f"  kept {layer['kept_fraction']:.3f}" if layer["kept_fraction"] is not None else ""
@@ -289,4 +304,7 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     kept = f" ({batches(len(plan) - len(todo))} kept from {checkpoint.path.name})" if len(todo) < len(plan) else ""
     print(f"[{path} on {device}: {len(prompts)} prompts in {batches(len(plan))} of up to {size}{kept}{speed}; wrote "
           f"{args.out}]", file=sys.stderr)
+    hint = chat_hint(tokenizer, args.chat, sum(not r["completion"].strip() for r in finished.values()), len(prompts))
+    if hint:
+        print(hint, file=sys.stderr)
     return 0

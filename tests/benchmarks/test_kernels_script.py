@@ -59,7 +59,6 @@ def test_the_gemma_shape_is_what_the_engine_reads_of_its_config_and_its_roles_sk
     full-attention layer full, then Δ and sparse in turn."""
     from benchmarks import decode, memory
     from runtime.engine import ModelShape
-
     from runtime.models import sliding_layers
 
     shape = decode.GEMMA3_4B

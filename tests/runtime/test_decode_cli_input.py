@@ -8,7 +8,7 @@ import json
 import pytest
 
 from runtime.cli import main
-from runtime.cli.decode import transformers_line
+from runtime.cli.decode import chat_hint, transformers_line
 from tests.tiny import tiny_folder, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,6 +31,20 @@ def test_transformers_line_times_the_first_token_and_the_steps_after_it():
     assert transformers_line("cpu", 5, 1, [0.0, 0.1], None, "full").endswith(
         "1 generated, first token 100 ms; no decode step ran (policy full)]")
     assert "first token" not in transformers_line("cpu", 5, 0, [0.0], None, "full")
+
+
+def test_an_empty_completion_of_a_bare_prompt_points_to_chat():
+    """Only where a completion is empty, the prompts went in bare and the model has a chat template."""
+    tok = tiny_tokenizer()
+    assert chat_hint(tok, False, 1, 1) == ("[the completion is empty: this model has a chat template; --chat wraps "
+                                           "each prompt in it as a user turn]")
+    assert chat_hint(tok, False, 2, 5).startswith("[2 of 5 completions are empty:")
+    assert chat_hint(tok, True, 1, 1) is None and chat_hint(tok, False, 0, 3) is None
+
+    class Base:
+        chat_template = None
+
+    assert chat_hint(Base(), False, 1, 1) is None
 
 
 # -- --prompts: a file of prompts decoded in batches ------------------------------------------------------------
