@@ -548,6 +548,22 @@ def refine_rows(pages: int = 8192, candidates: int = 512, k: int = 128, recent: 
     return out
 
 
+def tables(args, copy_bw: float, g, linear_kw: dict) -> dict:
+    """The extra tables that the flags ask for, beside the attention rows or alone."""
+    out = {}
+    if args.linear:
+        out["linear"] = linear_rows(copy_bw, **linear_kw)
+    if args.linear_tiles:
+        out["linear_tiles"] = linear_tile_rows(**linear_kw)
+    if args.topk:
+        out["topk"] = topk_rows()
+    if args.refine:
+        out["refine"] = refine_rows()
+    if args.many_rows:
+        out["many_rows"] = many_rows(copy_bw, g)
+    return out
+
+
 def main() -> int:
     global CALLS_PER_GRAPH  # graph_ms reads it: set once from --calls-per-graph
     parser = Parser(description=__doc__.split("\n")[0])
@@ -593,16 +609,7 @@ def main() -> int:
     if not args.attention:
         report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
                   "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch}
-        if args.linear:
-            report["linear"] = linear_rows(copy_bw, **linear_kw)
-        if args.linear_tiles:
-            report["linear_tiles"] = linear_tile_rows(**linear_kw)
-        if args.topk:
-            report["topk"] = topk_rows()
-        if args.refine:
-            report["refine"] = refine_rows()
-        if args.many_rows:
-            report["many_rows"] = many_rows(copy_bw, g)
+        report.update(tables(args, copy_bw, g, linear_kw))
         write_text(args.out, json.dumps(report, indent=2))
         return 0
     rows = [bench_config(b, t, copy_bw, g)
@@ -610,16 +617,7 @@ def main() -> int:
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "launch": "engine (choose_launch)",
               "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch, "rows": rows}
-    if args.linear:
-        report["linear"] = linear_rows(copy_bw, **linear_kw)
-    if args.linear_tiles:
-        report["linear_tiles"] = linear_tile_rows(**linear_kw)
-    if args.topk:
-        report["topk"] = topk_rows()
-    if args.refine:
-        report["refine"] = refine_rows()
-    if args.many_rows:
-        report["many_rows"] = many_rows(copy_bw, g)
+    report.update(tables(args, copy_bw, g, linear_kw))
     if args.sweep:
         report["tuning_ms"] = tune(g)
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in contexts for b in batches}
