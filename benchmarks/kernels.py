@@ -48,6 +48,7 @@ each kernel must read, the achieved bandwidth, and the byte-bound speedup limit 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -564,8 +565,9 @@ def tables(args, copy_bw: float, g, linear_kw: dict) -> dict:
     return out
 
 
-def main() -> int:
-    global CALLS_PER_GRAPH  # graph_ms reads it: set once from --calls-per-graph
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; ``contexts``, ``batches``, ``projections`` as tuples, ``linear_kw`` for the linear
+    tables."""
     parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--contexts", default="16384,32768,65536,131072")
@@ -587,18 +589,25 @@ def main() -> int:
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
     parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
                         help="calls captured in each timed CUDA graph (at least one per rotating copy; 1: one a copy)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     at_least(parser, args, calls_per_graph=1)
     parser.check_writable(args.out, "--out")  # written after the timing: refused now if it cannot be
-    CALLS_PER_GRAPH = args.calls_per_graph
-
-    rows_arg = tuple(parser.counts(args.rows, "--rows", "row counts")) if args.rows else None
+    rows = tuple(parser.counts(args.rows, "--rows", "row counts")) if args.rows else None
     contexts = tuple(parser.counts(args.contexts, "--contexts", "context lengths", low=BLOCK))
     if any(t % BLOCK for t in contexts):
         parser.error(f"--contexts takes multiples of the {BLOCK}-token blocks the sparse calls read, got {args.contexts!r}")
-    batches = tuple(parser.counts(args.batches, "--batches", "batch sizes"))
-    projections = tuple(parser.names(args.projections, "--projections", PROJECTIONS))
-    linear_kw = {"projections": projections, **({"rows_list": rows_arg} if rows_arg else {})}
+    args.contexts = contexts
+    args.batches = tuple(parser.counts(args.batches, "--batches", "batch sizes"))
+    args.projections = tuple(parser.names(args.projections, "--projections", PROJECTIONS))
+    args.linear_kw = {"projections": args.projections, **({"rows_list": rows} if rows else {})}
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    global CALLS_PER_GRAPH  # graph_ms reads it: set once from --calls-per-graph
+    args = parse_args(argv)
+    CALLS_PER_GRAPH = args.calls_per_graph
+    contexts, batches, linear_kw = args.contexts, args.batches, args.linear_kw
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ Everything lands in ``--out``: each command's log, ``multi_gpu.json`` and a prin
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -317,7 +318,8 @@ def part_large(args, out: Path) -> dict[str, Any]:
 PARTS = {"calibrate": part_calibrate, "ddp": part_ddp, "zero3": part_zero3, "large": part_large}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; ``parts`` as a list of names."""
     p = Parser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a real model for calibration and DDP training")
     p.add_argument("--model-name", help="name recorded in the manifests")
@@ -337,13 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=LIMIT_S, help="seconds before a command is killed")
     args = p.parse_args(argv)
     p.check_writable(args.out, "--out", folder=True)
-    parts = p.names(args.parts, "--parts", PARTS)
+    args.parts = p.names(args.parts, "--parts", PARTS)
     tokens = (MIN_CONTEXT + 1, f"calibrate-delta records from position {MIN_CONTEXT} on")
     at_least(p, args, traces=1, trace_tokens=tokens, steps=(2, "a 1-GPU run resumes the half-way checkpoint"),
              warmup=0, zero3_steps=(3, "the resumed runs continue from the step-2 checkpoint"), zero3_prompt=1,
              prompt_lengths=1, large_lengths=1, large_steps=1, large_traces=1, large_trace_tokens=tokens, limit=1)
     if args.warmup >= args.steps:
         p.error(f"--warmup must be below --steps ({args.steps}): the steps after it are timed, got {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = args.parts
     globals()["LIMIT_S"] = args.limit
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -206,12 +206,16 @@ def convergence(metrics: dict) -> str | None:
             "converged manifests of the embedded model ship in artifacts/smollm2-135m/heads-*.safetensors")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="train-heads", description=__doc__.split("\n")[0])
     add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     from runtime.cli import run_reporting_errors
 
-    return run_reporting_errors("train-heads", run, parser.parse_args(argv))
+    return run_reporting_errors("train-heads", run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

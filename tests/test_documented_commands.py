@@ -1,0 +1,158 @@
+"""Every command the README and ``docs/`` show parses with today's flags: a flag renamed, removed or given a
+value of another kind fails here, not in a reader's shell.
+
+Commands are the lines of code blocks (fenced or indented) that start a console script (``rolecall``,
+``calibrate-delta``, ``train-heads``), a benchmark script or a launcher running one of them, and inline
+code that starts a benchmark script. Each is parsed, not run; what the parser itself refuses counts, and checks
+that need the files or the GPU named in the command (run before any work) are left to the command."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SCRIPT = re.compile(r"(rolecall|calibrate-delta|train-heads|python3? (-m (calibrate|train)(\.cli)?|benchmarks/\w+\.py)|accelerate launch|"
+                    r"torchrun)(\s|$)")
+# argparse's own refusals of the command's shape; a command's later checks (files, a GPU) are not these
+SHAPE_ERRORS = ("unrecognized arguments", "invalid choice", "the following arguments are required",
+                "expected one argument", "expected at least one argument", "invalid int value", "invalid float value",
+                "not allowed with argument", "ambiguous option")
+MODULES = {"calibrate": "calibrate-delta", "calibrate.cli": "calibrate-delta", "train": "train-heads",
+           "train.cli": "train-heads"}
+
+
+def code_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, line) of each code line of a markdown text, backslash continuations joined, and of each
+    inline code span outside code that starts a benchmark script with arguments (a span may wrap)."""
+    out, fenced, joined, start, prose = [], False, "", 0, []
+
+    def paragraph() -> None:
+        found = re.findall(r"`(python3?\s+benchmarks/\w+\.py [^`]+)`", " ".join(line for _, line in prose))
+        out.extend((prose[0][0], " ".join(span.split())) for span in found)
+        prose.clear()
+
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            paragraph()
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            paragraph()
+            joined, start = (joined + " " + line.strip(), start) if joined else (line.strip(), number)
+            if joined.endswith("\\"):
+                joined = joined[:-1].rstrip()
+                continue
+            out.append((start, joined.removeprefix("$ ")))
+            joined = ""
+        elif line.strip():
+            prose.append((number, line))
+        else:
+            paragraph()
+    paragraph()
+    return out
+
+
+def commands(path: Path) -> list[tuple[str, list[str]]]:
+    """(where, argv from the program's name on) of each documented command in ``path``; output shown after a
+    command (``rolecall decode: error: ...``) is not one."""
+    found = []
+    for number, line in code_lines(path.read_text()):
+        if not SCRIPT.match(line) or ": error:" in line:
+            continue
+        line = re.sub(r"(?<=\s)\.\.\.(?=\s|$)", "", line)  # a bare "..." stands for options left out
+        found.append((f"{path.relative_to(ROOT)}:{number}", shlex.split(line, comments=True)))
+    return found
+
+
+def program(argv: list[str]) -> tuple[str, list[str]]:
+    """The program a documented command runs and its own arguments: through ``python -m``, ``accelerate launch``
+    or ``torchrun`` (their options skipped) to the script or module."""
+    if argv[0] in ("accelerate", "torchrun"):
+        rest = argv[2:] if argv[0] == "accelerate" else argv[1:]
+        i = 0
+        while i < len(rest) and rest[i].startswith("-") and rest[i] != "-m":
+            i += 1 if "=" in rest[i] or rest[i + 1].startswith("-") else 2  # an option and its value
+        rest = rest[i:]
+        if rest[0] == "-m":
+            return MODULES[rest[1]], rest[2:]
+        name = re.sub(r"^\$\(which (.+)\)$", r"\1", rest[0])
+        return (name if name in MODULES.values() else rest[0]), rest[1:]
+    if argv[0].startswith("python"):
+        if argv[1] == "-m":
+            return MODULES[argv[2]], argv[3:]
+        return argv[1], argv[2:]
+    return argv[0], argv[1:]
+
+
+def parse(name: str, args: list[str]) -> None:
+    """Parse ``args`` with the program ``name``'s parser (its checks on the flags' values included)."""
+    if name == "rolecall":
+        from runtime.cli import SUBCOMMANDS, build_parser
+
+        chosen = next((a for a in args if not a.startswith("-")), None)
+        build_parser(chosen if chosen in SUBCOMMANDS else "").parse_args(args)
+    elif name in ("calibrate-delta", "train-heads"):
+        module = importlib.import_module("calibrate.cli" if name == "calibrate-delta" else "train.cli")
+        module.build_parser().parse_args(args)
+    else:
+        script = re.fullmatch(r"benchmarks/(\w+)\.py", name)
+        assert script, f"{name}: no parser known for this program"
+        importlib.import_module(f"benchmarks.{script[1]}").parse_args(args)
+
+
+DOCUMENTED = [c for path in DOCUMENTS for c in commands(path)]
+
+
+def test_the_documents_show_commands_of_every_kind():
+    """The extraction finds what the README shows: each console script, benchmark scripts and launchers."""
+    programs = {program(argv)[0] for _, argv in DOCUMENTED}
+    assert {"rolecall", "calibrate-delta", "train-heads", "benchmarks/quality.py", "benchmarks/decode.py",
+            "benchmarks/kernels.py", "benchmarks/memory.py"} <= programs
+    assert any(argv[0] == "accelerate" for _, argv in DOCUMENTED)
+    assert len(DOCUMENTED) > 40
+
+
+def test_extraction_joins_continuations_and_reads_launchers():
+    text = ("Run\n\n```bash\nrolecall eval --model m \\\n    --lengths 1 2  # a comment\nrolecall decode: error: x\n"
+            "```\n\n    accelerate launch --config_file c.yaml --num_processes 8 -m train --target 32\n\n"
+            "and `python benchmarks/memory.py\n--models 32b` then `rolecall decode --prompts`.\n")
+    lines = code_lines(text)
+    assert lines == [(4, "rolecall eval --model m --lengths 1 2  # a comment"), (6, "rolecall decode: error: x"),
+                     (9, "accelerate launch --config_file c.yaml --num_processes 8 -m train --target 32"),
+                     (11, "python benchmarks/memory.py --models 32b")]
+    argvs = [shlex.split(line, comments=True) for _, line in lines if SCRIPT.match(line) and ": error:" not in line]
+    assert [program(a) for a in argvs] == [("rolecall", ["eval", "--model", "m", "--lengths", "1", "2"]),
+                                           ("train-heads", ["--target", "32"]),
+                                           ("benchmarks/memory.py", ["--models", "32b"])]
+
+
+def test_a_renamed_flag_is_caught(monkeypatch, capsys):
+    """The check can fail: a flag the parser does not know, or a value of the wrong kind, is a shape error, while
+    a refusal of what the flags name (a missing GPU, file or manifest) is left to the command."""
+    monkeypatch.setattr("runtime.cli.Parser.check_writable", lambda *a, **k: None)
+    for args in (["decode", "--prompt", "x", "--max-tokens", "5"], ["eval", "--lengths", "many"]):
+        with pytest.raises(SystemExit):
+            parse("rolecall", args)
+        err = capsys.readouterr().err
+        assert any(s in err for s in SHAPE_ERRORS), err
+    with pytest.raises(SystemExit):
+        parse("benchmarks/kernels.py", ["--contexts", "100"])  # a value the script checks: not the parser's shape
+    err = capsys.readouterr().err
+    assert "--contexts takes" in err and not any(s in err for s in SHAPE_ERRORS)
+
+
+@pytest.mark.parametrize("where, argv", DOCUMENTED, ids=[w for w, _ in DOCUMENTED])
+def test_each_documented_command_parses(where, argv, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)  # an output folder a parser makes on its way lands here
+    monkeypatch.setattr("runtime.cli.Parser.check_writable", lambda *a, **k: None)
+    name, args = program(argv)
+    try:
+        parse(name, args)
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and not any(s in err for s in SHAPE_ERRORS), f"{where}: {' '.join(argv)}\n{err}"
