@@ -69,7 +69,7 @@ def config_of(shape: ModelShape):
                                 num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                                 head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim,
                                 sliding_window=next(w for w in shape.windows if w is not None),
-                                layer_types=[k for k in shape.rope_kinds], max_position_embeddings=131072)
+                                layer_types=list(shape.rope_kinds), max_position_embeddings=131072)
     from transformers import Qwen2Config
 
     return Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,

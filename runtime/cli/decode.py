@@ -212,16 +212,14 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
     last = session.last
     if last is not None:
         print(engine_line(last, device, ids.shape[1], args.policy), file=sys.stderr)
-        if hint:
-            print(hint, file=sys.stderr)
-        return 0
-    summary = session.summary()
-    times = streamer.times[:1] + streamer.times[2:]  # the call's start, then one per new token (not the prompt)
-    print(transformers_line(device, ids.shape[1], generated, times, summary["attended_fraction"], args.policy),
-          file=sys.stderr)
+    else:
+        summary = session.summary()
+        times = streamer.times[:1] + streamer.times[2:]  # the call's start, then one per new token (not the prompt)
+        print(transformers_line(device, ids.shape[1], generated, times, summary["attended_fraction"], args.policy),
+              file=sys.stderr)
     if hint:
         print(hint, file=sys.stderr)
-    if args.layers:
+    if last is None and args.layers:
         for layer in summary["layers"]:
             kept = f"  kept {layer['kept_fraction']:.3f}" if layer["kept_fraction"] is not None else ""
             read = layer["attended_fraction"]
