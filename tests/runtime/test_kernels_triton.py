@@ -1029,6 +1029,37 @@ def test_add_rms_norm_matches_reference_on_gpu(n, with_add_norm, dtype):
     _check_add_rms_norm("cuda", dtype, n, with_add_norm, 1e-5 if dtype == torch.float32 else 0.04)
 
 
+def test_add_rms_norm_takes_its_kernel_only_where_torch_compile_traces_it(monkeypatch):
+    """Eager calls (the prefill) get the reference, bit for bit; a traced call (the compiled decode step) is the
+    kernel's custom op, which gives the reference's values within float32 rounding."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    import operator
+
+    import runtime.kernels.add_rms_norm as an
+    from runtime.kernels.add_rms_norm import naive as an_naive
+
+    monkeypatch.setattr(an, "use_triton", lambda t: True)  # the CPU tensors below stand for CUDA ones
+    g = torch.Generator().manual_seed(0)
+    x, o = torch.randn(2, 4, 64, generator=g).unbind(0)
+    w = torch.rand(64, generator=g) + 0.5
+    want = an_naive.add_rms_norm(x, o, w, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(an.add_rms_norm(x, o, w, 1e-6), want))
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    traced = torch.compile(lambda a, b, c: an.add_rms_norm(a, b, c, 1e-6), backend=backend, fullgraph=True)(x, o, w)
+    assert torch.ops.rolecall.add_rms_norm in targets
+    assert all(t is torch.ops.rolecall.add_rms_norm or t is operator.getitem or "view" in str(t) or
+               "reshape" in str(t) or "contiguous" in str(t) for t in targets), targets
+    for got, ref in zip(traced, want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(monkeypatch):
     """``ROLECALL_KERNELS=naive`` is read by the one function every kernel wrapper asks (the projections' and the
     add-and-norm's too), so it forces the references everywhere."""
@@ -1066,11 +1097,16 @@ def test_naive_kernels_switch_runs_the_references_on_gpu(monkeypatch):
     x, o = torch.randn(2, 3, 896, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(896, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(896, 896, device="cuda", dtype=torch.bfloat16)  # a shape the kernel takes at 3 rows
-    add_rms_norm(x, o, w, 1e-6)
+
+    def compiled_norm():  # the add-and-norm's kernel runs where torch.compile traces it (the decode step)
+        torch._dynamo.reset()
+        return torch.compile(lambda a, b, c: add_rms_norm(a, b, c, 1e-6), fullgraph=True)(x, o, w)
+
+    compiled_norm()
     linear(x, weight)
     assert launched == ["add_rms_norm", "linear"]
     monkeypatch.setenv("ROLECALL_KERNELS", "naive")
-    add_rms_norm(x, o, w, 1e-6)
+    compiled_norm()
     linear(x, weight)
     assert launched == ["add_rms_norm", "linear"]
 
