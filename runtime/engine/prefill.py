@@ -191,7 +191,7 @@ def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None
     what the decode steps wrote there, so the decoder's generation is over. A policy that evicts prompt tokens
     (compact layers) leaves no prompt to score against; a sliding layer's ring holds the prompt's last tokens only
     until the first decode step, so with rings this runs right after the prefill (or a :func:`load`)."""
-    if getattr(dec.static, "owned_layers", None):
+    if compacts(dec):
         raise ValueError(f"policy {dec.policy.name!r} keeps compact layers: the prompt keys it evicted are gone")
     if dec.cache.rings and dec.position != start:
         raise ValueError(f"the sliding layers' rings hold slots up to {dec.position}, not the prompt's last tokens "
@@ -211,7 +211,12 @@ def dense_logits(dec, tokens: torch.Tensor, start: int, chunk: int | None = None
 def keeps_prompt(dec) -> bool:
     """Whether the prompt's K/V are still in the cache after decoding: no layer of the policy's is compact, and
     no sliding layer keeps a ring (the decode steps overwrite the prompt's last tokens there)."""
-    return not getattr(dec.static, "owned_layers", None) and not dec.cache.rings
+    return not compacts(dec) and not dec.cache.rings
+
+
+def compacts(dec) -> bool:
+    """Whether the decoder's policy keeps compact layers (Lethe's), which evict prompt tokens from the cache."""
+    return bool(getattr(dec.static, "owned_layers", None))
 
 
 def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Tensor:
