@@ -18,8 +18,8 @@ output; the sum is rounded to ``x``'s dtype before it is normed, as the referenc
 the reference and the CPU path.
 
 An eager call (the prefill, also when a prefill graph captures it) runs the reference, an add and PyTorch's
-RMS norm: there the Triton launch cost more host time than its two kernels save. A SmolLM2-135M-shaped prefill
-of one row on an H100 (two runs, alternating in one process, medians of ten): 40 tokens 34.8/27.7 → 31.1/24.5 ms,
+fused RMS norm, which measured faster there, where the host's launching bounds a short pass: a SmolLM2-135M-shaped
+prefill of one row on an H100 (two runs, alternating in one process, medians of ten): 40 tokens 34.8/27.7 → 31.1/24.5 ms,
 1,024 tokens 31.3/25.1 → 23.3/19.9 ms, 4,096 tokens 29.2/21.9 → 19.7/16.9 ms
 (``benchmarks/results/prefill_add_norm_h100.json``).
 """
