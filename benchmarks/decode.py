@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import at_least  # noqa: E402
+from benchmarks.report import at_least, host_cpu  # noqa: E402
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['delta_s']:.2f} s ({s['delta_tokens_per_s']:.0f} tok/s, full below {s['min_context']}): "
               f"{s['speedup']:.2f}× (raw delta {s['speedup_raw']:.2f}×; byte limit {s['speedup_limit']:.2f}×; "
               f"{100 * s['byte_limit_fraction_delta']:.0f} % of the byte bound)")
-    report = {"gpu": gpu, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+    report = {"gpu": gpu, "host_cpu": host_cpu(), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
               "copy_bandwidth_Bps": bandwidth, "cuda_graphs": bench.graphs,
               "dependent_launch": device == "cuda" and pdl.enabled(torch.device("cuda")),
               "args": {k: (Path(v).name if k in ("real", "profile", "timeline") and v and Path(v).exists() else v)

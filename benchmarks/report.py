@@ -54,6 +54,18 @@ def pairable_scores(row: dict[str, Any] | None) -> list[float] | None:
     return scores if scores and None not in scores else None
 
 
+def host_cpu() -> str:
+    """The host's CPU model (``/proc/cpuinfo``, else ``platform.processor()``): what bounds a pass whose kernels
+    are launched one by one (a short prompt's eager prefill), so a figure of one can be read beside its host."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def write_report(out: Path, stem: str, data: dict[str, Any], table: str) -> None:
     """``out/<stem>.json`` (``data``) and ``out/<STEM>.md`` (``table``), atomically; the table printed, then the
     files written (with ``<stem>.png``, which the script drew before)."""
