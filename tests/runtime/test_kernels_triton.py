@@ -1060,6 +1060,36 @@ def test_add_rms_norm_takes_its_kernel_only_where_torch_compile_traces_it(monkey
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_projection_kernels_reach_torch_compile_as_custom_ops_and_eager_code_as_plain_launches():
+    """``op_or``: a traced call is the kernel's custom op (what the compiled decode step holds), an eager call the
+    function behind it, without the op's dispatch (a short prompt's prefill); both give the same bits."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    import operator
+
+    from runtime.kernels import op_or
+    from runtime.kernels.skinny_linear import triton as sl_tri
+
+    assert op_or("skinny_linear", sl_tri.linear_rows) is sl_tri.linear_rows
+    assert op_or("skinny_gated", sl_tri.gated_rows) is sl_tri.gated_rows
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def project(x, w):
+        return op_or("skinny_linear", sl_tri.linear_rows)(x, w, None)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 576, generator=g), torch.randn(576, 576, generator=g) / 24
+    torch._dynamo.reset()
+    traced = torch.compile(project, backend=backend, fullgraph=True)(x, w)
+    assert targets[0] is torch.ops.rolecall.skinny_linear and all(t is operator.getitem for t in targets[1:])
+    assert torch.equal(traced, project(x, w))
+    torch.testing.assert_close(traced, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
 def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(monkeypatch):
     """``ROLECALL_KERNELS=naive`` is read by the one function every kernel wrapper asks (the projections' and the
     add-and-norm's too), so it forces the references everywhere."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import max_shared, use_triton
+from runtime.kernels import max_shared, op_or, use_triton
 from runtime.kernels.skinny_linear.naive import GATED, MAX_ROWS, activation, kernel_config, skinny_linear
 
 
@@ -45,9 +45,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """See the module docstring."""
     rows = _kernel_rows(x, weight)
     if rows:
-        from runtime.kernels.skinny_linear import triton  # noqa: F401  (registers torch.ops.rolecall.skinny_linear)
+        from runtime.kernels.skinny_linear import triton  # registers torch.ops.rolecall.skinny_linear
 
-        y = torch.ops.rolecall.skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias)
+        y = op_or("skinny_linear", triton.linear_rows)(x.reshape(rows, x.shape[-1]), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -59,9 +59,9 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tens
     elsewhere the projection, then the activation in ``x``'s dtype."""
     rows = _kernel_rows(x, weight, gated=True) if kind in GATED else 0
     if rows:
-        from runtime.kernels.skinny_linear import triton  # noqa: F401  (registers torch.ops.rolecall.skinny_gated)
+        from runtime.kernels.skinny_linear import triton  # registers torch.ops.rolecall.skinny_gated
 
-        y = torch.ops.rolecall.skinny_gated(x.reshape(rows, x.shape[-1]), weight, kind)
+        y = op_or("skinny_gated", triton.gated_rows)(x.reshape(rows, x.shape[-1]), weight, kind)
         return y.view(*x.shape[:-1], weight.shape[0] // 2)
     gate, up = linear(x, weight).chunk(2, -1)
     return activation(gate, kind) * up

@@ -104,13 +104,18 @@ def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_B
                  mask=(m < M)[:, None] & n_ok[None, :])
 
 
-@torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ weight.T + bias`` for ``M ≤ 64`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size(), shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_linear: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
     return launch(x, weight, bias, config)
+
+
+@torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.op_or`)."""
+    return linear_rows(x, weight, bias)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
@@ -151,14 +156,19 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     return y
 
 
-@torch.library.custom_op("rolecall::skinny_gated", mutates_args=())
-def skinny_gated(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_rows(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(x @ gate.T) · (x @ up.T)`` for ``weight = [gate; up]`` and ``M ≤ 64`` rows (see
     :func:`runtime.kernels.skinny_linear.gated_linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size(), gated=True, shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_gated: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
     return launch(x, weight, None, config, gated=activation)
+
+
+@torch.library.custom_op("rolecall::skinny_gated", mutates_args=())
+def skinny_gated(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """:func:`gated_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.op_or`)."""
+    return gated_rows(x, weight, activation)
 
 
 @skinny_gated.register_fake
