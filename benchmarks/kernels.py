@@ -549,13 +549,13 @@ def refine_rows(pages: int = 8192, candidates: int = 512, k: int = 128, recent: 
     return out
 
 
-def tables(args, copy_bw: float, g, linear_kw: dict) -> dict:
+def tables(args, copy_bw: float, g) -> dict:
     """The extra tables that the flags ask for, beside the attention rows or alone."""
     out = {}
     if args.linear:
-        out["linear"] = linear_rows(copy_bw, **linear_kw)
+        out["linear"] = linear_rows(copy_bw, **args.linear_kw)
     if args.linear_tiles:
-        out["linear_tiles"] = linear_tile_rows(**linear_kw)
+        out["linear_tiles"] = linear_tile_rows(**args.linear_kw)
     if args.topk:
         out["topk"] = topk_rows()
     if args.refine:
@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     global CALLS_PER_GRAPH  # graph_ms reads it: set once from --calls-per-graph
     args = parse_args(argv)
     CALLS_PER_GRAPH = args.calls_per_graph
-    contexts, batches, linear_kw = args.contexts, args.batches, args.linear_kw
+    contexts, batches = args.contexts, args.batches
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.attention:
         report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
                   "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch}
-        report.update(tables(args, copy_bw, g, linear_kw))
+        report.update(tables(args, copy_bw, g))
         write_text(args.out, json.dumps(report, indent=2))
         return 0
     rows = [bench_config(b, t, copy_bw, g)
@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "launch": "engine (choose_launch)",
               "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch, "rows": rows}
-    report.update(tables(args, copy_bw, g, linear_kw))
+    report.update(tables(args, copy_bw, g))
     if args.sweep:
         report["tuning_ms"] = tune(g)
         report["sweep"] = {f"{t}x{b}": sweep(b, t, g) for t in contexts for b in batches}

@@ -1029,6 +1029,18 @@ def test_add_rms_norm_matches_reference_on_gpu(n, with_add_norm, dtype):
     _check_add_rms_norm("cuda", dtype, n, with_add_norm, 1e-5 if dtype == torch.float32 else 0.04)
 
 
+def traced_call(fn, *args):
+    """``fn(*args)`` through torch.compile (one full graph) and the functions its graph calls, in order."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True)(*args), targets
+
+
 def test_add_rms_norm_takes_its_kernel_only_where_torch_compile_traces_it(monkeypatch):
     """Eager calls (the prefill) get the reference, bit for bit; a traced call (the compiled decode step) is the
     kernel's custom op, which gives the reference's values within float32 rounding."""
@@ -1045,14 +1057,7 @@ def test_add_rms_norm_takes_its_kernel_only_where_torch_compile_traces_it(monkey
     w = torch.rand(64, generator=g) + 0.5
     want = an_naive.add_rms_norm(x, o, w, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(an.add_rms_norm(x, o, w, 1e-6), want))
-    targets = []
-
-    def backend(gm, example_inputs):
-        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    traced = torch.compile(lambda a, b, c: an.add_rms_norm(a, b, c, 1e-6), backend=backend, fullgraph=True)(x, o, w)
+    traced, targets = traced_call(lambda a, b, c: an.add_rms_norm(a, b, c, 1e-6), x, o, w)
     assert torch.ops.rolecall.add_rms_norm in targets
     assert all(t is torch.ops.rolecall.add_rms_norm or t is operator.getitem or "view" in str(t) or
                "reshape" in str(t) or "contiguous" in str(t) for t in targets), targets
@@ -1072,19 +1077,12 @@ def test_projection_kernels_reach_torch_compile_as_custom_ops_and_eager_code_as_
 
     assert op_or("skinny_linear", sl_tri.linear_rows) is sl_tri.linear_rows
     assert op_or("skinny_gated", sl_tri.gated_rows) is sl_tri.gated_rows
-    targets = []
-
-    def backend(gm, example_inputs):
-        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
     def project(x, w):
         return op_or("skinny_linear", sl_tri.linear_rows)(x, w, None)
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 576, generator=g), torch.randn(576, 576, generator=g) / 24
-    torch._dynamo.reset()
-    traced = torch.compile(project, backend=backend, fullgraph=True)(x, w)
+    traced, targets = traced_call(project, x, w)
     assert targets[0] is torch.ops.rolecall.skinny_linear and all(t is operator.getitem for t in targets[1:])
     assert torch.equal(traced, project(x, w))
     torch.testing.assert_close(traced, x @ w.T, atol=1e-4, rtol=1e-4)
