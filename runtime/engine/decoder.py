@@ -39,7 +39,7 @@ from runtime.engine.crossovers import default_min_context
 from runtime.engine.prefill import PrefillGraphs
 from runtime.engine.prefill import prefill as _prefill
 from runtime.engine.weights import Weights
-from runtime.kernels import use_triton
+from runtime.kernels import graphed, use_triton
 from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
 from runtime.kernels.rope_cache import rope_and_store as naive_rope_and_store
 from runtime.kernels.skinny_linear import linear
@@ -254,7 +254,7 @@ class StaticDecoder:
         rings = {i: (c.k[i].clone(), c.v[i].clone()) for i in c.rings}  # a few hundred slots: kept whole
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), graphed():  # graphed: the kernels the capture launches, compiled here
             for kind in kinds:
                 for _ in range(warmup):
                     self._run(self.full if kind == "full" else self.static)
@@ -271,7 +271,7 @@ class StaticDecoder:
             c.v[i].copy_(sv)
         for kind in kinds:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), graphed():
                 self._run(self.full if kind == "full" else self.static)
             self.graphs[kind] = graph
         torch.cuda.synchronize()

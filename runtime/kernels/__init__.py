@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -45,13 +47,36 @@ def _triton_max_shared(index: int) -> int:
     return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
-def op_or(name: str, plain: Callable) -> Callable:
-    """``torch.ops.rolecall.<name>`` while torch.compile traces (the custom op: one opaque call in its graph), else
-    ``plain``, the function that op runs. The op's dispatch costs host time at every call (an H100's host: 85 µs a
-    call of the add-and-norm through its op, 28 µs for the bare launch), which a replayed CUDA graph never pays and
-    an eager pass pays at each call: the prefill of a short prompt (at most 64 rows in all) runs most of its
-    projections on the kernels (SmolLM2-135M at 48 rows: q/k/v, o and down, 90 calls)."""
-    return getattr(torch.ops.rolecall, name) if torch.compiler.is_compiling() else plain
+_GRAPHED: contextvars.ContextVar[bool] = contextvars.ContextVar("rolecall_graphed", default=False)
 
 
-__all__ = ["max_shared", "op_or", "sm_count", "use_triton"]
+@contextlib.contextmanager
+def graphed() -> Iterator[None]:
+    """Marks the calls inside as the warm-up or the capture of a CUDA graph that replays them: they take the
+    Triton kernels as plain launches (:func:`kernel_call`), whose host time the replays never pay again. The
+    warm-up takes them too, so each kernel is compiled and loaded before the capture."""
+    token = _GRAPHED.set(True)
+    try:
+        yield
+    finally:
+        _GRAPHED.reset(token)
+
+
+def kernel_call(name: str, plain: Callable) -> Callable | None:
+    """How a wrapper calls its Triton kernel here, or None where it runs its PyTorch reference instead.
+
+    - While torch.compile traces (the decode step's compiled graph): ``torch.ops.rolecall.<name>``, the custom op,
+      one opaque call in its graph.
+    - Inside :func:`graphed` (a CUDA graph's warm-up and capture): ``plain``, the function that op runs, without the
+      op's dispatch.
+    - Anywhere else, an eager call (a prefill, an uncaptured step): None. Each eager launch costs host time, and a
+      short pass is bound by the host: Triton's launch path costs several times cuBLAS's ``F.linear``. A
+      SmolLM2-135M-shaped prefill of one row on an H100 with its projections on the kernels took 36.7 / 23.6 ms at
+      40 tokens and 32.6 / 30.7 ms at 48, against 22.1 / 14.5 and 21.1 / 18.8 ms on cuBLAS (two processes, arms
+      alternating in each, ``benchmarks/results/prefill_eager_kernels_h100.json``)."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.rolecall, name)
+    return plain if _GRAPHED.get() else None
+
+
+__all__ = ["graphed", "kernel_call", "max_shared", "sm_count", "use_triton"]

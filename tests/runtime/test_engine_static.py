@@ -276,6 +276,42 @@ def test_graph_replay_equals_eager_step_on_gpu(name):
 
 
 @pytest.mark.gpu
+def test_projection_kernels_launch_in_the_captured_step_not_in_eager_passes_on_gpu(monkeypatch):
+    """The eager prefill of a short prompt and an uncaptured step project on cuBLAS (a Triton launch costs the host
+    several times more there); the capture of the step, and its warm-up, launch the projections' kernels, and the
+    replayed step stays within bf16 rounding of the eager one."""
+    from runtime.kernels.skinny_linear import triton as sl_tri
+
+    launched = []
+    kernels = {name: getattr(sl_tri, name) for name in ("_skinny_linear", "_split_linear")}
+
+    class Spy:  # records each launch of the wrapped kernel, then launches it
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return self.kernel[grid]
+
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(sl_tri, name, Spy(kernel))
+    shape = ModelShape(layers=2, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864, vocab=1000)
+    weights = Weights.random(shape, "cuda", torch.bfloat16, std=0.05, positions=256)
+    ids = torch.randint(0, shape.vocab, (1, 40), device="cuda")
+    graphed, eager = (StaticDecoder(weights, None, 1, 64, compile=False) for _ in range(2))
+    for dec in (graphed, eager):
+        dec.prefill(ids)
+        dec.step(torch.tensor([5], device="cuda"))
+    assert launched == []
+    graphed.capture()
+    assert launched and graphed.graphs
+    for i in range(3):  # Triton's projections against cuBLAS's: bf16 rounding apart
+        t = torch.tensor([7 * i], device="cuda")
+        got, want = graphed.step(t).float(), eager.step(t).float()
+        assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max()), i
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["full", "lethe"])
 def test_capture_time_is_counted_where_the_capture_runs_on_gpu(name):
     """A capture that waits for the policy to settle (lethe's first step) still counts as capture time."""

@@ -776,9 +776,11 @@ def _check_gated(rows, n, k, kind, config, device, dtype, tol):
     w = (torch.randn(2 * n, k, generator=g) * 0.2).to(device, dtype)
     want = ref.gated_linear(x.cpu().float(), w.cpu().float(), kind)
     if config is None:
+        from runtime.kernels import graphed
         from runtime.kernels.skinny_linear import gated_linear
 
-        got = gated_linear(x, w, kind)
+        with graphed():  # as the captured decode step calls it
+            got = gated_linear(x, w, kind)
     else:
         got = tri.launch(x, w, None, config, gated=kind)
     assert got.shape == (rows, n) and got.dtype == dtype
@@ -1041,15 +1043,18 @@ def traced_call(fn, *args):
     return torch.compile(fn, backend=backend, fullgraph=True)(*args), targets
 
 
-def test_add_rms_norm_takes_its_kernel_only_where_torch_compile_traces_it(monkeypatch):
+def test_add_rms_norm_takes_its_kernel_only_where_it_is_compiled_or_graphed(monkeypatch):
     """Eager calls (the prefill) get the reference, bit for bit; a traced call (the compiled decode step) is the
-    kernel's custom op, which gives the reference's values within float32 rounding."""
+    kernel's custom op, and a call inside ``graphed()`` (a step captured without torch.compile) its plain launch;
+    both give the reference's values within float32 rounding."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     import operator
 
     import runtime.kernels.add_rms_norm as an
+    from runtime.kernels import graphed
     from runtime.kernels.add_rms_norm import naive as an_naive
+    from runtime.kernels.add_rms_norm import triton as an_tri
 
     monkeypatch.setattr(an, "use_triton", lambda t: True)  # the CPU tensors below stand for CUDA ones
     g = torch.Generator().manual_seed(0)
@@ -1061,31 +1066,84 @@ def test_add_rms_norm_takes_its_kernel_only_where_torch_compile_traces_it(monkey
     assert torch.ops.rolecall.add_rms_norm in targets
     assert all(t is torch.ops.rolecall.add_rms_norm or t is operator.getitem or "view" in str(t) or
                "reshape" in str(t) or "contiguous" in str(t) for t in targets), targets
-    for got, ref in zip(traced, want):
+    with graphed():
+        launched = an.add_rms_norm(x, o, w, 1e-6)
+    plain = an_tri.add_norm_rows(x.reshape(4, 64), o.reshape(4, 64), w, 1e-6)
+    for got, ref, kernel, direct in zip(traced, want, launched, plain):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(kernel, got) and torch.equal(kernel.reshape(4, 64), direct)
 
 
-def test_projection_kernels_reach_torch_compile_as_custom_ops_and_eager_code_as_plain_launches():
-    """``op_or``: a traced call is the kernel's custom op (what the compiled decode step holds), an eager call the
-    function behind it, without the op's dispatch (a short prompt's prefill); both give the same bits."""
+def test_kernel_call_is_the_op_when_traced_the_plain_launch_when_graphed_and_none_when_eager():
+    """``kernel_call``: the custom op inside torch.compile, the function behind it inside ``graphed()`` (nested
+    too, and undone on exit, also when the body raises), and None for an eager call, which then runs the
+    reference."""
+    import operator
+
+    from runtime.kernels import graphed, kernel_call
+    from runtime.kernels.skinny_linear import triton as sl_tri
+
+    assert kernel_call("skinny_linear", sl_tri.linear_rows) is None
+    with graphed():
+        assert kernel_call("skinny_linear", sl_tri.linear_rows) is sl_tri.linear_rows
+        with graphed():
+            assert kernel_call("skinny_gated", sl_tri.gated_rows) is sl_tri.gated_rows
+        assert kernel_call("skinny_gated", sl_tri.gated_rows) is sl_tri.gated_rows
+    with pytest.raises(KeyError), graphed():
+        raise KeyError("inside")
+    assert kernel_call("skinny_gated", sl_tri.gated_rows) is None
+    probe = []
+
+    def call(x):
+        probe.append(kernel_call("skinny_linear", sl_tri.linear_rows))
+        return x + 1
+
+    _, targets = traced_call(call, torch.zeros(2))
+    assert probe == [torch.ops.rolecall.skinny_linear] and operator.add in targets
+
+
+def test_projections_take_their_kernels_only_where_they_are_compiled_or_graphed(monkeypatch):
+    """``linear``/``gated_linear`` on a kernel shape: an eager call is cuBLAS's ``F.linear`` bit for bit (a
+    prefill's launch through Triton costs the host several times more), a graphed call the kernel's plain launch,
+    a traced call its custom op; the kernel's two forms give the same bits."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     import operator
 
-    from runtime.kernels import op_or
+    import runtime.kernels.skinny_linear as sl
+    from runtime.kernels import graphed
     from runtime.kernels.skinny_linear import triton as sl_tri
 
-    assert op_or("skinny_linear", sl_tri.linear_rows) is sl_tri.linear_rows
-    assert op_or("skinny_gated", sl_tri.gated_rows) is sl_tri.gated_rows
-    def project(x, w):
-        return op_or("skinny_linear", sl_tri.linear_rows)(x, w, None)
+    monkeypatch.setattr(sl, "use_triton", lambda t: True)  # the CPU tensors below stand for CUDA ones
+    launched = []
+    kernel = sl_tri._skinny_linear
 
+    class Spy:  # records each launch of the kernel, then launches it
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(sl_tri, "_skinny_linear", Spy())
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 576, generator=g), torch.randn(576, 576, generator=g) / 24
-    traced, targets = traced_call(project, x, w)
-    assert targets[0] is torch.ops.rolecall.skinny_linear and all(t is operator.getitem for t in targets[1:])
-    assert torch.equal(traced, project(x, w))
-    torch.testing.assert_close(traced, x @ w.T, atol=1e-4, rtol=1e-4)
+    assert sl.kernel_config(2, 576, 576, 4) is not None  # a shape the kernel takes at two rows
+    eager = sl.linear(x, w)
+    assert torch.equal(eager, torch.nn.functional.linear(x, w)) and not launched
+    with graphed():
+        plain = sl.linear(x, w)
+    assert len(launched) == 1
+    traced, targets = traced_call(lambda a, b: sl.linear(a, b), x, w)
+    assert targets[0] is torch.ops.rolecall.skinny_linear and all(t is operator.getitem or "view" in str(t)
+                                                                  for t in targets[1:]), targets
+    assert torch.equal(traced, plain) and len(launched) == 2  # the compiled graph's op launched the same kernel
+    torch.testing.assert_close(plain, x @ w.T, atol=1e-4, rtol=1e-4)
+    wg = torch.randn(2 * 96, 576, generator=g) / 24
+    gate, up = torch.nn.functional.linear(x, wg).chunk(2, -1)
+    assert torch.equal(sl.gated_linear(x, wg, "silu"), torch.nn.functional.silu(gate) * up)
+    with graphed():
+        torch.testing.assert_close(sl.gated_linear(x, wg, "silu"), torch.nn.functional.silu(gate) * up,
+                                   atol=1e-4, rtol=1e-4)
+    assert len(launched) == 2 + (sl.kernel_config(2, 192, 576, 4, gated=True) is not None)
 
 
 def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(monkeypatch):
@@ -1105,6 +1163,7 @@ def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_naive_kernels_switch_runs_the_references_on_gpu(monkeypatch):
+    from runtime.kernels import graphed
     from runtime.kernels.add_rms_norm import add_rms_norm
     from runtime.kernels.add_rms_norm import triton as an_tri
     from runtime.kernels.skinny_linear import linear
@@ -1131,11 +1190,14 @@ def test_naive_kernels_switch_runs_the_references_on_gpu(monkeypatch):
         return torch.compile(lambda a, b, c: add_rms_norm(a, b, c, 1e-6), fullgraph=True)(x, o, w)
 
     compiled_norm()
-    linear(x, weight)
+    linear(x, weight)  # eager: cuBLAS
+    with graphed():  # as the captured decode step calls it
+        linear(x, weight)
     assert launched == ["add_rms_norm", "linear"]
     monkeypatch.setenv("ROLECALL_KERNELS", "naive")
     compiled_norm()
-    linear(x, weight)
+    with graphed():
+        linear(x, weight)
     assert launched == ["add_rms_norm", "linear"]
 
 

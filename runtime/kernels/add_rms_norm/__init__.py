@@ -10,17 +10,18 @@
 returns         ``[..., N]``    the new residual stream (``x``'s dtype) and its normed copy
 ==============  ==============  ===============================================================
 
-Between a layer's GEMMs the decode step runs two of these. In its compiled graph on CUDA it is the Triton kernel
-in ``triton.py`` (unless ``ROLECALL_KERNELS=naive``), one program per row, launched with programmatic dependent
-launch (:mod:`runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a
-``torch.compile``-fused add and norm cannot take part in that chain. It computes in float32 and rounds once per
-output; the sum is rounded to ``x``'s dtype before it is normed, as the reference's two steps do. ``naive.py`` is
-the reference and the CPU path.
+Between a layer's GEMMs the decode step runs two of these. In its compiled graph on CUDA (or in a CUDA graph
+captured without torch.compile, :func:`runtime.kernels.kernel_call`) it is the Triton kernel in ``triton.py``
+(unless ``ROLECALL_KERNELS=naive``), one program per row, launched with programmatic dependent launch
+(:mod:`runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a ``torch.compile``-fused
+add and norm cannot take part in that chain. It computes in float32 and rounds once per output; the sum is rounded
+to ``x``'s dtype before it is normed, as the reference's two steps do. ``naive.py`` is the reference and the CPU
+path.
 
-An eager call (the prefill, also when a prefill graph captures it) runs the reference, an add and PyTorch's
-fused RMS norm, which measured faster there, where the host's launching bounds a short pass: a SmolLM2-135M-shaped
-prefill of one row on an H100 (two runs, alternating in one process, medians of ten): 40 tokens 34.8/27.7 → 31.1/24.5 ms,
-1,024 tokens 31.3/25.1 → 23.3/19.9 ms, 4,096 tokens 29.2/21.9 → 19.7/16.9 ms
+An eager call (the prefill, also when a prefill graph captures it, as its first eager pass ran) runs the reference,
+an add and PyTorch's fused RMS norm, which measured faster there, where the host's launching bounds a short pass: a
+SmolLM2-135M-shaped prefill of one row on an H100 (two runs, alternating in one process, medians of ten): 40 tokens
+34.8/27.7 → 31.1/24.5 ms, 1,024 tokens 31.3/25.1 → 23.3/19.9 ms, 4,096 tokens 29.2/21.9 → 19.7/16.9 ms
 (``benchmarks/results/prefill_add_norm_h100.json``).
 """
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import use_triton
+from runtime.kernels import kernel_call, use_triton
 from runtime.kernels.add_rms_norm.naive import add_rms_norm as reference
 
 
@@ -36,14 +37,16 @@ def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: fl
                  o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     n = x.shape[-1]
-    if use_triton(x) and n and x.numel() and torch.compiler.is_compiling():
-        from runtime.kernels.add_rms_norm import triton  # noqa: F401  (registers torch.ops.rolecall.add_rms_norm)
+    call = None
+    if use_triton(x) and n and x.numel():
+        from runtime.kernels.add_rms_norm import triton  # registers torch.ops.rolecall.add_rms_norm
 
-        rows = x.numel() // n
-        x2, h = torch.ops.rolecall.add_rms_norm(x.reshape(rows, n).contiguous(), o.reshape(rows, n).contiguous(),
-                                                weight, eps, o_weight)
-        return x2.view(x.shape), h.view(x.shape)
-    return reference(x, o, weight, eps, o_weight)
+        call = kernel_call("add_rms_norm", triton.add_norm_rows)
+    if call is None:
+        return reference(x, o, weight, eps, o_weight)
+    rows = x.numel() // n
+    x2, h = call(x.reshape(rows, n).contiguous(), o.reshape(rows, n).contiguous(), weight, eps, o_weight)
+    return x2.view(x.shape), h.view(x.shape)
 
 
 __all__ = ["add_rms_norm", "reference"]

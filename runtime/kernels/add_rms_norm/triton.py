@@ -30,9 +30,8 @@ def _add_rms_norm(X, ADD, ADD_W, W, X_OUT, H, N, s_x, s_o, s_xo, s_h, eps, HAS_A
     tl.store(H + r * s_h + n, h.to(dtype), mask=ok)
 
 
-@torch.library.custom_op("rolecall::add_rms_norm", mutates_args=())
-def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
-                 o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm_rows(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
+                  o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See :mod:`runtime.kernels.add_rms_norm`; ``x`` and ``o`` are ``[rows, N]`` with a unit last stride."""
     rows, n = x.shape
     if o.shape != x.shape or x.stride(-1) != 1 or o.stride(-1) != 1:
@@ -45,6 +44,13 @@ def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: fl
         x_out.stride(0), h.stride(0), float(eps), HAS_ADD_W=o_weight is not None, BLOCK=block,
         num_warps=4 if block <= 2048 else 8, **pdl.options(x.device))
     return x_out, h
+
+
+@torch.library.custom_op("rolecall::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
+                 o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_norm_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.kernel_call`)."""
+    return add_norm_rows(x, o, weight, eps, o_weight)
 
 
 @add_rms_norm.register_fake

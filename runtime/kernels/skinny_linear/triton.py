@@ -114,7 +114,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 @torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`linear_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.op_or`)."""
+    """:func:`linear_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.kernel_call`)."""
     return linear_rows(x, weight, bias)
 
 
@@ -167,7 +167,7 @@ def gated_rows(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.
 
 @torch.library.custom_op("rolecall::skinny_gated", mutates_args=())
 def skinny_gated(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """:func:`gated_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.op_or`)."""
+    """:func:`gated_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.kernel_call`)."""
     return gated_rows(x, weight, activation)
 
 
