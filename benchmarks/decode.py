@@ -24,8 +24,10 @@ faster than full — the data of ``runtime/engine/crossovers.json``.
 
 ``--real MODEL`` (e.g. ``smollm2-135m``) also times the path users run on a real model: ``rolecall decode``'s
 ``session.generate`` (engine: prefill, CUDA-graph steps) against transformers ``model.generate`` on the same
-prompts, batch 1 and 16, tokens/s over ``--real-new`` generated tokens each; and prefill throughput of the
-engine against one transformers forward (SDPA causal attention) over a ``--real-prefill``-token prompt.
+prompts, batch 1 and 16, tokens/s over ``--real-new`` generated tokens each, and the time to the first token (a
+request for one new token: the prefill and its choice, on a session that served a request before, as a serving
+process does); and prefill throughput of the engine against one transformers forward (SDPA causal attention) over
+a ``--real-prefill``-token prompt.
 
 The DELTA setting (``--delta-setting``, DS-Qwen-1.5B, batch 64, 1K budget, decoding from ``--delta-prompt``
 tokens to 18K): TPOT of full and delta at ``--delta-samples`` evenly spaced lengths, each in a cache sized to
@@ -372,19 +374,24 @@ def real_model(args: argparse.Namespace) -> dict:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
         common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
+        first = dict(common, max_new_tokens=1)  # the time to the first token: the prefill and its choice
         hf_s = wall(lambda c=common: model.generate(**c, min_new_tokens=n), args.real_reps)
+        hf_first_s = wall(lambda c=first: model.generate(**c), args.real_reps)
         with attach(model, None, "full") as session:
             ours_s = wall(lambda c=common, s=session: s.generate(**c, eos_token_id=-1), args.real_reps)
             last = session.last
+            ours_first_s = wall(lambda c=first, s=session: s.generate(**c, eos_token_id=-1), args.real_reps)
         row = {"model": name, "batch": batch, "new_tokens": n, "prompt_tokens_max": width,
                "transformers_generate_s": hf_s, "transformers_tokens_per_s": batch * n / hf_s,
                "rolecall_generate_s": ours_s, "rolecall_tokens_per_s": batch * n / ours_s,
                "rolecall_decode_only_tokens_per_s": batch * last.steps / last.decode_s,
-               "speedup": hf_s / ours_s, "engine": last.info}
+               "speedup": hf_s / ours_s, "transformers_first_token_s": hf_first_s,
+               "rolecall_first_token_s": ours_first_s, "engine": last.info}
         rows.append(row)
         print(f"real {name} B={batch}: transformers generate {row['transformers_tokens_per_s']:.0f} tok/s, "
               f"rolecall {row['rolecall_tokens_per_s']:.0f} tok/s ({row['speedup']:.2f}×; decode steps alone "
-              f"{row['rolecall_decode_only_tokens_per_s']:.0f} tok/s)", flush=True)
+              f"{row['rolecall_decode_only_tokens_per_s']:.0f} tok/s); first token {1e3 * hf_first_s:.1f} against "
+              f"{1e3 * ours_first_s:.1f} ms", flush=True)
     # prefill: the engine's chunked prefill against one transformers forward (SDPA causal attention), per length
     prefill = []
     for p in args.real_prefill:
