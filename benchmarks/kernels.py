@@ -367,6 +367,8 @@ PROJECTIONS = {  # name: (N, K, bias) of y = x W^T (+ b)
     "7b down": (3584, 18944, False), "1.5b qkv": (2048, 1536, True), "1.5b o": (1536, 1536, False),
     "1.5b gate_up": (17920, 1536, False), "1.5b down": (1536, 8960, False),
     "llama8b gate_up": (28672, 4096, False),  # N = 7 K: where the wide tiles' rule (N >= 8 K) stops
+    "gemma4b qkv": (4096, 2560, False), "gemma4b o": (2560, 2048, False), "gemma4b gate_up": (20480, 2560, False),
+    "gemma4b down": (2560, 10240, False), "gemma4b head": (262208, 2560, False),  # Gemma 3 4B: heads of 256, tied
 }
 
 
