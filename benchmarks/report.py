@@ -55,15 +55,17 @@ def pairable_scores(row: dict[str, Any] | None) -> list[float] | None:
 
 
 def host_cpu() -> str:
-    """The host's CPU model (``/proc/cpuinfo``, else ``platform.processor()``): what bounds a pass whose kernels
-    are launched one by one (a short prompt's eager prefill), so a figure of one can be read beside its host."""
+    """The host's CPU model (``/proc/cpuinfo``'s model name, else ``platform.processor()``: an Arm host's cpuinfo
+    names none): what bounds a pass whose kernels are launched one by one (a short prompt's eager prefill), so a
+    figure of one can be read beside its host."""
     import platform
 
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
-        return platform.processor()
+        name = ""
+    return name or platform.processor()
 
 
 def write_report(out: Path, stem: str, data: dict[str, Any], table: str) -> None:

@@ -23,3 +23,8 @@ def test_host_cpu_reads_the_model_name_and_falls_back_to_platform(monkeypatch):
     monkeypatch.setattr(builtins, "open", no_file)
     monkeypatch.setattr(platform, "processor", lambda: "arm")
     assert host_cpu() == "arm"
+
+    arm_cpuinfo = "processor\t: 0\nBogoMIPS\t: 2000.00\nCPU implementer\t: 0x41\n"  # no model name line
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(arm_cpuinfo) if path == "/proc/cpuinfo"
+                        else real_open(path, *a, **k))
+    assert host_cpu() == "arm"
