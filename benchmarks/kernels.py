@@ -63,7 +63,7 @@ from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
-from runtime.kernels import graphed, max_shared, pdl, sm_count  # noqa: E402
+from runtime.kernels import graphed, max_shared, pdl, peak_bandwidth, sm_count  # noqa: E402
 from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
@@ -153,7 +153,7 @@ def engine_launch(b: int, tokens: int, dense: bool) -> dict:
     memory, as programs a row, tile and stages."""
     probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
     chunk, tile, stages = tri.choose_launch(tokens, b * HKV, sm_count(probe), dense=dense, head_dim=D, itemsize=2,
-                                            shared=max_shared(probe))
+                                            shared=max_shared(probe), bandwidth=peak_bandwidth(probe))
     return {"programs_a_row": math.ceil(tokens / chunk), "tile": tile, "stages": stages}
 
 
@@ -347,7 +347,8 @@ def many_rows(copy_bw: float, g: torch.Generator, t: int = 18432, page: int = 16
         launches = {"one_ms": {"chunk": 128 * math.ceil(tokens / 128), "tile": 128, "num_stages": 3},
                     "split_ms": {"chunk": tri.choose_chunk(tokens, b * hkv, sms, dense=dense), "tile": 64,
                                  "num_stages": 2}}
-        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense, head_dim=D, shared=max_shared(q))[1] == 128
+        one = tri.choose_launch(tokens, b * hkv, sms, dense=dense, head_dim=D, shared=max_shared(q),
+                                bandwidth=peak_bandwidth(q))[1] == 128
         row = {"heads": name, "batch": b, "rows": b * hkv, "tokens": tokens, "kind": kind,
                "engine": "one program a row" if one else "split"}
         for key, launch in launches.items():
@@ -600,7 +601,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--contexts takes multiples of the {BLOCK}-token blocks the sparse calls read, got {args.contexts!r}")
     args.contexts = contexts
     args.batches = tuple(parser.counts(args.batches, "--batches", "batch sizes"))
-    args.projections = tuple(parser.names(args.projections, "--projections", PROJECTIONS))
+    args.projections = tuple(parser.names(args.projections, "--projections", PROJECTIONS, none_ok="left out: all"))
     args.linear_kw = {"projections": args.projections, **({"rows_list": rows} if rows else {})}
     return args
 
@@ -616,17 +617,19 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     gpu = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
+    peak = peak_bandwidth(torch.empty(1, device="cuda"))  # what choose_launch reads (None: torch does not say)
     launch = pdl.enabled(torch.device("cuda"))  # the kernels' programmatic dependent launch (runtime/kernels/pdl.py)
     if not args.attention:
         report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "copy_bandwidth_Bps": copy_bw,
-                  "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch}
+                  "peak_bandwidth_Bps": peak, "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch}
         report.update(tables(args, copy_bw, g))
         write_text(args.out, json.dumps(report, indent=2))
         return 0
     rows = [bench_config(b, t, copy_bw, g)
             for t in contexts for b in batches]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
-              "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "launch": "engine (choose_launch)",
+              "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "peak_bandwidth_Bps": peak,
+              "launch": "engine (choose_launch)",
               "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch, "rows": rows}
     report.update(tables(args, copy_bw, g))
     if args.sweep:

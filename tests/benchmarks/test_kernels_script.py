@@ -25,6 +25,13 @@ def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, say
     assert done.value.code == 2 and says in err and "\n" not in err
 
 
+def test_kernels_benchmark_takes_every_projection_when_none_is_named():
+    from benchmarks import kernels
+
+    assert kernels.parse_args([]).projections == ()
+    assert kernels.parse_args(["--projections", "7b o, 1.5b o"]).projections == ("7b o", "1.5b o")
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--contexts", "a,b"], "--contexts takes comma-separated context lengths, got 'a,b'"),
     (["--batches", "0"], "--batches takes comma-separated batch sizes of at least 1 each, got '0'"),

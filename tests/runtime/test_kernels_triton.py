@@ -181,6 +181,38 @@ def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, exp
     assert choose_launch(tokens, rows, 132, dense=dense) == expected
 
 
+@pytest.mark.parametrize("rows, bandwidth, one", [
+    (64, None, True),  # torch does not say: by the SMs alone
+    (64, 2.619e9 * 2 * 640, True),  # an H100 SXM's HBM3 (3.35 TB/s): 61 rows stream it
+    (64, 4.8e12, False),  # an H200: 64 rows of 128K tokens took 1.178 ms one program a row, 0.962 split
+    (88, 4.8e12, True),  # ... 88 rows stream it
+    (59, 2.0e12, False),  # a slower memory does not lower the SMs' threshold (60 rows of 132 SMs)
+])
+def test_rows_that_stream_the_cache_are_one_program_each_only_where_they_reach_the_peak_bandwidth(rows, bandwidth,
+                                                                                                   one):
+    from runtime.kernels.sparse_attention.triton import choose_launch
+
+    chunk, tile, stages = choose_launch(131072, rows, 132, dense=True, bandwidth=bandwidth)
+    assert (chunk, tile, stages) == ((131072, 128, 3) if one else (chunk, 64, 2)) and (chunk < 131072) != one
+    assert choose_launch(1024, 128, 132, dense=False, bandwidth=4.8e12)[1] == 128  # gathered rows: by the SMs
+
+
+def test_peak_bandwidth_is_the_memory_clock_times_two_times_the_bus(monkeypatch):
+    """Bytes a second from torch's device properties (double data rate); None where torch does not say or on the
+    CPU."""
+    from types import SimpleNamespace
+
+    from runtime.kernels import peak_bandwidth
+
+    cuda = SimpleNamespace(is_cuda=True, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120))
+    assert peak_bandwidth(cuda) == pytest.approx(3.352e12, rel=1e-3)  # an H100 SXM
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(memory_bus_width=5120))
+    assert peak_bandwidth(cuda) is None
+    assert peak_bandwidth(torch.zeros(1)) is None
+
+
 @pytest.mark.parametrize("head_dim, itemsize, shared, one", [
     (128, 2, 232448, True),  # bf16 heads of 128 on an H100: 139,264 bytes compiled
     (128, 2, 101376, False),  # ... not on sm86/sm89

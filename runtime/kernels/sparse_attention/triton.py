@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import max_shared, pdl, sm_count
+from runtime.kernels import max_shared, pdl, peak_bandwidth, sm_count
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -201,6 +201,10 @@ def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int
 # rows of (sequence, KV head), as a share of the SMs, from which each row is one program (choose_launch)
 DENSE_ROW_PROGRAMS = 0.45  # rows that read every token: from 64 rows on 132 SMs
 GATHERED_ROW_PROGRAMS = 0.7  # rows that read a gathered set: from 96 rows
+# bytes a second one program streams a dense row at, 128-token tiles three stages deep: 57 GB/s at 64 rows of 128K
+# tokens on an H200 (3.65 TB/s in all, below its 4.2 TB/s copy bandwidth), so rows that stream the cache are one
+# program each only where that many programs reach the GPU's peak bandwidth (choose_launch)
+DENSE_ROW_BANDWIDTH = 55e9
 
 
 def shared_bytes(tile: int, stages: int, head_dim: int, itemsize: int) -> int:
@@ -213,15 +217,18 @@ def shared_bytes(tile: int, stages: int, head_dim: int, itemsize: int) -> int:
 
 
 def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim: int = 128, itemsize: int = 2,
-                  shared: int | None = None) -> tuple[int, int, int]:
+                  shared: int | None = None, bandwidth: float | None = None) -> tuple[int, int, int]:
     """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens`` (``dense``: every token of the cache,
     else a gathered set) of ``head_dim``-wide heads of ``itemsize`` bytes, on a GPU whose programs may take
-    ``shared`` bytes of shared memory (None: no limit).
+    ``shared`` bytes of shared memory (None: no limit) and whose memory peaks at ``bandwidth`` bytes a second
+    (:func:`runtime.kernels.peak_bandwidth`; None: not known).
 
     Many rows are one program each, in 128-token tiles three stages deep: no merge to launch, and half as many
     steps of the tile loop, each with twice the bytes in flight. Rows that stream the cache do so from
-    :data:`DENSE_ROW_PROGRAMS` of the SMs on, rows of gathered sets, which keep fewer bytes in flight per
-    program, from :data:`GATHERED_ROW_PROGRAMS`; both only where the tiles fit in ``shared``
+    :data:`DENSE_ROW_PROGRAMS` of the SMs on, and from as many as stream the peak ``bandwidth`` at
+    :data:`DENSE_ROW_BANDWIDTH` each (61 rows on an H100 SXM, 88 on an H200: there 64 rows of 128K tokens took 1.178 ms
+    one program a row against 0.962 split); rows of gathered sets, which keep fewer bytes in flight per program, from
+    :data:`GATHERED_ROW_PROGRAMS`; both only where the tiles fit in ``shared``
     (:func:`shared_bytes`: not for head dim 256 or a float32 cache on an H100, nor head dim 128 on sm86/sm89).
     Fewer rows split, as :func:`choose_chunk` says, in 64-token tiles two stages deep. ``python
     benchmarks/kernels.py --no-attention --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls,
@@ -238,7 +245,9 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
       7B heads at 64 × 4, 18,432 tokens 780.4 / 803.4; Llama-3-8B heads at 8 × 8, 131,072 tokens 1396.6 /
       1414.0."""
     fits = shared is None or shared_bytes(128, 3, head_dim, itemsize) <= shared
-    if fits and rows >= (DENSE_ROW_PROGRAMS if dense else GATHERED_ROW_PROGRAMS) * sms:
+    many = (max(DENSE_ROW_PROGRAMS * sms, (bandwidth or 0) / DENSE_ROW_BANDWIDTH) if dense
+            else GATHERED_ROW_PROGRAMS * sms)
+    if fits and rows >= many:
         return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
     tile = split_tile(head_dim, itemsize, shared)
     return choose_chunk(tokens, rows, sms, dense, tile), tile, 2
@@ -300,7 +309,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     # Size chunks by the sparse rows, so they too spread over many programs; full rows just take more.
     if chunk is None and tile is None and num_stages is None and full_rows is None:
         chunk, tile, num_stages = choose_launch(sparse_read, b * hkv, sm_count(query), dense=indices is None,
-                                                head_dim=d, itemsize=key.element_size(), shared=max_shared(query))
+                                                head_dim=d, itemsize=key.element_size(), shared=max_shared(query),
+                                                bandwidth=peak_bandwidth(query))
     tile = tile or split_tile(d, key.element_size(), max_shared(query))
     num_stages = num_stages or 2
     if chunk is None:
