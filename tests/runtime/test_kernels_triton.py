@@ -213,6 +213,16 @@ def test_peak_bandwidth_is_the_memory_clock_times_two_times_the_bus(monkeypatch)
     assert peak_bandwidth(torch.zeros(1)) is None
 
 
+@pytest.mark.gpu
+def test_torch_tells_the_gpus_peak_bandwidth_on_gpu():
+    """The launch rule reads the memory's peak from torch's device properties; were torch to stop giving it, the
+    rule would fall back to the SMs' alone without a word, so this test says so instead."""
+    from runtime.kernels import peak_bandwidth
+
+    peak = peak_bandwidth(torch.empty(1, device="cuda"))
+    assert peak is not None and 0.3e12 < peak < 20e12  # HBM and GDDR GPUs of today: 0.3 to 8 TB/s
+
+
 @pytest.mark.parametrize("head_dim, itemsize, shared, one", [
     (128, 2, 232448, True),  # bf16 heads of 128 on an H100: 139,264 bytes compiled
     (128, 2, 101376, False),  # ... not on sm86/sm89
