@@ -226,9 +226,9 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
     Many rows are one program each, in 128-token tiles three stages deep: no merge to launch, and half as many
     steps of the tile loop, each with twice the bytes in flight. Rows that stream the cache do so from
     :data:`DENSE_ROW_PROGRAMS` of the SMs on, and from as many as stream the peak ``bandwidth`` at
-    :data:`DENSE_ROW_BANDWIDTH` each (61 rows on an H100 SXM, 88 on an H200 at its rated 4.8 TB/s: there 64 rows of 128K tokens took 1.178 ms
-    one program a row against 0.962 split); rows of gathered sets, which keep fewer bytes in flight per program, from
-    :data:`GATHERED_ROW_PROGRAMS`; both only where the tiles fit in ``shared``
+    :data:`DENSE_ROW_BANDWIDTH` each (61 rows on an H100 SXM, 88 on an H200 at its rated 4.8 TB/s: there 64 rows
+    of 128K tokens took 1.178 ms one program a row against 0.962 split); rows of gathered sets, which keep fewer
+    bytes in flight per program, from :data:`GATHERED_ROW_PROGRAMS`; both only where the tiles fit in ``shared``
     (:func:`shared_bytes`: not for head dim 256 or a float32 cache on an H100, nor head dim 128 on sm86/sm89).
     Fewer rows split, as :func:`choose_chunk` says, in 64-token tiles two stages deep. ``python
     benchmarks/kernels.py --no-attention --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls,
