@@ -42,8 +42,8 @@ def max_shared(tensor: torch.Tensor) -> int | None:
 
 def peak_bandwidth(tensor: torch.Tensor) -> float | None:
     """Bytes a second ``tensor``'s GPU memory moves at its peak, from torch's device properties (memory clock ×
-    2 × bus width: 3.35 TB/s on an H100 SXM; an H200 is rated 4.8 TB/s), which a compiled graph can trace; None for a CPU
-    tensor or where torch does not say (the kernels then choose their launch by the SMs alone)."""
+    2 × bus width: 3.35 TB/s on an H100 SXM; an H200 is rated 4.8 TB/s), which a compiled graph can trace; None
+    for a CPU tensor or where torch does not say (the kernels then choose their launch by the SMs alone)."""
     if not tensor.is_cuda:
         return None
     props = torch.cuda.get_device_properties(tensor.device)
