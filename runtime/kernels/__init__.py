@@ -90,4 +90,4 @@ def kernel_call(name: str, plain: Callable) -> Callable | None:
     return plain if _GRAPHED.get() else None
 
 
-__all__ = ["graphed", "kernel_call", "max_shared", "sm_count", "use_triton"]
+__all__ = ["graphed", "kernel_call", "max_shared", "peak_bandwidth", "sm_count", "use_triton"]
