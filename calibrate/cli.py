@@ -103,10 +103,13 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.traces import read_traces
     from runtime import distributed
     from runtime.atomic import check_writable
-    from runtime.cli.common import check_placement, chosen_device
+    from runtime.cli.common import check_placement, check_sampling_flags, chosen_device
     from runtime.models import load_config, load_tokenizer
 
     config, config_path = resolve_config(args)
+    if not config.traces:  # generated traces: a sampling flag without sampling would change nothing
+        check_sampling_flags(config.sample, {"--temperature": args.temperature, "--top-p": args.top_p,
+                                             "--seed": args.seed}, "traces are greedy")
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     say(f"calibrate-delta: model {config.model}, config {config_path or 'defaults'}")
     sharded = distributed.zero_stage(distributed.deepspeed_config(config.deepspeed)) >= 3

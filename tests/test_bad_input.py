@@ -366,6 +366,43 @@ def test_decode_refuses_bad_sampling_flags_before_the_model_loads(model_dir, cap
     assert one_line(capsys, "rolecall decode").endswith(says)
 
 
+@pytest.mark.parametrize("flags,says", [
+    (["--temperature", "1.3"], "--temperature 1.3 applies only when sampling, and decoding is greedy without --sample; "
+     "add --sample, or leave it out"),
+    (["--top-p", "0.9", "--seed", "3"], "--top-p 0.9, --seed 3 apply only when sampling, and decoding is greedy "
+     "without --sample; add --sample, or leave them out"),
+])
+def test_decode_refuses_sampling_flags_without_sample(model_dir, capsys, no_model, flags, says):
+    """Greedy decoding would ignore them: the text would come out as if they had not been given."""
+    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "hi", *flags]) == 2
+    assert one_line(capsys, "rolecall decode").endswith(says)
+
+
+def test_decode_sampling_flags_left_out_take_the_samplers_defaults():
+    import argparse
+
+    from runtime.cli import decode as decode_cli
+
+    parser = argparse.ArgumentParser()
+    decode_cli.add_arguments(parser)
+    args = parser.parse_args(["--policy", "full", "--prompt", "hi", "--sample", "--top-k", "5"])
+    decode_cli.check_flags(args)
+    assert (args.temperature, args.top_k, args.top_p, args.seed) == (1.0, 5, 1.0, 0)
+    greedy = parser.parse_args(["--policy", "full", "--prompt", "hi"])
+    decode_cli.check_flags(greedy)
+    assert (greedy.sample, greedy.temperature, greedy.top_k, greedy.top_p, greedy.seed) == (False, 1.0, 0, 1.0, 0)
+
+
+def test_calibrate_refuses_sampling_flags_for_greedy_traces(model_dir, tmp_path, capsys, no_model):
+    out = tmp_path / "m.delta.safetensors"
+    assert calibrate_cli.main(["--model", str(model_dir), "--output", str(out), "--temperature", "0.9",
+                               *CALIBRATE]) == 2
+    assert one_line(capsys, "calibrate-delta").endswith(
+        "--temperature 0.9 applies only when sampling, and traces are greedy without --sample; add --sample, or "
+        "leave it out")
+    assert not out.exists()
+
+
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_dir, tmp_path, capsys, no_model):
     """eval's --json, the benchmarks' --out and the manifests of calibrate-delta and train-heads are written at the
     end, after minutes or hours of work: a path under a file, or a folder given as the file, is refused first, in

@@ -137,6 +137,16 @@ def check_prompt_arguments(args: argparse.Namespace) -> None:
                          "lines")
 
 
+def check_sampling_flags(sample: bool, given: dict[str, Any], greedy: str) -> None:
+    """Sampling flags (``given``: flag -> value, None where left out) that greedy generation would ignore: refused in
+    one line naming them (``ValueError``) unless ``sample``. ``greedy``: what is greedy without ``--sample``."""
+    named = [f"{flag} {value}" for flag, value in given.items() if value is not None]
+    if named and not sample:
+        one = len(named) == 1
+        raise ValueError(f"{', '.join(named)} {'applies' if one else 'apply'} only when sampling, and {greedy} "
+                         f"without --sample; add --sample, or leave {'it' if one else 'them'} out")
+
+
 def check_batch_size(args: argparse.Namespace) -> None:
     """``--batch-size``: at least 1, and 1 where the flags send the prompts one at a time (``ValueError``)."""
     if args.batch_size is not None and args.batch_size < 1:

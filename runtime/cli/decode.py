@@ -14,6 +14,7 @@ from runtime.cli.common import (
     add_long_context,
     check_batch_size,
     check_device_map,
+    check_sampling_flags,
     chosen_device,
     load_placed,
     one_at_a_time,
@@ -36,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample (default: greedy)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, help="with --sample [1.0]")  # None: not given (check_flags)
+    parser.add_argument("--top-p", type=float, help="with --sample [1.0]")
+    parser.add_argument("--top-k", type=int, help="with --sample; 0 = off [0]")
+    parser.add_argument("--seed", type=int, help="with --sample [0]")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string, repeatable")
     parser.add_argument("--layers", action="store_true", help="also print the attended fraction of every layer "
                         "(measured on the transformers path)")
@@ -82,20 +83,29 @@ def chat_hint(tokenizer, chat: bool, empty: int, of: int) -> str | None:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads."""
+    """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads; the sampling
+    flags left out take :class:`~runtime.engine.sampling.Sampling`'s defaults."""
+    from dataclasses import fields
+
     from runtime.engine.sampling import Sampling
 
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
         raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    names = ("temperature", "top_k", "top_p", "seed")
+    given = {f"--{name.replace('_', '-')}": getattr(args, name) for name in names}
+    for field in fields(Sampling):
+        if field.name in names and getattr(args, field.name) is None:
+            setattr(args, field.name, field.default)
     try:  # the sampling flags, checked as the engine's sampler checks them (the transformers path takes the same)
         Sampling(args.sample, args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:  # its message in the flags' names
         text = str(e).replace("use do_sample=False", "leave out --sample")
-        for name in ("temperature", "top_k", "top_p", "seed"):
+        for name in names:
             text = text.replace(f"{name} must", f"--{name.replace('_', '-')} must")
         raise ValueError(text) from None
+    check_sampling_flags(args.sample, given, "decoding is greedy")
     if args.prompts is None:
         if args.out or args.batch_size is not None:
             raise ValueError("--out and --batch-size go with --prompts FILE; --prompt's text is streamed")
