@@ -431,7 +431,12 @@ def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:
         raise ManifestError(f"{source}: file is {len(buf)} bytes, too short to be a manifest (truncated?)")
     (n,) = struct.unpack("<Q", buf[:8])
     if n > _MAX_HEADER:
-        raise ManifestError(f"{source}: not a rolecall manifest (header length {n} is implausible)")
+        if buf[:1] in (b"{", b"["):  # an export, or another tool's roles
+            raise ManifestError(f"{source}: not a rolecall manifest but JSON; make one from it with `rolecall import "
+                                f"{source} --format json --model MODEL -o FILE.safetensors`")
+        raise ManifestError(f"{source}: not a rolecall manifest (its first 8 bytes give a header of {n:,} bytes, "
+                            f"more than the {_MAX_HEADER:,} a manifest's may take); give a .safetensors file that "
+                            "calibrate-delta, train-heads, rolecall merge or rolecall import wrote")
     if 8 + n > len(buf):
         raise ManifestError(f"{source}: truncated: header needs {n} bytes but only {len(buf) - 8} follow")
     try:

@@ -123,7 +123,8 @@ def test_config_hash_ignores_runtime_settings():
         (lambda b: b[:20], "truncated"),
         (lambda b: b[:5], "too short"),
         (lambda b: struct.pack("<Q", 10) + b"not json!!", "header is not JSON"),
-        (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "implausible"),
+        (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "header of 1,099,511,627,776 bytes, more than the 67,108,864"),
+        (lambda b: b'{"layers": {"role": [2, 0]}}', r"JSON; make one from it with `rolecall import .* --format json"),
     ],
 )
 def test_broken_files_are_refused_by_name(tmp_path, mutate, message):
