@@ -55,6 +55,7 @@ _ST_DTYPES_BACK = {v: k for k, v in _ST_DTYPES.items()}
 _NP_DTYPES = {torch.int8: np.dtype("i1"), torch.float32: np.dtype("<f4")}
 _JSON_KEYS = ("config", "data", "metrics")  # metadata values that hold JSON documents
 _MAX_HEADER = 64 * 1024 * 1024
+_MADE_BY = "give a manifest that calibrate-delta, train-heads, rolecall merge or rolecall import wrote"
 CONTENT_HASH_KEY = "content_sha256"  # metadata key; checked on load when present
 
 
@@ -304,7 +305,9 @@ class RoleManifest:
         header, data = _parse(buf, source)
         meta = header.get("__metadata__")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ManifestError(f"{source}: not a rolecall manifest (metadata 'format' is not {FORMAT!r})")
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise ManifestError(f"{source}: a safetensors file but not a rolecall manifest (its metadata 'format' is "
+                                f"{found!r}, not {FORMAT!r}: model weights, or another tool's file); {_MADE_BY}")
         full_header, header = header, {k: v for k, v in header.items() if k != "__metadata__"}
         version = meta.get("schema_version", "")
         if not str(version).isdigit():
@@ -435,8 +438,7 @@ def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:
             raise ManifestError(f"{source}: not a rolecall manifest but JSON; make one from it with `rolecall import "
                                 f"{source} --format json --model MODEL -o FILE.safetensors`")
         raise ManifestError(f"{source}: not a rolecall manifest (its first 8 bytes give a header of {n:,} bytes, "
-                            f"more than the {_MAX_HEADER:,} a manifest's may take); give a .safetensors file that "
-                            "calibrate-delta, train-heads, rolecall merge or rolecall import wrote")
+                            f"more than the {_MAX_HEADER:,} a manifest's may take); {_MADE_BY}")
     if 8 + n > len(buf):
         raise ManifestError(f"{source}: truncated: header needs {n} bytes but only {len(buf) - 8} follow")
     try:
