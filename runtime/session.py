@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -186,6 +187,11 @@ class Session:
         pad = pad_token_id if pad_token_id is not None else (gc.pad_token_id if gc.pad_token_id is not None else
                                                              (eos if isinstance(eos, int) else (eos or [0])[0]))
         sample = bool(gc.do_sample if do_sample is None else do_sample)
+        ignored = [f"{k}={v}" for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k))
+                   if v is not None]
+        if ignored and not sample:  # as transformers' generate says it, for the same call
+            warnings.warn(f"{', '.join(ignored)} apply only with do_sample=True; this request decodes greedily",
+                          UserWarning, stacklevel=3)
         sampling = Sampling(sample, float(temperature if temperature is not None else (gc.temperature or 1.0)),
                             int(top_k if top_k is not None else (gc.top_k or 0)) if sample else 0,
                             float(top_p if top_p is not None else (gc.top_p or 1.0)) if sample else 1.0, int(seed))

@@ -505,6 +505,19 @@ def test_text_streamer_prints_what_transformers_prints(capsys):
     assert got == want and got.strip() == tok.decode(out[0, ids.shape[1]:]).strip() and len(got.strip()) > 0
 
 
+def test_sampling_arguments_of_a_greedy_request_are_named_in_a_warning_and_change_nothing():
+    """As transformers' generate does on the same call: the request stays greedy, and says so."""
+    model = model_of("llama")
+    ids = torch.tensor([prompts(seed=1)[1]])
+    kw = dict(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    with attach(model, None, "full", engine="static") as session:
+        greedy = session.generate(**kw)
+        with pytest.warns(UserWarning, match=r"^temperature=0\.5, top_k=3 apply only with do_sample=True; this "
+                                             r"request decodes greedily$"):
+            told = session.generate(**kw, temperature=0.5, top_k=3)
+    assert torch.equal(told, greedy)
+
+
 def test_streamer_stops_at_the_stop_string():
     tok = tiny_tokenizer()
     model = model_of("llama")
