@@ -436,7 +436,8 @@ def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:
     if n > _MAX_HEADER:
         if buf[:1] in (b"{", b"["):  # an export, or another tool's roles
             raise ManifestError(f"{source}: not a rolecall manifest but JSON; make one from it with `rolecall import "
-                                f"{source} --format json --model MODEL -o FILE.safetensors`")
+                                f"{source} --format json --model MODEL -o FILE.safetensors` (`--format layers` for a list "
+                                "of layers)")
         raise ManifestError(f"{source}: not a rolecall manifest (its first 8 bytes give a header of {n:,} bytes, "
                             f"more than the {_MAX_HEADER:,} a manifest's may take); {_MADE_BY}")
     if 8 + n > len(buf):
