@@ -93,17 +93,17 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
-    names = ("temperature", "top_k", "top_p", "seed")
-    given = {f"--{name.replace('_', '-')}": getattr(args, name) for name in names}
+    flags = {name: f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")}
+    given = {flag: getattr(args, name) for name, flag in flags.items()}
     for field in fields(Sampling):
-        if field.name in names and getattr(args, field.name) is None:
+        if field.name in flags and getattr(args, field.name) is None:
             setattr(args, field.name, field.default)
     try:  # the sampling flags, checked as the engine's sampler checks them (the transformers path takes the same)
         Sampling(args.sample, args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:  # its message in the flags' names
         text = str(e).replace("use do_sample=False", "leave out --sample")
-        for name in names:
-            text = text.replace(f"{name} must", f"--{name.replace('_', '-')} must")
+        for name, flag in flags.items():
+            text = text.replace(f"{name} must", f"{flag} must")
         raise ValueError(text) from None
     check_sampling_flags(args.sample, given, "decoding is greedy")
     if args.prompts is None:
