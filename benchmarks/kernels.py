@@ -9,6 +9,9 @@ Every call is captured in a CUDA graph of ``--calls-per-graph`` calls (16), as a
 launch overhead nor the graph's own launch counts. rolecall's calls are launched as the engine launches them
 (``choose_launch``: programs a row, tile and stages from the rows, the GPU's SMs and its shared memory; each row
 of the JSON names the launch). ``--sweep`` also times the split launch at other warps, stages, tiles and chunks.
+``--rounds N`` times every shape N times over, one shape after another, and reports each call's median of the rounds
+(their values under ``rounds_ms``): a dense call at the memory's limit moves by about 1 % from run to run, as much
+as rolecall's and FlashInfer's dense calls differ there.
 
 * ``sdpa``: torch SDPA (flash backend where it takes GQA decode) on the whole cache: the dense baseline;
 * ``ours_dense``: the Triton kernel reading every token;
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -68,6 +72,7 @@ from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
 from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
 HQ, HKV, D, BLOCK, KEEP = 32, 8, 128, 64, 0.10
+SPARSE_HEADS = (0, 4, 8)  # KV heads of 8 that read 10 % of the blocks in the mixed calls (sparse_r)
 L2_BYTES = 256 * 2**20  # rotate buffers until this much: well above any Hopper L2
 
 
@@ -157,7 +162,9 @@ def engine_launch(b: int, tokens: int, dense: bool) -> dict:
     return {"programs_a_row": math.ceil(tokens / chunk), "tile": tile, "stages": stages}
 
 
-def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator) -> dict:
+def bench_config(b: int, t: int, g: torch.Generator) -> dict:
+    """One round of timings at ``b`` sequences × ``t`` tokens: each call's median milliseconds (keys ending in
+    ``_ms``) beside the shape and the launches (:func:`derive` adds the ratios)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kv = Rotating(b, t)
@@ -165,9 +172,6 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator) -> dict:
     q4 = q[:, :, None, :]
     scale = D**-0.5
     idx = sparse_indices(b, t, g)
-    kv_bytes_row = t * D * 2 * 2  # K and V of one (sequence, KV head), bf16
-    dense_bytes = b * HKV * kv_bytes_row
-    sparse_bytes_row = idx.shape[-1] * BLOCK * D * 2 * 2
     row = {"batch": b, "context": t, "blocks_read_per_sparse_head": int(idx.shape[-1]),
            "dense_launch": engine_launch(b, t, dense=True),
            "sparse_launch": engine_launch(b, idx.shape[-1] * BLOCK, dense=False)}
@@ -186,16 +190,11 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator) -> dict:
     row["sdpa_ms"] = graph_ms(run_sdpa, kv)
     # every rolecall call below is the engine's: the launch choose_launch picks (no tile, warps or stages given)
     row["ours_dense_ms"] = graph_ms(lambda k, v: tri.sparse_decode_attention(q, k, v, scale=scale), kv)
-    for r in (0, 4, 8):
+    for r in SPARSE_HEADS:
         # r = 8 is a fully sparse layer, called as the engine calls it (no full_rows)
         full = (torch.arange(HKV, device="cuda") >= r).expand(b, HKV).contiguous() if r < HKV else None
         row[f"sparse_{r}_ms"] = graph_ms(lambda k, v, full=full: tri.sparse_decode_attention(
             q, k, v, idx, scale=scale, block_size=BLOCK, full_rows=full), kv)
-        read = b * ((HKV - r) * kv_bytes_row + r * sparse_bytes_row)
-        row[f"sparse_{r}_bytes"] = read
-        row[f"sparse_{r}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"sparse_{r}_ms"]
-        row[f"sparse_{r}_byte_limit"] = dense_bytes / read
-        row[f"sparse_{r}_bandwidth_fraction"] = read / (row[f"sparse_{r}_ms"] / 1e3) / copy_bw
 
     bi = torch.arange(b, device="cuda")[:, None, None]
     hi = torch.arange(HKV, device="cuda")[None, :, None]
@@ -210,16 +209,43 @@ def bench_config(b: int, t: int, copy_bw: float, g: torch.Generator) -> dict:
     row["gather_sdpa_ms"] = graph_ms(gather_then_sdpa, kv)
     _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
     row["page_scores_ms"] = graph_ms(lambda k, v: page_tri.page_scores(q, k, lse, scale, 16), kv)
-    row["selection_overhead"] = row["page_scores_ms"] / row["ours_dense_ms"]
     row["decode_and_score_ms"] = graph_ms(lambda k, v: page_tri.decode_and_score(q, k, v, scale, 16), kv)
+    if flashinfer_available():
+        row.update(flashinfer_peer(b, t, q, kv, idx))
+    kv.sets.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row from several rounds at one shape: each ``_ms`` key's median over the rounds (their values kept under
+    ``rounds_ms`` where there are several), the rest from the first round."""
+    row = dict(rounds[0])
+    if len(rounds) > 1:
+        row["rounds_ms"] = {k: [r[k] for r in rounds] for k in row if k.endswith("_ms")}
+        row.update({k: statistics.median(v) for k, v in row["rounds_ms"].items()})
+    return row
+
+
+def derive(row: dict, copy_bw: float) -> dict:
+    """``row`` with the ratios of its timings: bytes read, speed-ups, byte limits, shares of the copy bandwidth,
+    the selection's overhead and FlashInfer's sparse time over rolecall's."""
+    b, t = row["batch"], row["context"]
+    kv_bytes_row = t * D * 2 * 2  # K and V of one (sequence, KV head), bf16
+    dense_bytes = b * HKV * kv_bytes_row
+    sparse_bytes_row = row["blocks_read_per_sparse_head"] * BLOCK * D * 2 * 2
+    for r in SPARSE_HEADS:
+        read = b * ((HKV - r) * kv_bytes_row + r * sparse_bytes_row)
+        row[f"sparse_{r}_bytes"] = read
+        row[f"sparse_{r}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"sparse_{r}_ms"]
+        row[f"sparse_{r}_byte_limit"] = dense_bytes / read
+        row[f"sparse_{r}_bandwidth_fraction"] = read / (row[f"sparse_{r}_ms"] / 1e3) / copy_bw
+    row["selection_overhead"] = row["page_scores_ms"] / row["ours_dense_ms"]
     row["selection_overhead_fused"] = row["decode_and_score_ms"] / row["ours_dense_ms"] - 1.0
     row["sdpa_bandwidth_fraction"] = dense_bytes / (row["sdpa_ms"] / 1e3) / copy_bw
     row["ours_dense_bandwidth_fraction"] = dense_bytes / (row["ours_dense_ms"] / 1e3) / copy_bw
-    if flashinfer_available():
-        row.update(flashinfer_peer(b, t, q, kv, idx))
+    if "flashinfer_sparse_ms" in row:
         row["flashinfer_sparse_vs_ours"] = row["flashinfer_sparse_ms"] / row["sparse_8_ms"]
-    kv.sets.clear()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -590,10 +616,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time attention calls over 32 to 256 rows: one program a row against the split "
                              "launch")
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention rows")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every shape this many times over, shape after shape, and report each call's "
+                             "median of the rounds (calls at the memory's limit differ by about 1 %% run to run)")
     parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
                         help="calls captured in each timed CUDA graph (at least one per rotating copy; 1: one a copy)")
     args = parser.parse_args(argv)
-    at_least(parser, args, calls_per_graph=1)
+    at_least(parser, args, calls_per_graph=1, rounds=1)
     parser.check_writable(args.out, "--out")  # written after the timing: refused now if it cannot be
     rows = tuple(parser.counts(args.rows, "--rows", "row counts")) if args.rows else None
     contexts = tuple(parser.counts(args.contexts, "--contexts", "context lengths", low=BLOCK))
@@ -625,11 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         report.update(tables(args, copy_bw, g))
         write_text(args.out, json.dumps(report, indent=2))
         return 0
-    rows = [bench_config(b, t, copy_bw, g)
-            for t in contexts for b in batches]
+    shapes = [(b, t) for t in contexts for b in batches]
+    rounds = [[bench_config(b, t, g) for b, t in shapes] for _ in range(args.rounds)]  # each round every shape
+    rows = [derive(merge_rounds([r[i] for r in rounds]), copy_bw) for i in range(len(shapes))]
     report = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "heads": [HQ, HKV], "head_dim": D,
               "block": BLOCK, "kept_fraction": KEEP, "copy_bandwidth_Bps": copy_bw, "peak_bandwidth_Bps": peak,
-              "launch": "engine (choose_launch)",
+              "launch": "engine (choose_launch)", "rounds": args.rounds,
               "calls_per_graph": CALLS_PER_GRAPH, "dependent_launch": launch, "rows": rows}
     report.update(tables(args, copy_bw, g))
     if args.sweep:

@@ -13,6 +13,7 @@ import pytest
     (["--contexts", "4096,100"], "--contexts takes multiples of the 64-token blocks the sparse calls read, got "
                                  "'4096,100'"),
     (["--contexts", ","], "--contexts takes comma-separated context lengths of at least 64 each, got ','"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
 ])
 def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, says):
     from benchmarks import kernels
@@ -30,6 +31,33 @@ def test_kernels_benchmark_takes_every_projection_when_none_is_named():
 
     assert kernels.parse_args([]).projections == ()
     assert kernels.parse_args(["--projections", "7b o, 1.5b o"]).projections == ("7b o", "1.5b o")
+
+
+def test_rounds_merge_by_median_and_ratios_follow_the_medians():
+    from benchmarks import kernels
+
+    def round_(ours, fi, sdpa):  # one round at 1K × 1: 2 of the 16 blocks read by a sparse head
+        return {"batch": 1, "context": 1024, "blocks_read_per_sparse_head": 2, "dense_launch": {"tile": 128},
+                "sdpa_ms": sdpa, "ours_dense_ms": ours, "sparse_0_ms": ours, "sparse_4_ms": 0.6, "sparse_8_ms": 0.2,
+                "gather_sdpa_ms": 1.0, "page_scores_ms": 0.5, "decode_and_score_ms": 1.5,
+                "flashinfer_dense_ms": fi, "flashinfer_sparse_ms": 0.25, "flashinfer_version": "0.5.3"}
+
+    row = kernels.merge_rounds([round_(1.0, 0.9, 2.0), round_(1.2, 1.1, 1.0), round_(0.8, 1.0, 4.0)])
+    assert row["rounds_ms"]["ours_dense_ms"] == [1.0, 1.2, 0.8] and row["rounds_ms"]["flashinfer_dense_ms"] == [0.9, 1.1, 1.0]
+    assert (row["ours_dense_ms"], row["flashinfer_dense_ms"], row["sdpa_ms"]) == (1.0, 1.0, 2.0)
+    assert row["dense_launch"] == {"tile": 128} and row["flashinfer_version"] == "0.5.3"
+    assert "rounds_ms" not in kernels.merge_rounds([round_(1.0, 0.9, 2.0)])
+
+    bw = 1e9
+    row = kernels.derive(row, bw)
+    dense = 8 * 1024 * 128 * 2 * 2  # 8 KV heads' K and V, bf16
+    sparse = 2 * 64 * 128 * 2 * 2  # 2 blocks of 64 tokens
+    assert row["sparse_8_bytes"] == 8 * sparse and row["sparse_4_bytes"] == 4 * dense // 8 + 4 * sparse
+    assert row["sparse_8_byte_limit"] == pytest.approx(8.0) and row["sparse_8_speedup_vs_sdpa"] == pytest.approx(10.0)
+    assert row["sparse_8_bandwidth_fraction"] == pytest.approx(8 * sparse / 0.2e-3 / bw)
+    assert row["ours_dense_bandwidth_fraction"] == pytest.approx(dense / 1e-3 / bw)
+    assert row["selection_overhead"] == pytest.approx(0.5) and row["selection_overhead_fused"] == pytest.approx(0.5)
+    assert row["flashinfer_sparse_vs_ours"] == pytest.approx(1.25)
 
 
 @pytest.mark.parametrize("flags, says", [
