@@ -73,6 +73,8 @@ def read_mapping(path: Path, what: str, fix: str = "fix the file", error: type[E
         text = path.read_text()
     except UnicodeDecodeError:
         raise error(f"{what} {path}: not a text file; {fix}") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise error(f"{what} {path}: {'a folder' if path.is_dir() else 'no such file'}; {fix}") from None
     try:
         doc = json.loads(text) if json_only or path.suffix == ".json" else (yaml.safe_load(text) or {})
     except json.JSONDecodeError as e:

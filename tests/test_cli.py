@@ -199,6 +199,19 @@ def test_manifest_commands_refuse_an_output_they_cannot_write_before_any_work(ma
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "m.safetensors", "out"]
 
 
+def test_import_names_a_missing_source_and_what_its_format_reads_before_the_model_is_looked_up(tmp_path, capsys):
+    out = str(tmp_path / "m.safetensors")
+    for source, fmt, says in ((tmp_path / "absent.json", "json", "no such file; --format json reads the JSON that "
+                                                                 "rolecall export --format json writes"),
+                              (tmp_path, "layers", "a folder; --format layers reads a layer list as rolecall export "
+                                                   "--format layers writes it"),
+                              (tmp_path / "absent", "duo", "no such file or folder; --format duo reads a DuoAttention "
+                                                           "pattern folder or its full_attention_heads.tsv")):
+        assert main(["import", str(source), "--format", fmt, "--model", "no-such-model", "-o", out]) == 2
+        assert one_error_line(capsys, "import").startswith(f"rolecall import: error: {source}: {says}")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_folder_given_as_a_manifest_is_named_as_such(tmp_path, capsys):
     says = f"{tmp_path}: a folder, not a manifest file; give the path of a manifest file (.safetensors)"
     for argv in (["inspect", str(tmp_path)], ["inspect", str(tmp_path), "--verify"]):  # a usage error, not a failed check

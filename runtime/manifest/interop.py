@@ -37,6 +37,10 @@ from runtime.manifest import (
 
 FORMATS = ("duo", "json", "layers")
 DUO_TSV = "full_attention_heads.tsv"
+# what import reads in each format
+SOURCES = {"duo": f"a DuoAttention pattern folder or its {DUO_TSV}",
+           "json": "the JSON that rolecall export --format json writes",
+           "layers": 'a layer list as rolecall export --format layers writes it ({"full_attention_layers": [...], ...})'}
 JSON_FORMAT = "rolecall.manifest.json"
 LAYERS_FORMAT = "rolecall.layers"
 
@@ -104,7 +108,7 @@ def read_duo_gates(path: str | os.PathLike) -> np.ndarray:
     path = Path(path)
     tsv = path / DUO_TSV if path.is_dir() else path
     if not tsv.is_file():
-        raise OSError(f"{tsv}: no such file; pass a DuoAttention pattern folder or its {DUO_TSV}")
+        raise OSError(f"{tsv}: no such file; pass {SOURCES['duo']}")
     rows = [line.split("\t") for line in tsv.read_text().splitlines() if line.strip()]
     try:
         values = [[float(v) for v in row] for row in rows]
@@ -150,11 +154,9 @@ def import_manifest(path: str | os.PathLike, fmt: str, config: Any, name: str | 
         return RoleManifest(identity, head_role=torch.from_numpy(roles), head_expected_gate=torch.from_numpy(gates),
                             data={"source": f"duo:{Path(path).name}"}, config={"import": {"format": "duo", **rule}})
     if fmt == "json":
-        return _from_json(_read_json(path, "JSON manifest", "give the JSON that rolecall export --format json writes"),
-                          config)
+        return _from_json(_read_json(path, "JSON manifest", f"give {SOURCES['json']}"), config)
     if fmt == "layers":
-        doc = _read_json(path, "layer list", 'give a layer list as rolecall export --format layers writes it '
-                         '({"full_attention_layers": [...], ...})')
+        doc = _read_json(path, "layer list", f"give {SOURCES['layers']}")
         L = identity.num_layers
         if doc.get("num_layers", L) != L:
             raise ManifestMismatchError(f"{path}: num_layers is {doc['num_layers']} in the list but {L} in the model")

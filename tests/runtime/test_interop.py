@@ -98,6 +98,11 @@ def test_a_file_that_is_not_a_json_object_is_refused_in_one_line(tmp_path):
     (tmp_path / "bytes.json").write_bytes(bytes([0xFF, 0xFE, 0x00, 0x81]))
     with pytest.raises(ManifestError, match="bytes.json: not a text file; give a layer list"):
         import_manifest(tmp_path / "bytes.json", "layers", CONFIG)
+    with pytest.raises(ManifestError, match=r"^JSON manifest .*absent.json: no such file; give the JSON that rolecall "
+                                            "export --format json writes$"):
+        import_manifest(tmp_path / "absent.json", "json", CONFIG)
+    with pytest.raises(ManifestError, match=r"^layer list .*: a folder; give a layer list"):
+        import_manifest(tmp_path, "layers", CONFIG)
 
 
 def test_json_round_trip_is_lossless(tmp_path):
