@@ -3,11 +3,11 @@
     python benchmarks/decode.py                     # the default grid, JSON to benchmarks/results/decode_<gpu>.json
     python benchmarks/decode.py --smoke --out x.json  # tiny shapes on the CPU: checks that it runs
 
-Models are DS-Qwen-7B / DS-Qwen-1.5B shaped, or Gemma-3-4B shaped (``gemma3-4b``, a hybrid model whose sliding
-layers hold rings of their window; random bf16 weights: speed does not depend on the values). For
-each model, context, batch, policy and budget it fills a static cache with random keys and values (the
-prefill is not timed), captures :class:`runtime.engine.StaticDecoder`'s step in a CUDA graph, warms up,
-and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s (batch / TPOT)
+Models are DS-Qwen-7B / DS-Qwen-1.5B shaped, Gemma-3-4B shaped (``gemma3-4b``, a hybrid model whose sliding
+layers hold rings of their window) or Llama-3-8B shaped (``llama3-8b``: 8 KV heads); random bf16 weights: speed
+does not depend on the values. For each model, context, batch, policy and budget it fills a static cache with
+random keys and values (the prefill is not timed), captures :class:`runtime.engine.StaticDecoder`'s step in a CUDA
+graph, warms up, and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s (batch / TPOT)
 and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
 plus the K/V bytes the policy must read, over the device-to-device copy bandwidth measured in the same run
 (bytes read + written per second, as in ``benchmarks/kernels.py``), and the fraction of it achieved. Page
@@ -20,7 +20,9 @@ Policies are the runtime's own (``runtime.policies``, bound to manifests made fo
 the most recent); ``lychee`` (``--retrieval-heads`` of the 112 KV heads of 7B read everything, scaled for
 other shapes; the others read ``budget`` tokens of 16-token blocks). Sparse policies are timed as they are (no
 fallback); the table's ``crossover`` lines give the smallest measured context from which a sparse policy stays
-faster than full — the data of ``runtime/engine/crossovers.json``.
+faster than full — the data of ``runtime/engine/crossovers.json``. ``full-flashinfer`` is the peer: the engine's
+dense step with FlashInfer's paged decode (``flashinfer-python``) as every layer's attention in place of rolecall's
+kernel, everything else the same (``benchmarks/peers.py``); its ``× full`` below 1 means rolecall's step is faster.
 
 ``--real MODEL`` (e.g. ``smollm2-135m``) also times the path users run on a real model: ``rolecall decode``'s
 ``session.generate`` (engine: prefill, CUDA-graph steps) against transformers ``model.generate`` on the same
@@ -55,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.peers import flashinfer_available  # noqa: E402
 from benchmarks.report import at_least, host_cpu  # noqa: E402
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
@@ -68,7 +71,9 @@ from runtime.policies import get_policy  # noqa: E402
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
 GIB = 2**30
-POLICIES = ("full", "delta", "delta-refine", "lychee", "quest", "vattention", "lethe")  # what make_policy builds
+POLICIES = ("full", "delta", "delta-refine", "lychee", "quest", "vattention", "lethe",
+            "full-flashinfer")  # what make_policy builds
+DENSE = ("full", "full-flashinfer")  # read every token: no budget, not in the crossovers
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
@@ -79,7 +84,11 @@ GEMMA3_4B = ModelShape(layers=34, hidden=2560, heads=8, kv_heads=4, head_dim=256
                        activation="gelu_pytorch_tanh", scale=256 ** -0.5, tied=True,
                        windows=tuple(None if i % 6 == 5 else 1024 for i in range(34)),
                        rope_kinds=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(34)))
-MODELS = {**SHAPES, "gemma3-4b": GEMMA3_4B}
+# Llama-3-8B: 8 KV heads, so batch 8 is 64 rows of (sequence, KV head) in each attention call (at 32K × 8 its cache
+# takes 34 GB; 128K × 8 does not fit one GPU)
+LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
+                       rope_theta=500000.0, eps=1e-5, qkv_bias=False)
+MODELS = {**SHAPES, "gemma3-4b": GEMMA3_4B, "llama3-8b": LLAMA3_8B}
 
 
 def _config(shape: ModelShape) -> SimpleNamespace:
@@ -139,6 +148,10 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
         policy, manifest = get_policy("vattention", max_sample=budget), delta_manifest(shape)
     elif name == "lethe":  # the same budget in every layer
         policy, manifest = get_policy("lethe", budget=budget), None
+    elif name == "full-flashinfer":  # the peer: the engine's dense step with FlashInfer's decode as its attention
+        from benchmarks.peers import FlashInferFull
+
+        policy, manifest = FlashInferFull(), None
     else:
         raise SystemExit(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     policy.bind(manifest, _config(shape))
@@ -260,7 +273,7 @@ class Bench:
                 start = context - self.margin()
                 full_ms = None
                 for name in a.policies:
-                    for budget in ([None] if name == "full" else a.budgets):
+                    for budget in ([None] if name in DENSE else a.budgets):
                         if budget is not None and budget >= context:
                             continue  # reads the whole context anyway
                         policy = make_policy(name, shape, budget or 0, scaled_retrieval_heads(shape, a.retrieval_heads))
@@ -432,7 +445,7 @@ def crossovers(rows: list[dict]) -> list[dict]:
     full at every measured context, or None."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if "skipped" not in r and r["policy"] != "full" and "speedup_vs_full" in r:
+        if "skipped" not in r and r["policy"] not in DENSE and "speedup_vs_full" in r:
             groups.setdefault((r["model"], r["batch"], r["policy"], r["budget"]), []).append(r)
     out = []
     for (model, batch, policy, budget), rs in sorted(groups.items(), key=str):
@@ -449,12 +462,14 @@ def crossovers(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="7b,1.5b", help="comma-separated: 7b, 1.5b, gemma3-4b (the fixed-context grid)")
+    p.add_argument("--models", default="7b,1.5b",
+                   help="comma-separated: 7b, 1.5b, gemma3-4b, llama3-8b (the fixed-context grid)")
     p.add_argument("--contexts", default="4096,8192,16384,32768,131072")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--policies", default="full,delta,lychee", help="comma-separated: full, delta, delta-refine "
                    "(two-stage, 4·K candidates), lychee, quest, vattention (on DELTA's roles, samples up to the "
-                   "budget), lethe")
+                   "budget), lethe, full-flashinfer (the peer: full with FlashInfer's dense decode as each "
+                   "layer's attention)")
     p.add_argument("--budgets", default="2048", help="tokens read by sparse heads / layers")
     p.add_argument("--retrieval-heads", type=int, default=RETRIEVAL_HEADS_7B,
                    help="lychee retrieval KV heads for 7B (112 in all); other shapes get the same share")
@@ -495,6 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
     args.models = p.names(args.models, "--models", MODELS, none_ok="--real" if args.real else None)
     args.policies = p.names(args.policies, "--policies", POLICIES)  # refused before anything is timed
+    if "full-flashinfer" in args.policies and (args.smoke or not flashinfer_available()):
+        p.error("--policies full-flashinfer needs flashinfer-python importable and a GPU (not --smoke); install "
+                "flashinfer-python, or leave full-flashinfer out")
     if "full" in args.policies:
         args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first
     if args.smoke:

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import peers  # noqa: E402
 from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
@@ -210,7 +211,7 @@ def bench_config(b: int, t: int, g: torch.Generator) -> dict:
     _, lse = tri.sparse_decode_attention(q, *kv.sets[0], scale=scale)
     row["page_scores_ms"] = graph_ms(lambda k, v: page_tri.page_scores(q, k, lse, scale, 16), kv)
     row["decode_and_score_ms"] = graph_ms(lambda k, v: page_tri.decode_and_score(q, k, v, scale, 16), kv)
-    if flashinfer_available():
+    if peers.flashinfer_available():
         row.update(flashinfer_peer(b, t, q, kv, idx))
     kv.sets.clear()
     torch.cuda.empty_cache()
@@ -249,43 +250,18 @@ def derive(row: dict, copy_bw: float) -> dict:
     return row
 
 
-def flashinfer_available() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def flashinfer_peer(b: int, t: int, q: torch.Tensor, kv: Rotating, idx: torch.Tensor) -> dict:
-    """FlashInfer's paged decode on the same cache: each (sequence, KV head) is one request whose pages are
-    64-token slices of ``[B, Hkv, T, D]`` (HND, one KV head), so dense reads every page and sparse lists only
-    the chosen pages per KV head in its page table, as DELTA's and Quest's engines do. Tensor cores on (GQA)."""
-    import flashinfer
-
-    pages = t // BLOCK
-    g = HQ // HKV
+    """FlashInfer's paged decode on the same cache (:func:`benchmarks.peers.flashinfer_decode`): each (sequence,
+    KV head) is one request whose pages are 64-token slices of ``[B, Hkv, T, D]``, so dense reads every page and
+    sparse lists only the chosen pages per KV head in its page table, as DELTA's and Quest's engines do."""
     rows = b * HKV
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    last = torch.full((rows,), BLOCK, dtype=torch.int32, device="cuda")
-    qh = q.view(rows, g, D)
-    out = {"flashinfer_version": flashinfer.__version__}
-    base = (torch.arange(rows, device="cuda", dtype=torch.int32) * pages)[:, None]
-    tables = {"dense": base + torch.arange(pages, device="cuda", dtype=torch.int32)[None, :],
-              "sparse": base + idx.view(rows, -1)}
-    for name, table in tables.items():
-        n = table.shape[1]
-        indptr = torch.arange(rows + 1, device="cuda", dtype=torch.int32) * n
-        indices = table.flatten().contiguous()
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "HND", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        wrapper.plan(indptr, indices, last, g, 1, D, BLOCK, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-
-        def run(k, v, w=wrapper):
-            return w.run(qh, (k.view(rows * pages, 1, BLOCK, D), v.view(rows * pages, 1, BLOCK, D)))
-
-        out[f"flashinfer_{name}_ms"] = graph_ms(run, kv)
+    workspace = torch.empty(peers.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    tables = {"dense": (torch.arange(t // BLOCK, device="cuda").expand(rows, -1), t),
+              "sparse": (idx.view(rows, -1), idx.shape[-1] * BLOCK)}
+    out = {"flashinfer_version": peers.flashinfer_version()}
+    for name, (table, tokens) in tables.items():
+        run = peers.flashinfer_decode(table, tokens, HQ // HKV, D, BLOCK, torch.bfloat16, workspace=workspace)
+        out[f"flashinfer_{name}_ms"] = graph_ms(lambda k, v, run=run: run(q, k, v), kv)
     return out
 
 
