@@ -170,8 +170,9 @@ def test_split_launch_of_a_smaller_gpu_matches_reference_on_gpu(monkeypatch):
     (1024, 128, False, (1024, 128, 3)),  # DELTA's setting: 64 rows × 2 KV heads, one program a row
     (1000, 96, False, (1024, 128, 3)),  # whole tiles, from 96 gathered rows of 132 SMs on
     (1024, 64, False, (128, 64, 2)),  # 64 gathered rows split, as choose_chunk says
-    (18432, 128, True, (18432, 128, 3)),  # rows that stream the cache ...
-    (131072, 64, True, (131072, 128, 3)),  # ... from 64 rows on (Llama-3-8B heads at 128K × 8)
+    (18432, 128, True, (18432, 128, 3)),  # rows that stream the cache too (DELTA's Δ-layers) ...
+    (32768, 96, True, (32768, 128, 3)),  # ... from 93 rows on (7B heads at 32K × 24)
+    (32768, 64, True, (4096, 64, 2)),  # Llama-3-8B heads at 32K × 8 split: 64 programs stream too little
     (131072, 32, True, (8192, 64, 2)),  # 7B at 128K × 8
     (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows
 ])
@@ -182,11 +183,12 @@ def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, exp
 
 
 @pytest.mark.parametrize("rows, bandwidth, one", [
-    (64, None, True),  # torch does not say: by the SMs alone
-    (64, 2.619e9 * 2 * 640, True),  # an H100 SXM's HBM3 (3.35 TB/s): 61 rows stream it
-    (64, 4.8e12, False),  # an H200: 64 rows of 128K tokens took 1.178 ms one program a row, 0.962 split
-    (88, 4.8e12, True),  # ... 88 rows stream it
-    (59, 2.0e12, False),  # a slower memory does not lower the SMs' threshold (60 rows of 132 SMs)
+    (93, None, True),  # torch does not say: by the SMs alone (93 rows of 132 SMs)
+    (92, None, False),
+    (93, 2.619e9 * 2 * 640, True),  # an H100 SXM's HBM3 (3.35 TB/s): 84 rows stream it, below the SMs' 93
+    (96, 4.8e12, False),  # an H200: 120 rows stream its rated 4.8 TB/s ...
+    (120, 4.8e12, True),  # ... at 40 GB/s each
+    (92, 2.0e12, False),  # a slower memory does not lower the SMs' threshold
 ])
 def test_rows_that_stream_the_cache_are_one_program_each_only_where_they_reach_the_peak_bandwidth(rows, bandwidth,
                                                                                                    one):

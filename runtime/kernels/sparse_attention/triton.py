@@ -198,13 +198,14 @@ def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int
     return tile * math.ceil(chunk / tile)
 
 
-# rows of (sequence, KV head), as a share of the SMs, from which each row is one program (choose_launch)
-DENSE_ROW_PROGRAMS = 0.45  # rows that read every token: from 64 rows on 132 SMs
-GATHERED_ROW_PROGRAMS = 0.7  # rows that read a gathered set: from 96 rows
-# bytes a second one program streams a dense row at, 128-token tiles three stages deep: 57 GB/s at 64 rows of 128K
-# tokens on an H200 (3.65 TB/s in all, below its 4.2 TB/s copy bandwidth), so rows that stream the cache are one
-# program each only where that many programs reach the GPU's peak bandwidth (choose_launch)
-DENSE_ROW_BANDWIDTH = 55e9
+# rows of (sequence, KV head), as a share of the SMs, from which each row is one program (choose_launch): from 93
+# rows on 132 SMs. In the decode step of 7B heads (H100, full): 64 rows 17.06 ms one program a row against 15.31
+# split, 96 rows 20.78 / 20.98, 128 rows 15.63 / 15.87
+ROW_PROGRAMS = 0.7
+# bytes a second one program streams a dense row at, 128-token tiles three stages deep, inside a decode step: 2.56 TB/s
+# over 64 programs (Llama-3-8B heads at 32K × 8, H100, 420 µs a layer against 355 split), so rows that stream the
+# cache are one program each only where that many programs reach the GPU's peak bandwidth (choose_launch)
+DENSE_ROW_BANDWIDTH = 40e9
 
 
 def shared_bytes(tile: int, stages: int, head_dim: int, itemsize: int) -> int:
@@ -224,15 +225,20 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
     (:func:`runtime.kernels.peak_bandwidth`; None: not known).
 
     Many rows are one program each, in 128-token tiles three stages deep: no merge to launch, and half as many
-    steps of the tile loop, each with twice the bytes in flight. Rows that stream the cache do so from
-    :data:`DENSE_ROW_PROGRAMS` of the SMs on, and from as many as stream the peak ``bandwidth`` at
-    :data:`DENSE_ROW_BANDWIDTH` each (61 rows on an H100 SXM, 88 on an H200 at its rated 4.8 TB/s: there 64 rows
-    of 128K tokens took 1.178 ms one program a row against 0.962 split); rows of gathered sets, which keep fewer
-    bytes in flight per program, from :data:`GATHERED_ROW_PROGRAMS`; both only where the tiles fit in ``shared``
-    (:func:`shared_bytes`: not for head dim 256 or a float32 cache on an H100, nor head dim 128 on sm86/sm89).
-    Fewer rows split, as :func:`choose_chunk` says, in 64-token tiles two stages deep. ``python
-    benchmarks/kernels.py --no-attention --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls,
-    ``benchmarks/results/kernels_rows_h100.json``), one program a row against the split launch and its merge, µs:
+    steps of the tile loop, each with twice the bytes in flight. That takes rows from :data:`ROW_PROGRAMS` of the
+    SMs on, and rows that stream the cache also as many as stream the peak ``bandwidth`` at
+    :data:`DENSE_ROW_BANDWIDTH` each (84 rows on an H100 SXM, 120 on an H200 at its rated 4.8 TB/s); both only
+    where the tiles fit in ``shared`` (:func:`shared_bytes`: not for head dim 256 or a float32 cache on an H100,
+    nor head dim 128 on sm86/sm89). Fewer rows split, as :func:`choose_chunk` says, in 64-token tiles two stages
+    deep.
+
+    The thresholds come from the decode step (``benchmarks/decode.py``), not from calls timed alone: in a graph of
+    calls of one kernel, a call of fewer programs than SMs runs beside the next (each lets the next start early),
+    which a step's next kernel, reading its output, does not. So ``python benchmarks/kernels.py --no-attention
+    --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls, ``benchmarks/results/kernels_rows_h100.json``),
+    one program a row against the split launch and its merge, µs, flatters one program a row below the SMs' count
+    (dense, 64 rows of Llama-3-8B heads at 32K tokens: 351 µs alone, 420 in the step, where FlashInfer's call
+    takes 355, and the whole step 19.30 ms against 17.25 with the split launch):
 
     * gathered, 1,024 tokens of 16-token pages (DELTA's sparse layers): 1.5B heads at 64 rows × 2 KV heads 28.2
       against 33.7, 48 × 2 22.8 / 26.9, 32 × 2 17.8 / 19.9, 16 × 2 14.9 / 9.6; 7B heads at 64 × 4 52.8 / 59.8;
@@ -245,8 +251,7 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
       7B heads at 64 × 4, 18,432 tokens 780.4 / 803.4; Llama-3-8B heads at 8 × 8, 131,072 tokens 1396.6 /
       1414.0."""
     fits = shared is None or shared_bytes(128, 3, head_dim, itemsize) <= shared
-    many = (max(DENSE_ROW_PROGRAMS * sms, (bandwidth or 0) / DENSE_ROW_BANDWIDTH) if dense
-            else GATHERED_ROW_PROGRAMS * sms)
+    many = max(ROW_PROGRAMS * sms, (bandwidth or 0) / DENSE_ROW_BANDWIDTH if dense else 0)
     if fits and rows >= many:
         return 128 * math.ceil(max(tokens, 1) / 128), 128, 3
     tile = split_tile(head_dim, itemsize, shared)
