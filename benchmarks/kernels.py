@@ -9,6 +9,9 @@ Every call is captured in a CUDA graph of ``--calls-per-graph`` calls (16), as a
 launch overhead nor the graph's own launch counts. rolecall's calls are launched as the engine launches them
 (``choose_launch``: programs a row, tile and stages from the rows, the GPU's SMs and its shared memory; each row
 of the JSON names the launch). ``--sweep`` also times the split launch at other warps, stages, tiles and chunks.
+A call of fewer programs than SMs (one program a row below the SMs' count) lets the next call of the graph start
+on the idle SMs, which a decode step's next kernel, reading its output, does not: such calls look faster here than
+in a step (``benchmarks/decode.py`` times the step, with ``--policies full,full-flashinfer`` against FlashInfer).
 ``--rounds N`` times every shape N times over, one shape after another, and reports each call's median of the rounds
 (their values under ``rounds_ms``): a dense call at the memory's limit moves by about 1 % from run to run, as much
 as rolecall's and FlashInfer's dense calls differ there.
