@@ -7,8 +7,8 @@ Models are DS-Qwen-7B / DS-Qwen-1.5B shaped, Gemma-3-4B shaped (``gemma3-4b``, a
 layers hold rings of their window) or Llama-3-8B shaped (``llama3-8b``: 8 KV heads); random bf16 weights: speed
 does not depend on the values. For each model, context, batch, policy and budget it fills a static cache with
 random keys and values (the prefill is not timed), captures :class:`runtime.engine.StaticDecoder`'s step in a CUDA
-graph, warms up, and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s (batch / TPOT)
-and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
+graph, warms up, and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s
+(batch / TPOT) and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
 plus the K/V bytes the policy must read, over the device-to-device copy bandwidth measured in the same run
 (bytes read + written per second, as in ``benchmarks/kernels.py``), and the fraction of it achieved. Page
 scores that Δ-layers write and read (4 bytes per head and token) are not counted. ``held MB`` (CUDA) is the memory

@@ -235,8 +235,9 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
     The thresholds come from the decode step (``benchmarks/decode.py``), not from calls timed alone: in a graph of
     calls of one kernel, a call of fewer programs than SMs runs beside the next (each lets the next start early),
     which a step's next kernel, reading its output, does not. So ``python benchmarks/kernels.py --no-attention
-    --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls, ``benchmarks/results/kernels_rows_h100.json``),
-    one program a row against the split launch and its merge, µs, flatters one program a row below the SMs' count
+    --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls,
+    ``benchmarks/results/kernels_rows_h100.json``), one program a row against the split launch and its merge, µs,
+    flatters one program a row below the SMs' count
     (dense, 64 rows of Llama-3-8B heads at 32K tokens: 351 µs alone, 420 in the step, where FlashInfer's call
     takes 355, and the whole step 19.30 ms against 17.25 with the split launch):
 
