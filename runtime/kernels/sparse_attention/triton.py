@@ -200,7 +200,8 @@ def choose_chunk(tokens: int, rows: int, sms: int, dense: bool = True, tile: int
 
 # rows of (sequence, KV head), as a share of the SMs, from which each row is one program (choose_launch): from 93
 # rows on 132 SMs. In the decode step of 7B heads (H100, full): 64 rows 17.06 ms one program a row against 15.31
-# split, 96 rows 20.78 / 20.98, 128 rows 15.63 / 15.87
+# split, 96 rows 20.78 / 20.98, 128 rows 15.63 / 15.87; of 1.5B heads (delta, 1K budget, 16K, its sparse layers
+# gathered): 96 rows 3.67 / 3.74, 128 rows 4.23 / 4.34
 ROW_PROGRAMS = 0.7
 # bytes a second one program streams a dense row at, 128-token tiles three stages deep, inside a decode step: 2.56 TB/s
 # over 64 programs (Llama-3-8B heads at 32K × 8, H100, 420 µs a layer against 355 split), so rows that stream the
