@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from runtime.atomic import check_writable
-from runtime.manifest.interop import FORMATS, SOURCES, import_manifest
+from runtime.manifest.interop import FORMATS, check_source, import_manifest
 from runtime.models import load_config
 
 
@@ -28,11 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if rule and args.format != "duo":
         raise ValueError("--threshold/--sparsity/--num-retrieval apply to --format duo only")
     check_writable(args.output, "--output")  # refused before the model's config and the source are read
-    source = Path(args.source)
-    if not (source.is_file() or (args.format == "duo" and source.is_dir())):
-        missing = "no such file or folder" if args.format == "duo" else "no such file"
-        raise ValueError(f"{args.source}: {'a folder' if source.is_dir() else missing}; --format "
-                         f"{args.format} reads {SOURCES[args.format]}")
+    check_source(args.source, args.format)
     manifest = import_manifest(args.source, args.format, load_config(args.model), name=args.model, **rule)
     manifest.save(args.output)
     print(f"wrote {args.output} ({', '.join(manifest.sections)})", file=sys.stderr)

@@ -103,6 +103,15 @@ def to_layer_list(manifest: RoleManifest) -> dict[str, Any]:
 
 
 # -- import ---------------------------------------------------------------------------------------------------
+def check_source(path: str | os.PathLike, fmt: str) -> None:
+    """Refuse, in one line naming what ``fmt`` reads, a ``path`` that is missing, or a folder where the format
+    reads a file (only ``duo`` takes a folder): what ``rolecall import`` checks before it looks up the model."""
+    source = Path(path)
+    if not (source.is_file() or (fmt == "duo" and source.is_dir())):
+        missing = "no such file or folder" if fmt == "duo" else "no such file"
+        raise ValueError(f"{path}: {'a folder' if source.is_dir() else missing}; --format {fmt} reads {SOURCES[fmt]}")
+
+
 def read_duo_gates(path: str | os.PathLike) -> np.ndarray:
     """``[L, Hkv]`` gate values from a DuoAttention pattern folder or its TSV file."""
     path = Path(path)
