@@ -1,0 +1,270 @@
+"""Serving many requests on one engine: a scheduler over a fixed number of row slots (continuous batching).
+
+A :class:`Scheduler` owns one :class:`~runtime.engine.decoder.StaticDecoder` of ``slots`` rows and a thread that
+drives it. :meth:`Scheduler.submit` checks a :class:`Request` at once (a bad one raises :class:`RequestError`,
+naming the field, before any work) and queues it; the thread admits waiting requests into free rows at step
+boundaries (each after its own prefill, into its own row, which keeps its own length and positions), steps every
+live row together, and frees a row when its request ends (EOS, a stop string, ``max_new_tokens``, or
+:meth:`Scheduler.cancel`). Each request's ``emit`` callback receives :class:`Event` objects in order, from the
+scheduler's thread: new token ids and their text as they come, then one event with ``finish_reason`` set.
+
+The callback must not block (the HTTP server hands events to its event loop with ``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.engine.sampling import Sampling
+
+
+class RequestError(ValueError):
+    """A request the scheduler refuses before any work: ``field`` names the offending request field, the message
+    says the value, the limit and the fix in one line."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler drains or has stopped: it takes no new request."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: ``prompt`` token ids (at least one), at most ``max_new_tokens`` new tokens,
+    ``sampling`` (greedy by default; per request: temperature, top-k, top-p, seed), ``stop`` strings (the
+    answer ends after the first one, which is kept), and ``ignore_eos`` (run to ``max_new_tokens``: load
+    benchmarks)."""
+
+    prompt: tuple[int, ...] | list[int]
+    max_new_tokens: int = 16
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Event:
+    """What a request's ``emit`` receives: ``token_ids`` and ``text`` new since the previous event; the last event
+    has ``finish_reason`` (``"stop"``: EOS or a stop string, ``"length"``: ``max_new_tokens``, ``"cancelled"``,
+    ``"error"`` with ``error`` saying why in one line). ``prompt_tokens`` and ``completion_tokens`` count the
+    request's tokens so far; ``first_token_s`` is the time from submission to the first token."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Live:
+    """A request in the scheduler's hands."""
+
+    id: int
+    request: Request
+    emit: Callable[[Event], None]
+    submitted: float
+    tokens: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    first_token_s: float | None = None
+    cancelled: bool = False
+
+
+class Scheduler:
+    """Continuous batching over ``slots`` rows of one engine decoder (see the module's docstring).
+
+    ``weights``: the engine's weights; ``policy``: a bound policy with a static step; ``max_context``: the most
+    tokens (prompt + new) one request may hold, default the weights' RoPE positions; ``tokenizer``: for text
+    and stop strings (without one, events carry ids only and ``stop`` is refused); ``eos_token_id``: an id or
+    ids that end a request. ``kernels`` as :class:`~runtime.engine.decoder.StaticDecoder`'s."""
+
+    def __init__(self, weights: Any, policy: Any, *, slots: int = 8, max_context: int | None = None,
+                 tokenizer: Any = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
+                 kernels: str = "auto", check_every: int = 8) -> None:
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer ≥ 1, got {slots!r}")
+        most = weights.max_positions
+        max_context = most if max_context is None else int(max_context)
+        if not 2 <= max_context <= most:
+            raise ValueError(f"max_context {max_context} must be in [2, {most}] (the model's RoPE positions)")
+        self.weights, self.policy, self.slots, self.max_context = weights, policy, slots, max_context
+        self.tokenizer, self.pad_token_id, self.kernels = tokenizer, int(pad_token_id), kernels
+        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        self.check_every = check_every
+        self._ids = itertools.count(1)
+        self._waiting: deque[_Live] = deque()
+        self._running: dict[int, _Live] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._draining = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.generated = 0  # tokens generated since start
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per engine call, for tokens/s
+        self.kv_bytes = 0
+        self.failure: str | None = None
+
+    # -- the client side -----------------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Raise :class:`RequestError` for a request this scheduler cannot run (before any work)."""
+        prompt = list(request.prompt)
+        if not prompt:
+            raise RequestError("prompt", "the prompt is empty; send at least one token")
+        vocab = self.weights.shape.vocab
+        bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad!r} is not in the vocabulary [0, {vocab})")
+        n = request.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RequestError("max_tokens", f"max_tokens must be an integer ≥ 1, got {n!r}")
+        if len(prompt) + n > self.max_context:
+            raise RequestError("prompt", f"the prompt ({len(prompt)} tokens) and max_tokens ({n}) need "
+                                         f"{len(prompt) + n} positions, more than this server's context of "
+                                         f"{self.max_context}; shorten the prompt or lower max_tokens")
+        if request.stop and self.tokenizer is None:
+            raise RequestError("stop", "stop strings need a tokenizer, and this server has none")
+        if not isinstance(request.sampling, Sampling):
+            raise RequestError("sampling", "sampling must be a runtime.engine.Sampling")
+
+    def submit(self, request: Request, emit: Callable[[Event], None]) -> int:
+        """Check ``request`` (:class:`RequestError` if bad, :class:`SchedulerClosed` while draining) and queue it;
+        returns its id (for :meth:`cancel`). Starts the scheduler's thread on first use."""
+        self.check(request)
+        with self._lock:
+            if self._draining or self._stopped:
+                raise SchedulerClosed("the server is shutting down and takes no new requests")
+            live = _Live(next(self._ids), request, emit, time.perf_counter())
+            self._waiting.append(live)
+        self.start()
+        self._wake.set()
+        return live.id
+
+    def cancel(self, request_id: int) -> None:
+        """End a request early (its client went away); its row is freed at the next step boundary."""
+        with self._lock:
+            for live in list(self._waiting) + list(self._running.values()):
+                if live.id == request_id:
+                    live.cancelled = True
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        """``running``, ``waiting`` requests, ``slots`` and ``slots_in_use``, ``kv_bytes`` held by the cache,
+        ``generated_tokens`` since start and ``tokens_per_s`` over the last engine calls."""
+        with self._lock:
+            running, waiting = len(self._running), len(self._waiting)
+        rate = 0.0
+        if len(self._rate) >= 2:
+            (t0, _), (t1, _) = self._rate[0], self._rate[-1]
+            rate = sum(n for _, n in list(self._rate)[1:]) / max(t1 - t0, 1e-9)
+        return {"running": running, "waiting": waiting, "slots": self.slots, "slots_in_use": running,
+                "kv_bytes": self.kv_bytes, "generated_tokens": self.generated, "tokens_per_s": rate}
+
+    # -- lifetime --------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._serve, name="rolecall-scheduler", daemon=True)
+                self._thread.start()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Take no new request, finish the ones queued and running, then stop; True when all finished in time."""
+        with self._lock:
+            self._draining = True
+        self._wake.set()
+        done = self._thread is None or (self._thread.join(timeout) or not self._thread.is_alive())
+        self.close()
+        return done
+
+    def close(self) -> None:
+        """Stop now: requests not finished end with ``finish_reason="cancelled"``."""
+        with self._lock:
+            self._stopped = True
+            self._draining = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            left = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+        for live in left:
+            self._finish(live, "cancelled")
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the scheduler's thread ---------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            from runtime.engine.batcher import Batcher
+
+            engine = Batcher(self)
+            while True:
+                with self._lock:
+                    idle = not self._waiting and not self._running
+                    if self._stopped or (idle and self._draining):
+                        return
+                if idle:
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                engine.advance()
+        except Exception as e:  # noqa: BLE001 - the engine failed: every request learns why, the process lives
+            self.failure = f"{type(e).__name__}: {e}"
+            print(f"rolecall: the engine stopped: {self.failure}", file=sys.stderr)
+            with self._lock:
+                left = list(self._waiting) + list(self._running.values())
+                self._waiting.clear()
+                self._running.clear()
+                self._stopped = True
+            for live in left:
+                self._finish(live, "error", self.failure)
+
+    def _text(self, live: _Live, final: bool) -> str:
+        """The text of ``live``'s tokens not yet sent (held back while it may end inside a multi-byte character)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(live.tokens, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        new = text[len(live.sent_text):] if text.startswith(live.sent_text) else ""
+        live.sent_text = text if text.startswith(live.sent_text) else live.sent_text
+        return new
+
+    def _deliver(self, live: _Live, new: list[int], finish: str | None) -> None:
+        if new and live.first_token_s is None:
+            live.first_token_s = time.perf_counter() - live.submitted
+        live.tokens.extend(new)
+        text = self._text(live, finish is not None)
+        if new or finish is not None:
+            self._emit(live, Event(new, text, finish, len(live.request.prompt), len(live.tokens),
+                                   live.first_token_s))
+
+    def _finish(self, live: _Live, reason: str, error: str | None = None) -> None:
+        self._emit(live, Event([], "", reason, len(live.request.prompt), len(live.tokens), live.first_token_s, error))
+
+    @staticmethod
+    def _emit(live: _Live, event: Event) -> None:
+        try:
+            live.emit(event)
+        except Exception as e:  # noqa: BLE001 - a client's callback must not stop the engine
+            print(f"rolecall: a request's callback failed ({type(e).__name__}: {e}); it is cancelled", file=sys.stderr)
+            live.cancelled = True
+
+
+__all__ = ["Event", "Request", "RequestError", "Scheduler", "SchedulerClosed"]
