@@ -25,9 +25,6 @@ it has, over the buffers it keeps.
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import sys
 import time
 from typing import Any
 
@@ -35,6 +32,7 @@ import torch
 
 from runtime.engine import layers as L
 from runtime.engine.cache import KeySpan, StaticCache, head_order_of, ring_slots, ring_span, same_order
+from runtime.engine.compiling import compiled, compiles_on
 from runtime.engine.crossovers import default_min_context
 from runtime.engine.prefill import PrefillGraphs
 from runtime.engine.prefill import prefill as _prefill
@@ -65,8 +63,8 @@ class StaticDecoder:
     ``TRITON_INTERPRET=1``). ``cache``: share one cache between decoders (benchmarks). ``sampler``: chooses
     the next token from the logits inside the step (greedy when None); ``stopper``: bookkeeping of finished
     rows inside the step (``runtime.engine.generate``). ``compile``: fuse each layer's small ops around its GEMMs
-    with ``torch.compile`` (default: on CUDA, unless ``ROLECALL_COMPILE=0``; the first step of each batch size
-    compiles)."""
+    with ``torch.compile`` (default: on CUDA, unless ``ROLECALL_COMPILE=0``; ``ROLECALL_COMPILE=1`` compiles on
+    any device; see :func:`runtime.engine.layers.compiled_finish` for how many times)."""
 
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
                  cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
@@ -136,9 +134,9 @@ class StaticDecoder:
         self.graphs: dict[str, Any] = {}
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
-            compile = device.type == "cuda" and os.environ.get("ROLECALL_COMPILE", "1") != "0"
+            compile = compiles_on(device)
         self.compiles = compile  # whether the step's small ops go through torch.compile (policies may too)
-        self._post = L.compiled_finish(s) if compile else functools.partial(L.finish_tensors, s)
+        self._post = L.compiled_finish(s) if compile else L.bound_finish(s)
         self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
 
     def _choose_kernels(self, kernels: str, device: torch.device) -> None:
@@ -442,10 +440,9 @@ class StaticDecoder:
 
     def compiled(self, fn: Any) -> Any:
         """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its
-        small ops. ``dynamic=None``: the first shape compiles static code, a second one recompiles with the
-        shapes symbolic, which then serves every later one (an evaluation decodes many shapes; static code for
-        each would hit torch.compile's recompile limit)."""
-        return _FallsBackToEager(fn, torch.compile(fn, dynamic=None, fullgraph=True)) if self.compiles else fn
+        small ops (:func:`runtime.engine.compiling.compiled`: static shapes, a bounded number of compilations,
+        the eager function when compilation fails)."""
+        return compiled(fn, dynamic=None) if self.compiles else fn
 
     def triton_topk(self, n: int) -> Any:
         """The Triton top-k (ascending ids, -1 padded) when this decoder runs it over rows of ``n`` scores,
@@ -580,43 +577,3 @@ def padding_mask(pads: list[int], width: int, device: Any = "cpu") -> torch.Tens
 
 __all__ = ["Pending", "StaticDecoder", "pad_left", "padding_mask", "static_step_of"]
 
-
-_COMPILE_FAILED: set[Any] = set()  # the code of functions whose compilation failed once in this process
-
-
-class _FallsBackToEager:
-    """A compiled function that runs its eager original from the first call whose compilation fails (an error of
-    torch.compile's own, such as inductor's codegen failing for one shape: seen with torch 2.11 on lethe's
-    eviction over 16,001 slots), with one line saying so. The eager function computes the same values, so only
-    speed changes; an error of the function itself is raised again by the eager call. The failure is remembered
-    for the function's code, so the next decoder (an evaluation makes one per batch) does not spend another
-    compilation on it."""
-
-    def __init__(self, eager: Any, compiled: Any) -> None:
-        self.eager, self.compiled = eager, compiled
-        self.code = getattr(getattr(eager, "__func__", eager), "__code__", eager)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.code not in _COMPILE_FAILED:
-            try:
-                return self.compiled(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - narrowed below to torch.compile's own errors
-                if not _compile_error(e):
-                    raise
-                _COMPILE_FAILED.add(self.code)
-                name = getattr(self.eager, "__qualname__", repr(self.eager))
-                print(f"rolecall: torch.compile failed on {name} ({type(e).__name__}); running it eagerly",
-                      file=sys.stderr)
-        return self.eager(*args, **kwargs)
-
-
-def _compile_error(e: BaseException) -> bool:
-    """Whether ``e`` is torch.compile failing (dynamo or a backend), not the compiled function raising."""
-    kinds = []
-    for module, name in (("torch._dynamo.exc", "BackendCompilerFailed"), ("torch._dynamo.exc", "Unsupported"),
-                         ("torch._inductor.exc", "InductorError")):
-        try:
-            kinds.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            continue
-    return isinstance(e, tuple(kinds))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from runtime.engine.compiling import compiles_on, rows_for
 from runtime.engine.decoder import StaticDecoder, pad_left
 from runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
 from runtime.engine.prefill import load as load_prefill
@@ -207,7 +208,13 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     """
     start = time.perf_counter()
     limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
-    b, device = len(prompts), weights.device
+    live, device = len(prompts), weights.device
+    if decoders is not None and not (output_logits or reference_logits) and compiles_on(device):
+        # rows rounded up to a bucket (runtime.engine.compiling): a bounded number of compilations and captures
+        # for requests of any batch size; the extra rows are one padding token each, finished at the prefill
+        idle = rows_for(live) - live
+        prompts, limits = list(prompts) + [[pad_token_id]] * idle, limits + [1] * idle
+    b = len(prompts)
     graphs = device.type == "cuda" if graphs is None else graphs
     # short prompts on the GPU: padded to a width the decoder keeps a prefill graph of (see runtime.engine.prefill);
     # a kept prefill's prompts are padded as they were then
@@ -266,7 +273,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     count = int(stopper.count)
     out = stopper.out[:, :count].cpu().tolist()
     tokens, finish = [], []
-    for r, row in enumerate(out):
+    for r, row in enumerate(out[:live]):
         end, why = loop.row_end(r, row[:limits[r]])
         tokens.append(row[:end])
         finish.append(why)
@@ -276,7 +283,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     logits = None
     if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
         logits = stopper.logits_out[:, :count]  # left on the device: they are large
-    info = {"graphs": bool(dec.graphs), "cache_slots": dec.max_len, "cache_bytes": dec.cache.nbytes,
+    info = {"graphs": bool(dec.graphs), "rows": b, "cache_slots": dec.max_len, "cache_bytes": dec.cache.nbytes,
             "setup_s": t0 - start, "capture_s": dec.capture_s - captured, "min_context": dec.min_context,
             "kernels": "triton" if dec.triton else "naive", "attended_fraction": _fraction(dec, ids.shape[1], steps)}
     reference = None
@@ -288,7 +295,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
         sync()
     info["reference_s"] = time.perf_counter() - t4
-    return Generation(tokens, finish, [len(p) for p in prompts], t1 - t0, t3 - t2 - deferred, steps, logits,
+    return Generation(tokens, finish, [len(p) for p in prompts[:live]], t1 - t0, t3 - t2 - deferred, steps, logits,
                       reference, info, prefilled if keep_prefill else None)
 
 

@@ -64,12 +64,13 @@ def first_input(w: Weights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @functools.cache
-def compiled_finish(s: ModelShape):
-    """:func:`finish_tensors` for ``s`` through ``torch.compile``, which fuses what no kernel of ours covers (the
-    activation of a projection the gated kernel does not take, the casts) instead of a launch for each small op
-    (a batch-1 step is otherwise bound by the launch latency of a dozen small kernels per layer). Compiled once
-    per shape and batch, in the engine's eager warm-up, before its CUDA-graph capture; kept per shape, so later
-    decoders of the same model reuse it.
+def bound_finish(s: ModelShape):
+    """:func:`finish_tensors` for ``s``: what the decode step runs through ``torch.compile``
+    (:func:`runtime.engine.compiling.compiled`), which fuses what no kernel of ours covers (the activation of a
+    projection the gated kernel does not take, the casts) instead of a launch for each small op (a batch-1 step
+    is otherwise bound by the launch latency of a dozen small kernels per layer). Compiled once per shape and
+    row count, in the engine's eager warm-up, before its CUDA-graph capture; one object per shape, so later
+    decoders of the same model reuse its compilations.
 
     On CUDA each residual add and the norm after it are one kernel of ours
     (:func:`runtime.kernels.add_rms_norm.add_rms_norm`), which takes part in the chain of dependent launches: an
@@ -77,10 +78,15 @@ def compiled_finish(s: ModelShape):
     step are :func:`runtime.kernels.skinny_linear.linear`'s custom op where it measured faster than cuBLAS; the
     compiled graph calls both ops as they are. Inductor's pattern matcher is off: it would fold a residual add
     into its GEMM as an ``addmm``, which first copies the residual into the output (one more kernel)."""
-    # dynamic=None: the first batch size compiles static code; a second one recompiles with the batch symbolic,
-    # which then serves every batch size (a serving process sees many; the recompile limit is never reached)
-    return torch.compile(functools.partial(finish_tensors, s), dynamic=None, fullgraph=True,
-                         options={"pattern_matcher": False})
+    return functools.partial(finish_tensors, s)
+
+
+@functools.cache
+def compiled_finish(s: ModelShape):
+    """:func:`bound_finish` of ``s`` compiled, one object per shape (its compilations shared by every decoder)."""
+    from runtime.engine.compiling import compiled
+
+    return compiled(bound_finish(s), pattern_matcher=False)
 
 
 def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin, order=None):

@@ -568,7 +568,7 @@ def test_a_step_whose_compilation_fails_runs_eagerly_with_one_line(capsys):
     error of the function itself still reaches the caller."""
     from torch._inductor.exc import InductorError
 
-    from runtime.engine.decoder import _FallsBackToEager
+    from runtime.engine.compiling import FallsBackToEager as _FallsBackToEager
 
     calls = []
 
