@@ -1,4 +1,16 @@
-"""The scheduler's engine side (interim): one request at a time through :func:`runtime.engine.generate`."""
+"""The scheduler's engine side: continuous batching over the row slots of one decoder.
+
+One :class:`~runtime.engine.decoder.StaticDecoder` of ``slots`` rows, each row keeping its own length (no left
+padding: a request's pages start at its first token wherever it joins), its own sampling settings
+(:class:`~runtime.engine.sampling.RowSampler`) and its own token limit and EOS ids (:class:`RowStopper`). The
+step is captured once, over idle rows, and replayed for the process's lifetime: one compilation and one capture
+per scheduler, whatever the requests. Between runs of ``check_every`` steps the host admits waiting requests into
+free rows (each prefilled alone into its row's memory, :meth:`StaticCache.row`), reads the tokens of the steps
+run (one sync), hands them to their requests, cuts rows at stop strings and frees the rows that finished.
+
+A policy's step runs on such rows when it keeps nothing across steps that assumes one length for all rows
+(``row_lengths`` on its step: full, delta without refining, lychee); the scheduler refuses the others in one line.
+"""
 
 from __future__ import annotations
 
@@ -6,44 +18,151 @@ from typing import Any
 
 import torch
 
-from runtime.engine.generate import Decoders, generate
+from runtime.engine.decoder import StaticDecoder
+from runtime.engine.generate import _cut_at_stop
+from runtime.engine.sampling import RowSampler, Sampler
 
 
-class _Stream:
-    def __init__(self, sched: Any, live: Any) -> None:
-        self.sched, self.live, self.prompt_seen = sched, live, False
+class RowStopper:
+    """Device-side books of the scheduler's rows, called inside the step with the chosen tokens ``[B]``: a row
+    finishes on one of its EOS ids or at its limit, and idle or finished rows emit padding. ``emitted [B]``
+    says which rows produced a token this step; :meth:`running` which rows advance."""
 
-    def put(self, ids: torch.Tensor) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.sched._deliver(self.live, [int(t) for t in ids.flatten()], None)
+    def __init__(self, rows: int, eos_width: int, pad: int, device: Any) -> None:
+        self.limits = torch.zeros(rows, dtype=torch.long, device=device)
+        self.count = torch.zeros(rows, dtype=torch.long, device=device)
+        self.finished = torch.ones(rows, dtype=torch.bool, device=device)  # idle rows count as finished
+        self.emitted = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.eos = torch.full((rows, max(eos_width, 1)), -1, dtype=torch.long, device=device)
+        self.pad = pad
 
-    def end(self) -> None:
-        pass
+    def state(self) -> list[torch.Tensor]:
+        return [self.count, self.finished, self.emitted]
+
+    def running(self) -> torch.Tensor:
+        """``[B]`` long: 1 for the rows still decoding."""
+        return (~self.finished).long()
+
+    def set_row(self, row: int, limit: int, eos: list[int], first: int) -> bool:
+        """Row ``row`` starts a request of at most ``limit`` tokens whose first (the prefill's) is ``first``;
+        returns whether that already finished it."""
+        ids = (list(eos) + [-1] * self.eos.shape[1])[:self.eos.shape[1]]
+        done = first in eos or limit <= 1
+        self.eos[row] = torch.tensor(ids, dtype=torch.long)
+        self.limits[row], self.count[row], self.finished[row] = limit, 1, done
+        return done
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        running = ~self.finished
+        token = torch.where(running, token, self.pad)
+        self.count.add_(running.long())
+        ended = (token[:, None] == self.eos).any(-1) | (self.count >= self.limits)
+        self.finished |= running & ended
+        self.emitted.copy_(running)
+        return token
 
 
 class Batcher:
-    def __init__(self, sched: Any) -> None:
-        self.sched = sched
-        self.decoders = Decoders()
+    """Drives the scheduler's decoder: :meth:`advance` admits, steps ``check_every`` times, and delivers."""
 
+    def __init__(self, sched: Any) -> None:
+        s = self.sched = sched
+        w = s.weights
+        self.rows = s.slots
+        self.stopper = RowStopper(self.rows, len(s.eos), s.pad_token_id, w.device)
+        self.sampler = RowSampler(self.rows, w.device)
+        self.dec = StaticDecoder(w, s.policy, self.rows, s.max_context, min_context=0, kernels=s.kernels,
+                                 sampler=self.sampler, stopper=self.stopper, row_lengths=True)
+        self.graphs = w.device.type == "cuda"
+        if self.graphs:
+            self.dec.capture()
+        n = s.check_every
+        self.tokens = torch.zeros(n, self.rows, dtype=torch.long, device=w.device)  # per step of a run
+        self.emitted = torch.zeros(n, self.rows, dtype=torch.bool, device=w.device)
+        self.live: dict[int, Any] = {}  # row -> the request in it
+        s.kv_bytes = self.dec.cache.nbytes
+
+    # -- admission -----------------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        s = self.sched
+        while len(self.live) < self.rows:
+            with s._lock:
+                if not s._waiting:
+                    return
+                live = s._waiting.popleft()
+                if live.cancelled:
+                    s._finish(live, "cancelled")
+                    continue
+                s._running[live.id] = live
+            row = next(r for r in range(self.rows) if r not in self.live)
+            self._start(row, live)
+
+    def _start(self, row: int, live: Any) -> None:
+        """Prefill ``live``'s prompt alone into ``row``'s memory and set the row's books; its first token goes out."""
+        s, r = self.sched, live.request
+        prompt = list(r.prompt)
+        pre = StaticDecoder(s.weights, s.policy, 1, s.max_context, cache=self.dec.cache.row(row), min_context=0,
+                            kernels=s.kernels, sampler=Sampler(r.sampling, s.weights.device), compile=False)
+        pre.prefill(torch.tensor([prompt], dtype=torch.long, device=s.weights.device))
+        first = int(pre.tokens[0])  # one sync per admitted request
+        c = self.dec.cache
+        c.length[row], c.pads[row] = len(prompt), 0
+        self.dec.tokens[row] = first
+        self.sampler.set_row(row, r.sampling, 1)
+        eos = [] if r.ignore_eos else s.eos
+        done = self.stopper.set_row(row, r.max_new_tokens, eos, first)
+        self.live[row] = live
+        s.generated += 1
+        if not self._deliver(row, [first], done):
+            self.stopper.finished[row] = True
+
+    # -- one run of steps ------------------------------------------------------------------------------------------
     def advance(self) -> None:
         s = self.sched
-        with s._lock:
-            live = s._waiting.popleft() if s._waiting else None
-            if live is not None:
-                s._running[live.id] = live
-        if live is None:
+        self._admit()
+        if not self.live:
             return
+        n = s.check_every
+        for i in range(n):
+            self.dec.step()
+            self.tokens[i].copy_(self.dec.tokens)
+            self.emitted[i].copy_(self.stopper.emitted)
+        tokens, emitted = self.tokens.cpu().tolist(), self.emitted.cpu().tolist()  # the one sync of a run
+        finished = self.stopper.finished.cpu().tolist()
+        made = 0
+        for row, live in list(self.live.items()):
+            new = [tokens[i][row] for i in range(n) if emitted[i][row]]
+            made += len(new)
+            if not self._deliver(row, new, finished[row]):
+                self.stopper.finished[row] = True
+        s.generated += made
+        s._rate.append((_now(), made))
+
+    def _deliver(self, row: int, new: list[int], finished: bool) -> bool:
+        """Hand ``row``'s new tokens to its request; end it on a stop string, cancellation or when ``finished``
+        (then its row is free). Returns whether the row still runs."""
+        s, live = self.sched, self.live[row]
         r = live.request
-        stream = _Stream(s, live)
-        out = generate(s.weights, s.policy, [list(r.prompt)], max_new_tokens=r.max_new_tokens, sampling=r.sampling,
-                       eos_token_id=None if r.ignore_eos else s.eos, pad_token_id=s.pad_token_id,
-                       stop_strings=list(r.stop), tokenizer=s.tokenizer, streamer=stream, kernels=s.kernels,
-                       decoders=self.decoders)
-        s.kv_bytes = out.info["cache_bytes"]
-        s.generated += len(out.tokens[0])
-        s._deliver(live, [], out.finish[0])
+        reason = None
+        if r.stop and new:
+            cut = _cut_at_stop(s.tokenizer, live.tokens + new, list(r.stop))
+            if cut is not None:
+                new, reason = (live.tokens + new)[len(live.tokens):cut], "stop"
+        if reason is None and finished:
+            last = (live.tokens + new)[-1:] if (live.tokens or new) else []
+            reason = "stop" if last and not r.ignore_eos and last[0] in s.eos else "length"
+        if reason is None and live.cancelled:
+            reason = "cancelled"
+        s._deliver(live, new, reason)
+        if reason is None:
+            return True
+        del self.live[row]
         with s._lock:
             s._running.pop(live.id, None)
+        return False
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()

@@ -31,16 +31,35 @@ class StaticCache:
     a shared cache sees the same model state."""
 
     def __init__(self, shape: ModelShape, batch: int, slots: int, device: Any, dtype: torch.dtype,
-                 head_order: list[torch.Tensor] | None = None, layer_slots: dict[int, int] | None = None) -> None:
+                 head_order: list[torch.Tensor] | None = None, layer_slots: dict[int, int] | None = None,
+                 row_lengths: bool = False) -> None:
         self.shape, self.batch, self.slots = shape, batch, int(slots)
         self.rings = ring_lengths(shape, self.slots)  # layer -> n: a ring of n tokens and the padding's slot
         sizes = [self.rings[i] + 1 if i in self.rings else min(int((layer_slots or {}).get(i, slots)), self.slots)
                  for i in range(shape.layers)]
         self.k = [torch.zeros(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=dtype) for n in sizes]
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.length = torch.zeros((), dtype=torch.long, device=device)
+        # the next slot each row writes: one for all rows (a left-padded batch), or each row's own (row_lengths:
+        # the scheduler's rows, each a request of its own, unpadded)
+        self.length = torch.zeros((batch,) if row_lengths else (), dtype=torch.long, device=device)
         self.pads = torch.zeros(batch, dtype=torch.long, device=device)
         self.head_order = head_order_of(head_order, shape)
+
+    @property
+    def row_lengths(self) -> bool:
+        """Whether each row keeps its own length (``length [B]``) rather than one for all (``length []``)."""
+        return self.length.dim() == 1
+
+    def row(self, r: int) -> StaticCache:
+        """Row ``r`` as a cache of one row over the same memory (a request's own prefill into its row), with a
+        length of its own."""
+        view = object.__new__(StaticCache)
+        view.shape, view.batch, view.slots, view.rings = self.shape, 1, self.slots, self.rings
+        view.k, view.v = [t[r:r + 1] for t in self.k], [t[r:r + 1] for t in self.v]
+        view.length = torch.zeros((), dtype=torch.long, device=self.length.device)
+        view.pads = torch.zeros(1, dtype=torch.long, device=self.length.device)
+        view.head_order = self.head_order
+        return view
 
     @property
     def min_slots(self) -> int:
@@ -135,9 +154,10 @@ class KeySpan:
     a sliding window moves ``first`` up). The GPU kernels take the two bounds instead of a mask."""
 
     first: torch.Tensor  # [B] long
-    last: torch.Tensor  # [] long: the new token's slot
+    last: torch.Tensor  # [] or [B] long: the new token's slot (each row's, where rows keep their own lengths)
 
     def as_mask(self, slots: int) -> torch.Tensor:
         """``[B, slots]`` bool, True on the readable slots (what the reference kernels take)."""
         ids = torch.arange(slots, device=self.last.device)
-        return (ids[None, :] >= self.first[:, None]) & (ids[None, :] <= self.last)
+        last = self.last[:, None] if self.last.dim() else self.last
+        return (ids[None, :] >= self.first[:, None]) & (ids[None, :] <= last)

@@ -64,18 +64,23 @@ class StaticDecoder:
     the next token from the logits inside the step (greedy when None); ``stopper``: bookkeeping of finished
     rows inside the step (``runtime.engine.generate``). ``compile``: fuse each layer's small ops around its GEMMs
     with ``torch.compile`` (default: on CUDA, unless ``ROLECALL_COMPILE=0``; ``ROLECALL_COMPILE=1`` compiles on
-    any device; see :func:`runtime.engine.layers.compiled_finish` for how many times)."""
+    any device; see :mod:`runtime.engine.compiling` for how many times). ``row_lengths``: each row keeps its own
+    length, unpadded (the scheduler's rows, :mod:`runtime.engine.batcher`); the policy's step must run so
+    (``row_lengths`` true) and the stopper says which rows advance (``running()``)."""
 
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
                  cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
                  sampler: Any = None, stopper: Any = None, compile: bool | None = None,
-                 prompt_tokens: int | None = None) -> None:
+                 prompt_tokens: int | None = None, row_lengths: bool = False) -> None:
         from runtime.policies.full import Full
 
         self.policy = policy if policy is not None else Full()
         s = weights.shape
         self.static = static_step_of(self.policy, s)
         self.full = Full().static_step(s)
+        if row_lengths and not getattr(self.static, "row_lengths", False):
+            raise NotImplementedError(f"policy {self.policy.name!r} keeps state across steps that assumes one length "
+                                      "for all rows; it cannot serve rows of their own lengths yet")
         head_order = head_order_of(self.static.head_order, s)
         if max_len > weights.max_positions:
             raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "
@@ -86,7 +91,7 @@ class StaticDecoder:
         if cache is None:  # a policy that keeps some layers compact sizes them to the prompt and its budget
             sizes = getattr(self.static, "cache_slots", None)
             cache = StaticCache(s, batch, max_len, device, dtype, head_order,
-                                sizes(max_len, prompt_tokens) if sizes is not None else None)
+                                sizes(max_len, prompt_tokens) if sizes is not None else None, row_lengths)
         elif cache.batch != batch or cache.slots != max_len:
             raise ValueError(f"the shared cache has {cache.batch} rows × {cache.slots} slots, this decoder needs "
                              f"{batch} × {max_len}")
@@ -207,8 +212,9 @@ class StaticDecoder:
 
     def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per row (``tokens`` or the previous step's choice); returns the logits buffer
-        ``[B, vocab]`` (overwritten by the next step)."""
-        if self.position >= self.max_len:
+        ``[B, vocab]`` (overwritten by the next step). Rows that keep their own lengths (the scheduler's) advance
+        while their stopper has not finished them; the scheduler keeps each within the cache."""
+        if self.position >= self.max_len and not self.cache.row_lengths:
             raise RuntimeError(f"the cache is full: {self.max_len} tokens")
         if tokens is not None:
             self.tokens.copy_(tokens, non_blocking=True)
@@ -457,6 +463,8 @@ class StaticDecoder:
         :func:`runtime.kernels.topk_select.triton.topk_with_recent`) row i of the choice is written to row
         ``out_rows[i]`` of ``out`` in place, and ``out`` is returned."""
         last = self.last_block(block_size)
+        if last.dim() and scores.dim() == 3:  # each row's own last block, for each of its KV heads
+            last = last[:, None].expand(scores.shape[:2])
         fast = self.triton_topk(scores.shape[-1])
         if fast is not None:
             return fast(scores, k, recent, last=last, out=out, out_rows=out_rows)
@@ -467,7 +475,8 @@ class StaticDecoder:
         return out.view(-1, width).index_copy_(0, out_rows.long(), chosen.reshape(-1, width)).view(out.shape)
 
     def last_block(self, block_size: int) -> torch.Tensor:
-        """The new token's block (a device scalar), made once a step per block size."""
+        """The new token's block (a device scalar, or ``[B]`` where rows keep their own lengths), made once a step
+        per block size."""
         last = self._last_block.get(block_size)
         if last is None:
             last = self._last_block[block_size] = torch.div(self.cache.length, block_size, rounding_mode="floor")
@@ -521,7 +530,10 @@ class StaticDecoder:
             torch.cuda.current_stream().wait_stream(side)
         self._joins.clear()
         self.choose(L.logits(w, h))
-        length.add_(1)
+        if length.dim():  # each row its own length: the rows still decoding advance
+            length.add_(self.stopper.running())
+        else:
+            length.add_(1)
 
     def choose(self, logits: torch.Tensor) -> None:
         """Keep ``logits [B, V]`` and choose the next tokens from them (sampler, then the stopper's books)."""

@@ -89,3 +89,48 @@ def filtered_logits(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = (mass - ordered.softmax(-1)) >= top_p  # the mass before a token already reaches top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return x
+
+
+class RowSampler:
+    """Each row its own sampling settings (the scheduler's rows, each a request of its own), called inside the
+    step like :class:`Sampler`. A row draws what :class:`Sampler` draws for a request of one row with the same
+    settings (the hash of its seed, its own step count and row 0), so a request sampled in any row of a busy
+    scheduler gets the tokens it gets alone. :meth:`set_row` (on the host, between steps) gives a row a request's
+    settings."""
+
+    def __init__(self, rows: int, device) -> None:
+        self.sample = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(rows, dtype=torch.long, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(rows, dtype=torch.long, device=device)
+        self.step = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.step]
+
+    def set_row(self, row: int, sampling: Sampling, step: int) -> None:
+        """Row ``row`` samples as ``sampling`` from draw ``step`` on (1 after a prefill's choice)."""
+        self.sample[row] = sampling.do_sample
+        self.temperature[row] = sampling.temperature if sampling.do_sample else 1.0
+        self.top_k[row] = sampling.top_k
+        self.top_p[row] = sampling.top_p
+        self.seed[row] = sampling.seed
+        self.step[row] = step
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        v = logits.shape[-1]
+        x = logits.float() / self.temperature[:, None]
+        ordered, order = x.sort(dim=-1, descending=True)
+        k = torch.where(self.top_k > 0, self.top_k.clamp_max(v), v)  # [B]
+        ranks = torch.arange(v, device=x.device)[None, :]
+        ordered = ordered.masked_fill(ranks >= k[:, None], float("-inf"))  # top-k: the order is unchanged
+        p = ordered.softmax(-1)
+        drop = (ranks >= k[:, None]) | ((p.cumsum(-1) - p) >= self.top_p[:, None])  # as filtered_logits
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        h = mix32((self.step * 0x2545F491 + self.seed) & M32)  # [B], as uniform() for row 0
+        h = mix32(mix32(h)[:, None] ^ torch.arange(v, device=x.device, dtype=torch.long)[None, :])
+        u = (h.double() + 0.5) / 4294967296.0
+        self.step.add_(1)
+        drawn = (x - torch.log(-torch.log(u)).float()).argmax(-1)
+        return torch.where(self.sample, drawn, logits.argmax(-1))

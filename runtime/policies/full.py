@@ -28,6 +28,7 @@ class FullStep:
 
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = False
+    row_lengths: ClassVar[bool] = True  # runs on rows of their own lengths (the scheduler's)
     block_sizes: ClassVar[tuple[int, ...]] = ()
 
     def reads(self, shape: Any, context: int) -> float:

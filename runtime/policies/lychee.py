@@ -157,6 +157,7 @@ class LycheeStep:
     recent_blocks: int
     choosing: torch.Tensor  # [L, Hkv] bool: retrieval heads whose choice is read (passes_on)
     sparse: ClassVar[bool] = True
+    row_lengths: ClassVar[bool] = True  # nothing is kept across steps: rows of their own lengths are fine
 
     def __post_init__(self) -> None:
         rank = 2 - self.retrieval.to(torch.int8) - self.choosing.to(torch.int8)  # 0 choose, 1 retrieve only, 2 sparse

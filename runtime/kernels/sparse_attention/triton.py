@@ -102,7 +102,7 @@ def _sparse_decode_partial(
     s_mb,
     s_ob, s_oh, s_os, s_og,
     s_lb, s_lh, s_ls,
-    s_gb, s_gh,
+    s_gb, s_gh, s_last,
     T, N, HKV, LOGIT_HEADS, scale, chunk,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
@@ -152,7 +152,7 @@ def _sparse_decode_partial(
     last = T
     if HAS_SPAN:  # the row's valid slots are first..last: no mask to read
         first = tl.load(FIRST + b)
-        last = tl.load(LAST)
+        last = tl.load(LAST + b * s_last)  # one for all rows (stride 0) or each row's own
     if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2): CHUNK = chunk there
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
@@ -357,6 +357,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
         lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
         logits_out.stride(0) if logits_out is not None else 0, logits_out.stride(1) if logits_out is not None else 0,
+        last.stride(0) if last.dim() else 0,
         t, n, hkv, logit_heads, float(scale), chunk,
         G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), BS=block_size, TILE=tile,
         CHUNK=chunk if INTERPRETING else 0,
