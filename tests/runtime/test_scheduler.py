@@ -1,0 +1,157 @@
+"""Continuous batching: interleaved requests get the tokens each gets alone, rows are reused cleanly, bad requests
+are refused before any work and the scheduler keeps serving."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from runtime.engine import Sampling, Weights, generate
+from runtime.engine.scheduler import Request, RequestError, Scheduler, SchedulerClosed
+from runtime.session import bound_policy
+from tests.runtime.test_engine import PARAMS, manifest_of, model_of
+from tests.tiny import tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SERVED = ["full", "delta", "delta-per-head", "lychee"]
+
+
+class Collector:
+    """Each request's events, and a way to wait for all of them to finish."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.text: dict[int, str] = {}
+        self.finish: dict[int, str] = {}
+        self.events: dict[int, int] = {}
+        self._done = threading.Semaphore(0)
+
+    def emit(self, key: int):
+        self.tokens[key], self.text[key], self.events[key] = [], "", 0
+
+        def on(event) -> None:
+            self.tokens[key] += event.token_ids
+            self.text[key] += event.text
+            self.events[key] += 1
+            if event.finish_reason is not None:
+                self.finish[key] = event.finish_reason
+                self._done.release()
+        return on
+
+    def wait(self, n: int, timeout: float = 120.0) -> None:
+        for _ in range(n):
+            assert self._done.acquire(timeout=timeout), "a request did not finish"
+
+
+def served(policy: str, family: str = "llama"):
+    model = model_of(family)
+    name = policy.split("-")[0]
+    params = dict(PARAMS[policy])
+    bound = bound_policy(name, manifest_of(model, policy), model.config, **params)
+    return model, Weights.from_model(model, positions=512), bound
+
+
+def random_requests(seed: int, count: int, vocab: int = 256) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 120))], max_new_tokens=rng.randint(1, 24),
+                    ignore_eos=True) for _ in range(count)]
+
+
+@pytest.mark.parametrize("policy", SERVED)
+def test_interleaved_requests_get_the_tokens_each_gets_alone(policy):
+    """Ten requests of random lengths through three rows (rows reused, requests joining while others decode)
+    give, greedy, the very tokens of each decoded alone on the engine; a sampled one those of its seed alone."""
+    model, weights, pol = served(policy)
+    requests = random_requests(1, 10)
+    requests[4] = Request(requests[4].prompt, 20, Sampling(True, 0.8, 20, 0.9, seed=7), ignore_eos=True)
+    got = Collector()
+    with Scheduler(weights, pol, slots=3, check_every=3) as sched:
+        for i, r in enumerate(requests):
+            sched.submit(r, got.emit(i))
+        got.wait(len(requests))
+    for i, r in enumerate(requests):
+        alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, sampling=r.sampling,
+                         min_context=0).tokens[0]
+        assert got.tokens[i] == alone, (policy, i)
+        assert got.finish[i] == "length"
+
+
+def test_a_reused_row_does_not_see_the_previous_request():
+    """A long request, then a short one in the same (only) row: the short one equals itself alone, and so does
+    the long one run again after it."""
+    model, weights, pol = served("delta")
+    long, short = random_requests(3, 2)
+    long = Request([5] * 150, 30, ignore_eos=True)
+    got = Collector()
+    with Scheduler(weights, pol, slots=1, check_every=4) as sched:
+        for i, r in enumerate((long, short, long)):
+            sched.submit(r, got.emit(i))
+        got.wait(3)
+    for i, r in enumerate((long, short, long)):
+        alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0).tokens[0]
+        assert got.tokens[i] == alone, i
+
+
+def test_eos_stop_strings_and_cancellation_end_a_request_and_free_its_row():
+    model, weights, pol = served("full")
+    tok = tiny_tokenizer()
+    prompt = list(range(40, 90))
+    alone = generate(weights, pol, [prompt], max_new_tokens=24, min_context=0).tokens[0]
+    stop = tok.decode(alone[5:7])
+    want = generate(weights, pol, [prompt], max_new_tokens=24, min_context=0, stop_strings=[stop],
+                    tokenizer=tok).tokens[0]
+    got = Collector()
+    with Scheduler(weights, pol, slots=2, tokenizer=tok, eos_token_id=[alone[3]], check_every=4) as sched:
+        sched.submit(Request(prompt, 24), got.emit(0))  # ends at its EOS (the 4th token)
+        sched.submit(Request(prompt, 24, stop=(stop,), ignore_eos=True), got.emit(1))
+        got.wait(2)
+        assert got.tokens[0] == alone[:4] and got.finish[0] == "stop"
+        assert got.tokens[1] == want and got.finish[1] == "stop" and got.text[1] == tok.decode(want)
+        slow = sched.submit(Request(prompt, 400, ignore_eos=True), got.emit(2))
+        sched.cancel(slow)
+        got.wait(1)
+        assert got.finish[2] == "cancelled" and len(got.tokens[2]) < 400
+        assert sched.stats()["running"] == 0 and sched.stats()["slots_in_use"] == 0
+
+
+@pytest.mark.parametrize("request_, field, says", [
+    (Request([]), "prompt", "empty"),
+    (Request([1, 2, 999_999]), "prompt", "not in the vocabulary"),
+    (Request([1] * 500, 20), "prompt", "more than this server's context of 512"),
+    (Request([1, 2], 0), "max_tokens", "≥ 1"),
+    (Request([1, 2], 4, stop=("x",)), "stop", "tokenizer"),
+])
+def test_a_bad_request_is_refused_before_any_work_and_the_next_is_served(request_, field, says):
+    model, weights, pol = served("full")
+    got = Collector()
+    with Scheduler(weights, pol, slots=2, max_context=512) as sched:
+        with pytest.raises(RequestError, match=says) as err:
+            sched.submit(request_, got.emit(0))
+        assert err.value.field == field and "\n" not in str(err.value)
+        assert 0 not in got.finish and sched.stats()["waiting"] == 0
+        sched.submit(Request([3, 4, 5], 5, ignore_eos=True), got.emit(1))
+        got.wait(1)
+        assert len(got.tokens[1]) == 5
+
+
+def test_drain_finishes_what_runs_and_refuses_what_comes():
+    model, weights, pol = served("full")
+    got = Collector()
+    sched = Scheduler(weights, pol, slots=2)
+    sched.submit(Request([3] * 30, 40, ignore_eos=True), got.emit(0))
+    assert sched.drain(timeout=120)
+    assert got.finish[0] == "length" and len(got.tokens[0]) == 40
+    with pytest.raises(SchedulerClosed):
+        sched.submit(Request([3], 2), got.emit(1))
+
+
+@pytest.mark.parametrize("policy", ["quest", "lethe", "vattention"])
+def test_policies_that_cannot_serve_rows_are_refused_in_one_line(policy):
+    model, weights, pol = served(policy)
+    with pytest.raises(NotImplementedError, match=f"policy '{policy}' cannot serve yet") as err:
+        Scheduler(weights, pol)
+    assert "\n" not in str(err.value)
