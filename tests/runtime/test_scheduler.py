@@ -155,3 +155,24 @@ def test_policies_that_cannot_serve_rows_are_refused_in_one_line(policy):
     with pytest.raises(NotImplementedError, match=f"policy '{policy}' cannot serve yet") as err:
         Scheduler(weights, pol)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("policy", ["delta", "lychee"])
+def test_rows_of_their_own_lengths_in_the_triton_kernels(policy):
+    """The GPU kernels (in Triton's interpreter) read each row up to its own length: interleaved requests through
+    them give the tokens the reference kernels give each request alone."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    model, weights, pol = served(policy)
+    requests = random_requests(5, 4)
+    got = Collector()
+    with Scheduler(weights, pol, slots=2, check_every=2, kernels="triton") as sched:
+        for i, r in enumerate(requests):
+            sched.submit(r, got.emit(i))
+        got.wait(len(requests))
+    for i, r in enumerate(requests):
+        alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0,
+                         kernels="naive").tokens[0]
+        assert got.tokens[i] == alone, i
