@@ -176,3 +176,34 @@ def test_rows_of_their_own_lengths_in_the_triton_kernels(policy):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0,
                          kernels="naive").tokens[0]
         assert got.tokens[i] == alone, i
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "delta"])
+def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
+    """SmolLM2-135M in float32 on the GPU (Triton kernels, the step captured once): twelve requests of random
+    lengths through four rows give each request's greedy tokens alone."""
+    import os
+    from pathlib import Path
+
+    from runtime.manifest import RoleManifest
+    from runtime.models import load_model
+
+    name = os.environ.get("ROLECALL_TEST_MODEL", "smollm2-135m")
+    model = load_model(name, dtype=torch.float32).to("cuda")
+    manifest = None
+    if policy == "delta":
+        manifest = RoleManifest.load(Path(__file__).parents[2] / "artifacts" / "smollm2-135m.delta.safetensors")
+    pol = bound_policy(policy, manifest, model.config, **({"budget": 256} if policy == "delta" else {}))
+    weights = Weights.from_model(model, positions=4096)
+    requests = random_requests(9, 12, vocab=40000)
+    requests = [Request(list(r.prompt) * 8, r.max_new_tokens * 2, ignore_eos=True) for r in requests]
+    got = Collector()
+    with Scheduler(weights, pol, slots=4, max_context=4096) as sched:
+        for i, r in enumerate(requests):
+            sched.submit(r, got.emit(i))
+        got.wait(len(requests))
+    for i, r in enumerate(requests):
+        alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0).tokens[0]
+        assert got.tokens[i] == alone, i
