@@ -194,7 +194,7 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
     model = load_model(name, dtype=torch.float32).to("cuda")
     manifest = None
     if policy == "delta":
-        manifest = RoleManifest.load(Path(__file__).parents[2] / "artifacts" / "smollm2-135m.delta.safetensors")
+        manifest = RoleManifest.load(Path(__file__).parents[2] / "artifacts" / "smollm2-135m" / "smollm2-135m.delta.safetensors")
     pol = bound_policy(policy, manifest, model.config, **({"budget": 256} if policy == "delta" else {}))
     weights = Weights.from_model(model, positions=4096)
     requests = random_requests(9, 12, vocab=40000)
