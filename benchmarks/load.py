@@ -25,8 +25,11 @@ import numpy as np
 
 try:
     import httpx
-except ImportError:  # newer openai releases bring the same client under this name
-    import httpx2 as httpx
+except ImportError:
+    try:  # newer openai releases bring the same client under this name
+        import httpx2 as httpx
+    except ImportError:
+        raise SystemExit("benchmarks/serve.py talks to the server through httpx: pip install httpx") from None
 
 
 # -- what is sent --------------------------------------------------------------------------------------------------
