@@ -14,6 +14,7 @@ A policy's step runs on such rows when it keeps nothing across steps that assume
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -130,13 +131,13 @@ class Batcher:
         tokens, emitted = self.tokens.cpu().tolist(), self.emitted.cpu().tolist()  # the one sync of a run
         finished = self.stopper.finished.cpu().tolist()
         made = 0
-        for row, live in list(self.live.items()):
+        for row in list(self.live):
             new = [tokens[i][row] for i in range(n) if emitted[i][row]]
             made += len(new)
             if not self._deliver(row, new, finished[row]):
                 self.stopper.finished[row] = True
         s.generated += made
-        s._rate.append((_now(), made))
+        s._rate.append((time.perf_counter(), made))
 
     def _deliver(self, row: int, new: list[int], finished: bool) -> bool:
         """Hand ``row``'s new tokens to its request; end it on a stop string, cancellation or when ``finished``
@@ -160,9 +161,3 @@ class Batcher:
         with s._lock:
             s._running.pop(live.id, None)
         return False
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
