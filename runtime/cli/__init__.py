@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("runtime.cli.export", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
     "import": ("runtime.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
     "merge": ("runtime.cli.merge", "combine a layers manifest and a heads manifest of one model"),
+    "serve": ("runtime.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
 }
 
 

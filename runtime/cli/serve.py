@@ -1,0 +1,182 @@
+"""``rolecall serve``: an OpenAI-compatible HTTP server with continuous batching, on the engine's scheduler.
+
+The model (or, with ``--random-weights``, only its config) and the policy are checked, and the port is bound,
+before any weight loads; then the engine serves one warm-up request, and one line says where the server listens.
+SIGTERM drains: requests in flight finish, new ones get 503, then the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import threading
+from typing import Any
+
+from runtime.cli.common import add_common, add_long_context, chosen_device, load_placed, policy_inputs
+from runtime.models import pad_token
+
+SLOTS = {"cuda": 8, "cpu": 4}  # default --slots by device type
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every "
+                        "interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port, "
+                        "named in the ready line)")
+    parser.add_argument("--slots", type=int, default=None, help="requests decoded together: the engine's row slots "
+                        f"[{SLOTS['cuda']} on a GPU, {SLOTS['cpu']} on the CPU]")
+    parser.add_argument("--max-context", type=int, default=None, metavar="N", help="the most tokens (prompt + "
+                        "answer) one request may hold [the model's context, max_position_embeddings]")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME", help="the model name clients send and "
+                        "see [--model as given]")
+    parser.add_argument("--random-weights", action="store_true", help="the model's config only, with random weights "
+                        "(load tests; --model may be a bare config.json); text needs a tokenizer beside the config, "
+                        "else prompts must be token ids")
+    add_long_context(parser)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads."""
+    from runtime.cli.common import parse_params
+    from runtime.session import SESSION_PARAMS
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"rolecall serve needs {' and '.join(missing)}, not installed here: "
+                         "pip install 'rolecall[serve]'")
+    if args.slots is not None and args.slots < 1:
+        raise ValueError(f"--slots {args.slots}: serve at least 1 request at a time")
+    if args.max_context is not None and args.max_context < 2:
+        raise ValueError(f"--max-context {args.max_context}: a request needs at least 2 positions (a prompt token "
+                         "and an answer token)")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: give a port in [0, 65535] (0: any free port)")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give the name clients send, or leave it out")
+    if args.device_map:
+        raise ValueError(f"--device-map {args.device_map}: the engine serves a model from one device; leave it out "
+                         "(and pick the GPU with --device cuda:N)")
+    session = sorted(set(parse_params(args.param)) & set(SESSION_PARAMS))
+    if session:
+        raise ValueError(f"-p {session[0]}: rolecall serve always decodes on the engine and takes only the policy's "
+                         "own parameters; leave it out")
+
+
+def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
+    """The model's family and the policy's static step, which the engine needs (``ValueError`` in one line)."""
+    from runtime.engine import ModelShape, static_step_of, unsupported
+    from runtime.policies import PolicyError
+
+    why = unsupported(config)
+    if why:
+        raise ValueError(f"--model {args.model}: {why}; rolecall serve runs the engine only")
+    try:
+        static_step_of(policy, ModelShape.from_config(config))
+    except (NotImplementedError, PolicyError) as e:
+        raise ValueError(f"--policy {args.policy}: {e}") from None
+
+
+def context_of(args: argparse.Namespace, config: Any) -> int:
+    """``--max-context``, else the model's context; past the model's context only with --allow-long-context."""
+    from runtime.models import check_context, context_limit
+
+    limit = context_limit(config, args.model)
+    if args.max_context is None and limit is None:
+        raise ValueError(f"--model {args.model}: its config does not say its context; give --max-context N")
+    context = args.max_context or limit
+    check_context(context, limit, what="--max-context", fix="lower --max-context",
+                  allow_long=args.allow_long_context, prog="rolecall serve")
+    return context
+
+
+def tokenizer_of(args: argparse.Namespace) -> Any:
+    """The model's tokenizer; with ``--random-weights`` None where the source has none (prompts are then ids)."""
+    from pathlib import Path
+
+    from runtime.models import load_tokenizer
+
+    source = str(Path(args.model).parent) if str(args.model).endswith("config.json") else args.model
+    if not args.random_weights:
+        return load_tokenizer(source, trust_remote_code=args.trust_remote_code)
+    try:
+        return load_tokenizer(source, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError):
+        print(f"rolecall serve: {args.model} has no tokenizer: prompts must be token ids, and chat is refused",
+              file=sys.stderr)
+        return None
+
+
+def eos_ids(config: Any, tokenizer: Any, generation: Any = None) -> list[int]:
+    """The ids that end an answer: the generation config's, else the model config's, else the tokenizer's EOS."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for source in (generation, text, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def warm_up(scheduler: Any) -> None:
+    """One short request through the engine before the server says it is ready; an engine that fails here is
+    refused in one line (``ValueError``)."""
+    from runtime.engine.scheduler import Request
+
+    done, last = threading.Event(), []
+
+    def emit(event: Any) -> None:
+        if event.finish_reason is not None:
+            last.append(event)
+            done.set()
+
+    scheduler.submit(Request((0,), max_new_tokens=2, ignore_eos=True), emit)
+    done.wait()
+    if last[0].finish_reason == "error":
+        raise ValueError(f"the engine failed on a first request: {last[0].error}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import contextlib
+
+    import torch
+
+    from runtime.engine import ModelShape, Weights, shared_weights
+    from runtime.engine.scheduler import Scheduler
+    from runtime.models import load_config
+    from runtime.server import bind, create_app, serve
+    from runtime.session import bound_policy
+
+    check_flags(args)
+    device = chosen_device(args)
+    config = load_config(args.model, trust_remote_code=args.trust_remote_code)
+    params, manifest = policy_inputs(args, config)
+    policy = bound_policy(args.policy, manifest, config, **params)
+    check_engine(args, config, policy)
+    context = context_of(args, config)
+    slots = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
+    sock = bind(args.host, args.port)  # a port in use is refused before the weights load
+    tokenizer = tokenizer_of(args)
+    with contextlib.ExitStack() as stack:
+        if args.random_weights:
+            dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+            weights = Weights.random(ModelShape.from_config(config), device, dtype, positions=context)
+            eos = eos_ids(config, tokenizer)
+        else:
+            model = load_placed(args)
+            weights = stack.enter_context(shared_weights(model, positions=context))
+            eos = eos_ids(config, tokenizer, model.generation_config)
+        pad = pad_token(tokenizer) if tokenizer is not None else None
+        pad = pad if pad is not None else (eos or [0])[0]
+        scheduler = stack.enter_context(Scheduler(weights, policy, slots=slots, max_context=context,
+                                                  tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad))
+        warm_up(scheduler)
+        name = args.served_model_name or args.model
+        app = create_app(scheduler, model_name=name, tokenizer=tokenizer)
+
+        def ready(port: int) -> None:
+            print(f"rolecall serve: {name} with policy {args.policy} on http://{args.host}:{port} ({slots} slots, "
+                  f"context {context})", flush=True)
+
+        serve(app, sock, ready=ready)
+    return 0
