@@ -133,7 +133,8 @@ def test_a_usage_error_is_one_line(capsys, parse, argv, prog, says):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["decode", "--help"], ["eval", "--help"],
-                                  ["train", "--help"], ["inspect", "--help"], ["merge", "--help"]])
+                                  ["train", "--help"], ["inspect", "--help"], ["merge", "--help"],
+                                  ["serve", "--help"]])
 def test_help_loads_no_model_library(argv):
     """Help is read before anything runs: it imports neither transformers nor torch (seconds on a cold start)."""
     import subprocess

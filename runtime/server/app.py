@@ -71,9 +71,10 @@ class Serving:
         tok = self.tokenizer
         if params.messages is not None:
             if tok is None or tok.chat_template is None:
-                what = "no tokenizer" if tok is None else "a tokenizer without a chat template (a base model)"
-                raise ProtocolError(f"chat needs a chat template and this server has {what}; send token ids or "
-                                    "text to /v1/completions", "messages")
+                what, send = (("no tokenizer", "token ids") if tok is None else
+                              ("a tokenizer without a chat template (a base model)", "text or token ids"))
+                raise ProtocolError(f"chat needs a chat template and this server has {what}; send {send} to "
+                                    "/v1/completions", "messages")
             from jinja2 import TemplateError
 
             try:

@@ -323,11 +323,12 @@ def test_draining_answers_503(scripted):
 
 
 # -- the command on a tiny model ---------------------------------------------------------------------------------
-def start(folder, *extra: str) -> tuple[subprocess.Popen, int, str]:
-    """``rolecall serve`` on ``folder`` on a free port; returns the process, its port and its ready line."""
+def start(folder, *extra: str, model=None) -> tuple[subprocess.Popen, int, str]:
+    """``rolecall serve`` on ``model`` (default ``folder``, where its stderr goes) on a free port; returns the
+    process, its port and its ready line."""
     code = "import sys\nfrom runtime.cli import main\nsys.exit(main())"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model decodes fastest on one thread
-    argv = [sys.executable, "-c", code, "serve", "--model", str(folder), "--policy", "full", "--device", "cpu",
+    argv = [sys.executable, "-c", code, "serve", "--model", str(model or folder), "--policy", "full", "--device", "cpu",
             "--port", "0", "--slots", str(SLOTS), "--max-context", str(CONTEXT), "--served-model-name", "tiny", *extra]
     with open(folder / "stderr.txt", "a") as err:  # the process keeps its own copy of the file
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -534,3 +535,79 @@ def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(ti
         assert proc.wait(60) == 0
     finally:
         stop(proc)
+
+
+@pytest.mark.slow
+def test_random_weights_from_a_bare_config_serve_token_ids(tiny, tmp_path):
+    """--random-weights builds the engine's random weights from config.json alone; without a tokenizer beside it,
+    prompts are token ids and text, chat and stop strings are refused naming the field."""
+    import shutil
+
+    import torch
+
+    from runtime.engine import ModelShape, Weights, generate
+    from runtime.models import load_config
+    from runtime.session import bound_policy
+
+    shutil.copy(tiny[0] / "config.json", tmp_path / "config.json")
+    config = load_config(str(tmp_path / "config.json"))
+    weights = Weights.random(ModelShape.from_config(config), "cpu", torch.float32, positions=CONTEXT)
+    want = generate(weights, bound_policy("full", None, config), [[5, 6, 7]], max_new_tokens=8,
+                    eos_token_id=None, pad_token_id=0).tokens[0]
+    proc, port, _ = start(tmp_path, "--random-weights", model=tmp_path / "config.json")
+    try:
+        assert "has no tokenizer: prompts must be token ids" in (tmp_path / "stderr.txt").read_text()
+        status, text = call(port, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0,
+                                                              "ignore_eos": True, "return_token_ids": True})
+        choice = json.loads(text)["choices"][0]
+        assert status == 200 and choice["token_ids"] == want and choice["text"] == ""
+        for path, body, param in [("/v1/completions", {"prompt": "hi"}, "prompt"),
+                                  ("/v1/completions", {"prompt": [5], "stop": "x"}, "stop"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                   "messages")]:
+            status, text = call(port, "POST", path, body)
+            assert status == 400 and error_of(text)["param"] == param, text
+    finally:
+        assert stop(proc) == 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--slots", "0"], "--slots 0: serve at least 1 request at a time"),
+    (["--port", "70000"], "--port 70000: give a port in [0, 65535]"),
+    (["--max-context", "1"], "--max-context 1: a request needs at least 2 positions"),
+    (["--device-map", "auto"], "--device-map auto: the engine serves a model from one device"),
+    (["-p", "min_context=0"], "-p min_context: rolecall serve always decodes on the engine"),
+    (["--policy", "delta"], "policy 'delta' needs a manifest with a layers section"),
+    (["--max-context", "9000"], "--max-context is 9000 tokens, more than the model's context of 4096"),
+])
+def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monkeypatch, capsys):
+    from runtime.cli import main
+
+    def load(*_, **__):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("runtime.models.load_model", load)
+    assert main(["serve", "--model", str(tiny[0]), "--device", "cpu", "--policy", "full", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rolecall serve: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_a_port_in_use_and_a_missing_server_library_are_one_line(tiny, monkeypatch, capsys):
+    from runtime.cli import main
+    from runtime.server import bind
+
+    taken = bind("127.0.0.1", 0)
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        assert main(["serve", "--model", str(tiny[0]), "--device", "cpu", "--policy", "full",
+                     "--port", str(port)]) == 2
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert err.startswith(f"rolecall serve: error: --host 127.0.0.1 --port {port}: cannot listen there") and \
+        err.count("\n") == 1, err
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    assert main(["serve", "--model", str(tiny[0]), "--policy", "full"]) == 2
+    assert capsys.readouterr().err == ("rolecall serve: error: rolecall serve needs uvicorn, not installed here: "
+                                       "pip install 'rolecall[serve]'\n")
