@@ -155,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
     check_engine(args, config, policy)
     context = context_of(args, config)
     slots = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
-    sock = bind(args.host, args.port)  # a port in use is refused before the weights load
-    tokenizer = tokenizer_of(args)
     with contextlib.ExitStack() as stack:
+        sock = stack.enter_context(bind(args.host, args.port))  # a port in use is refused before the weights load
+        tokenizer = tokenizer_of(args)
         if args.random_weights:
             dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
             weights = Weights.random(ModelShape.from_config(config), device, dtype, positions=context)

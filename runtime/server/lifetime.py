@@ -56,8 +56,8 @@ async def _serve(server: Any, serving: Any, sock: socket.socket, ready: Callable
         server.should_exit = True
 
     def stop(_: int) -> None:
-        if serving.draining:  # a second signal: now
-            serving.scheduler.close()
+        if serving.draining:  # a second signal: now (close() waits for the engine's step: not on this loop)
+            threading.Thread(target=serving.scheduler.close, name="rolecall-close", daemon=True).start()
             server.should_exit = server.force_exit = True
             return
         serving.draining = True
