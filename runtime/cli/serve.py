@@ -65,7 +65,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
-    """The model's family and the policy's static step, which the engine needs (``ValueError`` in one line)."""
+    """The model's family and the policy's static step, which the engine needs, and a step that serves rows of
+    their own lengths, which the scheduler needs (``ValueError`` in one line)."""
     from runtime.engine import ModelShape, static_step_of, unsupported
     from runtime.policies import PolicyError
 
@@ -73,9 +74,12 @@ def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
     if why:
         raise ValueError(f"--model {args.model}: {why}; rolecall serve runs the engine only")
     try:
-        static_step_of(policy, ModelShape.from_config(config))
+        step = static_step_of(policy, ModelShape.from_config(config))
     except (NotImplementedError, PolicyError) as e:
         raise ValueError(f"--policy {args.policy}: {e}") from None
+    if not getattr(step, "row_lengths", False):  # what Scheduler() checks, here before the weights load
+        raise ValueError(f"--policy {args.policy}: its engine step keeps state that assumes one length for all rows, "
+                         "so the scheduler cannot serve it yet (served: full, delta without refine, lychee)")
 
 
 def context_of(args: argparse.Namespace, config: Any) -> int:
@@ -168,8 +172,11 @@ def run(args: argparse.Namespace) -> int:
             eos = eos_ids(config, tokenizer, model.generation_config)
         pad = pad_token(tokenizer) if tokenizer is not None else None
         pad = pad if pad is not None else (eos or [0])[0]
-        scheduler = stack.enter_context(Scheduler(weights, policy, slots=slots, max_context=context,
-                                                  tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad))
+        try:
+            scheduler = stack.enter_context(Scheduler(weights, policy, slots=slots, max_context=context,
+                                                      tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad))
+        except NotImplementedError as e:  # a policy the scheduler refuses: one line, as every refusal
+            raise ValueError(f"--policy {args.policy}: {e}") from None
         warm_up(scheduler)
         name = args.served_model_name or args.model
         app = create_app(scheduler, model_name=name, tokenizer=tokenizer)

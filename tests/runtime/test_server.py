@@ -579,6 +579,7 @@ def test_random_weights_from_a_bare_config_serve_token_ids(tiny, tmp_path):
     (["-p", "min_context=0"], "-p min_context: rolecall serve always decodes on the engine"),
     (["--policy", "delta"], "policy 'delta' needs a manifest with a layers section"),
     (["--max-context", "9000"], "--max-context is 9000 tokens, more than the model's context of 4096"),
+    (["--policy", "quest"], "--policy quest: its engine step keeps state that assumes one length for all rows"),
 ])
 def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monkeypatch, capsys):
     from runtime.cli import main
