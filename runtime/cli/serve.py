@@ -68,6 +68,7 @@ def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
     """The model's family and the policy's static step, which the engine needs, and a step that serves rows of
     their own lengths, which the scheduler needs (``ValueError`` in one line)."""
     from runtime.engine import ModelShape, static_step_of, unsupported
+    from runtime.engine.decoder import rows_refusal
     from runtime.policies import PolicyError
 
     why = unsupported(config)
@@ -77,9 +78,9 @@ def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
         step = static_step_of(policy, ModelShape.from_config(config))
     except (NotImplementedError, PolicyError) as e:
         raise ValueError(f"--policy {args.policy}: {e}") from None
-    if not getattr(step, "row_lengths", False):  # what Scheduler() checks, here before the weights load
-        raise ValueError(f"--policy {args.policy}: its engine step keeps state that assumes one length for all rows, "
-                         "so the scheduler cannot serve it yet (served: full, delta without refine, lychee)")
+    why = rows_refusal(step)  # what Scheduler() checks, here before the weights load
+    if why:
+        raise ValueError(f"--policy {args.policy}: {why}")
 
 
 def context_of(args: argparse.Namespace, config: Any) -> int:

@@ -57,6 +57,15 @@ def static_step_of(policy: Any, shape: Any) -> Any:
     return make(shape)
 
 
+def rows_refusal(step: Any) -> str | None:
+    """Why a policy's static ``step`` cannot run rows of their own lengths (the scheduler's), or None when it can:
+    the step declares ``row_lengths`` when it keeps nothing across steps that assumes one length for all rows."""
+    if getattr(step, "row_lengths", False):
+        return None
+    return ("its engine step keeps state that assumes one length for all rows (served: full, delta without refine, "
+            "lychee)")
+
+
 class StaticDecoder:
     """``policy``: a bound policy from ``runtime.policies`` (``Full()`` when None). ``kernels``: ``"auto"``
     (Triton on CUDA), ``"naive"`` (the PyTorch references) or ``"triton"`` (also on the CPU under
@@ -78,9 +87,9 @@ class StaticDecoder:
         s = weights.shape
         self.static = static_step_of(self.policy, s)
         self.full = Full().static_step(s)
-        if row_lengths and not getattr(self.static, "row_lengths", False):
-            raise NotImplementedError(f"policy {self.policy.name!r} keeps state across steps that assumes one length "
-                                      "for all rows; it cannot serve rows of their own lengths yet")
+        why = rows_refusal(self.static) if row_lengths else None
+        if why:
+            raise NotImplementedError(f"policy {self.policy.name!r}: {why}")
         head_order = head_order_of(self.static.head_order, s)
         if max_len > weights.max_positions:
             raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "
@@ -587,5 +596,5 @@ def padding_mask(pads: list[int], width: int, device: Any = "cpu") -> torch.Tens
     return (torch.arange(width, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]).long()
 
 
-__all__ = ["Pending", "StaticDecoder", "pad_left", "padding_mask", "static_step_of"]
+__all__ = ["Pending", "StaticDecoder", "pad_left", "padding_mask", "rows_refusal", "static_step_of"]
 

@@ -99,13 +99,11 @@ class Scheduler:
         max_context = most if max_context is None else int(max_context)
         if not 2 <= max_context <= most:
             raise ValueError(f"max_context {max_context} must be in [2, {most}] (the model's RoPE positions)")
-        from runtime.engine.decoder import static_step_of
+        from runtime.engine.decoder import rows_refusal, static_step_of
 
-        step = static_step_of(policy, weights.shape)
-        if not getattr(step, "row_lengths", False):
-            raise NotImplementedError(f"policy {policy.name!r} cannot serve yet: its step keeps state across steps "
-                                      "that assumes one length for all rows (served: full, delta without refine, "
-                                      "lychee)")
+        why = rows_refusal(static_step_of(policy, weights.shape))
+        if why:
+            raise NotImplementedError(f"policy {policy.name!r} cannot serve yet: {why}")
         self.weights, self.policy, self.slots, self.max_context = weights, policy, slots, max_context
         self.tokenizer, self.pad_token_id, self.kernels = tokenizer, int(pad_token_id), kernels
         self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
