@@ -12,9 +12,11 @@ still to run go through the batches together (``runtime.eval.evaluate_many``): e
 all of them, most of the time at long contexts; their files are written when all are done, and each keeps its
 finished batches in ``cells/<cell>.partial.jsonl`` meanwhile. A second run with
 the same settings skips the cells whose file exists, so a killed run continues where it stopped; a cell made
-with other settings is refused rather than mixed in. At the end it writes ``summary.json``, ``TABLE.md`` (also
+with other settings is refused rather than mixed in. Once every cell is done they are packed, sorted by name, into
+``cells.jsonl.xz`` (xz, one JSON line per cell); a folder with that file and no ``cells/`` (a grid kept as its
+record) is summarised from it, and unpacked into ``cells/`` before a new cell runs. At the end it writes ``summary.json``, ``TABLE.md`` (also
 printed; every score with its Wilson 95 % interval and sample count), ``quality.png`` (score with interval
-bars and KL against the budget, one line per policy), with the suite one ``quality-<task>.png`` per task, and
+bars and KL against the budget, one line per policy), with the suite ``quality-tasks.png`` (a panel per task), and
 appends the command line to ``COMMAND.txt`` (unless it is already the last line there).
 
 ``--suite reasoning`` measures long generations instead (``runtime.eval.fidelity``): on reasoning prompts,
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import math
 import re
 import shlex
@@ -52,6 +55,7 @@ from runtime.models import DEFAULT_MODEL  # noqa: E402
 from runtime.policies import PolicyError, engine_policies, get_policy  # noqa: E402
 
 PROG = Path(__file__).name
+ARCHIVE = "cells.jsonl.xz"  # a finished grid's cells in one file, the record ``artifacts/`` keeps
 POLICIES = ("full", "delta", "lychee", "lethe", "vattention", "quest")
 BUDGETS = (256, 512, 1024, 2048)
 PAGE = 16  # DELTA's and Quest's page size P
@@ -465,7 +469,7 @@ def _finish_pair(fig, left, right, summary: dict[str, Any], ylabels: tuple[str, 
 
 
 def plot(summary: dict[str, Any], out: Path) -> list[str]:
-    """``quality.png`` (score and KL against the budget) and, with several tasks, ``quality-<task>.png``;
+    """``quality.png`` (score and KL against the budget) and, with several tasks, ``quality-tasks.png``;
     returns the file names written."""
     import matplotlib
 
@@ -484,16 +488,35 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
                  "quality against the token budget", out / "quality.png")
     written = ["quality.png"]
     tasks = sorted({t for r in summary["rows"] for t in r.get("tasks", {})})
-    for task in tasks if len(tasks) > 1 else []:
-        fig, ax = plt.subplots(figsize=(6, 4))
+    if len(tasks) > 1:
+        plot_tasks(summary, tasks, out / "quality-tasks.png")
+        written.append("quality-tasks.png")
+    return written
+
+
+def plot_tasks(summary: dict[str, Any], tasks: list[str], path: Path) -> None:
+    """One panel per task (score with its interval against the budget, one line per policy) in one figure, the
+    legend once below them."""
+    import matplotlib.pyplot as plt
+
+    columns = min(4, len(tasks))
+    rows = math.ceil(len(tasks) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.6 * rows + 0.8), sharey=True, squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
         _score_lines(ax, summary, lambda r, t=task: r.get("tasks", {}).get(t))
         _budget_axis(ax, summary["budgets"])
-        ax.set_ylabel("score (Wilson 95 % bars)")
-        ax.legend(fontsize=8, frameon=False)
-        ax.set_title(f"{summary['model']}: {task}", fontsize=10)
-        save_figure(fig, out / f"quality-{task}.png")
-        written.append(f"quality-{task}.png")
-    return written
+        ax.set_title(task, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.label.set_size(8)
+    for ax in axes.flat[len(tasks):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("score (Wilson 95 %)", fontsize=8)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle(f"{summary['model']}: each task against the token budget", fontsize=10)
+    legend_rows = 1 + (len(labels) - 1) // 6
+    save_figure(fig, path, rect=(0, 0.25 * legend_rows / (2.6 * rows + 0.8), 1, 1))
 
 
 def plot_fidelity(summary: dict[str, Any], out: Path) -> list[str]:
@@ -585,19 +608,53 @@ def check_source(args: argparse.Namespace) -> None:
 
 
 def resumed(cells: list[Cell], out: Path, common: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The settings each cell's file must hold, and the cells already done in ``out`` (refusing files made with
-    other settings before anything loads)."""
+    """The settings each cell's file must hold, and the cells already done in ``out`` (:func:`kept_cells`),
+    refusing cells made with other settings before anything loads."""
     grids, done = {}, {}
+    kept, where = kept_cells(out)
     for cell in cells:
         grid = {**common, "policy": cell.policy, "params": cell.params, "manifest_sha256": file_sha256(cell.manifest)}
         grids[cell.name] = json.loads(json.dumps(grid))  # as it reads back from a file (tuples become lists)
-        path = out / "cells" / f"{cell.name}.json"
-        if path.exists():
-            done[cell.name] = json.loads(path.read_text())
+        if cell.name in kept:
+            done[cell.name] = kept[cell.name]
             if _comparable(done[cell.name]["grid"]) != _comparable(grids[cell.name]):
-                raise ValueError(f"{path} was made with other settings (model, device, prompts, parameters or "
-                                 "manifest); use another --out or delete the file")
+                shown = where / f"{cell.name}.json" if where.is_dir() else f"{where} (cell {cell.name})"
+                raise ValueError(f"{shown} was made with other settings (model, device, prompts, parameters or "
+                                 "manifest); use another --out or delete the cell")
     return grids, done
+
+
+def kept_cells(out: Path) -> tuple[dict[str, dict[str, Any]], Path]:
+    """The cells done in ``out`` by name and where they were read: its ``cells/`` files, or where it has none, its
+    :data:`ARCHIVE` (a grid kept as that one file)."""
+    files = sorted((out / "cells").glob("*.json"))
+    if files or not (out / ARCHIVE).exists():
+        return {p.stem: json.loads(p.read_text()) for p in files}, out / "cells"
+    return read_archive(out), out / ARCHIVE
+
+
+def read_archive(out: Path) -> dict[str, dict[str, Any]]:
+    """The cells packed in ``out/cells.jsonl.xz`` by name: one JSON line per cell, its file's record with its
+    name added."""
+    with lzma.open(out / ARCHIVE, "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r.pop("name"): r for r in records}
+
+
+def write_cell(out: Path, name: str, record: dict[str, Any]) -> None:
+    atomic.write_text(out / "cells" / f"{name}.json", json.dumps(record, indent=1, default=str))
+
+
+def pack(out: Path) -> bool:
+    """Packs every cell file of ``out/cells/`` into ``out/cells.jsonl.xz``, sorted by name (the same cells give
+    the same bytes); False when the archive already holds exactly them. The files stay: they are the working copy
+    (git ignores them in ``artifacts/``, where the archive is the record)."""
+    cells = {p.stem: json.loads(p.read_text()) for p in sorted((out / "cells").glob("*.json"))}
+    if (out / ARCHIVE).exists() and json.loads(json.dumps(read_archive(out))) == json.loads(json.dumps(cells)):
+        return False
+    text = "".join(json.dumps({"name": name, **cells[name]}, default=str) + "\n" for name in sorted(cells))
+    atomic.write_bytes(out / ARCHIVE, lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
+    return True
 
 
 def _comparable(grid: dict[str, Any]) -> dict[str, Any]:
@@ -701,6 +758,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         common["settings"] = asdict(settings)
     grids, done = resumed(cells, out, common)
+    resumed_count = len(done)
     if args.summarize and not done:
         raise ValueError(f"--summarize: none of this command's {len(cells)} cells is done in {out / 'cells'}; "
                          "run it without --summarize first")
@@ -722,6 +780,9 @@ def run(args: argparse.Namespace) -> int:
         # a length too short for a task's question, a corpus too small: one line, no cell run
         samples = None if reasoning else suite_prompts(tokenizer, settings)
     (out / "cells").mkdir(parents=True, exist_ok=True)
+    if todo and not list((out / "cells").glob("*.json")) and (out / ARCHIVE).exists():  # the working copy first
+        for name, record in read_archive(out).items():
+            write_cell(out, name, record)
     previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
     if previous.rstrip("\n").rpartition("\n")[2] != args.command:  # the same command again (resumed, re-summarised): once
         atomic.write_text(out / "COMMAND.txt", previous + args.command + "\n")
@@ -754,24 +815,25 @@ def run(args: argparse.Namespace) -> int:
         result, row = shared.pop(cell.name) if cell.name in shared else run_cell(cell, model, tokenizer, settings,
                                                                                   samples, args)
         row["device_name"] = " and ".join(result.get("devices") or [here])  # every GPU a resumed cell ran on
-        atomic.write_text(out / "cells" / f"{cell.name}.json", json.dumps(
-            {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}, indent=1, default=str))
+        done[cell.name] = {"grid": grids[cell.name], "cell": asdict(cell), "row": row, "result": result}
+        write_cell(out, cell.name, done[cell.name])
         partial_file(out, cell).unlink(missing_ok=True)
         rows.append(row)
         if not terminal:
             print(f"quality grid: cell {number}/{len(cells)} {cell.name} done", file=sys.stderr, flush=True)
     bar.close()
+    packed = len(done) == len(cells) and not args.summarize and pack(out)  # a finished grid
     names = [name for name in device_names(rows) if name]  # where the cells ran
     device_name = " and ".join(names) if names else here
     summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
-    atomic.write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))
+    atomic.write_text(out / "summary.json", json.dumps(summary, separators=(",", ":"), default=str) + "\n")  # compact: TABLE.md is the one to read
     table = format_fidelity_table(summary) if reasoning else format_table(summary)
     atomic.write_text(out / "TABLE.md", table)
     plots = plot_fidelity(summary, out) if reasoning else plot(summary, out)
     print(table)
-    ran = f"{len(cells) - len(done)} cells not done, left out" if args.summarize else f"{len(cells) - len(done)} cells run"
-    print(f"{ran}, {len(done)} resumed from {out / 'cells'}; "
-          f"wrote summary.json, TABLE.md, {', '.join(plots)}")
+    ran = f"{len(cells) - len(done)} cells not done, left out" if args.summarize else f"{len(done) - resumed_count} cells run"
+    print(f"{ran}, {resumed_count} resumed from {out}; "
+          f"wrote summary.json, TABLE.md, {', '.join(plots + [ARCHIVE] * packed)}")
     return 0
 
 

@@ -77,11 +77,8 @@ def write_report(out: Path, stem: str, data: dict[str, Any], table: str) -> None
     print(f"wrote {out / f'{stem}.png'}, {stem}.json, {stem.upper()}.md")
 
 
-def save_figure(fig: Any, path: Path) -> None:
-    """A matplotlib figure laid out and written to ``path`` atomically (PNG, 120 dpi), then closed."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    with atomic.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+def save_figure(fig: Any, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
+    """A matplotlib figure laid out inside ``rect`` (figure fractions: left, bottom, right, top; the rest is kept
+    for a figure legend) and written to ``path`` atomically (PNG, 120 dpi), then closed."""
+    fig.tight_layout(rect=rect)
+    atomic.write_figure(fig, path, dpi=120)

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from runtime.atomic import atomic_path  # noqa: E402
+from runtime.atomic import write_figure  # noqa: E402
 from runtime.manifest import RoleManifest  # noqa: E402
 
 ROLE_COLORS = {0: "#7f7f7f", 1: "#d62728", 2: "#1f77b4"}
@@ -20,12 +20,7 @@ ROLE_NAMES = {0: "full (warm-up)", 1: "Δ (selection)", 2: "sparse"}
 
 
 def _save(fig, path: Path) -> Path:
-    try:
-        with atomic_path(path, suffix=".png") as tmp:
-            # a fixed Software/date-free metadata keeps the PNG bytes identical between runs
-            fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata={"Software": None})
-    finally:
-        plt.close(fig)
+    write_figure(fig, path, dpi=150, bbox_inches="tight")
     return path
 
 

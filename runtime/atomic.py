@@ -52,6 +52,32 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8"))
 
 
+def write_figure(fig, path: str | os.PathLike, dpi: int = 120, **savefig) -> Path:
+    """A matplotlib figure written to ``path`` as a PNG of at most 256 colours, atomically, then closed (also when
+    the write fails).
+
+    A plot's flat colours and anti-aliased edges fit a 256-colour palette with no visible change at a third of an
+    RGBA file's bytes; the file holds no metadata (no software version, no date), so the same figure gives the
+    same bytes. ``savefig`` goes to ``Figure.savefig`` (``bbox_inches``, for one).
+    """
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    try:
+        rendered = io.BytesIO()
+        fig.savefig(rendered, format="png", dpi=dpi, **savefig)
+        rendered.seek(0)
+        image = Image.open(rendered).convert("RGB")
+        palette = image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+        packed = io.BytesIO()
+        palette.save(packed, format="PNG", optimize=True)
+    finally:
+        plt.close(fig)
+    return write_bytes(path, packed.getvalue())
+
+
 def check_writable(path: str | os.PathLike, flag: str, folder: bool = False) -> None:
     """Refuse, before any work, an output ``path`` that cannot be written: its folder is made (as the write would
     make it) and a temporary file opened in it and removed. One line naming the flag, the path, why and the fix.

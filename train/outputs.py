@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from runtime.atomic import atomic_path
+from runtime.atomic import write_figure
 from runtime.manifest import ModelIdentity, RoleManifest, portable_name
 
 UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
@@ -117,9 +117,7 @@ def plot_gates(records: list[dict[str, Any]], shape: tuple[int, int], path: Path
         ax.set_xticks(range(shape[1]))
     axes[0][0].set_ylabel("layer")
     fig.colorbar(im, ax=axes[0].tolist(), label="E[z]")
-    with atomic_path(path, suffix=Path(path).suffix) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    write_figure(fig, path, dpi=120)
     return path
 
 
@@ -153,7 +151,5 @@ def plot_curves(records: list[dict[str, Any]], target: int, path: Path, goal: fl
     for ax in axes:
         ax.set_xlabel("step")
     fig.tight_layout()
-    with atomic_path(path, suffix=Path(path).suffix) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    write_figure(fig, path, dpi=120)
     return path

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.atomic import atomic_path
+from runtime.atomic import write_figure
 from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
 
 # panel -> the manifest tensor it draws; a panel appears when its tensor is present
@@ -41,12 +41,7 @@ def plot_manifest(manifest: RoleManifest, path: str | os.PathLike) -> Path:
     fig.suptitle(f"{manifest.model.name or 'manifest'} — {L} layers × {manifest.model.num_kv_heads} KV heads", fontsize=11)
     fig.tight_layout()
 
-    try:
-        with atomic_path(path, suffix=".png") as tmp:
-            fig.savefig(tmp, dpi=130)
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return write_figure(fig, path, dpi=130)
 
 
 def _draw_layers(fig, ax, manifest: RoleManifest, layers: np.ndarray, sliding: list[int]) -> None:

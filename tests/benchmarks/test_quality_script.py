@@ -115,6 +115,22 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     assert (out / "cells" / "delta-b32.json").stat().st_mtime_ns == stamp
     assert json.loads((out / "summary.json").read_text())["rows"][0] == summary["rows"][0]
     assert len((out / "COMMAND.txt").read_text().splitlines()) == 3  # the two runs and the summary
+
+    # The finished grid is packed into one file, which alone is the record: a folder holding it and no cells/
+    # summarises to the same table and resumes every cell.
+    packed = (out / "cells.jsonl.xz").read_bytes()
+    assert quality.read_archive(out) == {p.stem: json.loads(p.read_text()) for p in (out / "cells").glob("*.json")}
+    assert not quality.pack(out) and (out / "cells.jsonl.xz").read_bytes() == packed  # nothing new: left as it is
+    record = tmp_path / "record"
+    record.mkdir()
+    shutil.copy(out / "cells.jsonl.xz", record)
+    moved = [a if a != str(out) else str(record) for a in argv]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runtime.models, "load_model", no_load)
+        assert quality.main([*moved, "--summarize"]) == 0
+    assert "0 cells not done, left out, 11 resumed" in capsys.readouterr().out
+    assert (record / "TABLE.md").read_text() == (out / "TABLE.md").read_text()
+    assert not list(record.glob("cells/*.json"))  # only summarised: nothing unpacked
     with pytest.MonkeyPatch.context() as mp:  # the same command twice in a row (re-summarised): recorded once
         mp.setattr(runtime.models, "load_model", no_load)
         assert quality.main([*argv, "--summarize"]) == 0 and quality.main([*argv, "--summarize"]) == 0
@@ -275,7 +291,7 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
                      capsys.readouterr().err)
     assert not list((tmp_path / "short").glob("cells/*.json"))
     assert "RULER-style suite (niah_single_noise, variable_tracking)" in table and "prompts/s" in table
-    for name in ("quality.png", "quality-niah_single_noise.png", "quality-variable_tracking.png"):
+    for name in ("quality.png", "quality-tasks.png"):
         assert (out / name).stat().st_size > 1000 and name in printed
     # each prompt's score is kept, so the table pairs quest with full over the very same prompts
     full, quest = summary["rows"]
