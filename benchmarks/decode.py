@@ -128,8 +128,9 @@ def delta_manifest(shape: ModelShape) -> RoleManifest:
     return RoleManifest(identity, layer_role=torch.tensor(roles, dtype=torch.int8))
 
 
-def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int):
-    """A bound runtime policy on a manifest made for ``shape`` (DELTA's Δ-layers for 7B; spread heads)."""
+def policy_and_manifest(name: str, shape: ModelShape, budget: int, retrieval_heads: int):
+    """A runtime policy (not bound) and the manifest made for ``shape`` it runs on (DELTA's Δ-layers for 7B;
+    spread heads), or None."""
     identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
     if name == "full":
         policy, manifest = get_policy("full"), None
@@ -154,6 +155,12 @@ def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int)
         policy, manifest = FlashInferFull(), None
     else:
         raise SystemExit(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return policy, manifest
+
+
+def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int):
+    """The policy of :func:`policy_and_manifest`, bound to its manifest."""
+    policy, manifest = policy_and_manifest(name, shape, budget, retrieval_heads)
     policy.bind(manifest, _config(shape))
     return policy
 
@@ -426,6 +433,53 @@ def real_model(args: argparse.Namespace) -> dict:
     return {"generate": rows, "prefill": prefill}
 
 
+def users_path(args: argparse.Namespace, model: str, shape: ModelShape, steps: list[dict],
+               device: str = "cuda") -> list[dict]:
+    """``--generate``: each (context, batch) of it through ``session.generate`` (what ``rolecall decode`` and the
+    Python API run) on a transformers model of ``shape`` with random weights, for every policy and the first
+    budget, beside the static step of the same configuration timed by the grid above.
+
+    The prompt is ``context - new / 2`` tokens, so the mean length over the ``--generate-new`` decoded tokens is
+    the grid's context. A request runs twice (the first compiles and captures); the second's decode time per step
+    (``Generation.decode_s / steps``: graph replays, the host's checks and the tokens read back) is the TPOT, and
+    ``generate / step`` its ratio to the static step's median."""
+    from benchmarks.serve import qwen2_config
+    from runtime import attach
+    from runtime.distributed import random_model
+
+    new, budget = args.generate_new, args.budgets[0]
+    longest = max(context for context, _ in args.generate) + new
+    hf = random_model(qwen2_config(shape, longest + 64), torch.bfloat16 if device == "cuda" else torch.float32, device)
+    gen = torch.Generator(device).manual_seed(0)
+    rows = []
+    for context, batch in args.generate:
+        ids = torch.randint(100, shape.vocab - 100, (batch, context - new // 2), device=device, generator=gen)
+        for name in args.policies:
+            if name == "full-flashinfer":
+                continue
+            spent = None if name in DENSE else budget
+            policy, manifest = policy_and_manifest(name, shape, spent or 0, scaled_retrieval_heads(shape, args.retrieval_heads))
+            times = []
+            with attach(hf, manifest, policy, engine="static", min_context=0) as session:
+                for _ in range(2):
+                    session.generate(input_ids=ids, max_new_tokens=new, do_sample=False, eos_token_id=[])
+                    times.append(session.last.decode_s / session.last.steps)
+            step = next((r for r in steps if r.get("model") == model and r.get("batch") == batch and
+                         r.get("context") == context and r.get("policy") == name and r.get("budget") == spent), None)
+            row = {"model": model, "batch": batch, "context": context, "policy": name, "budget": spent,
+                   "new_tokens": new, "generate_tpot_ms": 1e3 * times[-1], "first_request_tpot_ms": 1e3 * times[0],
+                   "step_tpot_ms": step["tpot_ms"] if step else None}
+            row["generate_over_step"] = row["generate_tpot_ms"] / row["step_tpot_ms"] if step else None
+            rows.append(row)
+            ratio = f"{row['generate_over_step']:.3f}" if step else "no step row"
+            print(f"session.generate {model} B={batch} T={context} {name}: {row['generate_tpot_ms']:.3f} ms a token, "
+                  f"static step {step['tpot_ms'] if step else float('nan'):.3f} ms: generate / step {ratio}", flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    del hf
+    return rows
+
+
 # -- reporting -----------------------------------------------------------------------------------------------------
 HEAD = ("model", "B", "T", "policy", "budget", "TPOT ms", "tok/s", "x full", "limit x", "bound ms", "of bound",
         "held MB")
@@ -458,6 +512,14 @@ def crossovers(rows: list[dict]) -> list[dict]:
         out.append({"model": model, "batch": batch, "policy": policy, "budget": budget, "faster_from": wins,
                     "contexts": [r["context"] for r in rs]})
     return out
+
+
+def parse_pair(p: Parser, item: str) -> tuple[int, int]:
+    """``CONTEXTxBATCH`` of ``--generate`` as two whole numbers, the context past ``--generate-new``."""
+    context, _, batch = item.strip().lower().partition("x")
+    if not (context.isdigit() and batch.isdigit() and int(batch) > 0 and int(context) > 0):
+        p.error(f"--generate: {item!r} is not CONTEXTxBATCH (e.g. 32768x8)")
+    return int(context), int(batch)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -497,6 +559,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt lengths of the --real prefill timing (one row: the engine prefills up to 32,768 "
                         "tokens a chunk)")
     p.add_argument("--real-reps", type=int, default=3)
+    p.add_argument("--generate", default=None, help="CONTEXTxBATCH,...: also time these configurations of the "
+                   "first --models shape through session.generate, the path users run (e.g. 32768x8,131072x1)")
+    p.add_argument("--generate-new", type=int, default=256, help="tokens each --generate request decodes")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")
     args = p.parse_args(argv)
@@ -505,7 +570,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.budgets = p.counts(args.budgets, "--budgets", "token budgets")
     at_least(p, args, steps=1, warmup=0, retrieval_heads=0, delta_batch=1, delta_budget=1, delta_prompt=1,
              delta_samples=(2, "the first and the last length"), min_context=0, real_new=1, real_prefill=1,
-             real_reps=1)
+             real_reps=1, generate_new=2)
+    args.generate = [parse_pair(p, item) for item in args.generate.split(",")] if args.generate else []
+    if args.generate and args.smoke:
+        p.error("--generate times the engine on a GPU; --smoke runs on the CPU: leave one out")
     if args.delta_total <= args.delta_prompt:
         p.error(f"--delta-total must be past --delta-prompt ({args.delta_prompt}), got {args.delta_total}")
     args.models = p.names(args.models, "--models", MODELS, none_ok="--real" if args.real else None)
@@ -563,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = Weights.random(delta_shape, device, dtype)
         setting = bench.delta_setting(weights, delta_shape)
         del weights
+    generated = users_path(args, args.models[0], shapes[args.models[0]], rows) if args.generate else []
     real = real_model(args) if args.real and not args.smoke else None
     cross = crossovers(rows)
     for c in cross:
@@ -581,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
               "args": {k: (Path(v).name if k in ("real", "profile", "timeline") and v and Path(v).exists() else v)
                        for k, v in vars(args).items() if k != "out"},
               "shapes": {m: vars(s) for m, s in shapes.items()}, "rows": rows, "crossovers": cross,
-              "delta_setting": setting, "real": real}
+              "delta_setting": setting, "real": real, "generate": generated}
     write_text(out, json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     if args.timeline and bench.timelines:

@@ -95,4 +95,4 @@ def test_the_embedded_model_survives_fifty_random_request_shapes_on_gpu():
             ids = torch.randint(100, 40000, (rows, width), device="cuda")
             out = session.generate(input_ids=ids, max_new_tokens=new, do_sample=False, eos_token_id=[])
             assert out.shape == (rows, width + new), i
-            assert session.last.info["graphs"]
+            assert session.last.info["graphs"] or new == 1, i  # one new token is the prefill's: no step to capture
