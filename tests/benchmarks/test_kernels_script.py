@@ -71,6 +71,10 @@ def test_rounds_merge_by_median_and_ratios_follow_the_medians():
     (["--policies", ","], "--policies: none given; known: full, delta, delta-refine, lychee, quest, vattention, lethe"),
     (["--models", ""], "--models: none given; known: 7b, 1.5b"),
     (["--models", "", "--real", "x", "--policies", "quick"], "--policies: unknown quick; known: full, delta"),
+    (["--generate", "32768"], "--generate: '32768' is not CONTEXTxBATCH (e.g. 32768x8)"),
+    (["--generate", "32768x0"], "--generate: '32768x0' is not CONTEXTxBATCH (e.g. 32768x8)"),
+    (["--generate", "64x1", "--smoke"], "--generate times the engine on a GPU; --smoke runs on the CPU"),
+    (["--generate-new", "1"], "--generate-new must be at least 2, got 1"),
 ])
 def test_decode_benchmark_refuses_bad_counts_in_one_line(capsys, flags, says):
     from benchmarks import decode
@@ -107,3 +111,21 @@ def test_the_gemma_shape_is_what_the_engine_reads_of_its_config_and_its_roles_sk
     assert decode.delta_manifest(decode.SHAPES["7b"]).layer_role.tolist() == \
         [0, 0, 1] + [2] * 11 + [1] + [2] * 7 + [1] + [2] * 5
     assert memory.parse_args(["--policies", "full,lychee"]).policies == ["full", "lychee"]
+
+
+def test_the_users_path_runs_each_policy_beside_its_step_row():
+    """``--generate`` (here on the CPU, a tiny shape): every policy's request goes through ``session.generate``
+    twice, decodes the asked tokens, and is set beside the grid's row of the same configuration (or None)."""
+    from benchmarks import decode
+
+    args = decode.parse_args(["--models", "7b", "--policies", "full,delta,lychee", "--budgets", "32",
+                              "--generate", "96x2", "--generate-new", "8", "--retrieval-heads", "40"])
+    assert args.generate == [(96, 2)]
+    steps = [{"model": "tiny", "batch": 2, "context": 96, "policy": "delta", "budget": 32, "tpot_ms": 2.0}]
+    rows = decode.users_path(args, "tiny", decode.SMOKE_SHAPE, steps, device="cpu")
+    assert [r["policy"] for r in rows] == ["full", "delta", "lychee"]
+    for r in rows:
+        assert r["generate_tpot_ms"] > 0 and r["first_request_tpot_ms"] > 0 and r["new_tokens"] == 8
+    delta = rows[1]
+    assert delta["step_tpot_ms"] == 2.0 and delta["generate_over_step"] == pytest.approx(delta["generate_tpot_ms"] / 2.0)
+    assert rows[0]["step_tpot_ms"] is None and rows[0]["generate_over_step"] is None
