@@ -58,10 +58,15 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.device_map:
         raise ValueError(f"--device-map {args.device_map}: the engine serves a model from one device; leave it out "
                          "(and pick the GPU with --device cuda:N)")
-    session = sorted(set(parse_params(args.param)) & set(SESSION_PARAMS))
+    params = parse_params(args.param)
+    session = sorted(set(params) & set(SESSION_PARAMS) - {"min_context"})
     if session:
         raise ValueError(f"-p {session[0]}: rolecall serve always decodes on the engine and takes only the policy's "
-                         "own parameters; leave it out")
+                         "own parameters and min_context; leave it out")
+    floor = params.get("min_context")
+    if floor is not None and (not isinstance(floor, int) or isinstance(floor, bool) or floor < 0):
+        raise ValueError(f"-p min_context={floor!r}: give a whole number of tokens ≥ 0 (0: always the policy's step; "
+                         "left out: the measured crossover at --slots rows)")
 
 
 def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
@@ -156,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     device = chosen_device(args)
     config = load_config(args.model, trust_remote_code=args.trust_remote_code)
     params, manifest = policy_inputs(args, config)
+    min_context = params.pop("min_context", None)  # the scheduler's, not the policy's
     policy = bound_policy(args.policy, manifest, config, **params)
     check_engine(args, config, policy)
     context = context_of(args, config)
@@ -175,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         pad = pad if pad is not None else (eos or [0])[0]
         try:
             scheduler = stack.enter_context(Scheduler(weights, policy, slots=slots, max_context=context,
-                                                      tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad))
+                                                      tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad,
+                                                      min_context=min_context))
         except NotImplementedError as e:  # a policy the scheduler refuses: one line, as every refusal
             raise ValueError(f"--policy {args.policy}: {e}") from None
         warm_up(scheduler)

@@ -72,8 +72,10 @@ class Batcher:
         self.rows = s.slots
         self.stopper = RowStopper(self.rows, len(s.eos), s.pad_token_id, w.device)
         self.sampler = RowSampler(self.rows, w.device)
-        self.dec = StaticDecoder(w, s.policy, self.rows, s.max_context, min_context=0, kernels=s.kernels,
+        # below min_context (of the longest live request: position, set before each run) the full step runs
+        self.dec = StaticDecoder(w, s.policy, self.rows, s.max_context, min_context=s.min_context, kernels=s.kernels,
                                  sampler=self.sampler, stopper=self.stopper, row_lengths=True)
+        s.min_context = self.dec.min_context  # the crossover the decoder took, when None
         self.graphs = w.device.type == "cuda"
         if self.graphs:
             self.dec.capture()
@@ -124,6 +126,10 @@ class Batcher:
         if not self.live:
             return
         n = s.check_every
+        # the full-step fallback's one length: the longest live request's tokens in the cache (its prompt and all
+        # its tokens but the last, which the next step writes), as the decoder's position counts them for a request
+        # alone; the rows keep their own lengths on the device
+        self.dec.position = max(len(live.request.prompt) + len(live.tokens) - 1 for live in self.live.values())
         for i in range(n):
             self.dec.step()
             self.tokens[i].copy_(self.dec.tokens)

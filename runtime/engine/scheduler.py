@@ -88,11 +88,15 @@ class Scheduler:
     ``weights``: the engine's weights; ``policy``: a bound policy with a static step; ``max_context``: the most
     tokens (prompt + new) one request may hold, default the weights' RoPE positions; ``tokenizer``: for text
     and stop strings (without one, events carry ids only and ``stop`` is refused); ``eos_token_id``: an id or
-    ids that end a request. ``kernels`` as :class:`~runtime.engine.decoder.StaticDecoder`'s."""
+    ids that end a request. ``kernels`` as :class:`~runtime.engine.decoder.StaticDecoder`'s. ``min_context``: a
+    sparse policy's step runs only once the longest live request holds this many tokens; below it every row takes
+    the full step (faster there: the sparse step's selection costs more than the reads it saves). Default: the
+    measured crossover for the policy at ``slots`` rows (:func:`runtime.engine.default_min_context`); 0: always
+    the policy's step."""
 
     def __init__(self, weights: Any, policy: Any, *, slots: int = 8, max_context: int | None = None,
                  tokenizer: Any = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
-                 kernels: str = "auto", check_every: int = 8) -> None:
+                 kernels: str = "auto", check_every: int = 8, min_context: int | None = None) -> None:
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer ≥ 1, got {slots!r}")
         most = weights.max_positions
@@ -108,6 +112,11 @@ class Scheduler:
         self.tokenizer, self.pad_token_id, self.kernels = tokenizer, int(pad_token_id), kernels
         self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         self.check_every = check_every
+        if min_context is not None and (not isinstance(min_context, int) or isinstance(min_context, bool)
+                                        or min_context < 0):
+            raise ValueError(f"min_context must be an integer ≥ 0, got {min_context!r}; 0 always runs the policy's "
+                             "step, None takes the measured crossover")
+        self.min_context = min_context
         self._ids = itertools.count(1)
         self._waiting: deque[_Live] = deque()
         self._running: dict[int, _Live] = {}

@@ -69,7 +69,7 @@ def test_interleaved_requests_get_the_tokens_each_gets_alone(policy):
     requests = random_requests(1, 10)
     requests[4] = Request(requests[4].prompt, 20, Sampling(True, 0.8, 20, 0.9, seed=7), ignore_eos=True)
     got = Collector()
-    with Scheduler(weights, pol, slots=3, check_every=3) as sched:
+    with Scheduler(weights, pol, slots=3, check_every=3, min_context=0) as sched:
         for i, r in enumerate(requests):
             sched.submit(r, got.emit(i))
         got.wait(len(requests))
@@ -87,7 +87,7 @@ def test_a_reused_row_does_not_see_the_previous_request():
     long, short = random_requests(3, 2)
     long = Request([5] * 150, 30, ignore_eos=True)
     got = Collector()
-    with Scheduler(weights, pol, slots=1, check_every=4) as sched:
+    with Scheduler(weights, pol, slots=1, check_every=4, min_context=0) as sched:
         for i, r in enumerate((long, short, long)):
             sched.submit(r, got.emit(i))
         got.wait(3)
@@ -95,6 +95,37 @@ def test_a_reused_row_does_not_see_the_previous_request():
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0).tokens[0]
         assert got.tokens[i] == alone, i
 
+
+
+@pytest.mark.parametrize("policy", ["delta", "lychee"])
+def test_below_min_context_the_rows_take_the_full_step(policy):
+    """A sparse policy's scheduler runs the full step while its longest live request is below ``min_context``
+    (default: the measured crossover at its slot count) and its own step from there: one request alone in the
+    scheduler gets the tokens the engine gives it alone with the same ``min_context``, which differ from the
+    always-sparse ones; far above every length, the full policy's tokens."""
+    from runtime.engine import default_min_context
+
+    model, weights, pol = served(policy)
+    full = served("full")[2]
+    request = Request([(7 * i) % 200 + 3 for i in range(100)], 40, ignore_eos=True)
+
+    def served_alone(min_context):
+        got = Collector()
+        with Scheduler(weights, pol, slots=1, check_every=4, min_context=min_context) as sched:
+            sched.submit(request, got.emit(0))
+            got.wait(1)
+        return got.tokens[0], sched.min_context
+
+    def engine_alone(policy, min_context):
+        return generate(weights, policy, [list(request.prompt)], max_new_tokens=40, min_context=min_context).tokens[0]
+
+    switched, _ = served_alone(120)  # full for the first 20 tokens, then the policy's step
+    assert switched == engine_alone(pol, 120)
+    assert served_alone(10_000)[0] == engine_alone(full, 0)
+    assert engine_alone(pol, 0) != engine_alone(full, 0)  # the policy's own tokens differ: the switch is seen
+    assert served_alone(None)[1] == default_min_context(pol, 1) > 0
+    with pytest.raises(ValueError, match="min_context must be an integer ≥ 0, got -1"):
+        Scheduler(weights, pol, min_context=-1)
 
 def test_eos_stop_strings_and_cancellation_end_a_request_and_free_its_row():
     model, weights, pol = served("full")
@@ -168,7 +199,7 @@ def test_rows_of_their_own_lengths_in_the_triton_kernels(policy):
     model, weights, pol = served(policy)
     requests = random_requests(5, 4)
     got = Collector()
-    with Scheduler(weights, pol, slots=2, check_every=2, kernels="triton") as sched:
+    with Scheduler(weights, pol, slots=2, check_every=2, kernels="triton", min_context=0) as sched:
         for i, r in enumerate(requests):
             sched.submit(r, got.emit(i))
         got.wait(len(requests))
@@ -201,7 +232,7 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
     requests = [Request([rng.randrange(100, 40000) for _ in range(rng.randint(8, 960))], rng.randint(2, 48),
                         ignore_eos=True) for _ in range(12)]
     got = Collector()
-    with Scheduler(weights, pol, slots=4, max_context=4096) as sched:
+    with Scheduler(weights, pol, slots=4, max_context=4096, min_context=0) as sched:
         for i, r in enumerate(requests):
             sched.submit(r, got.emit(i))
         got.wait(len(requests))
