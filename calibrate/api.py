@@ -12,6 +12,7 @@ neither selects nor reads, while its windowed ``a`` would compare a window again
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -196,17 +197,25 @@ def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | Non
 
 
 def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) -> list[Path]:
-    """Write the manifest, then its resolved config (``<stem>.config.json``) and, with ``plots``, the PNGs beside it,
-    each atomically. The config file holds the paths as they were given (the manifest only their file names)."""
+    """Write the resolved config (``<stem>.config.json``) and, with ``plots``, the PNGs beside ``output``, each
+    atomically, and then the manifest by its atomic rename: a kill at any point leaves the earlier manifest (with
+    some new sidecars) or the new one with all of its own, never a new manifest beside an earlier config. The plots
+    are drawn into a hidden folder first, so a plot that fails leaves every earlier file as it was. The config file
+    holds the paths as they were given (the manifest only their file names). Returns the paths, manifest first."""
     output = Path(output)
-    written = [manifest.save(output)]
+    output.parent.mkdir(parents=True, exist_ok=True)
     stem = output.name.removesuffix(".safetensors")
     config_path = output.with_name(f"{stem}.config.json")
     given = {**manifest.config, **getattr(manifest, _SIDECAR, {})}
-    write_text(config_path, dumps(resolve(given, {"output": str(output)})))
-    written.append(config_path)
-    if plots:
-        from calibrate.plots import plot_all
+    config_text = dumps(resolve(given, {"output": str(output)}))
+    with tempfile.TemporaryDirectory(prefix=f".{stem}.plots.", dir=output.parent) as drawn:
+        pngs = []
+        if plots:
+            from calibrate.plots import plot_all
 
-        written += plot_all(manifest, output.parent, stem)
-    return written
+            pngs = plot_all(manifest, drawn, stem)
+        write_text(config_path, config_text)
+        placed = [output.with_name(png.name) for png in pngs]
+        for png, path in zip(pngs, placed):  # each written atomically in the same folder: a rename places it
+            os.replace(png, path)
+    return [manifest.save(output), config_path, *placed]

@@ -8,22 +8,43 @@ Settings come in layers: the defaults of ``CalibrateConfig``, then ``--config`` 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime.cli import Parser
 
+
+def _real(low: float, high: float | None, example: str, low_closed: bool = False):
+    """The argparse type of a float flag: a finite number above ``low`` (or at it, with ``low_closed``) and at most
+    ``high``, else a usage error in one line naming the value, the range and an example (nan and inf never pass)."""
+    span = f"{'[' if low_closed else '('}{low:g}, {'∞)' if high is None else f'{high:g}]'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value >= low if low_closed else value > low
+        if not (math.isfinite(value) and above and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number in {span}; pass e.g. {example}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
 # flag -> (config key, type, help); every flag defaults to None so that an unset flag leaves the YAML value alone
-_FLAGS: list[tuple[str, str, type, str]] = [
+_FLAGS: list[tuple[str, str, Callable[[str], object], str]] = [
     ("--model", "model", str, "model alias (configs/models/), Hugging Face id or local folder [smollm2-135m]"),
     ("--output", "output", str, "manifest path [artifacts/<model>.delta.safetensors]"),
     ("--traces", "traces", str, "JSONL file of traces ({\"text\"} or {\"ids\"} per line); skips generation"),
     ("--prompts", "prompts", str, "reasoning prompt source: champ, arithmetic[:N] or jsonl:PATH [champ]"),
     ("--num-prompts", "num_prompts", int, "prompts to generate traces from"),
     ("--max-new-tokens", "max_new_tokens", int, "tokens generated per trace"),
-    ("--temperature", "temperature", float, "sampling temperature (with --sample)"),
-    ("--top-p", "top_p", float, "nucleus sampling mass (with --sample)"),
+    ("--temperature", "temperature", _real(0, None, "0.6"), "sampling temperature (with --sample)"),
+    ("--top-p", "top_p", _real(0, 1, "0.95"), "nucleus sampling mass (with --sample)"),
     ("--seed", "seed", int, "seed for sampled traces"),
     ("--max-traces", "max_traces", int, "use at most this many traces"),
     ("--stride", "stride", int, "record every stride-th query position"),
@@ -38,9 +59,9 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--num-delta", "num_delta", str, "Δ-layers including the first, or 'auto' (smallest set reaching --target-recall)"),
     ("--select", "select", str, "Δ-layer selector: peaks (shift peaks, DELTA) or recall (greedy on simulated recall)"),
     ("--min-gap", "min_gap", int, "minimum distance between shift peaks, in layers"),
-    ("--target-recall", "target_recall", float, "recall goal for --num-delta auto"),
-    ("--budget", "budget", float, "Lethe: mean fraction of the context a layer keeps"),
-    ("--min-budget", "min_budget", float, "Lethe: smallest fraction any layer keeps"),
+    ("--target-recall", "target_recall", _real(0, 1, "0.9"), "recall goal for --num-delta auto"),
+    ("--budget", "budget", _real(0, 1, "0.25"), "Lethe: mean fraction of the context a layer keeps"),
+    ("--min-budget", "min_budget", _real(0, 1, "0.02", low_closed=True), "Lethe: smallest fraction any layer keeps"),
     ("--dtype", "dtype", str, "model dtype [the alias's]"),
     ("--device", "device", str, "cpu, cuda, cuda:N [cuda when available]"),
     ("--device-map", "device_map", str, "'auto' shards a model larger than one GPU"),
@@ -118,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                else "a model with random weights generates no reasoning")
         raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only ({why}); "
                          "pass --traces FILE of token ids")
+    prompts = None if config.traces else _prompts(config)  # a bad --prompts source: refused before anything loads
     output = Path(config.output) if config.output else _default_output(config.model)
     check_writable(output, "--output")  # written at the end: refused now if it cannot be
     wanted = chosen_device(config)  # a device this machine lacks: refused before anything loads
@@ -136,11 +158,13 @@ def run(args: argparse.Namespace) -> int:
         traces = read_traces(config.traces, tokenizer)
         data["source"] = f"file:{config.traces}"
         check_traces(traces[: config.max_traces], config, model_config, args.allow_long_context)
+    else:
+        check_prompt_lengths(prompts, tokenizer, config)
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
                                           device=None if config.device_map else device, trust_remote_code=trust)
     if not config.traces:
-        traces = _generate(model, tokenizer, config, data, args)
+        traces = _generate(model, tokenizer, prompts, config, data, args)
     began = time.perf_counter()
     manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet)
     cost = _cost(time.perf_counter() - began, len(traces), device)
@@ -160,14 +184,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(model, tokenizer, config, data: dict, args: argparse.Namespace) -> list[list[int]]:
+def _prompts(config) -> list[str]:
+    """The prompts of ``--prompts``, or a one-line refusal naming the flag."""
+    from calibrate.traces import load_prompts
+
+    try:
+        prompts = load_prompts(config.prompts, config.num_prompts)
+    except ValueError as e:  # the message names the source and the fix
+        raise ValueError(f"--prompts: {e}") from None
+    if not prompts:
+        raise ValueError(f"--prompts {config.prompts}: no prompts there; pass a source that has some")
+    return prompts
+
+
+def _generate(model, tokenizer, prompts: list[str], config, data: dict, args: argparse.Namespace) -> list[list[int]]:
     """Greedy (or sampled) reasoning traces of the model itself; rank 0 generates and caches, the others read."""
     import torch
 
-    from calibrate.traces import generate_traces, load_prompts
+    from calibrate.traces import generate_traces
     from runtime import distributed
 
-    prompts = load_prompts(config.prompts, config.num_prompts)
     gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
                top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
     several = distributed.world_size() > 1
@@ -209,6 +245,30 @@ def check_traces(traces: list[list[int]], config, model_config, allow_long: bool
     check_context(len(traces[longest]), context_limit(model_config, config.model),
                   f"trace {longest + 1} of {config.traces}", "cut it or pass shorter traces", allow_long,
                   "calibrate-delta")
+    check_min_context(config, len(traces[longest]), f"the longest trace of {config.traces} (trace {longest + 1}) has",
+                      "longer traces")
+
+
+def check_prompt_lengths(prompts: list[str], tokenizer, config) -> None:
+    """Refuse, before the model loads, a ``min_context`` that no trace generated from ``prompts`` can reach: the
+    longest chat-formatted prompt plus ``max_new_tokens``, the most a trace can hold."""
+    from data.reasoning import format_prompt
+
+    if tokenizer is None or not prompts:
+        return
+    longest = max(len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts)
+    check_min_context(config, longest + config.max_new_tokens,
+                      f"the traces of --prompts {config.prompts} (the longest prompt, {longest} tokens, and "
+                      f"--max-new-tokens {config.max_new_tokens}) have at most", "a larger --max-new-tokens")
+
+
+def check_min_context(config, most: int, what: str, longer: str) -> None:
+    """Refuse a ``min_context`` at or past ``most`` tokens, the longest a trace is (``what`` says which it is;
+    ``longer``: the other way out): recording samples query positions from ``min_context`` on, so it would record
+    nothing, and say so only after all the work."""
+    if config.min_context >= most:
+        raise ValueError(f"--min-context {config.min_context} records nothing: {what} {most} tokens, and recording "
+                         f"starts at position {config.min_context}; pass --min-context below {most}, or {longer}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,9 @@ class CalibrateConfig:
         need(0.0 < self.target_recall <= 1.0, f"target_recall must be in (0, 1], got {self.target_recall}")
         need(0.0 < self.budget <= 1.0, f"budget must be a fraction in (0, 1], got {self.budget}")
         need(0.0 <= self.min_budget <= self.budget, f"min_budget must be in [0, budget], got {self.min_budget}")
-        need(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
+        need(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0
+             and 0 < self.top_p <= 1, f"temperature must be a finite number > 0 and top_p in (0, 1], got "
+             f"{self.temperature!r} and {self.top_p!r}")
         need(self.max_traces is None or self.max_traces >= 1, f"max_traces must be ≥ 1, got {self.max_traces}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -19,13 +20,48 @@ from train.config import MIXED_PRECISION, TrainConfig, build_config
 def _budget(text: str) -> float | int:
     """``0.3`` is a fraction of the sequence, ``4096`` a token count."""
     try:
-        return int(text)
+        count = int(text)
     except ValueError:
         pass
+    else:
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is no token count; pass a count >= 1 (4096) or a fraction "
+                                             "in (0, 1] (0.3)")
+        return count
     try:
-        return float(text)
+        fraction = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction (0.3) nor a token count (4096)") from None
+    if not 0 < fraction <= 1:  # nan and inf too
+        raise argparse.ArgumentTypeError(f"{text!r} is no fraction of the sequence; pass a fraction in (0, 1] (0.3) "
+                                         "or a whole token count (4096)")
+    return fraction
+
+
+def _rate(name: str):
+    """The argparse type of a rate flag: a finite number in its range (:data:`train.config.RATE_FLAGS`), else a
+    usage error naming the value, the range and an example."""
+    from train.config import rate_fix, rate_problem
+
+    def parse(text: str) -> float:
+        problem = rate_problem(name, text)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r} {problem}; pass {rate_fix(name)}")
+        return float(text)
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 0.5:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in [0, 0.5); pass e.g. 0.01, or 0 to turn "
+                                         "the bound off")
+    return value
 
 
 def _lengths(text: str) -> tuple[int, int]:
@@ -51,9 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int,
                    help=f"samples per step, split over the processes of a multi-GPU run (default {d.batch_size})")
     p.add_argument("--gate", help=f"hardkuma, hardconcrete or sigmoid (default {d.gate})")
-    p.add_argument("--lr", type=float, help=f"Adam learning rate of the gates (default {d.lr})")
-    p.add_argument("--lambda-lr", type=float, help=f"ascent rate of the Lagrange multiplier (default {d.lambda_lr})")
-    p.add_argument("--min-gate-prob", type=float,
+    p.add_argument("--lr", type=_rate("lr"), help=f"Adam learning rate of the gates (default {d.lr}; at most 10)")
+    p.add_argument("--lambda-lr", type=_rate("lambda_lr"),
+                   help=f"ascent rate of the Lagrange multiplier (default {d.lambda_lr}; at most 1e6)")
+    p.add_argument("--min-gate-prob", type=_probability,
                    help=f"keep every gate's P(z = 0) in [p, 1 - p] so no gate freezes, and drive E[L0] to "
                    f"TARGET (1 - 2p) + n p, what TARGET decided gates of n count; 0 turns it off (default {d.min_gate_prob})")
     p.add_argument("--token-budget", type=_budget,
@@ -66,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
                    help="continue from a checkpoint of the same run (the newest of this output when no path is given)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start afresh over an output that has a manifest or checkpoints (its checkpoints are removed first)")
+                   help="start afresh over an output that has a manifest or checkpoints (they are replaced when "
+                   "this run writes its first checkpoint or its manifest; a run that fails before leaves them)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
     p.add_argument("--no-tf32", dest="tf32", action="store_false", default=None,
                    help="exact float32 attention scores on GPUs (default: TF32 tensor cores)")
@@ -155,10 +193,13 @@ def run(args: argparse.Namespace) -> int:
     from train.recipe import run as train_run
 
     config = config_from_args(args)
-    if args.resume is None and not getattr(args, "overwrite", False):
+    overwrite = getattr(args, "overwrite", False)
+    if args.resume is not None and overwrite:
+        raise ValueError("--resume continues a run and --overwrite starts a new one over it; pass one of them")
+    if args.resume is None:
         from train.checkpoint import claim_output
 
-        claim_output(config.resolved_output())  # an output taken by another run fails before anything loads
+        claim_output(config.resolved_output(), overwrite)  # an output taken by another run fails before anything loads
     check_writable(config.resolved_output(), "--output")  # checkpoints go beside it from the first interval on
     wanted = chosen_device(args)  # a device this machine lacks: refused before anything loads
     check_placement("train-heads", config.device_map, config.deepspeed)
@@ -173,11 +214,16 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = None if config.dataset != "passkey" else load_tokenizer(config.model, trust_remote_code=trust)
     dataset, info = load_dataset(config, tokenizer)  # before the model: bad data fails fast
     check_dataset(dataset, config, model_cfg, limit, args.allow_long_context)
+    resume = args.resume
+    if resume is not None:  # the checkpoint: there, readable and of this run, before the model loads
+        from train.outputs import dataset_provenance
+        from train.recipe import check_resume
+
+        resume = check_resume(resume, config, dataset_provenance(dataset, info), model_cfg)
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
                                           device=device, trust_remote_code=trust)
-    manifest = train_run(model, tokenizer, dataset, config, resume=args.resume, data_info=info,
-                         overwrite=getattr(args, "overwrite", False))
+    manifest = train_run(model, tokenizer, dataset, config, resume=resume, data_info=info, overwrite=overwrite)
     if distributed.is_main():
         m = manifest.metrics
         print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "

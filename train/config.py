@@ -5,6 +5,7 @@ into the manifest's ``config`` metadata."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,6 +14,42 @@ from typing import Any
 from runtime.configfile import layered, read_config, shipped
 
 MIXED_PRECISION = ("no", "bf16")  # fp16 would need loss scaling, whose skipped steps the NaN check stops on
+
+# The rates a run accepts, (low, high] with low excluded. Both are finite, so inf and nan never reach a step.
+# lr: Adam moves each gate parameter by about lr per step, and the parameters live in log space clamped to
+# [-ln 1e3, ln 1e3] (train.gates.GateParameters.clamp_), about 13.8 wide: above 10 one step crosses most of the
+# range, so every gate flips between its ends instead of learning (the recipes use 0.01-0.02).
+LR_RANGE = (0.0, 10.0)
+# lambda_lr: λ grows by lambda_lr · (E[L0] − goal) a step, the gap being at most the number of gates (below 1e4
+# for any model in reach), and λ · E[L0] is weighed against a distillation loss of 1e4-1e5 (SmolLM2). At 1e6 one
+# step already puts λ orders of magnitude past any such loss; beyond it only float32 overflow changes
+# (`--lambda-lr 1e38` makes the gradients inf in the first steps), not the run (the recipes use 3-8).
+LAMBDA_LR_RANGE = (0.0, 1e6)
+RATE_FLAGS = {"lr": ("--lr", LR_RANGE, "0.01"), "lambda_lr": ("--lambda-lr", LAMBDA_LR_RANGE, "3.0")}
+
+
+def rate_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` as the rate ``name`` (a key of :data:`RATE_FLAGS`), or None."""
+    _, (low, high), _ = RATE_FLAGS[name]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "is not a number"
+    if isinstance(value, bool) or not math.isfinite(number):
+        return "is not a finite number"
+    if not low < number <= high:
+        return "is out of range"
+    return None
+
+
+def rate_fix(name: str) -> str:
+    """What to pass instead, for a message about the rate ``name``: its range and an example."""
+    _, (low, high), example = RATE_FLAGS[name]
+    return f"a finite rate in ({_short(low)}, {_short(high)}], e.g. {example}"
+
+
+def _short(x: float) -> str:
+    return f"{x:g}".replace("e+0", "e").replace("e+", "e")  # 1e6, not 1e+06
 
 
 @dataclass
@@ -77,9 +114,10 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("lr", "lambda_lr"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in RATE_FLAGS:
+            problem = rate_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(f"{name} {getattr(self, name)!r} {problem}; give {rate_fix(name)}")
             setattr(self, name, float(getattr(self, name)))
         if not 0.0 <= float(self.min_gate_prob) < 0.5:
             raise ValueError(f"min_gate_prob must be in [0, 0.5) (0 turns the bound off), got {self.min_gate_prob!r}")
@@ -167,8 +205,9 @@ def check_settings(config: TrainConfig, model_cfg, allow_long: bool = False) -> 
 
 
 def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, allow_long: bool = False) -> None:
-    """Refuse, in one line and before the model loads, a sample with a token id outside the model's vocabulary
-    or one longer than its context (a warning with ``allow_long``)."""
+    """Refuse, in one line and before the model loads, a sample with a token id outside the model's vocabulary,
+    one whose labels mark no target after a prompt, one longer than its context (a warning with ``allow_long``),
+    and a ``token_budget`` that covers every key of every sample (nothing would be sparse)."""
     import torch
 
     from data.tokens import check_token_ids, vocab_size
@@ -177,6 +216,8 @@ def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, al
     what = "passkey sample {n}" if config.dataset == "passkey" else f"sample {{n}} of {config.dataset}"
     ids = [torch.as_tensor(dataset[i]["input_ids"]).reshape(-1) for i in range(len(dataset))]
     check_token_ids(ids, vocab_size(model_cfg), what)
+    keys = [target_keys(ids[i], dataset[i]["labels"], what.replace("{n}", str(i + 1))) for i in range(len(ids))]
+    check_budget(config.token_budget, keys, what)
     if not ids or (config.dataset == "passkey" and limit is not None and config.lengths[1] > limit):
         return  # check_settings has refused or warned already
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
@@ -186,3 +227,37 @@ def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, al
 
 def config_json(config: TrainConfig) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, indent=2) + "\n"
+
+
+def target_keys(input_ids, labels, name: str) -> int:
+    """The keys the student reads at a sample's last target (its prompt and target span, as
+    :func:`train.distill.split_sample` cuts them), or a one-line refusal naming the sample (``name``) when its
+    labels mark no target, mark the very first token, or differ in length from its input_ids."""
+    import torch
+
+    ids, lab = torch.as_tensor(input_ids).reshape(-1), torch.as_tensor(labels).reshape(-1)
+    if ids.shape != lab.shape:
+        raise ValueError(f"{name} has {ids.numel()} input_ids but {lab.numel()} labels; give both lists the same "
+                         "length (labels -100 except on the target tokens)")
+    where = torch.nonzero(lab != -100).flatten()
+    if where.numel() == 0:
+        raise ValueError(f"{name} has no target tokens (all {lab.numel()} labels are -100); label the answer tokens "
+                         "with their ids, or leave the sample out")
+    if int(where[0]) < 1:
+        raise ValueError(f"{name} labels its first token as a target; put a prompt before the first target")
+    return int(where[-1])
+
+
+def check_budget(budget: float | int, keys: list[int], what: str) -> None:
+    """Refuse a token budget that keeps every key of every sample (``keys``: per sample, the keys its last target
+    reads; ``what``: how to name sample n): the sparse heads would then read what the full ones read, the
+    distillation loss would sit at rounding noise and no gate could learn a role."""
+    from train.hybrid import budget_tokens
+
+    if not keys or any(budget_tokens(budget, k) < k for k in keys):
+        return
+    longest = max(range(len(keys)), key=keys.__getitem__)
+    sample = what.replace("{n}", str(longest + 1))
+    raise ValueError(f"--token-budget {budget} keeps every token of every sample (the longest, {sample}, reads "
+                     f"{keys[longest]} keys at its last target): sparse heads would read what full ones read and no "
+                     f"gate could learn; pass a count below {keys[longest]} or a fraction below 1 such as 0.3")

@@ -20,6 +20,8 @@ import contextlib
 import hashlib
 import json
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -79,9 +81,7 @@ def _check_finite(step: int, named: dict[str, torch.Tensor]) -> None:
     for name, t in named.items():
         if t is not None and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise NotFiniteError(f"step {step}: {name} holds {bad} non-finite value(s) of {t.numel()}; training "
-                                 "stopped. Resume from the last checkpoint with a lower --lr/--lambda-lr, or use "
-                                 "--mixed-precision no")
+            raise NotFiniteError(f"step {step}: {name} holds {bad} non-finite value(s) of {t.numel()}")
 
 
 def _autocast(config: TrainConfig, device: torch.device):
@@ -137,6 +137,16 @@ def _difference(state: dict[str, Any], config: TrainConfig, model, data: dict[st
     return None
 
 
+def check_resume(resume: str | Path, config: TrainConfig, data: dict[str, Any], model) -> Path:
+    """The checkpoint ``resume`` names (``"latest"``: the newest of this output), once it is known to be there,
+    readable and of this run; else a one-line :class:`train.checkpoint.CheckpointError`. ``model`` may be the
+    model's config alone (:func:`runtime.models.load_config`), so the CLI checks before any weights load."""
+    path = ckpt.latest_checkpoint(config.resolved_output()) if str(resume) == "latest" else Path(resume)
+    state = ckpt.load_checkpoint(path)
+    ckpt.check_run(state, path, run_id(config, data, model), _difference(state, config, model, data))
+    return path
+
+
 def _restore(state: dict[str, Any], gates, optimizer, generator) -> None:
     gates.load_state_dict(state["gates"])
     optimizer.load_state_dict(state["optimizer"])
@@ -152,12 +162,13 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
         data_info: dict[str, Any] | None = None, overwrite: bool = False) -> RoleManifest:
     """Learn head roles of ``model`` on ``dataset`` (items with 1-D ``input_ids`` and ``labels``).
 
-    Writes the manifest to ``config.resolved_output()`` and then, next to it, ``.config.json``, ``.log.jsonl``,
-    ``.gates.png`` and ``.curves.png`` (none of them before the manifest: a failed run leaves an earlier run's
-    files as they were); checkpoints go under ``.ckpt/`` as it trains. ``resume``: a checkpoint path, or
-    ``"latest"`` for the newest one of this output; it must be a checkpoint of the same run (``run_id``). A
-    fresh run refuses an output that has a manifest or checkpoints unless ``overwrite``, which removes the old
-    checkpoints first. Returns the manifest.
+    Writes ``.log.jsonl``, ``.config.json``, ``.gates.png`` and ``.curves.png`` next to
+    ``config.resolved_output()``, then the manifest, by an atomic rename, last: a kill never pairs a new manifest
+    with an earlier run's sidecars, and a run that fails before the end leaves an earlier manifest as it was.
+    Checkpoints go under ``.ckpt/`` as it trains. ``resume``: a checkpoint path, or ``"latest"`` for the newest one
+    of this output; it must be a checkpoint of the same run (``run_id``). A fresh run refuses an output that has a
+    manifest or checkpoints unless ``overwrite``; the earlier run's checkpoints and log are then replaced only when
+    this run writes its first checkpoint (or, with none, its manifest). Returns the manifest.
     """
     recipe = HeadRecipe(model, dataset, config)
     recipe.setup(resume, data_info, overwrite)
@@ -175,7 +186,7 @@ def run(model, tokenizer, dataset, config: TrainConfig, resume: str | Path | Non
 class HeadRecipe:
     """``train-heads`` in three parts, as torchtune shapes a recipe: :meth:`setup` (checks, gates, optimizer,
     resumed state), :meth:`train_step` (one gate draw, the batch's distillation, the Lagrangian step, the log
-    record and the checkpoint) and :meth:`finalize` (the manifest, then its sidecars)."""
+    record and the checkpoint) and :meth:`finalize` (the sidecars, then the manifest)."""
 
     def __init__(self, model, dataset, config: TrainConfig) -> None:
         if len(dataset) == 0:
@@ -197,6 +208,8 @@ class HeadRecipe:
                              f"use a multiple of {self.world} (--batch-size)")
         self.start, self.lam, self.records, self.last_loss = 0, 0.0, [], math.nan
         self.expected_l0 = math.nan  # of the gates after the last step (the log has the one that step's λ update used)
+        self.checkpoint: Path | None = None  # the newest checkpoint of this run: resumed from or written
+        self.replacing = False  # an earlier run's checkpoint folder is there, to be replaced by this run's
 
     def setup(self, resume: str | Path | None, data_info: dict[str, Any] | None, overwrite: bool) -> None:
         config, model = self.config, self.model
@@ -204,8 +217,8 @@ class HeadRecipe:
         if resume is not None and overwrite:
             raise ValueError("--resume continues a run and --overwrite starts a new one over it; pass one of them")
         self.rid = run_id(config, self.data, model)
-        if resume is None and (self.main or not overwrite):  # every process checks; the main one alone removes
-            ckpt.claim_output(self.output, overwrite)
+        if resume is None:  # nothing is removed here: an earlier run's files stay until this run has its own
+            self.replacing = ckpt.claim_output(self.output, overwrite)
         self.device = distributed.model_device(model)
         torch.manual_seed(config.seed)
         self.gates = GateParameters(config.gate, (self.num_layers - 1, self.num_kv), config.low, config.high,
@@ -217,11 +230,10 @@ class HeadRecipe:
         self.goal = self.gates.l0_goal(config.target, config.min_gate_prob)  # E[L0] that means `target` open gates
         self.progress = ckpt.progress_log(ckpt.checkpoint_dir(self.output))  # the steps so far, until the manifest
         if resume is not None:
-            path = ckpt.latest_checkpoint(self.output) if str(resume) == "latest" else Path(resume)
+            path = check_resume(resume, config, self.data, model)
             state = ckpt.load_checkpoint(path)
-            ckpt.check_run(state, path, self.rid, _difference(state, config, model, self.data))
             _restore(state, self.gates, self.optimizer, self.generator)
-            self.start, self.lam = state["step"], state["lambda"]
+            self.start, self.lam, self.checkpoint = state["step"], state["lambda"], path
             # the log saved with the checkpoint (written before it, so it may run ahead); older runs kept it
             # beside the manifest
             saved = ckpt.progress_log(path.parent)
@@ -241,30 +253,62 @@ class HeadRecipe:
         totals = torch.tensor([local_loss, float(len(bad))], dtype=torch.float64)
         distributed.all_reduce_sum_([totals])
         try:
-            if bad or totals[1] > 0:
-                raise NotFiniteError(f"step {step}: {bad[0] if bad else 'a tensor of another process went bad'}; "
-                                     "training stopped. Resume from the last checkpoint with a lower "
-                                     "--lr/--lambda-lr, or use --mixed-precision no")
+            if bad or totals[1] > 0:  # the teacher's logits first: they say the model itself is the cause
+                first = next((b for b in bad if b.startswith("teacher logits")), bad[0] if bad else None)
+                raise NotFiniteError(f"step {step}: {first or 'a tensor of another process went bad'}")
             _check_finite(step, {"expected L0": l0})
             self.optimizer.zero_grad(set_to_none=True)
             grad_z = z_leaf.grad if z_leaf.grad is not None else torch.zeros_like(z_leaf)
             distributed.all_reduce_sum_([grad_z])  # Σ over the global batch of ∂(loss_i / B)/∂z
             torch.autograd.backward([z, self.lam * (l0 - self.goal)], [grad_z.to(z.dtype), None])
             _check_finite(step, {f"gradient of {n}": p.grad for n, p in self.gates.named_parameters()})
-        except NotFiniteError:
-            if self.main:
-                ckpt.write_log(self.progress, self.records)  # keep the history that led here, beside the checkpoints
-            raise
+        except NotFiniteError as e:
+            raise NotFiniteError(f"{e}; {self._stopped(str(e))}") from None
         self.optimizer.step()
         self.gates.constrain_(config.min_gate_prob)
         l0_value = float(l0.detach())
         self.lam = max(0.0, self.lam + config.lambda_lr * (l0_value - self.goal))
         self.last_loss = float(totals[0]) / config.batch_size
         self._record(step, l0_value, began)
-        if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps and self.main:
-            ckpt.write_log(self.progress, self.records)  # first: a kill between the two leaves a log ahead, never behind
-            _save(self.output, step + 1, config, self.model, self.data, self.gates, self.optimizer, self.generator,
-                  self.lam, self.rid)
+        if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
+            self._save(step + 1)
+
+    def _save(self, step: int) -> None:
+        """The log so far, then the checkpoint of ``step`` (a kill between the two leaves a log ahead, never
+        behind), by the main process; every process notes where it is. The first one of a run over an earlier
+        run's folder is written into a new folder that then takes the old one's place
+        (:func:`train.checkpoint.replace_folder`)."""
+
+        def write(folder: Path) -> Path:
+            ckpt.write_log(ckpt.progress_log(folder), self.records)
+            return _save_state(ckpt.checkpoint_file(folder, step), step, self.config, self.model, self.data,
+                               self.gates, self.optimizer, self.generator, self.lam, self.rid)
+
+        folder = ckpt.checkpoint_dir(self.output)
+        if self.main and self.replacing:
+            ckpt.replace_folder(self.output, write)
+        elif self.main:
+            write(folder)
+        self.replacing, self.checkpoint = False, ckpt.checkpoint_file(folder, step)
+
+    def _stopped(self, what: str) -> str:
+        """What a run stopped by a non-finite value (``what``) kept and what to do next. With a checkpoint of its
+        own the log so far goes beside it; with none nothing is written, so an earlier run's checkpoints and log
+        stay as they were and no folder is left behind to block a rerun."""
+        if "teacher logits" in what:
+            cause = ("the model's own logits are not finite before any gate acts, so its weights or --dtype are the "
+                     "cause, not the rates")
+            fix = "fix the model or pass another --dtype"
+        else:
+            cause = "the gates or the multiplier diverged"
+            fix = "lower --lr or --lambda-lr, or pass --mixed-precision no"
+        if self.checkpoint is None:
+            return (f"{cause}; training stopped with no checkpoint to resume from (nothing of this run was kept); "
+                    f"{fix} and rerun with --overwrite")
+        if self.main:
+            ckpt.write_log(self.progress, self.records)  # the history that led here, beside the checkpoints
+        return (f"{cause}; training stopped, its last checkpoint is {self.checkpoint} (--resume repeats the same "
+                f"settings, which are part of the run); {fix} and rerun with --overwrite")
 
     def _distill(self, step: int, z: torch.Tensor, z_leaf: torch.Tensor) -> tuple[float, list[str]]:
         """This process's share of the batch: the summed distillation loss (each sample's gradient reaches
@@ -323,19 +367,35 @@ class HeadRecipe:
             manifest = build_manifest(self.model, final, config, metrics, self.data)
         if not self.main:
             return manifest
-        manifest.save(self.output)
-        # the sidecars only now, each atomically: a run that fails leaves an earlier run's manifest and sidecars
-        stem = self.stem
-        ckpt.write_log(self.log_path, records)
-        write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
-        if config.plots and records:
-            plot_gates(records, (self.num_layers, self.num_kv), stem.with_name(stem.name + ".gates.png"))
-            plot_curves(records, config.target, stem.with_name(stem.name + ".curves.png"), self.goal,
-                        learned.flatten().tolist())
+        self._publish(manifest, learned)
         return manifest
 
+    def _publish(self, manifest: RoleManifest, learned: torch.Tensor) -> None:
+        """The sidecars first, each atomically, then the manifest by its atomic rename: a kill at any point leaves
+        the earlier manifest (with some of the new sidecars) or the new manifest with all of its own, never a new
+        manifest beside an earlier run's sidecars. The plots are drawn into a hidden folder beside the output
+        before anything is published, so a plot that fails leaves every earlier file as it was. Last, an earlier
+        run's checkpoints that this run never replaced (it wrote none) go: they belong to the manifest just
+        replaced."""
+        config, records, stem = self.config, self.records, self.stem
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{stem.name}.plots.", dir=self.output.parent) as drawn:
+            plots = []
+            if config.plots and records:
+                plots = [plot_gates(records, (self.num_layers, self.num_kv), Path(drawn) / "gates.png"),
+                         plot_curves(records, config.target, Path(drawn) / "curves.png", self.goal,
+                                     learned.flatten().tolist())]
+            ckpt.write_log(self.log_path, records)
+            write_text(stem.with_name(stem.name + ".config.json"), config_json(config))
+            for png in plots:  # written atomically (fsync, mode 0644) in the same folder: a rename places each
+                os.replace(png, stem.with_name(f"{stem.name}.{png.name}"))
+        manifest.save(self.output)
+        if self.replacing:
+            ckpt.remove_folder(self.output)
+            self.replacing = False
 
-def _save(output, step, config, model, data, gates, optimizer, generator, lam, rid) -> Path:
+
+def _save_state(path, step, config, model, data, gates, optimizer, generator, lam, rid) -> Path:
     state = {
         "format": "rolecall.train-heads",
         "run_id": rid,
@@ -351,4 +411,4 @@ def _save(output, step, config, model, data, gates, optimizer, generator, lam, r
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return ckpt.save_checkpoint(ckpt.checkpoint_path(output, step), state)
+    return ckpt.save_checkpoint(path, state)
