@@ -123,7 +123,7 @@ def test_resume_takes_only_a_checkpoint_of_the_same_run(model_dir, tmp_path, cap
     assert line.startswith("train-heads: error: output ") and "--overwrite" in line and "\n" not in line
     assert (tmp_path / "heads.config.json").read_bytes() == old_config
     assert ckpt.latest_checkpoint(out).name == "step-0000004.pt"
-    # --overwrite removes the old checkpoints first: only this run's step 2 is left to resume from
+    # --overwrite swaps the old checkpoints out at this run's first one: only its step 2 is left to resume from
     assert train_main(_args(model_dir, data, out, "--overwrite", steps=4)) == 0
     assert sorted(p.name for p in ckpt.checkpoint_dir(out).glob("step-*.pt")) == ["step-0000002.pt"]
     state = ckpt.load_checkpoint(ckpt.latest_checkpoint(out))
