@@ -1,16 +1,22 @@
 """Every command the README and ``docs/`` show parses with today's flags: a flag renamed, removed or given a
-value of another kind fails here, not in a reader's shell.
+value of another kind fails here, not in a reader's shell. Every Python snippet they mark to run runs as shown.
 
 Commands are the lines of code blocks (fenced or indented) that start a console script (``rolecall``,
 ``calibrate-delta``, ``train-heads``), a benchmark script or a launcher running one of them, and inline
 code that starts a benchmark script. Each is parsed, not run; what the parser itself refuses counts, and checks
-that need the files or the GPU named in the command (run before any work) are left to the command."""
+that need the files or the GPU named in the command (run before any work) are left to the command.
+
+A snippet is marked to run by the line ``<!-- documented-snippet: run -->`` right before its fenced ``python``
+block; it runs verbatim in a fresh interpreter, from the repository root, on the CPU."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,6 +112,24 @@ def parse(name: str, args: list[str]) -> None:
 
 
 DOCUMENTED = [c for path in DOCUMENTS for c in commands(path)]
+RUN_MARK = "<!-- documented-snippet: run -->"
+
+
+def marked_snippets(text: str) -> list[tuple[int, str]]:
+    """(first code line's number, code) of each fenced ``python`` block that follows a line ``RUN_MARK``."""
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.strip() != RUN_MARK:
+            continue
+        assert i + 1 < len(lines) and lines[i + 1].strip() == "```python", f"line {i + 1}: {RUN_MARK} must precede ```python"
+        end = next((k for k in range(i + 2, len(lines)) if lines[k].lstrip().startswith("```")), None)
+        assert end is not None, f"line {i + 2}: the python block never closes"
+        out.append((i + 3, "\n".join(lines[i + 2:end]) + "\n"))
+    return out
+
+
+SNIPPETS = [(f"{path.relative_to(ROOT)}:{number}", code) for path in DOCUMENTS
+            for number, code in marked_snippets(path.read_text())]
 
 
 def test_the_documents_show_commands_of_every_kind():
@@ -156,3 +180,24 @@ def test_each_documented_command_parses(where, argv, monkeypatch, tmp_path, caps
     except SystemExit as e:
         err = capsys.readouterr().err
         assert e.code == 2 and not any(s in err for s in SHAPE_ERRORS), f"{where}: {' '.join(argv)}\n{err}"
+
+
+def test_the_readme_python_snippet_is_marked_to_run():
+    """The README's Python API snippet is among those run, and the marker finds only what follows it."""
+    assert any(where.startswith("README.md:") and "runtime.attach" in code for where, code in SNIPPETS)
+    text = "x\n<!-- documented-snippet: run -->\n```python\nprint(1)\n```\n\n```python\nprint(2)\n```\n"
+    assert marked_snippets(text) == [(4, "print(1)\n")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, code", SNIPPETS, ids=[w for w, _ in SNIPPETS])
+def test_each_marked_snippet_runs(where, code, tmp_path):
+    """Verbatim, in a fresh interpreter from the repository root (the paths it names are the repository's), with
+    no GPU visible: what the page promises a reader on a CPU."""
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=3600)
+    assert done.returncode == 0, f"{where}: the snippet failed\n{done.stderr[-4000:]}"
