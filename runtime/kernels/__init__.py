@@ -1,4 +1,4 @@
-"""GPU kernels, each in its own folder beside its PyTorch reference (see the README's *GPU kernels* section)."""
+"""GPU kernels, each in its own folder beside its PyTorch reference (see docs/kernels.md)."""
 
 from __future__ import annotations
 
