@@ -507,14 +507,19 @@ def context_limit(config: Any, name: str | None = None) -> int | None:
 
 
 def check_context(tokens: int, limit: int | None, what: str, fix: str, allow_long: bool = False,
-                  prog: str = "rolecall") -> None:
+                  prog: str = "rolecall", opt_in: str | None = "--allow-long-context",
+                  limit_name: str = "the model's context of {limit} (max_position_embeddings)") -> None:
     """Refuse ``tokens`` beyond the model's context ``limit`` in one line (``what`` names the input, ``fix`` the
     remedy); with ``allow_long`` (``--allow-long-context``: RoPE extended on purpose) print a one-line warning
-    to stderr instead. The one check calibrate-delta, train-heads and eval share."""
+    to stderr instead. The one check calibrate-delta, train-heads, eval, decode and the Python API
+    (:func:`runtime.prompts.check_prompts`) share. ``opt_in``: how the caller asks for a longer context, named in
+    the message (the Python API's ``allow_long_context=True``); None where nothing can allow more (a buffer's
+    size), and then ``allow_long`` does not apply. ``limit_name``: what the limit is (``{limit}`` its value)."""
     if limit is None or tokens <= limit:
         return
-    said = f"{what} is {tokens} tokens, more than the model's context of {limit} (max_position_embeddings)"
-    if allow_long:
-        print(f"{prog}: warning: {said}; going on because of --allow-long-context", file=sys.stderr)
+    said = f"{what} is {tokens} tokens, more than {limit_name.format(limit=limit)}"
+    if allow_long and opt_in:
+        print(f"{prog}: warning: {said}; going on because of {opt_in}", file=sys.stderr)
         return
-    raise ContextLengthError(f"{said}; {fix}, or pass --allow-long-context if you extended RoPE on purpose")
+    opt = f", or pass {opt_in} if you extended RoPE on purpose" if opt_in else ""
+    raise ContextLengthError(f"{said}; {fix}{opt}")

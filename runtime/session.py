@@ -71,10 +71,13 @@ class Session:
 
     def __init__(self, model: torch.nn.Module, manifest: RoleManifest | None, policy: Any,
                  record_recall: bool = False, record_error: bool = False, engine: str = "auto",
-                 min_context: int | None = None) -> None:
+                 min_context: int | None = None, allow_long_context: bool = False) -> None:
         if engine not in ENGINE_CHOICES:
             raise PolicyError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
+        if not isinstance(allow_long_context, bool):
+            raise PolicyError(f"allow_long_context must be True or False, got {allow_long_context!r}")
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
+        self.allow_long_context = allow_long_context
         self._weights: Any = None  # the engine's weights, built at the first engine request
         self._decoders: Any = None  # the last engine request's decoder, kept for the next (runtime.engine.Decoders)
         self._notice_given = False
@@ -115,11 +118,15 @@ class Session:
         as views of one buffer in the model's dtype (transformers makes float32 copies; bf16 values are the same).
         The previous request's generation is freed when this one starts; its decoder is kept for the next request
         of the same kind that fits it (``runtime.engine.Decoders``: the CUDA graphs replay instead of being captured
-        again) and freed at the end of the session."""
+        again) and freed at the end of the session.
+
+        Before anything runs, the request is checked (:meth:`check_request`); a bad one is refused in one line
+        (``ValueError``) naming the value, the limit and the fix."""
+        rows = self.check_request(args, kwargs)
         why = self.engine_reason(kwargs, args)
         self.last = None  # the previous request's generation (its logits, its prefill) is freed before this one runs
         if why is None:
-            return self._generate_static(**kwargs)
+            return self._generate_static(rows=rows, **kwargs)
         if self.engine == "static":
             raise PolicyError(f"engine='static' cannot run this request: {why}")
         if self._decoders is not None:
@@ -131,6 +138,38 @@ class Session:
         if "cache" not in kwargs and "past_key_values" not in kwargs:  # a cache the caller gave, by either name
             kwargs[cache_keyword(self.model)] = self.cache()
         return self.model.generate(*args, **kwargs)
+
+    def check_request(self, args: tuple, kwargs: dict[str, Any]) -> list[list[int]] | None:
+        """``generate(*args, **kwargs)``'s prompts checked as :func:`runtime.prompts.check_prompts` checks them:
+        ``input_ids`` (or ``inputs``, or the first positional argument) a ``[batch, tokens]`` integer tensor of ids
+        in the model's vocabulary, every row with a token its ``attention_mask`` (of the same shape) keeps,
+        ``max_new_tokens`` (default: the generation config's, else 20) a whole number ≥ 1, and the longest row
+        plus ``max_new_tokens`` within the model's context (``max_position_embeddings``) unless the session was
+        attached with ``allow_long_context=True``. Returns each row's ids without those the mask drops (None for a
+        request by ``inputs_embeds``, whose new tokens alone are checked)."""
+        from data.tokens import vocab_size
+        from runtime.models import context_limit
+        from runtime.prompts import PromptError, check_max_new_tokens, check_prompts
+
+        given = kwargs.get("max_new_tokens")
+        if given is None:
+            gc = getattr(self.model, "generation_config", None)
+            given = getattr(gc, "max_new_tokens", None) or 20
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if ids is None:
+            if kwargs.get("inputs_embeds") is not None:
+                check_max_new_tokens(given)
+                return None
+            raise PromptError("generate needs input_ids, a [batch, tokens] tensor of token ids (what a tokenizer "
+                              "gives with return_tensors='pt')")
+        rows = check_prompts(ids, vocab_size=vocab_size(self.config), max_new_tokens=given,
+                             attention_mask=kwargs.get("attention_mask"), context=context_limit(self.model.config),
+                             allow_long=self.allow_long_context)
+        if not isinstance(ids, torch.Tensor):
+            raise PromptError(f"generate takes input_ids as a [batch, tokens] tensor, as model.generate does, not a "
+                              f"{type(ids).__name__}; torch.tensor(rows) makes one (rows of other lengths: "
+                              "runtime.engine.pad_left, with their attention_mask)")
+        return rows
 
     def engine_reason(self, kwargs: dict[str, Any] | None = None, args: tuple = ()) -> str | None:
         """Why ``generate(**kwargs)`` cannot run on the engine (one line), or None when it runs there."""
@@ -174,15 +213,18 @@ class Session:
                          eos_token_id: Any = None, pad_token_id: int | None = None, stop_strings: Any = None,
                          tokenizer: Any = None, streamer: Any = None, output_logits: bool = False,
                          return_dict_in_generate: bool = False, num_beams: int = 1, use_cache: bool = True,
-                         reference_logits: bool = False, prefilled: Any = None, keep_prefill: bool = False):
+                         reference_logits: bool = False, prefilled: Any = None, keep_prefill: bool = False,
+                         rows: list[list[int]] | None = None):
+        """The engine's request; ``rows``: each row's ids without those ``attention_mask`` drops (left padding),
+        as :meth:`check_request` gives them."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         from runtime.engine import Decoders, Sampling, Weights, generate
 
         gc = self.model.generation_config
-        ids = input_ids.tolist()
-        if attention_mask is not None:  # left padding: drop the masked ids of each row
-            ids = [[t for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, attention_mask.tolist())]
+        ids = rows if rows is not None else self.check_request((), {"input_ids": input_ids,
+                                                                    "attention_mask": attention_mask,
+                                                                    "max_new_tokens": max_new_tokens})
         eos = eos_token_id if eos_token_id is not None else gc.eos_token_id
         pad = pad_token_id if pad_token_id is not None else (gc.pad_token_id if gc.pad_token_id is not None else
                                                              (eos if isinstance(eos, int) else (eos or [0])[0]))
@@ -302,7 +344,7 @@ class Session:
 
 ENGINE_CHOICES = ("auto", "static", "reference")
 # attach() keywords that are not the policy's (how to decode, what to record)
-SESSION_PARAMS = ("record_recall", "record_error", "engine", "min_context")
+SESSION_PARAMS = ("record_recall", "record_error", "engine", "min_context", "allow_long_context")
 # model.generate arguments the engine honours (the rest send a request to the reference path)
 ENGINE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                  "seed", "eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "streamer", "output_logits",
@@ -338,18 +380,22 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     ``engine``: ``"auto"`` (the engine on CUDA where it can run, default), ``"static"`` (the engine or an
     error, also on the CPU) or ``"reference"`` (always the transformers path); ``min_context``: below this
     many tokens the engine runs a sparse policy's full step (default: the measured crossover for the policy
-    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs).
+    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs);
+    ``allow_long_context`` (default False): decode prompts whose tokens and new tokens pass the model's context
+    (``max_position_embeddings``), for a model whose RoPE was extended on purpose, as ``--allow-long-context``
+    does in the commands; without it such a request is refused in one line before it runs.
     """
     record_recall = bool(params.pop("record_recall", False))
     record_error = bool(params.pop("record_error", False))
     engine = params.pop("engine", "auto")
     min_context = params.pop("min_context", None)
+    allow_long_context = params.pop("allow_long_context", False)
     manifest = _load_manifest(manifest)
     pol = bound_policy(policy, manifest, model.config, **params)
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
         raise PolicyError(f"this model already runs rolecall attention ({current}); leave that attach() block first")
-    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context)
+    session = Session(model, manifest, pol, record_recall, record_error, engine, min_context, allow_long_context)
     with use_attention(model, session.attention, name=f"rolecall_{pol.name}"):
         try:
             yield session

@@ -65,16 +65,20 @@ def _without_keys(raw: bytes, keys: tuple[str, ...]) -> bytes:
 
 
 def test_verify_needs_a_checked_content_hash(manifest_path, tmp_path, capsys):
-    """An edited manifest whose hash and version keys were removed loads, but --verify checked nothing: exit 1."""
+    """An edited manifest whose hash and version keys were removed is described (with a note that it was not
+    verified), but --verify checked nothing: exit 1. It loads only with strict=False; saved, it has a hash."""
+    from runtime.manifest import UnverifiedManifestWarning
+
     edited = tmp_path / "edited.safetensors"
     raw = manifest_path.read_bytes()
     edited.write_bytes(_without_keys(raw, ("content_sha256", "rolecall_version")))
     assert main(["inspect", str(edited)]) == 0  # it still loads and describes itself
-    capsys.readouterr()
+    assert capsys.readouterr().err.startswith(f"rolecall inspect: note: {edited}: no content hash")
     assert main(["inspect", str(edited), "--verify"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("not verified: the file has no content hash") and "\n" not in err
-    RoleManifest.load(edited).save(tmp_path / "resaved.safetensors")
+    with pytest.warns(UnverifiedManifestWarning):
+        RoleManifest.load(edited, strict=False).save(tmp_path / "resaved.safetensors")
     assert main(["inspect", str(tmp_path / "resaved.safetensors"), "--verify"]) == 0
 
 

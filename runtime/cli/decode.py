@@ -88,11 +88,11 @@ def check_flags(args: argparse.Namespace) -> None:
     from dataclasses import fields
 
     from runtime.engine.sampling import Sampling
+    from runtime.prompts import check_max_new_tokens
 
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
         raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
     flags = {name: f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")}
     given = {flag: getattr(args, name) for name, flag in flags.items()}
     for field in fields(Sampling):
@@ -129,7 +129,9 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.models import check_context, context_limit, load_config, load_tokenizer
+    from data.tokens import vocab_size
+    from runtime.models import context_limit, load_config, load_tokenizer
+    from runtime.prompts import check_prompts
 
     check_flags(args)
     trust = args.trust_remote_code
@@ -150,14 +152,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         rows, texts = [], [("--prompt", args.prompt)]
     prompts = [encode(tokenizer, text, args.chat) for _, text in texts]
-    for (where, text), ids in zip(texts, prompts):
-        if not ids:
-            raise ValueError(f"{where} {text!r} is no token at all for this tokenizer; give some text")
-    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    check_context(len(prompts[longest]) + args.max_new_tokens, context_limit(config, args.model),
-                  what=f"{texts[longest][0]} ({len(prompts[longest])} tokens) plus --max-new-tokens "
-                  f"{args.max_new_tokens}", fix="shorten the prompt or lower --max-new-tokens",
-                  allow_long=args.allow_long_context, prog="rolecall decode")
+    # the one check of prompts the Python API makes too (runtime.prompts): a text that is no token at all, an id
+    # past the model's vocabulary (a tokenizer of another model), a prompt and its new tokens past its context
+    check_prompts(prompts, vocab_size=vocab_size(config), max_new_tokens=args.max_new_tokens,
+                  context=context_limit(config, args.model), allow_long=args.allow_long_context,
+                  warn_as="rolecall decode", opt_in="--allow-long-context", new_name="--max-new-tokens",
+                  row_names=[where for where, _ in texts], fix="shorten the prompt or lower --max-new-tokens")
     if args.device_map:
         device = f"--device-map {args.device_map}"
     if args.prompts:
@@ -173,6 +173,12 @@ def generate_kwargs(args: argparse.Namespace, tokenizer, pad: int) -> dict:
     if args.stop:
         kwargs.update(stop_strings=args.stop, tokenizer=tokenizer)
     return kwargs
+
+
+def session_params(args: argparse.Namespace, params: dict) -> dict:
+    """``attach()``'s keywords: the ``-p`` parameters, and ``--allow-long-context`` (the prompts were checked
+    against the context, and warned about, before the model loaded)."""
+    return {"allow_long_context": args.allow_long_context, **params}
 
 
 def seeded(session, kwargs: dict, args: argparse.Namespace) -> None:
@@ -212,7 +218,7 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
     streamer = TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = dict(generate_kwargs(args, tokenizer, pad_token(tokenizer)), input_ids=ids,
                   attention_mask=torch.ones_like(ids), streamer=streamer)
-    with attach(model, manifest, args.policy, **params) as session, torch.no_grad():
+    with attach(model, manifest, args.policy, **session_params(args, params)) as session, torch.no_grad():
         seeded(session, kwargs, args)
         streamer.times.append(time.perf_counter())  # the call begins (the prompt's put follows at once)
         out = session.generate(**kwargs)
@@ -275,7 +281,7 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     generated = read = 0.0
     engine = False
     start = time.perf_counter()
-    with attach(model, manifest, args.policy, **params) as session, torch.no_grad(), tqdm(
+    with attach(model, manifest, args.policy, **session_params(args, params)) as session, torch.no_grad(), tqdm(
             total=sum(len(plan[k]) for k in todo), desc="prompts", unit="prompt", disable=None) as bar:
         seeded(session, kwargs, args)
         for k in todo:

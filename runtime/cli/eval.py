@@ -55,7 +55,7 @@ def run_reasoning(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.eval import evaluate, format_table, suite_new_tokens, suite_prompts
+    from runtime.eval import check_samples, evaluate, format_table, suite_new_tokens, suite_prompts
     from runtime.models import check_context, context_limit, load_config, load_tokenizer
 
     check_prompt_arguments(args)
@@ -79,13 +79,14 @@ def run(args: argparse.Namespace) -> int:
                       fix=f"pass --lengths of at most {limit - new if limit else 0} tokens")
     tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
     samples = suite_prompts(tokenizer, settings)
-    if args.prompts:  # a passkey prompt is exactly its length, checked above
-        longest = max(len(s["input_ids"]) for s in samples)
-        check_context(longest + new, **fit, what=f"the longest prompt of {args.prompts} ({longest} tokens) plus "
-                      f"--max-new-tokens {new}", fix="shorten the prompts or lower --max-new-tokens")
+    # the prompts' ids against the model's vocabulary, and their lengths (a prompt file's; the suites' lengths were
+    # checked above, so they warn no second time) against its context, as evaluate() checks them
+    check_samples(samples, config, settings, args.allow_long_context, name=args.prompts or f"the {args.suite} prompts",
+                  new_name="--max-new-tokens", opt_in="--allow-long-context",
+                  warn_as="rolecall eval" if args.prompts else None, fix="shorten the prompts or lower --max-new-tokens")
     model = load_placed(args)
     result = evaluate(model, tokenizer, manifest, args.policy, params, settings, samples=samples,
-                      measure=args.measure, batch_size=args.batch_size)
+                      measure=args.measure, batch_size=args.batch_size, allow_long_context=args.allow_long_context)
     result["model"] = args.model
     if args.rope_theta is not None:
         result["rope_theta"] = args.rope_theta

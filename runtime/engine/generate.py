@@ -205,9 +205,15 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     policy), loaded instead of prefilling again. ``decoders``: run on the decoder it keeps when this request
     fits it, and keep this request's decoder there (see :class:`Decoders`; not with ``output_logits`` or
     ``reference_logits``, whose buffers are sized to the request).
+
+    Checked before any work (:func:`runtime.prompts.check_prompts`), each refused in one line (``ValueError``):
+    ``prompts`` a list of token id lists (or 1-D integer tensors) or a ``[batch, tokens]`` integer tensor, each
+    prompt at least one id in the model's vocabulary; ``max_new_tokens`` whole numbers ≥ 1; the longest prompt
+    plus ``max_new_tokens`` within the positions of the weights' RoPE tables (``Weights.from_model``'s
+    ``positions``, by default the model's ``max_position_embeddings``).
     """
     start = time.perf_counter()
-    limits, eos = _request(prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
+    prompts, limits, eos = _request(weights, prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     live, device = len(prompts), weights.device
     if decoders is not None and not (output_logits or reference_logits) and compiles_on(device):
         # rows rounded up to a bucket (runtime.engine.compiling): a bounded number of compilations and captures
@@ -299,18 +305,21 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
                       reference, info, prefilled if keep_prefill else None)
 
 
-def _request(prompts: list[list[int]], max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,
-             eos_token_id: int | list[int] | None) -> tuple[list[int], list[int]]:
-    """Checks a request before any work: the per-row token limits and the EOS ids."""
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-    b = len(prompts)
-    limits = [max_new_tokens] * b if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != b or any(n < 1 for n in limits):
-        raise ValueError(f"max_new_tokens must be ≥ 1, one value or one per prompt ({b}), got {max_new_tokens}")
+def _request(weights: Weights, prompts: Any, max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,
+             eos_token_id: int | list[int] | None) -> tuple[list[list[int]], list[int], list[int]]:
+    """Checks a request before any work: the prompts as id lists, the per-row token limits and the EOS ids."""
+    from runtime.prompts import check_prompts
+
+    rows = check_prompts(prompts, vocab_size=weights.shape.vocab, max_new_tokens=max_new_tokens, per_row=True,
+                         name="prompts", context=weights.max_positions, opt_in=None,
+                         limit_name="the {limit} positions of these weights' RoPE tables",
+                         fix="shorten the prompt, lower max_new_tokens or build the weights with more positions "
+                             "(Weights.from_model(model, positions=N), shared_weights(model, positions=N))")
+    b = len(rows)
+    limits = [int(n) for n in max_new_tokens] if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * b
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer (tokenizer=...) to read the text")
-    return limits, [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    return rows, limits, [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
 
 
 @dataclass

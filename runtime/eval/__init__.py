@@ -53,13 +53,15 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
             raise ValueError(f"suite must be one of {', '.join(SUITES)}, got {self.suite!r}")
-        if self.max_new_tokens < 2:
-            raise ValueError(f"max_new_tokens must be ≥ 2 (the first token comes from the dense prefill), got {self.max_new_tokens}")
+        from runtime.prompts import check_max_new_tokens
+
+        check_max_new_tokens(self.max_new_tokens, least=2, why=NEW_TOKENS_WHY)
         if self.prompts is None and (not self.lengths or not self.depths):
             raise ValueError("give at least one context length and one depth, or --prompts FILE.jsonl")
 
 
 SUITES = ("passkey", "ruler", "longbench")
+NEW_TOKENS_WHY = " (the first token comes from the dense prefill)"  # why an evaluation generates at least 2
 
 
 def prompt_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
@@ -429,17 +431,18 @@ class _Run:
     fresh: list[list[int]]  # the batches of this batch size, before a checkpoint's own plan
     entries: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    allow_long: bool = False  # evaluate_many's allow_long_context
 
     def session(self, model):
         return attach(model, self.job.manifest, self.job.policy, record_recall=self.measure, min_context=0,
-                      **self.params)
+                      **{"allow_long_context": self.allow_long, **self.params})
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
              settings: EvalSettings | None = None, samples: list[dict[str, Any]] | None = None,
              measure: bool | None = None, batch_size: int | None = None,
-             checkpoint: str | Path | None = None) -> dict[str, Any]:
+             checkpoint: str | Path | None = None, allow_long_context: bool = False) -> dict[str, Any]:
     """Run the evaluation; returns a JSON-ready dict (see the module docstring).
 
     On a GPU the policy decodes on the engine (never falling back to full attention at short contexts:
@@ -451,16 +454,19 @@ def evaluate(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     engine the result also gives ``kv_bytes_per_prompt``, the mean KV cache a prompt held (a Lethe layer's
     compact buffer included), None elsewhere. ``checkpoint``: a file that keeps every finished batch
     (:class:`Checkpoint`); a rerun with the same file resumes there. A measuring run keeps none (its per-layer
-    figures would miss the batches before the stop).
+    figures would miss the batches before the stop). The prompts are checked before any decoding, as
+    :func:`evaluate_many` checks them; ``allow_long_context``: prompts past the model's context run (a model whose
+    RoPE was extended on purpose), as ``--allow-long-context`` lets them.
     """
     return evaluate_many(model, tokenizer, [Job(policy, manifest, params, checkpoint)], settings, samples, measure,
-                         batch_size)[0]
+                         batch_size, allow_long_context=allow_long_context)[0]
 
 
 @torch.no_grad()
 def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | None = None,
                   samples: list[dict[str, Any]] | None = None, measure: bool | None = None,
-                  batch_size: int | None = None, share_prefill: bool = True) -> list[dict[str, Any]]:
+                  batch_size: int | None = None, share_prefill: bool = True,
+                  allow_long_context: bool = False) -> list[dict[str, Any]]:
     """:func:`evaluate` for several policies on the same prompts; one result per job, in order.
 
     The jobs that decode on the engine without measuring go through the batches together: each batch is
@@ -469,13 +475,21 @@ def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | No
     long contexts. Every policy then starts from the very same dense pass (up to rounding, it is the one
     each would compute: the order of KV heads in a policy's cache changes the order of some sums).
     ``Job.seconds``: each job's own time; a shared prefill counts to the job that ran it. ``share_prefill=False``
-    runs each job on its own, one after the other, as the others (measuring, off the engine) always do."""
+    runs each job on its own, one after the other, as the others (measuring, off the engine) always do.
+
+    Before any decoding the samples' prompts are checked (:func:`check_samples`): each a 1-D integer tensor of
+    at least one id in the model's vocabulary, each budget (``max_new_tokens``, the sample's own or the
+    settings') a whole number ≥ 2, and the longest prompt plus its budget within the model's context
+    (``max_position_embeddings``) unless ``allow_long_context``; a bad one is refused in one line (``ValueError``)."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     settings = settings or EvalSettings()
     if samples is None:
         samples = suite_prompts(tokenizer, settings)
+    check_samples(samples, model.config, settings, allow_long_context)
     runs = [_plan(model, job, settings, samples, measure, batch_size) for job in jobs]
+    for r in runs:
+        r.allow_long = allow_long_context
     together = [r for r in runs if r.on_engine and not r.measure] if share_prefill else []
     together = together if len(together) > 1 else []
     if together:
@@ -492,6 +506,30 @@ def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | No
     for r in runs:
         r.job.seconds = r.seconds
     return [_result(r, samples, settings) for r in runs]
+
+
+def check_samples(samples: list[dict[str, Any]], config: Any, settings: EvalSettings,
+                  allow_long_context: bool = False, name: str = "samples", **how: Any) -> None:
+    """The samples' prompts (``input_ids``) and budgets, checked for a model of ``config`` as
+    :func:`runtime.prompts.check_prompts` checks prompts (see :func:`evaluate_many`); a sample without
+    ``input_ids`` is refused too. ``name``: what to call the samples in a message; ``how``: the rest of
+    ``check_prompts``' wording (the commands name their flags: ``new_name``, ``opt_in``, ``warn_as``, ``fix``)."""
+    from data.tokens import vocab_size
+    from runtime.models import context_limit
+    from runtime.prompts import PromptError, check_prompts
+
+    if not isinstance(samples, (list, tuple)) or not samples:
+        raise PromptError(f"{name} must be a non-empty list of samples (dicts with 'input_ids'), got "
+                          f"{type(samples).__name__ if samples else samples!r}")
+    missing = next((i for i, s in enumerate(samples) if not isinstance(s, dict) or "input_ids" not in s), None)
+    if missing is not None:
+        raise PromptError(f"sample {missing + 1} of {name} has no 'input_ids'; each sample is a dict with its "
+                          "prompt's token ids under 'input_ids'")
+    how = {"fix": "shorten the prompts or lower max_new_tokens", **how}
+    check_prompts([s["input_ids"] for s in samples], vocab_size=vocab_size(config),
+                  max_new_tokens=[s.get("max_new_tokens", settings.max_new_tokens) for s in samples], per_row=True,
+                  least=2, why=NEW_TOKENS_WHY, context=context_limit(config), allow_long=allow_long_context,
+                  name=name, **how)
 
 
 def _plan(model, job: Job, settings: EvalSettings, samples: list[dict[str, Any]], measure: bool | None,

@@ -17,14 +17,26 @@ tensor                     dtype, shape        meaning
 The file is written by hand rather than through ``safetensors.torch.save_file`` so that it is byte-for-byte
 deterministic (sorted JSON keys, tensors laid out in name order) and atomic (temporary file, then rename).
 Reading parses the header as JSON and the tensors as raw little-endian bytes: nothing is ever unpickled.
+
+Reading refuses, in one line naming the file, the field and the fix (:class:`ManifestError`, a ``ValueError``):
+a path that is no regular file (missing, a folder, a FIFO, a device), a header length the file cannot hold
+(checked against the file's size before more than the 8-byte length and the header is read, so a large file
+of something else is never read whole), another format, tensors whose shapes do not match the model identity,
+role values outside their sets (``layers.role`` in {0, 1, 2}, ``heads.role`` in {0, 1}), Lethe budgets
+(``layers.budget``) that are not finite fractions in (0, 1], a content hash that does not match the content,
+and, unless ``strict=False``, a file without a content hash (nothing shows it is as written; loading it with
+``strict=False`` warns so).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +77,14 @@ class ManifestError(ValueError):
 
 class ManifestMismatchError(ManifestError):
     """A manifest was made for another model; the message names the field and both values."""
+
+
+class UnverifiedManifestError(ManifestError):
+    """A manifest without a content hash, loaded with ``strict=True``: nothing shows its content is as written."""
+
+
+class UnverifiedManifestWarning(UserWarning):
+    """A manifest without a content hash was loaded with ``strict=False``: its content was not verified."""
 
 
 def _arch(config: Any) -> dict[str, Any]:
@@ -187,6 +207,8 @@ class RoleManifest:
         return [tuple(x) for x in torch.nonzero(self.head_role == HEAD_ROLE_RETRIEVAL).tolist()]
 
     def _check_shapes(self) -> None:
+        """The identity's counts, every tensor's shape against them, and the values each field may hold (role
+        values in their sets, Lethe budgets finite fractions in (0, 1]), each refused naming the field."""
         m = self.model
         for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(m, key)
@@ -194,6 +216,10 @@ class RoleManifest:
                 raise ManifestError(f"model.{key} must be a positive integer, got {value!r}")
         if m.num_heads % m.num_kv_heads:
             raise ManifestError(f"model.num_heads ({m.num_heads}) is not a multiple of model.num_kv_heads ({m.num_kv_heads})")
+        outside = [i for i in m.sliding_layers or [] if not 0 <= i < m.num_layers]
+        if outside:
+            raise ManifestError(f"model.sliding_layers holds layer {outside[0]}, but the model has {m.num_layers} "
+                                f"layers (0-{m.num_layers - 1}); re-create the manifest for this model")
         for name, (attr, _, kind, _) in _TENSORS.items():
             t = getattr(self, attr)
             if t is None:
@@ -202,11 +228,15 @@ class RoleManifest:
             ok = tuple(t.shape) == want if want else (t.dim() == 2 and t.shape[0] == m.num_layers and t.shape[1] >= 1)
             if not ok:
                 expect = want if want else f"({m.num_layers}, B>=1)"
-                raise ManifestError(f"{name} has shape {tuple(t.shape)}, expected {expect} for this model")
-        if self.layer_role is not None and not bool(((self.layer_role >= 0) & (self.layer_role <= 2)).all()):
-            raise ManifestError("layers.role holds values outside {0 full, 1 selection, 2 sparse}")
-        if self.head_role is not None and not bool(((self.head_role == 0) | (self.head_role == 1)).all()):
-            raise ManifestError("heads.role holds values outside {0 sparse, 1 retrieval}")
+                raise ManifestError(f"{name} has shape {tuple(t.shape)}, expected {expect} for this model "
+                                    f"({m.num_layers} layers, {m.num_kv_heads} KV heads)")
+        _check_values("layers.role", self.layer_role, lambda t: (t >= 0) & (t <= 2),
+                      "outside {0 full, 1 selection, 2 sparse}", "re-create the manifest (calibrate-delta, rolecall import)")
+        _check_values("heads.role", self.head_role, lambda t: (t == 0) | (t == 1), "outside {0 sparse, 1 retrieval}",
+                      "re-create the manifest (train-heads, rolecall import)")
+        _check_values("layers.budget", self.layer_budget, lambda t: torch.isfinite(t) & (t > 0) & (t <= 1),
+                      "not a fraction in (0, 1]: a Lethe budget is the share of the context a layer keeps",
+                      "re-run calibrate-delta, or set it in (0, 1]")
 
     # -- validation against a model ----------------------------------------------------------------------------
     def validate_for(self, config: Any, strict: bool = True) -> None:
@@ -297,17 +327,18 @@ class RoleManifest:
         return write_bytes(path, self.to_bytes())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> RoleManifest:
-        return cls.from_bytes(read_manifest_file(path), source=str(path))
+    def load(cls, path: str | os.PathLike, strict: bool = True) -> RoleManifest:
+        """The manifest at ``path`` (:func:`read_manifest_file`, then :meth:`from_bytes`); ``strict`` as there."""
+        return cls.from_bytes(read_manifest_file(path), source=str(path), strict=strict)
 
     @classmethod
-    def from_bytes(cls, buf: bytes, source: str = "<bytes>") -> RoleManifest:
+    def from_bytes(cls, buf: bytes, source: str = "<bytes>", strict: bool = True) -> RoleManifest:
+        """The manifest in ``buf``, every field checked (see the module's docstring); ``source`` names it in
+        messages. A content hash that does not match is always refused; a file without one (another tool's, or
+        edited and its hash removed) with ``strict`` (the default) too, as :class:`UnverifiedManifestError`, and
+        with ``strict=False`` it loads with an :class:`UnverifiedManifestWarning` saying that it was not verified."""
         header, data = _parse(buf, source)
-        meta = header.get("__metadata__")
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else None
-            raise ManifestError(f"{source}: a safetensors file but not a rolecall manifest (its metadata 'format' is "
-                                f"{found!r}, not {FORMAT!r}: model weights, or another tool's file); {_MADE_BY}")
+        meta = _check_format(header, source)
         full_header, header = header, {k: v for k, v in header.items() if k != "__metadata__"}
         version = meta.get("schema_version", "")
         if not str(version).isdigit():
@@ -318,12 +349,10 @@ class RoleManifest:
                 "upgrade rolecall (pip install -U rolecall)"
             )
         model = _identity(meta, source)
-        tensors: dict[str, torch.Tensor] = {}
-        for name, spec in header.items():
-            if name not in _TENSORS:
-                raise ManifestError(f"{source}: unknown tensor {name!r} (schema {SCHEMA_VERSION} knows {sorted(_TENSORS)})")
-            tensors[_TENSORS[name][0]] = _read_tensor(name, spec, data, source)
-        _check_hash(buf, full_header, data, meta, source)
+        specs = _tensor_specs(full_header, source)
+        _check_data_length(specs, len(data), source)
+        tensors = {_TENSORS[name][0]: _read_tensor(name, spec, data) for name, spec in specs.items()}
+        unverified = _check_hash(buf, full_header, data, meta, source)
         listed = [s for s in meta.get("sections", "").split(",") if s]
         found = sorted({_TENSORS[n][3] for n in header})
         if sorted(listed) != found:
@@ -338,9 +367,20 @@ class RoleManifest:
                 docs[key] = json.loads(meta[key]) if key in meta else {}
             except json.JSONDecodeError:
                 raise ManifestError(f"{source}: metadata {key!r} is not valid JSON") from None
-        return cls(model=model, **tensors, **docs, created=meta.get("created"),
-                   rolecall_version=meta.get("rolecall_version", ""),
-                   extra={k: v for k, v in meta.items() if k not in known})
+        try:  # the values, checked as any manifest's are, named with the file
+            manifest = cls(model=model, **tensors, **docs, created=meta.get("created"),
+                           rolecall_version=meta.get("rolecall_version", ""),
+                           extra={k: v for k, v in meta.items() if k not in known})
+        except ManifestError as e:
+            raise type(e)(f"{source}: {e}") from None
+        if unverified:
+            if strict:
+                raise UnverifiedManifestError(
+                    f"{source}: {unverified}, so nothing shows its content is as written; if it is right, load it with "
+                    "RoleManifest.load(path, strict=False) (and save it: that adds a hash)")
+            warnings.warn(f"{source}: {unverified}; loaded without verification (strict=False)",
+                          UnverifiedManifestWarning, stacklevel=3)
+        return manifest
 
     # -- convenience -------------------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -351,14 +391,45 @@ class RoleManifest:
         return self.to_bytes() == other.to_bytes()
 
 
+_NOT_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
 def read_manifest_file(path: str | os.PathLike) -> bytes:
-    """The bytes of the manifest file at ``path``; a missing path or a folder is refused in one line."""
+    """The bytes of the manifest file at ``path``, each refusal one line (:class:`ManifestError`): a missing path,
+    a folder, a FIFO, a device or a socket, named as such (before anything opens it: reading a FIFO would wait);
+    then the 8-byte header length against the file's size, the header as a rolecall manifest's, and its tensors'
+    extent against the file's size, before more than the length and the header is read (a large file of another
+    kind is never read whole)."""
     path = Path(path)
-    if path.is_dir():
+    source = str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no such manifest file") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read it ({e.strerror or e}); give the path of a manifest file you can "
+                            "read") from None
+    if stat.S_ISDIR(mode):
         raise ManifestError(f"{path}: a folder, not a manifest file; give the path of a manifest file (.safetensors)")
-    if not path.is_file():
-        raise ManifestError(f"{path}: no such manifest file")
-    return path.read_bytes()
+    kind = next((what for test, what in _NOT_FILES if test(mode)), None if stat.S_ISREG(mode) else "neither a file nor a folder")
+    if kind:
+        raise ManifestError(f"{path}: {kind}, not a manifest file; give the path of a manifest file (.safetensors)")
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = f.read(8)
+            n = _header_length(first, size, source)
+            start = f.read(min(n, 1))  # an empty header (n = 0) is no JSON either
+            _header_start(start, source)
+            raw_header = start + f.read(n - 1)
+            header = _header_json(raw_header, source)
+            _check_format(header, source)
+            _check_data_length(_tensor_specs(header, source), size - 8 - n, source)
+            return first + raw_header + f.read()
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read it ({e.strerror or e}); give the path of a manifest file you can "
+                            "read") from None
 
 
 def read_metadata(buf: bytes, source: str = "<bytes>") -> dict[str, str]:
@@ -412,12 +483,13 @@ def _identity(meta: dict, source: str) -> ModelIdentity:
         raise ManifestError(f"{source}: model counts must be integers ({e})") from None
 
 
-def _check_hash(buf: bytes, header: dict, data: bytes, meta: dict, source: str) -> None:
-    """A file written by rolecall carries the hash of its content; refuse one whose content changed since."""
-    if "rolecall_version" in meta and CONTENT_HASH_KEY not in meta:
-        raise ManifestError(f"{source}: corrupted: written by rolecall but its {CONTENT_HASH_KEY!r} is missing")
+def _check_hash(buf: bytes, header: dict, data: bytes, meta: dict, source: str) -> str | None:
+    """A file written by rolecall carries the hash of its content: refuse one whose content changed since. Returns
+    why there is nothing to verify (no hash), or None when the hash was checked."""
     if CONTENT_HASH_KEY not in meta:
-        return
+        if "rolecall_version" in meta:
+            return f"written by rolecall but its {CONTENT_HASH_KEY!r} is missing (edited, and its hash removed)"
+        return f"no content hash ({CONTENT_HASH_KEY!r}) to check: another tool wrote it, or it was edited"
     written, actual = meta[CONTENT_HASH_KEY], content_sha256(header, data)
     # the hash covers the parsed header; a flip that JSON ignores (e.g. into whitespace) shows up here
     raw_header = buf[8 : len(buf) - len(data)].rstrip(b" ")
@@ -428,44 +500,111 @@ def _check_hash(buf: bytes, header: dict, data: bytes, meta: dict, source: str) 
             f"{source}: corrupted: content hash is {actual[:12]}… but the file says {str(written)[:12]}… "
             "(changed after it was written); restore or re-create the manifest"
         )
+    return None
 
-def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:
-    if len(buf) < 8:
-        raise ManifestError(f"{source}: file is {len(buf)} bytes, too short to be a manifest (truncated?)")
-    (n,) = struct.unpack("<Q", buf[:8])
+
+def _check_values(name: str, t: torch.Tensor | None, ok, what: str, fix: str) -> None:
+    """Refuse the first value of field ``name`` that ``ok`` (tensor → bool tensor) rejects, naming where it is."""
+    if t is None:
+        return
+    bad = (~ok(t)).nonzero()
+    if len(bad):
+        where = ", ".join(str(int(i)) for i in bad[0])
+        value = t[tuple(bad[0].tolist())].item()
+        shown = repr(value) if isinstance(value, int) or math.isfinite(value) else str(value)
+        raise ManifestError(f"{name}[{where}] is {shown}, {what}; {fix}")
+
+
+def _header_length(first: bytes, size: int, source: str) -> int:
+    """The header length the first 8 bytes give, checked against ``size``, the bytes the file (or buffer) holds."""
+    if size < 8 or len(first) < 8:
+        raise ManifestError(f"{source}: file is {size} bytes, too short to be a manifest (truncated?)")
+    (n,) = struct.unpack("<Q", first[:8])
     if n > _MAX_HEADER:
-        if buf[:1] in (b"{", b"["):  # an export, or another tool's roles
+        if first[:1] in (b"{", b"["):  # an export, or another tool's roles
             raise ManifestError(f"{source}: not a rolecall manifest but JSON; make one from it with `rolecall import "
                                 f"{source} --format json --model MODEL -o FILE.safetensors` (`--format layers` for a list "
                                 "of layers)")
         raise ManifestError(f"{source}: not a rolecall manifest (its first 8 bytes give a header of {n:,} bytes, "
                             f"more than the {_MAX_HEADER:,} a manifest's may take); {_MADE_BY}")
-    if 8 + n > len(buf):
-        raise ManifestError(f"{source}: truncated: header needs {n} bytes but only {len(buf) - 8} follow")
+    if 8 + n > size:
+        raise ManifestError(f"{source}: truncated: header needs {n} bytes but only {size - 8} follow")
+    return n
+
+
+def _header_start(start: bytes, source: str) -> None:
+    """A header is a JSON object: refused at its first byte (before the rest is read) when that is not ``{``."""
+    if start[:1] != b"{":
+        raise ManifestError(f"{source}: not a rolecall manifest (header is not JSON)")
+
+
+def _header_json(raw: bytes | memoryview, source: str) -> dict[str, Any]:
+    _header_start(bytes(raw[:1]), source)
     try:
-        header = json.loads(buf[8 : 8 + n].decode("utf-8"))
+        header = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ManifestError(f"{source}: not a rolecall manifest (header is not JSON)") from None
     if not isinstance(header, dict):
         raise ManifestError(f"{source}: not a rolecall manifest (header is not a JSON object)")
-    return header, memoryview(buf)[8 + n :]
+    return header
 
 
-def _read_tensor(name: str, spec: Mapping[str, Any], data: memoryview, source: str) -> torch.Tensor:
-    _, dtype, _, _ = _TENSORS[name]
-    try:
-        st_dtype, shape, (begin, end) = spec["dtype"], [int(s) for s in spec["shape"]], spec["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise ManifestError(f"{source}: tensor {name!r} has a malformed header entry") from None
-    if _ST_DTYPES_BACK.get(st_dtype) != dtype:
-        raise ManifestError(f"{source}: tensor {name!r} has dtype {st_dtype}, schema {SCHEMA_VERSION} requires {_ST_DTYPES[dtype]}")
-    count = 1
-    for s in shape:
-        count *= s
-    itemsize = _NP_DTYPES[dtype].itemsize
-    if not (0 <= begin <= end) or end - begin != count * itemsize:
-        raise ManifestError(f"{source}: tensor {name!r} offsets [{begin}, {end}) do not match shape {shape}")
-    if end > len(data):
-        raise ManifestError(f"{source}: truncated: tensor {name!r} ends at byte {end} of {len(data)} data bytes")
+def _check_format(header: dict[str, Any], source: str) -> dict[str, Any]:
+    """The header's metadata, when it says this is a rolecall manifest; else refused (weights, another tool's file)."""
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise ManifestError(f"{source}: a safetensors file but not a rolecall manifest (its metadata 'format' is "
+                            f"{found!r}, not {FORMAT!r}: model weights, or another tool's file); {_MADE_BY}")
+    return meta
+
+
+def _tensor_specs(header: Mapping[str, Any], source: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """Each tensor's dtype, shape and data offsets from the header, checked: a known name, the dtype the schema
+    gives it, offsets spanning exactly its shape's bytes."""
+    specs = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        if name not in _TENSORS:
+            raise ManifestError(f"{source}: unknown tensor {name!r} (schema {SCHEMA_VERSION} knows {sorted(_TENSORS)})")
+        _, dtype, _, _ = _TENSORS[name]
+        try:
+            st_dtype, shape, (begin, end) = spec["dtype"], [int(s) for s in spec["shape"]], spec["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise ManifestError(f"{source}: tensor {name!r} has a malformed header entry") from None
+        if _ST_DTYPES_BACK.get(st_dtype) != dtype:
+            raise ManifestError(f"{source}: tensor {name!r} has dtype {st_dtype}, schema {SCHEMA_VERSION} requires "
+                                f"{_ST_DTYPES[dtype]}")
+        count = 1
+        for s in shape:
+            count *= s
+        if min(shape, default=0) < 0 or not (0 <= begin <= end) or end - begin != count * _NP_DTYPES[dtype].itemsize:
+            raise ManifestError(f"{source}: tensor {name!r} offsets [{begin}, {end}) do not match shape {shape}")
+        specs[name] = (dtype, shape, begin, end)
+    return specs
+
+
+def _check_data_length(specs: Mapping[str, tuple], length: int, source: str) -> None:
+    """The data after the header holds exactly the tensors' bytes: none missing (truncated), none after the last."""
+    end = max((spec[3] for spec in specs.values()), default=0)
+    if length < end:
+        name = max(specs, key=lambda n: specs[n][3])
+        raise ManifestError(f"{source}: truncated: tensor {name!r} ends at byte {end} of {length} data bytes")
+    if length > end:
+        raise ManifestError(f"{source}: {length - end:,} bytes follow its last tensor (a manifest's tensors fill its "
+                            f"data exactly): not a rolecall manifest, or one with something appended; {_MADE_BY}")
+
+
+def _parse(buf: bytes, source: str) -> tuple[dict[str, Any], memoryview]:
+    """The header and the data of a manifest's bytes."""
+    n = _header_length(buf[:8], len(buf), source)
+    return _header_json(memoryview(buf)[8 : 8 + n], source), memoryview(buf)[8 + n :]
+
+
+def _read_tensor(name: str, spec: tuple[torch.dtype, list[int], int, int], data: memoryview) -> torch.Tensor:
+    """A tensor's values from the data, by its checked spec (:func:`_tensor_specs`, :func:`_check_data_length`)."""
+    dtype, shape, begin, end = spec
     array = np.frombuffer(data[begin:end], dtype=_NP_DTYPES[dtype]).astype(_NP_DTYPES[dtype].newbyteorder("="))
     return torch.from_numpy(array.reshape(shape))

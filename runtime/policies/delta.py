@@ -49,10 +49,15 @@ def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, rec
     return topk_with_recent(pool_pages(token_scores, page_size), num_pages, recent_pages)
 
 
+DEFAULT_RECENT_PAGES = 8  # the paper's L
+
+
 @dataclass
 class Delta:
     num_pages: int = 64  # K: pages read by sparse layers, recent ones included
-    recent_pages: int = 8  # L
+    # L, at most K: the pages of the recent context always read (default 8, or K where K is smaller); a value
+    # above K is refused, as calibrate-delta refuses it
+    recent_pages: int | None = None
     page_size: int = 16  # P
     budget: int | None = None  # tokens; when given, K = ceil(budget / P)
     per_head: bool = False  # Δ-layers choose pages per KV head instead of one set for all heads
@@ -65,12 +70,20 @@ class Delta:
             positive("budget", self.budget, policy=self.name)
             self.num_pages = math.ceil(self.budget / self.page_size)
         positive("num_pages", self.num_pages, policy=self.name)
-        positive("recent_pages", self.recent_pages, allow_zero=True, policy=self.name)
+        if self.recent_pages is None:
+            self.recent_pages = min(DEFAULT_RECENT_PAGES, self.num_pages)
+        elif isinstance(self.recent_pages, bool) or not isinstance(self.recent_pages, int) or self.recent_pages < 0:
+            raise PolicyError(f"policy 'delta': recent_pages must be a whole number ≥ 0, got {self.recent_pages!r}")
+        elif self.recent_pages > self.num_pages:
+            given = (f"budget={self.budget} tokens in pages of {self.page_size} gives num_pages={self.num_pages}"
+                     if self.budget is not None else f"num_pages is {self.num_pages}")
+            raise PolicyError(f"policy 'delta': recent_pages={self.recent_pages} is more than the {self.num_pages} "
+                              f"pages read in all ({given}; they count the recent pages too); pass recent_pages ≤ "
+                              f"{self.num_pages}, or a larger budget")
         if not isinstance(self.per_head, bool):
             raise PolicyError(f"policy 'delta': per_head must be true or false, got {self.per_head!r}")
         if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 1:
             raise PolicyError(f"policy 'delta': refine must be an integer ≥ 1 (1 = off), got {self.refine!r}")
-        self.recent_pages = min(self.recent_pages, self.num_pages)
         self.roles: list[int] = []
 
     def bind(self, manifest: Any, config: Any) -> None:

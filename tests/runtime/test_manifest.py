@@ -83,10 +83,16 @@ def _schema_meta(config):
 
 
 def test_file_from_another_writer_loads_and_keeps_unknown_keys(tmp_path):
+    """Without a content hash it loads only with strict=False, which says it was not verified."""
+    from runtime.manifest import UnverifiedManifestError, UnverifiedManifestWarning
+
     config = tiny_config("qwen2", layers=3, heads=4, kv_heads=1)
     role = torch.tensor([[1], [0], [1]], dtype=torch.int8)
     save_file({"heads.role": role}, str(tmp_path / "x.safetensors"), metadata=_schema_meta(config))
-    m = RoleManifest.load(tmp_path / "x.safetensors")
+    with pytest.raises(UnverifiedManifestError, match="no content hash"):
+        RoleManifest.load(tmp_path / "x.safetensors")
+    with pytest.warns(UnverifiedManifestWarning, match="loaded without verification"):
+        m = RoleManifest.load(tmp_path / "x.safetensors", strict=False)
     assert m.sections == ["heads"] and m.retrieval_heads == [(0, 0), (2, 0)]
     assert m.extra == {"writer.tool": "someone-else"}
     m.validate_for(config)  # no config hash in the file: counts are enough
