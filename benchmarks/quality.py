@@ -682,7 +682,8 @@ def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, sample
                           limit=args.limit, max_new_tokens=args.max_new_tokens)
         return result, fidelity_row(cell, result, time.perf_counter() - start)
     result = evaluate(model, tokenizer, cell.manifest, cell.policy, cell.params, settings, samples=samples,
-                      measure=args.measure, batch_size=args.batch_size, checkpoint=partial_file(Path(args.out), cell))
+                      measure=args.measure, batch_size=args.batch_size, checkpoint=partial_file(Path(args.out), cell),
+                      allow_long_context=args.allow_long_context)
     return result, row_of(cell, result, time.perf_counter() - start)
 
 
@@ -709,7 +710,8 @@ def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, sa
     from runtime.eval import Job, evaluate_many
 
     jobs = [Job(c.policy, c.manifest, c.params, partial_file(Path(args.out), c)) for c in cells]
-    results = evaluate_many(model, tokenizer, jobs, settings, samples, measure=args.measure, batch_size=args.batch_size)
+    results = evaluate_many(model, tokenizer, jobs, settings, samples, measure=args.measure, batch_size=args.batch_size,
+                            allow_long_context=args.allow_long_context)
     return {c.name: (r, row_of(c, r, j.seconds)) for c, j, r in zip(cells, jobs, results)}
 
 

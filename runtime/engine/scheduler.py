@@ -133,20 +133,19 @@ class Scheduler:
     # -- the client side -----------------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
         """Raise :class:`RequestError` for a request this scheduler cannot run (before any work)."""
-        prompt = list(request.prompt)
-        if not prompt:
-            raise RequestError("prompt", "the prompt is empty; send at least one token")
-        vocab = self.weights.shape.vocab
-        bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError("prompt", f"token id {bad!r} is not in the vocabulary [0, {vocab})")
-        n = request.max_new_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise RequestError("max_tokens", f"max_tokens must be an integer ≥ 1, got {n!r}")
-        if len(prompt) + n > self.max_context:
-            raise RequestError("prompt", f"the prompt ({len(prompt)} tokens) and max_tokens ({n}) need "
-                                         f"{len(prompt) + n} positions, more than this server's context of "
-                                         f"{self.max_context}; shorten the prompt or lower max_tokens")
+        from runtime.prompts import PromptError, check_max_new_tokens, check_prompts
+
+        try:
+            check_max_new_tokens(request.max_new_tokens, "max_tokens")
+        except PromptError as e:
+            raise RequestError("max_tokens", str(e)) from None
+        try:  # the one prompt check of the commands and the Python API, in this server's words
+            check_prompts([list(request.prompt)], vocab_size=self.weights.shape.vocab,
+                          max_new_tokens=request.max_new_tokens, context=self.max_context, opt_in=None,
+                          row_names=["the prompt"], new_name="max_tokens", fix="shorten the prompt or lower max_tokens",
+                          limit_name="this server's context of {limit}")
+        except ValueError as e:
+            raise RequestError("prompt", " ".join(str(e).split())) from None
         if request.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer, and this server has none")
         if not isinstance(request.sampling, Sampling):

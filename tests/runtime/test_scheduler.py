@@ -151,7 +151,7 @@ def test_eos_stop_strings_and_cancellation_end_a_request_and_free_its_row():
 
 @pytest.mark.parametrize("request_, field, says", [
     (Request([]), "prompt", "empty"),
-    (Request([1, 2, 999_999]), "prompt", "not in the vocabulary"),
+    (Request([1, 2, 999_999]), "prompt", "the prompt has token id 999999, the model.s vocabulary has 260 ids"),
     (Request([1] * 500, 20), "prompt", "more than this server's context of 512"),
     (Request([1, 2], 0), "max_tokens", "≥ 1"),
     (Request([1, 2], 4, stop=("x",)), "stop", "tokenizer"),
