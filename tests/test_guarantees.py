@@ -141,3 +141,44 @@ def test_hoyer_sparsity_matches_its_formula_on_every_two_level_row():
         row[:k] = scale
         want = (math.sqrt(n) - math.sqrt(k)) / (math.sqrt(n) - 1)
         assert hoyer_sparsity(row).item() == pytest.approx(want, rel=1e-12, abs=1e-12), k
+
+
+# -- the manifest: its canonical header and role sets ----------------------------------------------------------------
+def test_a_manifest_whose_header_was_reformatted_is_refused():
+    """The same content with its JSON header re-serialised (indented): the content hash still matches the parsed
+    header, so only the canonical-bytes check stands between it and a load."""
+    import json
+    import struct
+
+    from runtime.manifest import ManifestError, RoleManifest
+    from tests.test_bad_input_api import manifest
+
+    raw = manifest().to_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    assert RoleManifest.from_bytes(raw).layer_role.tolist() == [0, 1, 2, 2]
+    text = json.dumps(header, sort_keys=True, indent=1).encode()
+    text += b" " * (-len(text) % 8)
+    with pytest.raises(ManifestError, match="content hash is not-canonica"):
+        RoleManifest.from_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("value", [2, -1])
+def test_head_roles_outside_zero_and_one_are_refused(value):
+    from runtime.manifest import ManifestError, RoleManifest
+    from tests.test_bad_input_api import manifest, rewritten, set_value
+
+    bad = rewritten(manifest().to_bytes(), set_value("heads.role", 3, value))
+    with pytest.raises(ManifestError, match=rf"heads.role\[1, 1\] is {value}, outside {{0 sparse, 1 retrieval}}"):
+        RoleManifest.from_bytes(bad)
+
+
+def test_delta_keeps_no_more_recent_pages_than_pages():
+    """``budget=100`` of 16-token pages is 7 pages: the default of 8 recent pages becomes 7; 8 asked for
+    explicitly is refused."""
+    from runtime.policies import PolicyError, get_policy
+
+    policy = get_policy("delta", budget=100, page_size=16)
+    assert policy.num_pages == 7 and policy.recent_pages == 7
+    with pytest.raises(PolicyError, match="recent_pages"):
+        get_policy("delta", budget=100, page_size=16, recent_pages=8)
