@@ -74,8 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from runtime.models import DTYPES
 
     parser.add_argument("--config", help="YAML of settings [configs/calibrate/<model>.yaml when it exists]")
+    shown = effective_defaults()
     for flag, key, kind, text in _FLAGS:
         choices = DTYPES if key == "dtype" else None
+        if "[" not in text and shown.get(key) is not None:  # the value a run without the flag takes
+            text = f"{text} [{shown[key]}]"
         parser.add_argument(flag, dest=key, type=kind, default=None, choices=choices, help=text)
     parser.add_argument("--sample", dest="sample", action="store_const", const=True, default=None,
                         help="sample traces instead of greedy decoding")
@@ -94,6 +97,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model folder's own Python code (auto_map in config.json); off by default")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def effective_defaults() -> dict:
+    """What a run without flags and ``--config`` takes for each setting: the dataclass's defaults, then the default
+    model's shipped ``configs/calibrate/<model>.yaml`` (for ``--help``; read without importing torch)."""
+    from dataclasses import fields
+
+    from calibrate.config import CalibrateConfig, read_yaml, shipped_config
+
+    values = {f.name: f.default for f in fields(CalibrateConfig)}
+    path = shipped_config(values["model"])
+    if path is not None:
+        values.update(read_yaml(path))
+    return values
 
 
 def resolve_config(args: argparse.Namespace):
@@ -272,7 +289,7 @@ def check_min_context(config, most: int, what: str, longer: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="calibrate-delta", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="calibrate-delta", description=__doc__.split("\n\n")[0].replace("``", ""))
     add_arguments(parser)
     return parser
 

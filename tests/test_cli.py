@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def test_inspect_prints_identity_and_roles(manifest_path, capsys):
     assert main(["inspect", str(manifest_path)]) == 0
     out = capsys.readouterr().out
     assert "tiny-qwen2" in out and "4 layers, 4 query heads, 2 KV heads, head dim 16" in out
-    assert "Δ-layers     [1]" in out and "retrieval    4 of 8 KV heads" in out
+    assert "Δ-layers     [1]" in out and "retrieval    2 of 6 KV heads past layer 0, 4 of 8 with layer 0's 2" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[1] for r in rows] == ["F", "Δ", "·", "·"]
     assert [r[-1] for r in rows] == ["RR", "·R", "R·", "··"]
@@ -255,3 +256,19 @@ def test_engine_decode_line_names_speed_reads_and_cache_size():
     line = engine_line(last, "cuda", 40, "lethe")
     assert line == ("\n[engine on cuda: 40 prompt tokens, 3 generated, prefill 12 ms, 6.0 tokens/s decoding; "
                     "policy lethe read 0.250 of the context; full attention below 32768 tokens; KV cache 3.0 MiB]")
+
+
+def test_help_shows_the_defaults_a_run_without_flags_takes(capsys):
+    """``--help`` names the value of the default model's shipped config where it overrides the dataclass's (the
+    embedded model trains 8 heads on 1000–2000-token prompts at lr 0.02), and no reST markup."""
+    import yaml
+
+    from calibrate.cli import build_parser as calibrate_parser
+    from train.cli import build_parser as train_parser
+
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "configs" / "train" / "smollm2-135m.yaml").read_text())
+    text = " ".join(train_parser().format_help().split())
+    assert f"(default {shipped['target']})" in text and f"(default {shipped['lr']};" in text
+    assert f"(default {','.join(map(str, shipped['lengths']))})" in text
+    text = " ".join(calibrate_parser().format_help().split())
+    assert "``" not in text and "tokens generated per trace [" in text and "DELTA L: most recent pages always kept [" in text

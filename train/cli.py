@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cli import Parser
-from train.config import MIXED_PRECISION, TrainConfig, build_config
+from train.config import MIXED_PRECISION, TrainConfig, build_config, read_yaml, shipped_configs
 
 
 def _budget(text: str) -> float | int:
@@ -76,8 +76,14 @@ def _lengths(text: str) -> tuple[int, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from runtime.models import DTYPES
 
-    d = argparse.Namespace(**{f.name: f.default for f in fields(TrainConfig)})  # the defaults, without building a
-    # config (that checks the gate name against train.gates, which imports torch: --help stays fast)
+    # the effective defaults: the dataclass's, then the default model's shipped config (configs/train/<model>.yaml,
+    # which a run without --model and --config reads), without building a config (that checks the gate name
+    # against train.gates, which imports torch: --help stays fast)
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    shipped_for_model = shipped_configs().get(defaults["model"])
+    if shipped_for_model is not None:
+        defaults.update({k: v for k, v in read_yaml(str(shipped_for_model)).items() if k in defaults})
+    d = argparse.Namespace(**defaults)
     p.add_argument("--config", help="YAML of options: a path or a name in configs/train/, <model> or "
                    "<model>.<variant> (e.g. llama3-8b-1048k.sigmoid) [configs/train/<model>.yaml when it exists]")
     p.add_argument("--model", help=f"alias, Hugging Face id, local folder or .gguf file (default {d.model})")
@@ -120,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep attention scores for backward instead of recomputing them (faster, more memory)")
     p.add_argument("--dataset", help="'passkey' (default) or a .jsonl file of {input_ids, labels} records")
     p.add_argument("--data-source", help=f"haystack corpus of the passkey data (default {d.data_source})")
-    p.add_argument("--lengths", type=_lengths, help="passkey haystack lengths LOW,HIGH in tokens (default 1000,10000)")
+    p.add_argument("--lengths", type=_lengths, help=f"passkey haystack lengths LOW,HIGH in tokens (default {','.join(map(str, d.lengths))})")
     p.add_argument("--num-samples", type=int, help=f"passkey samples (default {d.num_samples})")
     p.add_argument("--num-passkeys", type=int, help=f"passkeys per sample (default {d.num_passkeys})")
     p.add_argument("--passkey-words", type=int, help=f"words per passkey (default {d.passkey_words})")

@@ -86,8 +86,12 @@ def describe(manifest: RoleManifest, path: str = "") -> str:
     if manifest.layer_role is not None:
         out.append(f"Δ-layers     {manifest.delta_layers}")
     if manifest.head_role is not None:
-        n = len(manifest.retrieval_heads)
-        out.append(f"retrieval    {n} of {m.num_layers * m.num_kv_heads} KV heads")
+        # layer 0 is all retrieval by construction (its heads have no earlier layer to inherit from): counted
+        # apart, so the learned count reads as the training target and the manifest's metrics give it
+        heads = manifest.retrieval_heads
+        learned = sum(1 for layer, _ in heads if layer > 0)
+        out.append(f"retrieval    {learned} of {(m.num_layers - 1) * m.num_kv_heads} KV heads past layer 0, "
+                   f"{len(heads)} of {m.num_layers * m.num_kv_heads} with layer 0's {len(heads) - learned}")
     if manifest.data:
         out.append(f"data         {json.dumps(manifest.data, sort_keys=True)}")
     if manifest.config:
