@@ -135,9 +135,10 @@ def policy_and_manifest(name: str, shape: ModelShape, budget: int, retrieval_hea
     if name == "full":
         policy, manifest = get_policy("full"), None
     elif name == "delta":
-        policy, manifest = get_policy("delta", budget=budget, page_size=16, recent_pages=8), delta_manifest(shape)
+        policy = get_policy("delta", budget=budget, page_size=16, recent_pages=recent_pages(budget))
+        manifest = delta_manifest(shape)
     elif name == "delta-refine":  # two-stage: the Δ-layers pick 4·K candidates, each sparse layer its own K
-        policy = get_policy("delta", budget=budget, page_size=16, recent_pages=8, refine=4)
+        policy = get_policy("delta", budget=budget, page_size=16, recent_pages=recent_pages(budget), refine=4)
         manifest = delta_manifest(shape)
     elif name == "lychee":
         heads = spread_heads(shape.layers, shape.kv_heads, retrieval_heads).to(torch.int8)
@@ -156,6 +157,11 @@ def policy_and_manifest(name: str, shape: ModelShape, budget: int, retrieval_hea
     else:
         raise SystemExit(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return policy, manifest
+
+
+def recent_pages(budget: int, page_size: int = 16) -> int:
+    """DELTA's recent pages at ``budget`` tokens: 8, or every page where the budget holds fewer."""
+    return min(8, -(-budget // page_size))
 
 
 def make_policy(name: str, shape: ModelShape, budget: int, retrieval_heads: int):

@@ -55,7 +55,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode import RETRIEVAL_HEADS_7B, delta_manifest, scaled_retrieval_heads, spread_heads  # noqa: E402
+from benchmarks.decode import (  # noqa: E402
+    RETRIEVAL_HEADS_7B,
+    delta_manifest,
+    recent_pages,
+    scaled_retrieval_heads,
+    spread_heads,
+)
 from benchmarks.load import (  # noqa: E402
     Lengths,
     Load,
@@ -85,7 +91,7 @@ SHIPPED = {"delta": "{name}/{name}.delta.safetensors", "lychee": "{name}/heads-h
 
 def policy_params(name: str, budget: int) -> dict[str, int]:
     """The ``-p`` parameters of each policy, as benchmarks/decode.py binds them."""
-    return {"full": {}, "delta": {"budget": budget, "page_size": 16, "recent_pages": 8},
+    return {"full": {}, "delta": {"budget": budget, "page_size": 16, "recent_pages": recent_pages(budget)},
             "lychee": {"budget": budget, "block_size": 16}}[name]
 
 
