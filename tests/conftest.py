@@ -37,3 +37,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_frozen_model(monkeypatch):
+    """Loading the frozen model of train-heads or calibrate-delta fails the test: a refusal comes before that."""
+    import runtime.distributed
+
+    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))

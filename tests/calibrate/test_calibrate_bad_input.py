@@ -10,6 +10,7 @@ import pytest
 
 from calibrate import cli
 from runtime.manifest import RoleManifest
+from tests import refused_line
 from tests.tiny import tiny_folder, tiny_tokenizer
 
 FLAGS = ["--max-new-tokens", "48", "--stride", "6", "--min-context", "40", "--page-size", "4", "--num-pages", "3",
@@ -31,19 +32,6 @@ def traces(tmp_path):
     return path
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    import runtime.distributed
-
-    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
-
-
-def _refused(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    return err.splitlines()[-1]
-
-
 @pytest.mark.parametrize("flag,value,says", [
     ("--temperature", "inf", "'inf' is not a finite number in (0, ∞); pass e.g. 0.6"),
     ("--temperature", "nan", "'nan' is not a finite number in (0, ∞); pass e.g. 0.6"),
@@ -52,18 +40,18 @@ def _refused(capsys) -> str:
     ("--budget", "inf", "'inf' is not a finite number in (0, 1]; pass e.g. 0.25"),
     ("--min-budget", "-1", "'-1' is not a finite number in [0, 1]; pass e.g. 0.02"),
 ])
-def test_a_float_flag_out_of_range_is_a_usage_error(model_dir, capsys, no_model, flag, value, says):
+def test_a_float_flag_out_of_range_is_a_usage_error(model_dir, capsys, no_frozen_model, flag, value, says):
     with pytest.raises(SystemExit) as stop:
         cli.main(["--model", str(model_dir), *FLAGS, "--sample", flag, value])
     assert stop.value.code == 2
-    assert _refused(capsys) == f"calibrate-delta: error: argument {flag}: {says} {HELP}"
+    assert refused_line(capsys) == f"calibrate-delta: error: argument {flag}: {says} {HELP}"
 
 
-def test_an_infinite_temperature_in_the_yaml_is_refused(model_dir, tmp_path, capsys, no_model):
+def test_an_infinite_temperature_in_the_yaml_isrefused_line(model_dir, tmp_path, capsys, no_frozen_model):
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("temperature: .inf\nsample: true\n")
     assert cli.main(["--model", str(model_dir), *FLAGS, "--config", str(yaml_file)]) == 2
-    assert _refused(capsys) == ("calibrate-delta: error: calibration config: temperature must be a finite number > 0 "
+    assert refused_line(capsys) == ("calibrate-delta: error: calibration config: temperature must be a finite number > 0 "
                                 "and top_p in (0, 1], got inf and 0.95")
 
 
@@ -71,26 +59,26 @@ def test_an_infinite_temperature_in_the_yaml_is_refused(model_dir, tmp_path, cap
     ("bogus", "--prompts: unknown reasoning source 'bogus'; choose champ, arithmetic[:N] or jsonl:PATH"),
     ("arithmetic:0", "--prompts: arithmetic:0: ask for at least one problem"),
 ])
-def test_a_bad_prompt_source_is_refused_before_the_model_loads(model_dir, capsys, no_model, monkeypatch, source, says):
+def test_a_bad_prompt_source_is_refused_before_the_model_loads(model_dir, capsys, no_frozen_model, monkeypatch, source, says):
     import runtime.models
 
     monkeypatch.setattr(runtime.models, "load_config", lambda *a, **k: pytest.fail("config read"))
     assert cli.main(["--model", str(model_dir), *FLAGS, "--prompts", source]) == 2
-    assert _refused(capsys) == f"calibrate-delta: error: {says}"
+    assert refused_line(capsys) == f"calibrate-delta: error: {says}"
 
 
-def test_a_min_context_past_every_trace_is_refused_before_the_model_loads(model_dir, traces, capsys, no_model):
+def test_a_min_context_past_every_trace_is_refused_before_the_model_loads(model_dir, traces, capsys, no_frozen_model):
     assert cli.main(["--model", str(model_dir), *FLAGS, "--traces", str(traces), "--min-context", "80"]) == 2
-    assert _refused(capsys) == (
+    assert refused_line(capsys) == (
         f"calibrate-delta: error: --min-context 80 records nothing: the longest trace of {traces} (trace 2) has 80 "
         "tokens, and recording starts at position 80; pass --min-context below 80, or longer traces")
     # --max-traces 1 keeps the 64-token trace alone
     assert cli.main(["--model", str(model_dir), *FLAGS, "--traces", str(traces), "--min-context", "64",
                      "--max-traces", "1"]) == 2
-    assert "--min-context 64 records nothing: the longest trace of" in _refused(capsys)
+    assert "--min-context 64 records nothing: the longest trace of" in refused_line(capsys)
 
 
-def test_a_min_context_past_every_generated_trace_is_refused_before_the_model_loads(model_dir, capsys, no_model):
+def test_a_min_context_past_every_generated_trace_is_refused_before_the_model_loads(model_dir, capsys, no_frozen_model):
     from data.reasoning import format_prompt, load_prompts
 
     tok = tiny_tokenizer()
@@ -98,7 +86,7 @@ def test_a_min_context_past_every_generated_trace_is_refused_before_the_model_lo
                   for p in load_prompts("arithmetic:3", 8))
     most = longest + 48
     assert cli.main(["--model", str(model_dir), *FLAGS, "--prompts", "arithmetic:3", "--min-context", str(most)]) == 2
-    assert _refused(capsys) == (
+    assert refused_line(capsys) == (
         f"calibrate-delta: error: --min-context {most} records nothing: the traces of --prompts arithmetic:3 (the "
         f"longest prompt, {longest} tokens, and --max-new-tokens 48) have at most {most} tokens, and recording starts "
         f"at position {most}; pass --min-context below {most}, or a larger --max-new-tokens")
@@ -120,7 +108,7 @@ def test_the_config_and_plots_are_in_place_before_the_manifest(model_dir, traces
 
     monkeypatch.setattr(RoleManifest, "save", save)
     assert cli.main([*argv, "--bins", "2"]) == 2
-    assert _refused(capsys) == "calibrate-delta: error: killed"
+    assert refused_line(capsys) == "calibrate-delta: error: killed"
     assert seen == {"config": {**seen["config"], "bins": 2},
                     "plots": ["m.recall.png", "m.shift.png", "m.sparsity.png"]}
     assert out.read_bytes() == old and RoleManifest.load(out).config["bins"] == 3

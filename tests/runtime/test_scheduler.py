@@ -47,6 +47,16 @@ class Collector:
             assert self._done.acquire(timeout=timeout), "a request did not finish"
 
 
+def serve_all(weights, pol, requests, **scheduler) -> tuple[Collector, Scheduler]:
+    """Every request submitted at once to a scheduler made with ``scheduler``'s arguments, all waited for."""
+    got = Collector()
+    with Scheduler(weights, pol, **scheduler) as sched:
+        for i, r in enumerate(requests):
+            sched.submit(r, got.emit(i))
+        got.wait(len(requests))
+    return got, sched
+
+
 def served(policy: str, family: str = "llama"):
     model = model_of(family)
     name = policy.split("-")[0]
@@ -68,11 +78,7 @@ def test_interleaved_requests_get_the_tokens_each_gets_alone(policy):
     model, weights, pol = served(policy)
     requests = random_requests(1, 10)
     requests[4] = Request(requests[4].prompt, 20, Sampling(True, 0.8, 20, 0.9, seed=7), ignore_eos=True)
-    got = Collector()
-    with Scheduler(weights, pol, slots=3, check_every=3, min_context=0) as sched:
-        for i, r in enumerate(requests):
-            sched.submit(r, got.emit(i))
-        got.wait(len(requests))
+    got = serve_all(weights, pol, requests, slots=3, check_every=3, min_context=0)[0]
     for i, r in enumerate(requests):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, sampling=r.sampling,
                          min_context=0).tokens[0]
@@ -86,11 +92,7 @@ def test_a_reused_row_does_not_see_the_previous_request():
     model, weights, pol = served("delta")
     long, short = random_requests(3, 2)
     long = Request([5] * 150, 30, ignore_eos=True)
-    got = Collector()
-    with Scheduler(weights, pol, slots=1, check_every=4, min_context=0) as sched:
-        for i, r in enumerate((long, short, long)):
-            sched.submit(r, got.emit(i))
-        got.wait(3)
+    got = serve_all(weights, pol, (long, short, long), slots=1, check_every=4, min_context=0)[0]
     for i, r in enumerate((long, short, long)):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0).tokens[0]
         assert got.tokens[i] == alone, i
@@ -110,10 +112,7 @@ def test_below_min_context_the_rows_take_the_full_step(policy):
     request = Request([(7 * i) % 200 + 3 for i in range(100)], 40, ignore_eos=True)
 
     def served_alone(min_context):
-        got = Collector()
-        with Scheduler(weights, pol, slots=1, check_every=4, min_context=min_context) as sched:
-            sched.submit(request, got.emit(0))
-            got.wait(1)
+        got, sched = serve_all(weights, pol, [request], slots=1, check_every=4, min_context=min_context)
         return got.tokens[0], sched.min_context
 
     def engine_alone(policy, min_context):
@@ -198,11 +197,7 @@ def test_rows_of_their_own_lengths_in_the_triton_kernels(policy):
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     model, weights, pol = served(policy)
     requests = random_requests(5, 4)
-    got = Collector()
-    with Scheduler(weights, pol, slots=2, check_every=2, kernels="triton", min_context=0) as sched:
-        for i, r in enumerate(requests):
-            sched.submit(r, got.emit(i))
-        got.wait(len(requests))
+    got = serve_all(weights, pol, requests, slots=2, check_every=2, kernels="triton", min_context=0)[0]
     for i, r in enumerate(requests):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0,
                          kernels="naive").tokens[0]
@@ -231,11 +226,7 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
     rng = random.Random(9)  # prompts of distinct random tokens: no repeated text whose pages score alike
     requests = [Request([rng.randrange(100, 40000) for _ in range(rng.randint(8, 960))], rng.randint(2, 48),
                         ignore_eos=True) for _ in range(12)]
-    got = Collector()
-    with Scheduler(weights, pol, slots=4, max_context=4096, min_context=0) as sched:
-        for i, r in enumerate(requests):
-            sched.submit(r, got.emit(i))
-        got.wait(len(requests))
+    got = serve_all(weights, pol, requests, slots=4, max_context=4096, min_context=0)[0]
     for i, r in enumerate(requests):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0,
                          output_logits=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runtime.manifest import RoleManifest
+from tests import refused_line
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 from train import checkpoint as ckpt
 from train.cli import main
@@ -44,20 +45,6 @@ def _args(model_dir, data_file, out, *extra):
             "--lambda-lr", "0.1", *extra]
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    import runtime.distributed
-
-    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
-
-
-def _refused(capsys) -> str:
-    """The one line a refused run printed last (no traceback)."""
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    return err.splitlines()[-1]
-
-
 def _files(folder) -> dict[str, bytes]:
     """Every file under ``folder`` (hidden ones too) by its relative path, with its bytes."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -80,36 +67,36 @@ def _files(folder) -> dict[str, bytes]:
                               "token count (4096)"),
     ("--token-budget", "0", "'0' is no token count; pass a count >= 1 (4096) or a fraction in (0, 1] (0.3)"),
 ])
-def test_a_numeric_flag_out_of_range_is_a_usage_error(model_dir, data_file, tmp_path, capsys, no_model, flag, value,
+def test_a_numeric_flag_out_of_range_is_a_usage_error(model_dir, data_file, tmp_path, capsys, no_frozen_model, flag, value,
                                                        says):
     with pytest.raises(SystemExit) as stop:
         main(_args(model_dir, data_file, tmp_path / "h.safetensors", flag, value))
     assert stop.value.code == 2
-    assert _refused(capsys) == f"train-heads: error: argument {flag}: {says} {HELP}"
+    assert refused_line(capsys) == f"train-heads: error: argument {flag}: {says} {HELP}"
     assert not (tmp_path / "h.ckpt").exists()
 
 
 def test_a_rate_out_of_range_in_the_yaml_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys,
-                                                                          no_model):
+                                                                          no_frozen_model):
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("lr: .inf\n")
     assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--config", str(yaml_file))) == 2
-    assert _refused(capsys) == "train-heads: error: lr inf is not a finite number; give a finite rate in (0, 10], e.g. 0.01"
+    assert refused_line(capsys) == "train-heads: error: lr inf is not a finite number; give a finite rate in (0, 10], e.g. 0.01"
     yaml_file.write_text("lambda_lr: 1.0e+38\n")  # the flag --lambda-lr 0.1 of _args would win over the file
     args = [a for a in _args(model_dir, data_file, tmp_path / "h.safetensors", "--config", str(yaml_file))
             if a not in ("--lambda-lr", "0.1")]
     assert main(args) == 2
-    assert _refused(capsys) == ("train-heads: error: lambda_lr 1e+38 is out of range; give a finite rate in (0, 1e6], "
+    assert refused_line(capsys) == ("train-heads: error: lambda_lr 1e+38 is out of range; give a finite rate in (0, 1e6], "
                                 "e.g. 3.0")
 
 
 @pytest.mark.parametrize("budget", ["100000", "56", "1.0"])
 def test_a_token_budget_that_keeps_every_token_is_refused_before_the_model_loads(model_dir, data_file, tmp_path,
-                                                                                capsys, no_model, budget):
+                                                                                capsys, no_frozen_model, budget):
     """The student reads 47 and 55 keys at the two samples' last targets: a budget of 55 or more (or the fraction
     1.0) makes every sparse head a full one, and the run would train on rounding noise."""
     assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--token-budget", budget)) == 2
-    assert _refused(capsys) == (
+    assert refused_line(capsys) == (
         f"train-heads: error: --token-budget {budget} keeps every token of every sample (the longest, sample 2 of "
         f"{data_file}, reads 55 keys at its last target): sparse heads would read what full ones read and no gate "
         "could learn; pass a count below 55 or a fraction below 1 such as 0.3")
@@ -127,41 +114,41 @@ def test_a_budget_below_the_longest_sample_is_taken():
 
 # ---- the data: refused before the model loads ----------------------------------------------------------------
 
-def test_a_sample_without_targets_is_named_before_the_model_loads(model_dir, tmp_path, capsys, no_model):
+def test_a_sample_without_targets_is_named_before_the_model_loads(model_dir, tmp_path, capsys, no_frozen_model):
     data = _write_data(tmp_path / "unlabelled.jsonl", labelled=(True, False))
     assert main(_args(model_dir, data, tmp_path / "h.safetensors")) == 2
-    assert _refused(capsys) == (f"train-heads: error: sample 2 of {data} has no target tokens (all 56 labels are "
+    assert refused_line(capsys) == (f"train-heads: error: sample 2 of {data} has no target tokens (all 56 labels are "
                                 "-100); label the answer tokens with their ids, or leave the sample out")
 
 
 def test_labels_of_another_length_or_on_the_first_token_are_named_before_the_model_loads(model_dir, tmp_path, capsys,
-                                                                                         no_model):
+                                                                                         no_frozen_model):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3]}) + "\n")
     assert main(_args(model_dir, data, tmp_path / "h.safetensors")) == 2
-    assert _refused(capsys) == (f"train-heads: error: sample 1 of {data} has 4 input_ids but 3 labels; give both "
+    assert refused_line(capsys) == (f"train-heads: error: sample 1 of {data} has 4 input_ids but 3 labels; give both "
                                 "lists the same length (labels -100 except on the target tokens)")
     data.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, 4]}) + "\n"
                     + json.dumps({"input_ids": [1, 2, 3, 4], "labels": [1, -100, -100, -100]}) + "\n")
     assert main(_args(model_dir, data, tmp_path / "h.safetensors")) == 2
-    assert _refused(capsys) == (f"train-heads: error: sample 2 of {data} labels its first token as a target; put a "
+    assert refused_line(capsys) == (f"train-heads: error: sample 2 of {data} labels its first token as a target; put a "
                                 "prompt before the first target")
 
 
 # ---- --resume: checked before the model loads ------------------------------------------------------------------
 
 def test_resume_without_a_checkpoint_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys,
-                                                                        no_model):
+                                                                        no_frozen_model):
     out = tmp_path / "h.safetensors"
     assert main(_args(model_dir, data_file, out, "--resume")) == 2
-    assert _refused(capsys) == (f"train-heads: error: no checkpoint in {tmp_path / 'h.ckpt'}; train without --resume "
+    assert refused_line(capsys) == (f"train-heads: error: no checkpoint in {tmp_path / 'h.ckpt'}; train without --resume "
                                 "first, or pass --resume PATH to a step-*.pt file")
     missing = tmp_path / "step-0000002.pt"
     assert main(_args(model_dir, data_file, out, "--resume", str(missing))) == 2
-    assert _refused(capsys) == (f"train-heads: error: {missing}: no such checkpoint; pass --resume with a step-*.pt "
+    assert refused_line(capsys) == (f"train-heads: error: {missing}: no such checkpoint; pass --resume with a step-*.pt "
                                 "file or without a value")
     assert main(_args(model_dir, data_file, out, "--resume", "--overwrite")) == 2
-    assert _refused(capsys) == ("train-heads: error: --resume continues a run and --overwrite starts a new one over "
+    assert refused_line(capsys) == ("train-heads: error: --resume continues a run and --overwrite starts a new one over "
                                 "it; pass one of them")
     assert not (tmp_path / "h.ckpt").exists()
 
@@ -175,12 +162,12 @@ def test_resume_from_another_run_is_refused_before_the_model_loads(model_dir, da
 
     monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
     assert main(_args(model_dir, data_file, out, "--resume", "--lr", "0.02")) == 2
-    assert _refused(capsys) == (f"train-heads: error: checkpoint in {tmp_path / 'h.ckpt'} belongs to another run (lr "
+    assert refused_line(capsys) == (f"train-heads: error: checkpoint in {tmp_path / 'h.ckpt'} belongs to another run (lr "
                                 "is 0.01 in the checkpoint but 0.02 now); use a new --output or --overwrite")
     damaged = tmp_path / "h.ckpt" / "step-0000001.pt"
     damaged.write_bytes(b"not a checkpoint")
     assert main(_args(model_dir, data_file, out, "--resume", str(damaged))) == 2
-    assert _refused(capsys) == (f"train-heads: error: {damaged}: not a readable checkpoint (UnpicklingError); delete "
+    assert refused_line(capsys) == (f"train-heads: error: {damaged}: not a readable checkpoint (UnpicklingError); delete "
                                 "it and resume from an earlier one")
     damaged.unlink()
     assert _files(tmp_path) == before
@@ -216,7 +203,7 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_keeps_the_earlier_r
             "h.ckpt/step-0000004.pt"} <= set(before)
     _nan_from_call(monkeypatch, 1)
     assert main(_args(model_dir, data_file, out, "--overwrite", "--lr", "0.05")) == 2
-    assert _refused(capsys) == ("train-heads: error: step 0: distillation loss holds 1 non-finite value(s) of 1; "
+    assert refused_line(capsys) == ("train-heads: error: step 0: distillation loss holds 1 non-finite value(s) of 1; "
                                 + NO_CHECKPOINT)
     assert _files(tmp_path) == before  # every checkpoint, both logs, the manifest and its sidecar: byte for byte
     # a checkpoint of the earlier run still resumes
@@ -230,7 +217,7 @@ def test_a_fresh_run_that_fails_at_once_leaves_nothing_that_blocks_a_rerun(model
     out = tmp_path / "run" / "h.safetensors"
     _nan_from_call(monkeypatch, 2)  # step 1, before the first checkpoint (step 2)
     assert main(_args(model_dir, data_file, out)) == 2
-    assert _refused(capsys) == ("train-heads: error: step 1: distillation loss holds 1 non-finite value(s) of 1; "
+    assert refused_line(capsys) == ("train-heads: error: step 1: distillation loss holds 1 non-finite value(s) of 1; "
                                 + NO_CHECKPOINT)
     assert list((tmp_path / "run").iterdir()) == []  # no empty h.ckpt/ (or log) left behind
     monkeypatch.undo()
@@ -243,7 +230,7 @@ def test_a_run_that_fails_after_its_checkpoint_names_it(model_dir, data_file, tm
     old = _files(tmp_path)
     _nan_from_call(monkeypatch, 4)  # step 3: after this run's checkpoint of step 2 replaced the earlier run's
     assert main(_args(model_dir, data_file, out, "--overwrite", "--lr", "0.05")) == 2
-    assert _refused(capsys) == (
+    assert refused_line(capsys) == (
         "train-heads: error: step 3: distillation loss holds 1 non-finite value(s) of 1; the gates or the multiplier "
         f"diverged; training stopped, its last checkpoint is {tmp_path / 'h.ckpt' / 'step-0000002.pt'} (--resume "
         "repeats the same settings, which are part of the run); lower --lr or --lambda-lr, or pass --mixed-precision "
@@ -303,7 +290,7 @@ def test_the_sidecars_are_in_place_before_the_manifest(model_dir, data_file, tmp
 
     monkeypatch.setattr(RoleManifest, "save", save)
     assert main(_args(model_dir, data_file, out, "--overwrite", "--steps", "3", "--checkpoint-every", "5")) == 2
-    assert _refused(capsys) == "train-heads: error: killed"
+    assert refused_line(capsys) == "train-heads: error: killed"
     assert seen["config"]["steps"] == 3 and len(seen["log"]) == 3
     assert out.read_bytes() == old
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no hidden plot folder left

@@ -7,6 +7,7 @@ import torch
 
 from runtime.cli import main as rolecall_main
 from runtime.manifest import RoleManifest
+from tests import refused_line
 from tests.tiny import tiny_folder
 from train.cli import main
 
@@ -118,51 +119,37 @@ def test_the_progress_bar_ends_on_the_summarys_expected_l0(model_dir, data_file,
 
 # ---- refused before the model loads ---------------------------------------------------------------------------
 
-@pytest.fixture
-def no_model(monkeypatch):
-    import runtime.distributed
-
-    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
-
-
-def _refused(capsys) -> str:
-    """The one line a refused run printed last (no traceback)."""
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    return err.splitlines()[-1]
-
-
 def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys,
-                                                                       no_model):
+                                                                       no_frozen_model):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert main([*_args(model_dir, data_file, tmp_path / "h.safetensors"), "--device", f"cuda:{gpus}"]) == 2
-    assert _refused(capsys).startswith(f"train-heads: error: --device cuda:{gpus}: this machine has ")
+    assert refused_line(capsys).startswith(f"train-heads: error: --device cuda:{gpus}: this machine has ")
 
 
-def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, data_file, tmp_path, capsys, no_model):
+def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, data_file, tmp_path, capsys, no_frozen_model):
     with pytest.raises(SystemExit) as stop:
         main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--dtype", "bogus"))
     assert stop.value.code == 2
-    assert "argument --dtype: invalid choice: 'bogus' (choose from 'bfloat16', 'float16', 'float32')" in _refused(capsys)
+    assert "argument --dtype: invalid choice: 'bogus' (choose from 'bfloat16', 'float16', 'float32')" in refused_line(capsys)
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("dtype: bogus\n")
     assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--config", str(yaml_file))) == 2
-    assert "dtype must be one of bfloat16, float16, float32, got 'bogus'" in _refused(capsys)
+    assert "dtype must be one of bfloat16, float16, float32, got 'bogus'" in refused_line(capsys)
 
 
-def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys, no_model,
+def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys, no_frozen_model,
                                                                     monkeypatch):
     from runtime.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--deepspeed", "zero3")) == 2
-    line = _refused(capsys)
+    line = refused_line(capsys)
     assert line.startswith("train-heads: error: --deepspeed zero3: ZeRO-3 shards the model over the processes a "
                            "launcher starts") and "`torchrun`" in line and "accelerate launch" in line
 
 
-def test_device_map_without_a_gpu_warns_in_one_line(model_dir, data_file, tmp_path, capsys, no_model, monkeypatch):
+def test_device_map_without_a_gpu_warns_in_one_line(model_dir, data_file, tmp_path, capsys, no_frozen_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(_args(model_dir, data_file, tmp_path / "h.safetensors", "--device-map", "auto", "--target", "9")) == 2
     warning, error = capsys.readouterr().err.strip().splitlines()
