@@ -238,7 +238,9 @@ def request_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
 # -- the server's metrics ------------------------------------------------------------------------------------------
 METRICS = {"running": "requests_running", "waiting": "requests_waiting", "slots_in_use": "slots_in_use",
            "kv_cache_bytes": "kv_cache_bytes", "generated_tokens": "generated_tokens",
-           "tokens_per_s": "tokens_per_second"}
+           "tokens_per_s": "tokens_per_second", "prefill_seconds": "prefill_seconds",
+           "prefill_tokens": "prefill_tokens", "decode_seconds": "decode_seconds", "decode_steps": "decode_steps"}
+COUNTERS = ("generated_tokens", "prefill_seconds", "prefill_tokens", "decode_seconds", "decode_steps")
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
 
 
@@ -410,22 +412,35 @@ def spread(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
             "count": len(xs)}
 
 
-def steady_window(wall: float, trim: float = 0.1) -> tuple[float, float]:
-    """The load phase without its first and last ``trim`` of time: ramp-up and drain left out."""
-    return trim * wall, (1 - trim) * wall
+def ramp_end(records: list[Record], rows: int) -> float | None:
+    """When the first ``rows`` requests to get a token had all got one (every slot decoding for the first time);
+    None when fewer did."""
+    firsts = sorted(r.times[0] for r in records if r.times)
+    return firsts[rows - 1] if rows >= 1 and len(firsts) >= rows else None
 
 
-def summarise(run: Run) -> dict[str, Any]:
+def steady_window(wall: float, trim: float = 0.1, ramp: float | None = None,
+                  cut: bool = False) -> tuple[float, float]:
+    """The load phase without its ramp-up and its drain: from ``trim`` of the time in, or from ``ramp`` (see
+    :func:`ramp_end`) when that is later, to ``trim`` of the time before the end, or to the end when the phase is
+    ``cut`` at a duration (nothing drains then). Where the ramp leaves no time, the trimmed phase."""
+    start, end = max(trim * wall, ramp or 0.0), wall if cut else (1 - trim) * wall
+    return (start, end) if start < end else (trim * wall, (1 - trim) * wall)
+
+
+def summarise(run: Run, rows: int | None = None, cut: bool = False) -> dict[str, Any]:
     """Counts, throughput and latency of one run: output tokens/s over the load phase's wall time (tokens read by
     its end: a cut request counts what it got), TTFT over the requests that got a token, TPOT over the requests
-    done, and the steady TPOT: the median over requests that did not fail of their TPOT within
-    :func:`steady_window`."""
+    done; over the :func:`steady_window` (after ``rows`` requests first decode together, to the end when the phase
+    was ``cut`` at a duration): the output tokens/s, and the steady TPOT, the median over requests that did not
+    fail of their TPOT within it."""
     records, wall = run.records, run.wall
     done = [r for r in records if r.done]
     failed = [r for r in records if r.error is not None and not r.cut]
-    start, end = steady_window(wall)
+    start, end = steady_window(wall, ramp=ramp_end(records, rows) if rows else None, cut=cut)
     steady = [t for r in records if r.error is None and (t := r.tpot_within(start, end)) is not None]
     output = sum(r.tokens_by(wall) for r in records)
+    steady_output = sum(r.tokens_by(end) - r.tokens_by(start) for r in records)
     prefilled = sum(r.prompt_tokens for r in records if r.times and r.times[0] <= wall)
     return {"requests": {"sent": len(records), "done": len(done), "failed": len(failed),
                          "cut": sum(r.cut for r in records)},
@@ -437,27 +452,40 @@ def summarise(run: Run) -> dict[str, Any]:
             "ttft_ms": spread([r.ttft for r in records if r.times and r.times[0] <= wall], 1e3),
             "tpot_ms": spread([r.tpot for r in done if r.tpot is not None], 1e3),
             "steady_tpot_ms": percentile(steady, 50) * 1e3 if steady else None,
-            "steady_window_s": [start, end],
+            "steady_window_s": [start, end], "steady_output_tokens_per_s": steady_output / (end - start),
             "latency_s": spread([r.ended - r.sent for r in done]), "client_lag_ms": spread(run.lags, 1e3)}
 
 
 def server_load(samples: list[tuple[float, dict[str, float]]], window: tuple[float, float]) -> dict[str, Any]:
-    """Per gauge of :data:`METRICS` sampled: its mean and max over the run and its mean in ``window``; for the
-    generated-tokens counter its increase from the first sample to the last, per second. None where the server
-    did not report it."""
+    """Per gauge of :data:`METRICS` sampled: its mean and max over the run and its mean in ``window``; per counter
+    (:data:`COUNTERS`) its increase from the first sample to the last, per second, and its increase between the
+    first and last samples in ``window``. From those, ``step_ms``: the engine's time per decode step in the window
+    (decode seconds over decode steps: prefills between steps left out), and ``prefill_share``: the window's time
+    the engine spent prefilling. None where the server did not report it."""
     out: dict[str, Any] = {"samples": len(samples)}
     for key in METRICS:
         seen = [(t, v[key]) for t, v in samples if key in v]
-        inside = [x for t, x in seen if window[0] <= t <= window[1]]
+        inside = [(t, x) for t, x in seen if window[0] <= t <= window[1]]
         if not seen:
             out[key] = None
-        elif key == "generated_tokens":
+        elif key in COUNTERS:
             (t0, first), (t1, last) = seen[0], seen[-1]
-            out[key] = {"increase": last - first, "per_s": (last - first) / (t1 - t0) if t1 > t0 else None}
+            steady = inside[-1][1] - inside[0][1] if len(inside) >= 2 else None
+            out[key] = {"increase": last - first, "per_s": (last - first) / (t1 - t0) if t1 > t0 else None,
+                        "steady_increase": steady, "steady_s": inside[-1][0] - inside[0][0] if steady else None}
         else:
+            inside = [x for _, x in inside]
             xs = [x for _, x in seen]
             out[key] = {"mean": statistics.fmean(xs), "max": max(xs),
                         "steady_mean": statistics.fmean(inside) if inside else None}
+
+    def steady(key: str) -> float | None:
+        return (out.get(key) or {}).get("steady_increase")
+
+    seconds, steps, prefill = steady("decode_seconds"), steady("decode_steps"), steady("prefill_seconds")
+    out["step_ms"] = 1e3 * seconds / steps if seconds is not None and steps else None
+    span = (out.get("prefill_seconds") or {}).get("steady_s")
+    out["prefill_share"] = prefill / span if prefill is not None and span else None
     return out
 
 

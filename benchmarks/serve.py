@@ -20,18 +20,24 @@ far counted) or ``--requests N``. Request ``i`` is the same under every policy: 
 ``--output-tokens`` lengths (``N`` fixed, ``LOW:HIGH`` uniform whole numbers) from ``--seed``, a prompt of random
 token ids away from the ends of the vocabulary, sent as ids with ``ignore_eos`` (exactly ``max_tokens`` new
 tokens), greedy, streamed. Times are the client's: TTFT is the first chunk with tokens; TPOT is (last token −
-first token) / (tokens − 1) per request; the steady TPOT is the median over requests of their TPOT within the
-run's middle 80 % of time (ramp-up and drain left out). A request that fails (an HTTP error, a lost connection,
-fewer tokens than asked) is counted, and the run goes on. ``/metrics`` is sampled once a second: requests running
-and waiting, slots in use, KV-cache bytes.
+first token) / (tokens − 1) per request. The steady window leaves the ramp-up and the drain out: it starts when
+every slot first decodes (or a tenth of the way in, if later) and ends a tenth before the end, or at the end when a
+``--duration`` cuts the load. In it: output tokens/s (``steady/s``), and the steady TPOT, the median over requests
+of their TPOT there. A request that fails (an HTTP error, a lost connection, fewer tokens than asked) is counted,
+and the run goes on. ``/metrics`` is sampled once a second: requests running and waiting, slots in use, KV-cache
+bytes, and the engine's seconds in decode steps and in prefills; over the steady window those give the server's
+own time per step (``step``: prefills between steps left out) and the share of time it prefilled.
 
 The byte bound is the fastest a decode step of the live batch can be: the weights read once plus the K/V bytes the
 policy reads at each live request's context (its static step's ``reads``), over ``--bandwidth-tbs``; taken at one
 tick a second in the steady window over the requests decoding then, its median is the ``bound`` column, and ``of
-bound`` is that over the steady TPOT (a TPOT also carries the prefills the server runs between steps). Output
-tokens/s is every token read during the load phase over its wall time; ``× full`` is that over full's in the same
-run. JSON (``--out``, default ``benchmarks/results/serve_<model>_<gpu>.json``): the settings, the GPU, and per
-policy the counts, throughput, percentiles and server samples summarised (no per-request dump).
+bound`` is that over the steady TPOT (a TPOT also carries the prefills the server runs between steps). After the
+servers, on CUDA with random weights, each policy's static step (``benchmarks/decode.py``'s: CUDA-graph replays,
+median of 30) is timed at its steady live batch and mean context, beside the steady TPOT and the server's step.
+Output tokens/s is every token read during the load phase over its wall time; ``× full`` is that over full's in
+the same run. JSON (``--out``, default ``benchmarks/results/serve_<model>_<gpu>.json``): the settings, the GPU,
+and per policy the counts, throughput, percentiles, server samples summarised and the static step (no per-request
+dump).
 """
 
 from __future__ import annotations
@@ -277,7 +283,8 @@ def serve_and_load(args: argparse.Namespace, target: Target, policy: str, worklo
                   file=sys.stderr, flush=True)
     row = {"policy": policy, "params": policy_params(policy, args.budget),
            "manifest": Path(target.manifests[policy]).name if target.manifests[policy] else None,
-           "startup_s": ready, **summarise(run)}
+           "startup_s": ready, **summarise(run, rows=min(args.slots, args.concurrency or args.slots),
+                                           cut=args.duration is not None)}
     window = tuple(row["steady_window_s"])
     row["server"] = server_load(run.samples, window)
     row["bound"] = byte_bound(args, target, policy, run, window, row["steady_tpot_ms"])
@@ -292,13 +299,52 @@ def byte_bound(args: argparse.Namespace, target: Target, policy: str, run: Run, 
     element, bandwidth = ELEMENT[args.dtype], args.bandwidth_tbs * 1e12
     bounds = [bound_ms(target.shape, target.steps[policy], b, element, bandwidth) for b in batches]
     tpot = percentile(bounds, 50)
+    contexts = [c for b in batches for c in b]
     return {"tpot_ms": tpot, "live_batch": sum(map(len, batches)) / len(batches) if batches else None,
+            "mean_context": sum(contexts) / len(contexts) if contexts else None,
             "ticks": len(batches), "fraction": tpot / steady if tpot and steady else None}
 
 
+def static_steps(args: argparse.Namespace, target: Target, rows: list[dict]) -> None:
+    """Beside each policy's load, in the same run once its server has stopped: ``benchmarks/decode.py``'s static
+    step (CUDA-graph replays, median) of the same policy at the steady window's live batch (its mean, rounded) and
+    mean context, on random weights of the shape; ``static_step`` in each row, with the steady TPOT and the
+    server's own step time over it."""
+    from types import SimpleNamespace
+
+    from benchmarks.decode import Bench, make_policy
+    from runtime.engine import StaticCache, Weights
+
+    dtype = getattr(torch, args.dtype)
+    weights = Weights.random(target.shape, torch.device(args.device), dtype)
+    options = SimpleNamespace(warmup=5, steps=30, compile=True, profile=None, timeline=None)
+    bench = Bench(options, "cuda", args.bandwidth_tbs * 1e12)
+    for row in rows:
+        live, context = row["bound"]["live_batch"], row["bound"]["mean_context"]
+        if not live or not context:
+            continue
+        batch, context = max(1, round(live)), int(context)
+        slots = context + bench.margin()
+        cache = StaticCache(target.shape, batch, slots, weights.device, dtype)
+        cache.fill_random()
+        policy = make_policy(row["policy"], target.shape, args.budget,
+                             scaled_retrieval_heads(target.shape, args.retrieval_heads))
+        ms = bench.measure(weights, policy, batch, slots, context, cache, row["policy"])
+        steady, server = row["steady_tpot_ms"], row["server"].get("step_ms")
+        row["static_step"] = {"batch": batch, "context": context, "ms": ms,
+                              "steady_tpot_over_step": steady / ms if steady else None,
+                              "server_step_over_step": server / ms if server else None}
+        print(f"{row['policy']}: static step at {batch} × {context}: {ms:.2f} ms; steady TPOT "
+              f"{steady or float('nan'):.2f} ms, server step {server or float('nan'):.2f} ms", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
 # -- reporting -----------------------------------------------------------------------------------------------------
-HEAD = ("policy", "done", "failed", "tok/s", "x full", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "steady",
-        "bound", "of bound", "live", "slots", "KV GB")  # ms; live: requests decoding; slots, KV: the server's
+HEAD = ("policy", "done", "failed", "tok/s", "x full", "steady/s", "x full", "TTFT p50", "TTFT p99", "TPOT p50",
+        "TPOT p99", "steady", "step", "bound", "of bound", "live", "slots", "KV GB")
+# ms; steady/s: output tokens/s in the steady window; step: the server's own time per decode step there; live:
+# requests decoding; slots, KV: the server's
 
 
 def print_row(r: dict) -> None:
@@ -310,9 +356,10 @@ def print_row(r: dict) -> None:
 
     slots, kv = steady(r["server"]["slots_in_use"]), steady(r["server"]["kv_cache_bytes"])
     vals = (r["policy"], r["requests"]["done"], r["requests"]["failed"], f(r["output_tokens_per_s"]),
-            f(r.get("speedup_vs_full"), ".2f"), f(r["ttft_ms"]["p50"]), f(r["ttft_ms"]["p99"]),
+            f(r.get("speedup_vs_full"), ".2f"), f(r["steady_output_tokens_per_s"]),
+            f(r.get("steady_speedup_vs_full"), ".2f"), f(r["ttft_ms"]["p50"]), f(r["ttft_ms"]["p99"]),
             f(r["tpot_ms"]["p50"], ".2f"), f(r["tpot_ms"]["p99"], ".2f"), f(r["steady_tpot_ms"], ".2f"),
-            f(r["bound"]["tpot_ms"], ".3g"), f(r["bound"]["fraction"], ".0%"), f(r["bound"]["live_batch"]),
+            f(r["server"].get("step_ms"), ".2f"), f(r["bound"]["tpot_ms"], ".3g"), f(r["bound"]["fraction"], ".0%"), f(r["bound"]["live_batch"]),
             f(slots), f(kv, ".2f", 1e-9))
     print(" ".join(f"{v:>9}" for v in vals), flush=True)
 
@@ -350,6 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--bandwidth-tbs", type=float, default=4.2,
                    help="memory bandwidth the byte bound is taken over, TB/s (default 4.2: an H200's copy rate)")
+    p.add_argument("--no-static-step", dest="static_step", action="store_false",
+                   help="skip the static step of each policy at its steady live batch, timed after the servers "
+                        "(CUDA, random weights)")
     p.add_argument("--startup-timeout", type=float, default=1200.0, help="seconds a server may take to be ready")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a request may wait for a chunk")
     p.add_argument("--out", default=None,
@@ -438,10 +488,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             if rows and rows[0]["policy"] == "full" and rows[0]["output_tokens_per_s"]:
                 row["speedup_vs_full"] = row["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
+                row["steady_speedup_vs_full"] = (row["steady_output_tokens_per_s"]
+                                                 / rows[0]["steady_output_tokens_per_s"])
             rows.append(row)
             if len(rows) == 1:
                 print(" ".join(f"{h:>9}" for h in HEAD), flush=True)
             print_row(row)
+        if args.static_step and args.device.startswith("cuda") and target.random:
+            static_steps(args, target, rows)
     settings = {k: (str(v) if isinstance(v, Lengths) else v) for k, v in vars(args).items() if k != "out"}
     for key in ("model", "manifest_delta", "manifest_lychee"):  # no machine's paths in the results
         if settings[key] and Path(settings[key]).exists():

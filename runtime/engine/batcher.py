@@ -3,8 +3,9 @@
 One :class:`~runtime.engine.decoder.StaticDecoder` of ``slots`` rows, each row keeping its own length (no left
 padding: a request's pages start at its first token wherever it joins), its own sampling settings
 (:class:`~runtime.engine.sampling.RowSampler`) and its own token limit and EOS ids (:class:`RowStopper`). The
-step is captured once, over idle rows, and replayed for the process's lifetime: one compilation and one capture
-per scheduler, whatever the requests. Between runs of ``check_every`` steps the host admits waiting requests into
+step is captured once, over idle rows, and replayed for the process's lifetime: one compilation per scheduler and
+one capture per kind of step (the policy's, its full fallback) and sampler mode (greedy while no row samples),
+whatever the requests. Between runs of ``check_every`` steps the host admits waiting requests into
 free rows (each prefilled alone into its row's memory, :meth:`StaticCache.row`), reads the tokens of the steps
 run (one sync), hands them to their requests, cuts rows at stop strings and frees the rows that finished.
 
@@ -104,10 +105,13 @@ class Batcher:
         """Prefill ``live``'s prompt alone into ``row``'s memory and set the row's books; its first token goes out."""
         s, r = self.sched, live.request
         prompt = list(r.prompt)
+        start = time.perf_counter()
         pre = StaticDecoder(s.weights, s.policy, 1, s.max_context, cache=self.dec.cache.row(row), min_context=0,
                             kernels=s.kernels, sampler=Sampler(r.sampling, s.weights.device), compile=False)
         pre.prefill(torch.tensor([prompt], dtype=torch.long, device=s.weights.device))
         first = int(pre.tokens[0])  # one sync per admitted request
+        s.prefill_s += time.perf_counter() - start
+        s.prefill_tokens += len(prompt)
         c = self.dec.cache
         c.length[row], c.pads[row] = len(prompt), 0
         self.dec.tokens[row] = first
@@ -130,12 +134,15 @@ class Batcher:
         # its tokens but the last, which the next step writes), as the decoder's position counts them for a request
         # alone; the rows keep their own lengths on the device
         self.dec.position = max(len(live.request.prompt) + len(live.tokens) - 1 for live in self.live.values())
+        start = time.perf_counter()
         for i in range(n):
             self.dec.step()
             self.tokens[i].copy_(self.dec.tokens)
             self.emitted[i].copy_(self.stopper.emitted)
         tokens, emitted = self.tokens.cpu().tolist(), self.emitted.cpu().tolist()  # the one sync of a run
         finished = self.stopper.finished.cpu().tolist()
+        s.decode_s += time.perf_counter() - start
+        s.decode_steps += n
         made = 0
         for row in list(self.live):
             new = [tokens[i][row] for i in range(n) if emitted[i][row]]
@@ -164,6 +171,7 @@ class Batcher:
         if reason is None:
             return True
         del self.live[row]
+        self.sampler.free_row(row)
         with s._lock:
             s._running.pop(live.id, None)
         return False

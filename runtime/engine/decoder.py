@@ -145,7 +145,7 @@ class StaticDecoder:
         self._ring_reads = {n: (torch.tensor(n - 1, device=device),
                                 torch.arange(-(-n // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
                                 .expand(batch, s.kv_heads, -1)) for n in set(cache.rings.values())}
-        self.graphs: dict[str, Any] = {}
+        self.graphs: dict[tuple[str, Any], Any] = {}  # (kind, the sampler's mode) → its graph
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
             compile = compiles_on(device)
@@ -233,16 +233,18 @@ class StaticDecoder:
         if which == "policy" and self._last_kind == "full":
             self._after_fill()  # the full steps did not keep the policy's cache-derived state
         self._last_kind = which
-        if which in self.graphs:
-            self.graphs[which].replay()
+        graph = self.graphs.get((which, self._mode()))
+        if graph is not None:
+            graph.replay()
         else:
             self._run(self.full if which == "full" else self.static)
         self.position += 1
         return self.logits
 
     def capture(self, warmup: int = 2) -> None:
-        """Capture the step (and the full fallback when the policy can use it) in CUDA graphs; a kind captured
-        before (a reused decoder, :meth:`reset`) is kept, so with nothing new to capture this does nothing.
+        """Capture the step (and the full fallback when the policy can use it) in CUDA graphs, one per mode of the
+        sampler (a :class:`~runtime.engine.sampling.RowSampler` has a greedy one and a sampling one); a graph
+        captured before (a reused decoder, :meth:`reset`) is kept, so with nothing new to capture this does nothing.
 
         Warm-up runs (on a side stream) compile the kernels; afterwards the length, the next tokens, the
         sampler's and stopper's state and the cache slots they wrote are restored. Before a policy settles
@@ -252,9 +254,11 @@ class StaticDecoder:
             return
         start = time.perf_counter()
         kinds = ["policy"] + (["full"] if self.static.sparse and self.min_context > self.position else [])
-        kinds = [kind for kind in kinds if kind not in self.graphs]
+        modes = self.sampler.modes if self.sampler is not None else (None,)
+        kinds = [(kind, mode) for kind in kinds for mode in modes if (kind, mode) not in self.graphs]
         if not kinds:
             return
+        mode_before = self._mode()
         c = self.cache
         if self.max_len - self.position < warmup:
             raise RuntimeError(f"capture needs {warmup} free cache slots for its warm-up, "
@@ -268,7 +272,8 @@ class StaticDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), graphed():  # graphed: the kernels the capture launches, compiled here
-            for kind in kinds:
+            for kind, mode in kinds:
+                self._set_mode(mode)
                 for _ in range(warmup):
                     self._run(self.full if kind == "full" else self.static)
                 for t, s in zip(self._state(), saved_state):  # each kind warms up from the same state
@@ -282,13 +287,23 @@ class StaticDecoder:
         for i, (sk, sv) in rings.items():
             c.k[i].copy_(sk)
             c.v[i].copy_(sv)
-        for kind in kinds:
+        for kind, mode in kinds:
+            self._set_mode(mode)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph), graphed():
                 self._run(self.full if kind == "full" else self.static)
-            self.graphs[kind] = graph
+            self.graphs[kind, mode] = graph
+        self._set_mode(mode_before)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - start
+
+    def _mode(self) -> Any:
+        """The sampler's variant of the step the next step takes (a graph per kind and variant)."""
+        return self.sampler.mode if self.sampler is not None else None
+
+    def _set_mode(self, mode: Any) -> None:
+        if self.sampler is not None:
+            self.sampler.mode = mode
 
     def _state(self) -> list[torch.Tensor]:
         """What a step changes besides the cache slots it writes: restored after the capture's warm-up (a policy

@@ -54,7 +54,13 @@ def uniform(seed: int, step: torch.Tensor, rows: int, vocab: int, device) -> tor
 
 
 class Sampler:
-    """Called inside the step with the logits ``[B, V]``; returns the chosen tokens ``[B]``."""
+    """Called inside the step with the logits ``[B, V]``; returns the chosen tokens ``[B]``.
+
+    ``modes`` and ``mode``: the variants of the step the decoder captures a graph for, and the one the next step
+    takes (one here; :class:`RowSampler` has two)."""
+
+    modes: tuple = (None,)
+    mode = None
 
     def __init__(self, sampling: Sampling, device) -> None:
         self.sampling = sampling
@@ -96,7 +102,13 @@ class RowSampler:
     step like :class:`Sampler`. A row draws what :class:`Sampler` draws for a request of one row with the same
     settings (the hash of its seed, its own step count and row 0), so a request sampled in any row of a busy
     scheduler gets the tokens it gets alone. :meth:`set_row` (on the host, between steps) gives a row a request's
-    settings."""
+    settings, :meth:`free_row` takes them back.
+
+    Two ``modes``, each a graph of the step: ``"greedy"`` while no row samples (an argmax, the whole cost of a greedy
+    batch) and ``"sample"`` (every row filtered and drawn, greedy rows still take their argmax). The host knows
+    which rows sample, so ``mode`` follows :meth:`set_row` and :meth:`free_row`."""
+
+    modes = ("greedy", "sample")
 
     def __init__(self, rows: int, device) -> None:
         self.sample = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -105,6 +117,8 @@ class RowSampler:
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
         self.seed = torch.zeros(rows, dtype=torch.long, device=device)
         self.step = torch.zeros(rows, dtype=torch.long, device=device)
+        self._sampling: set[int] = set()  # the rows that sample
+        self.mode = "greedy"
 
     def state(self) -> list[torch.Tensor]:
         return [self.step]
@@ -117,8 +131,17 @@ class RowSampler:
         self.top_p[row] = sampling.top_p
         self.seed[row] = sampling.seed
         self.step[row] = step
+        (self._sampling.add if sampling.do_sample else self._sampling.discard)(row)
+        self.mode = "sample" if self._sampling else "greedy"
+
+    def free_row(self, row: int) -> None:
+        """Row ``row``'s request ended: it no longer samples."""
+        self._sampling.discard(row)
+        self.mode = "sample" if self._sampling else "greedy"
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.mode == "greedy":
+            return logits.argmax(-1)
         v = logits.shape[-1]
         x = logits.float() / self.temperature[:, None]
         ordered, order = x.sort(dim=-1, descending=True)

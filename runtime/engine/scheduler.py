@@ -128,6 +128,9 @@ class Scheduler:
         self.generated = 0  # tokens generated since start
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per engine call, for tokens/s
         self.kv_bytes = 0
+        # where the engine's time goes: prefills of admitted requests (each alone, between runs of steps) and runs
+        # of decode steps (from the first step's launch to the tokens read back)
+        self.prefill_s, self.prefill_tokens, self.decode_s, self.decode_steps = 0.0, 0, 0.0, 0
         self.failure: str | None = None
 
     # -- the client side -----------------------------------------------------------------------------------------
@@ -174,7 +177,10 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         """``running``, ``waiting`` requests, ``slots`` and ``slots_in_use``, ``kv_bytes`` held by the cache,
-        ``generated_tokens`` since start and ``tokens_per_s`` over the last engine calls."""
+        ``generated_tokens`` since start and ``tokens_per_s`` over the last engine calls; the engine's seconds in
+        prefills (``prefill_seconds``, of ``prefill_tokens``) and in decode steps (``decode_seconds``, of
+        ``decode_steps``, each step of every live row together): their ratio over an interval is the step's time
+        there, apart from the prefills that ran between steps."""
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)
         rate = 0.0
@@ -182,7 +188,9 @@ class Scheduler:
             (t0, _), (t1, _) = self._rate[0], self._rate[-1]
             rate = sum(n for _, n in list(self._rate)[1:]) / max(t1 - t0, 1e-9)
         return {"running": running, "waiting": waiting, "slots": self.slots, "slots_in_use": running,
-                "kv_bytes": self.kv_bytes, "generated_tokens": self.generated, "tokens_per_s": rate}
+                "kv_bytes": self.kv_bytes, "generated_tokens": self.generated, "tokens_per_s": rate,
+                "prefill_seconds": self.prefill_s, "prefill_tokens": self.prefill_tokens,
+                "decode_seconds": self.decode_s, "decode_steps": self.decode_steps}
 
     # -- lifetime --------------------------------------------------------------------------------------------------
     def start(self) -> None:

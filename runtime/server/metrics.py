@@ -17,6 +17,12 @@ FROM_STATS = {
     "rolecall_generated_tokens_total": ("counter", "Tokens generated since the server started.", "generated_tokens"),
     "rolecall_tokens_per_second": ("gauge", "Tokens generated per second over the engine's last calls.",
                                    "tokens_per_s"),
+    "rolecall_prefill_seconds_total": ("counter", "Engine seconds spent in prefills of admitted requests.",
+                                       "prefill_seconds"),
+    "rolecall_prefill_tokens_total": ("counter", "Prompt tokens the engine prefilled.", "prefill_tokens"),
+    "rolecall_decode_seconds_total": ("counter", "Engine seconds spent in decode steps (all live rows at once).",
+                                      "decode_seconds"),
+    "rolecall_decode_steps_total": ("counter", "Decode steps the engine ran.", "decode_steps"),
 }
 
 

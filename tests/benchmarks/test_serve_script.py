@@ -229,8 +229,38 @@ def test_server_samples_give_means_in_and_out_of_the_steady_window_and_the_count
                (2.0, {"slots_in_use": 4, "generated_tokens": 250}), (3.0, {"slots_in_use": 2, "generated_tokens": 300})]
     out = load.server_load(samples, (0.5, 2.5))
     assert out["samples"] == 4 and out["slots_in_use"] == {"mean": 2.75, "max": 4, "steady_mean": 4}
-    assert out["generated_tokens"] == {"increase": 200, "per_s": pytest.approx(200 / 3)}
+    assert out["generated_tokens"] == {"increase": 200, "per_s": pytest.approx(200 / 3), "steady_increase": 100,
+                                       "steady_s": 1.0}
     assert out["kv_cache_bytes"] is None and out["waiting"] is None
+    assert out["step_ms"] is None and out["prefill_share"] is None
+
+
+def test_the_engine_step_and_prefill_share_come_from_the_counters_inside_the_window(load):
+    """Samples at 0..4 s; the window [1, 3] sees 0.5 s of decode over 40 steps (12.5 ms a step) and 0.6 s of
+    prefill in its 2 s (30 %); what the counters did outside it does not count."""
+    counters = [(0.0, 0.0, 0), (0.2, 1.0, 20), (0.5, 1.1, 28), (0.8, 1.5, 60), (5.0, 9.0, 500)]
+    samples = [(float(t), {"prefill_seconds": p, "decode_seconds": d, "decode_steps": n})
+               for t, (p, d, n) in enumerate(counters)]
+    out = load.server_load(samples, (1.0, 3.0))
+    assert out["step_ms"] == pytest.approx(12.5) and out["prefill_share"] == pytest.approx(0.3)
+    assert out["decode_steps"]["steady_increase"] == 40 and out["decode_steps"]["increase"] == 500
+
+
+def test_the_steady_window_starts_when_every_slot_first_decodes_and_runs_to_a_cut_end(load):
+    """Three requests whose first tokens come at 1, 2 and 3 s: two slots are first full at 2 s. A phase cut at its
+    duration ends the window at the end; one that drains trims the last tenth; a ramp past the end falls back."""
+    records = [load.Record(i, 10, 4, sent=0.0, times=[float(i + 1)], counts=[1]) for i in range(3)]
+    assert load.ramp_end(records, 2) == 2.0 and load.ramp_end(records, 4) is None
+    assert load.steady_window(10.0, ramp=2.0, cut=True) == (2.0, 10.0)
+    assert load.steady_window(10.0, ramp=2.0) == (2.0, 9.0)
+    assert load.steady_window(10.0, ramp=0.5) == (1.0, 9.0)  # the ramp ended inside the first tenth
+    assert load.steady_window(10.0, ramp=9.5) == (1.0, 9.0)
+    # tokens read inside the window over its length: a at 1, 2, 3 s and b at 2, 2.5 s, window [2, 4] (cut at 4)
+    a = load.Record(0, 10, 3, sent=0.0, times=[1.0, 2.0, 3.0], counts=[1, 1, 1], ended=3.0)
+    b = load.Record(1, 20, 3, sent=0.5, times=[2.0, 2.5, 4.0], counts=[1, 1, 1], ended=4.0, cut=True)
+    s = load.summarise(load.Run([a, b], [], [], wall=4.0), rows=2, cut=True)
+    assert s["steady_window_s"] == [2.0, 4.0]
+    assert s["steady_output_tokens_per_s"] == pytest.approx((1 + 2) / 2.0)  # a's 3rd; b's 2nd and 3rd by 4 s
 
 
 def test_the_live_batch_is_the_requests_decoding_at_each_tick_with_their_contexts(load):

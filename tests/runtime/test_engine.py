@@ -1116,3 +1116,30 @@ def test_a_session_views_the_models_projections_and_gives_them_back(tmp_path):
     with attach(model, None, "full", engine="static") as s:
         s.generate(**kw)
         assert s.engine_weights.dtype == torch.float64
+
+
+def test_row_sampler_modes_follow_the_rows_that_sample():
+    """Greedy mode while no row samples (an argmax, nothing else), sample mode while one does: its row draws what a
+    lone Sampler draws with the same settings, the greedy rows still take their argmax; freeing the row goes back."""
+    from runtime.engine.sampling import RowSampler, Sampling
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    rows = RowSampler(3, "cpu")
+    assert rows.mode == "greedy" and rows.modes == ("greedy", "sample")
+    assert torch.equal(rows(logits), logits.argmax(-1))
+    assert rows.step.tolist() == [0, 0, 0]  # greedy mode draws nothing
+    sampling = Sampling(do_sample=True, temperature=0.7, top_k=10, top_p=0.9, seed=5)
+    rows.set_row(1, sampling, 0)
+    assert rows.mode == "sample"
+    alone = Sampler(sampling, "cpu")
+    for _ in range(3):
+        got = rows(logits)
+        assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+        assert got[1] == alone(logits[1:2])[0]
+    rows.set_row(2, Sampling(), 0)  # a greedy request in another row leaves the mode alone
+    assert rows.mode == "sample"
+    rows.free_row(1)
+    assert rows.mode == "greedy"
+    rows.set_row(1, sampling, 0)
+    rows.set_row(1, Sampling(), 0)  # the row's next request is greedy
+    assert rows.mode == "greedy"

@@ -143,13 +143,16 @@ def test_stop_text_over_every_split():
 
 def test_metrics_exposition():
     stats = {"running": 2, "waiting": 1, "slots": 4, "slots_in_use": 2, "kv_bytes": 1024, "generated_tokens": 17,
-             "tokens_per_s": 12.5}
+             "tokens_per_s": 12.5, "prefill_seconds": 0.25, "prefill_tokens": 30, "decode_seconds": 1.5,
+             "decode_steps": 16}
     text = exposition(stats, 30, {"stop": 2, "length": 1}, draining=False)
     assert "# HELP rolecall_requests_running Requests in a slot, generating.\n# TYPE rolecall_requests_running gauge\n" \
            "rolecall_requests_running 2\n" in text
     assert parse_metrics(text) == {"rolecall_requests_running": 2, "rolecall_requests_waiting": 1, "rolecall_slots": 4,
                                    "rolecall_slots_in_use": 2, "rolecall_kv_cache_bytes": 1024,
                                    "rolecall_generated_tokens_total": 17, "rolecall_tokens_per_second": 12.5,
+                                   "rolecall_prefill_seconds_total": 0.25, "rolecall_prefill_tokens_total": 30,
+                                   "rolecall_decode_seconds_total": 1.5, "rolecall_decode_steps_total": 16,
                                    "rolecall_prompt_tokens_total": 30, 'rolecall_requests_total{finish_reason="length"}': 1,
                                    'rolecall_requests_total{finish_reason="stop"}': 2, "rolecall_draining": 0}
     assert "# TYPE rolecall_generated_tokens_total counter" in text and text.endswith("rolecall_draining 0\n")
@@ -495,6 +498,12 @@ def test_metrics_count_what_was_served(served):
                                     extra_body={"ignore_eos": True})
     after = parse_metrics(call(port, "GET", "/metrics")[1])
     assert after["rolecall_generated_tokens_total"] - before["rolecall_generated_tokens_total"] == 5
+    # the prompt prefilled once, the 4 tokens after the prefill's in whole runs of check_every steps
+    assert after["rolecall_prefill_tokens_total"] - before["rolecall_prefill_tokens_total"] == got.usage.prompt_tokens
+    steps = after["rolecall_decode_steps_total"] - before["rolecall_decode_steps_total"]
+    assert steps >= 4 and steps % 8 == 0
+    assert after["rolecall_decode_seconds_total"] > before["rolecall_decode_seconds_total"]
+    assert after["rolecall_prefill_seconds_total"] > before["rolecall_prefill_seconds_total"]
     assert after["rolecall_prompt_tokens_total"] - before["rolecall_prompt_tokens_total"] == got.usage.prompt_tokens
     finished = 'rolecall_requests_total{finish_reason="length"}'
     assert after[finished] - before.get(finished, 0) == 1
