@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from runtime.engine.decoder import StaticDecoder
-from runtime.engine.generate import _cut_at_stop
 from runtime.engine.sampling import RowSampler, Sampler
 
 
@@ -158,17 +157,12 @@ class Batcher:
         s, live = self.sched, self.live[row]
         r = live.request
         reason = None
-        if r.stop and new:
-            cut = _cut_at_stop(s.tokenizer, live.tokens + new, list(r.stop))
-            if cut is not None:
-                new, reason = (live.tokens + new)[len(live.tokens):cut], "stop"
-        if reason is None and finished:
-            last = (live.tokens + new)[-1:] if (live.tokens or new) else []
+        if finished:
+            last = (live.tokens + new)[-1:]
             reason = "stop" if last and not r.ignore_eos and last[0] in s.eos else "length"
-        if reason is None and live.cancelled:
+        elif live.cancelled:
             reason = "cancelled"
-        s._deliver(live, new, reason)
-        if reason is None:
+        if s._deliver(live, new, reason) is None:
             return True
         del self.live[row]
         self.sampler.free_row(row)

@@ -20,6 +20,7 @@ from runtime.engine.decoder import StaticDecoder, pad_left
 from runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
 from runtime.engine.prefill import load as load_prefill
 from runtime.engine.sampling import Sampler, Sampling
+from runtime.engine.text import TokenText, cut_at_stop
 from runtime.engine.weights import Weights
 
 
@@ -105,7 +106,7 @@ def _row_end(row: list[int], cut: int | None, eos: list[int]) -> tuple[int, str]
 def answer_end(row: list[int], eos: list[int], stop_strings: Any = (), tokenizer: Any = None) -> tuple[int, str]:
     """Where a row of generated ids ends and why (``stop``, ``eos``, ``length``), cut as the engine cuts its rows:
     for the rows of ``model.generate`` (padding after the end) as well as the engine's."""
-    return _row_end(row, _cut_at_stop(tokenizer, row, list(stop_strings)) if stop_strings else None, eos)
+    return _row_end(row, cut_at_stop(tokenizer, row, list(stop_strings)) if stop_strings else None, eos)
 
 
 def _stream(streamer: Any, row: list[int], sent: int, cut: int | None, eos: list[int]) -> int:
@@ -114,21 +115,6 @@ def _stream(streamer: Any, row: list[int], sent: int, cut: int | None, eos: list
     if end > sent:
         streamer.put(torch.tensor(row[sent:end]))
     return max(sent, end)
-
-
-def _cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None:
-    """The shortest prefix length of ``ids`` whose text contains a stop string, or None."""
-    def hit(n: int) -> bool:
-        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
-        return any(s in text for s in stops)
-
-    if not stops or not hit(len(ids)):
-        return None
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
-    return lo
 
 
 MIN_SLOTS = 256  # the smallest cache a kept decoder gets (see Decoders)
@@ -336,6 +322,8 @@ class _Loop:
     streamer: Any
     sent: int = 0  # tokens of row 0 streamed so far
     cut: dict[int, int | None] = field(default_factory=dict)  # row -> where its stop string ends (None: none)
+    rows: list[list[int]] = field(default_factory=list)  # the tokens read back so far, per row
+    texts: dict[int, TokenText] = field(default_factory=dict)  # row -> its text so far (stop strings)
 
     def run(self, check_every: int) -> int:
         steps, last = 0, max(self.limits) - 1
@@ -352,10 +340,17 @@ class _Loop:
         return steps
 
     def check(self, done: torch.Tensor) -> None:
-        out = self.stopper.out[:, :int(self.stopper.count)].cpu().tolist()
+        seen = len(self.rows[0]) if self.rows else 0  # only the tokens since the last check are read back
+        new = self.stopper.out[:, seen:int(self.stopper.count)].cpu().tolist()
+        for row, more in zip(self.rows, new):
+            row.extend(more)
+        self.rows = self.rows or new
+        out = self.rows
         for r in range(len(out)):  # stop strings first, so that nothing past one is streamed
             if self.stop_strings and r not in self.cut:
-                n = _cut_at_stop(self.tokenizer, out[r], list(self.stop_strings))
+                text = self.texts.setdefault(r, TokenText(self.tokenizer, self.stop_strings))
+                text.add(out[r][len(text.ids):], final=bool(done[r]))
+                n = text.stop_cut()
                 if n is not None or done[r]:  # a row finished by EOS is scanned once, then never again
                     self.cut[r] = n
                 if n is not None:
@@ -366,7 +361,7 @@ class _Loop:
 
     def row_end(self, r: int, row: list[int]) -> tuple[int, str]:
         if r not in self.cut and self.stop_strings:  # the steps since the last check
-            self.cut[r] = _cut_at_stop(self.tokenizer, row, list(self.stop_strings))
+            self.cut[r] = cut_at_stop(self.tokenizer, row, list(self.stop_strings))
         return _row_end(row, self.cut.get(r), self.eos)
 
 

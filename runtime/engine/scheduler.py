@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.engine.sampling import Sampling
+from runtime.engine.text import TokenText
 
 
 class RequestError(ValueError):
@@ -77,7 +78,7 @@ class _Live:
     emit: Callable[[Event], None]
     submitted: float
     tokens: list[int] = field(default_factory=list)
-    sent_text: str = ""
+    text: Any = None  # its TokenText, with a tokenizer
     first_token_s: float | None = None
     cancelled: bool = False
 
@@ -161,7 +162,8 @@ class Scheduler:
         with self._lock:
             if self._draining or self._stopped:
                 raise SchedulerClosed("the server is shutting down and takes no new requests")
-            live = _Live(next(self._ids), request, emit, time.perf_counter())
+            live = _Live(next(self._ids), request, emit, time.perf_counter(),
+                         text=None if self.tokenizer is None else TokenText(self.tokenizer, request.stop))
             self._waiting.append(live)
         self.start()
         self._wake.set()
@@ -256,25 +258,25 @@ class Scheduler:
             for live in left:
                 self._finish(live, "error", self.failure)
 
-    def _text(self, live: _Live, final: bool) -> str:
-        """The text of ``live``'s tokens not yet sent (held back while it may end inside a multi-byte character)."""
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(live.tokens, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
-            return ""
-        new = text[len(live.sent_text):] if text.startswith(live.sent_text) else ""
-        live.sent_text = text if text.startswith(live.sent_text) else live.sent_text
-        return new
-
-    def _deliver(self, live: _Live, new: list[int], finish: str | None) -> None:
+    def _deliver(self, live: _Live, new: list[int], finish: str | None) -> str | None:
+        """Hand ``live`` its ``new`` tokens and their text; a stop string in the text ends the request there (the
+        tokens after the one that completes it are dropped). Returns why the request ended (``finish``, or
+        ``"stop"`` for a stop string), None while it runs."""
         if new and live.first_token_s is None:
             live.first_token_s = time.perf_counter() - live.submitted
+        text = ""
+        if live.text is not None:
+            text = live.text.add(new, final=finish is not None)
+            cut = live.text.stop_cut()
+            if cut is not None:  # the text through the stop string, less what went out before
+                sent = len(live.text.text) - len(text)
+                full = self.tokenizer.decode(live.text.ids[:cut], skip_special_tokens=True)
+                new, text, finish = new[:max(0, cut - len(live.tokens))], full[sent:], "stop"
         live.tokens.extend(new)
-        text = self._text(live, finish is not None)
         if new or finish is not None:
             self._emit(live, Event(new, text, finish, len(live.request.prompt), len(live.tokens),
                                    live.first_token_s))
+        return finish
 
     def _finish(self, live: _Live, reason: str, error: str | None = None) -> None:
         self._emit(live, Event([], "", reason, len(live.request.prompt), len(live.tokens), live.first_token_s, error))
