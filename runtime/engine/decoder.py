@@ -395,7 +395,8 @@ class StaticDecoder:
                 keeping_heads=c, out_heads=heads, **self.keys(span, k.shape[2]), **self._out)
             if not c:
                 return o, None
-            return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, True, count, recent, out, out_rows)
+            return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, True, count, recent, out, out_rows,
+                                         span.last)
         o = q.new_empty(q.shape, dtype=self.weights.dtype if self.triton else torch.float32)
         # each part writes its heads: into its slice of o, or by its part of the map into all of o
         if heads is None:
@@ -444,18 +445,19 @@ class StaticDecoder:
                                                                  out_heads=out_heads, keeping_heads=c,
                                                                  **self.keys(span, k.shape[2]), **self._out)
         g = q.shape[1] // k.shape[1]
-        return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, per_kv_head, count, recent, out, out_rows)
+        return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, per_kv_head, count, recent, out, out_rows,
+                                     span.last)
 
     def _choose_aside(self, logits: torch.Tensor, lse: torch.Tensor, block_size: int, kv_heads: int,
                       per_kv_head: bool, count: int, recent: int, out: torch.Tensor | None,
-                      out_rows: torch.Tensor | None) -> Pending:
-        """Block scores from kept ``logits``/``lse`` and the top-k over them, on the second stream (see
-        :meth:`attend_and_choose`)."""
+                      out_rows: torch.Tensor | None, last: torch.Tensor | None = None) -> Pending:
+        """Block scores from kept ``logits``/``lse`` (up to each row's ``last`` slot: the rest is not read) and the
+        top-k over them, on the second stream (see :meth:`attend_and_choose`)."""
         self.last_block(block_size)  # made on the step's stream, which every later selection may read
         side = self._side_stream(logits.device, "choice")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, kv_heads, per_kv_head)
+            scores = self._page_triton.page_scores_from_logits(logits, lse, block_size, kv_heads, per_kv_head, last)
             chosen = self.select(scores, block_size, count, recent, out=out, out_rows=out_rows)
         self._joins.add(side)
         # the logits stay referenced until the step's stream has waited: no kernel of it reuses their memory early

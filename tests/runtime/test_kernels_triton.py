@@ -1264,3 +1264,25 @@ def test_one_split_writes_the_output_itself_in_interpreter():
     for got, want, split in ((out, ref_out, split_out), (lse, ref_lse, split_lse)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got, split, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_page_scores_from_logits_read_nothing_past_the_last_slot_in_interpreter(per_row):
+    """With ``last`` (one slot for all rows, or each row's), the logits past it are not read: NaN there changes
+    nothing, and the scores are those of the logits with every later slot at -inf (pages past it score 0)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from runtime.kernels.page_scores import triton as page_tri
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 4, 200, generator=g)
+    lse = logits.logsumexp(-1)
+    last = torch.tensor([37, 150, 199]) if per_row else torch.tensor(120)
+    slots = torch.arange(200)
+    past = slots[None, :] > (last[:, None] if per_row else last)  # [B or 1, T]
+    masked = logits.masked_fill(past[:, None, :], float("-inf"))
+    garbage = logits.masked_fill(past[:, None, :], float("nan"))
+    want = page_tri.page_scores_from_logits(masked, lse, 16, 2, per_kv_head=True)
+    got = page_tri.page_scores_from_logits(garbage, lse, 16, 2, per_kv_head=True, last=last)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert float(got[0, :, 3:].abs().sum() if per_row else got[:, :, 8:].abs().sum()) == 0  # pages past last: 0

@@ -104,15 +104,17 @@ def page_scores(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale
 
 
 @triton.jit
-def _pages_from_logits(LG, LSE, OUT, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, T,
+def _pages_from_logits(LG, LSE, OUT, LAST, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, s_last, T,
                        HEADS: tl.constexpr, P: tl.constexpr, PAGES: tl.constexpr, PER_KV: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       HAS_LAST: tl.constexpr, PDL: tl.constexpr = False):
     pdl.wait(PDL)
     b = tl.program_id(0)
     kv = tl.program_id(1)  # with PER_KV: the KV head whose HEADS query heads are reduced
     tile = tl.program_id(2)
     tok = tile * PAGES * P + tl.arange(0, PAGES * P)
     valid = tok < T
+    if HAS_LAST:  # slots past the row's last readable one are not read: their pages score 0
+        valid = valid & (tok <= tl.load(LAST + b * s_last))
     first = kv * HEADS if PER_KV else 0
     best = tl.zeros([PAGES * P], tl.float32)
     for i in tl.static_range(0, HEADS):
@@ -126,9 +128,11 @@ def _pages_from_logits(LG, LSE, OUT, s_gb, s_gh, s_lb, s_lh, s_ob, s_oh, T,
 
 
 def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: int, num_kv_heads: int,
-                            per_kv_head: bool = False) -> torch.Tensor:
+                            per_kv_head: bool = False, last: torch.Tensor | None = None) -> torch.Tensor:
     """Page scores from kept logits ``[B, Hq, T]`` (float32 or float16) and their log-sum-exp ``[B, Hq]``: same
-    output as :func:`page_scores`, reading 2 or 4 bytes per head and token instead of the keys."""
+    output as :func:`page_scores`, reading 2 or 4 bytes per head and token instead of the keys. ``last`` (a device
+    scalar, or ``[B]`` where rows keep their own lengths): the last slot that holds a key; the logits past it are
+    not read and their pages score 0, so the cost follows the context, not the cache's size."""
     b, hq, t = logits.shape
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two for the GPU kernel, got {page_size}")
@@ -137,10 +141,12 @@ def page_scores_from_logits(logits: torch.Tensor, lse: torch.Tensor, page_size: 
     groups = num_kv_heads if per_kv_head else 1
     out = torch.empty(b, groups, n_pages, device=logits.device, dtype=torch.float32)
     lse = lse.float()
+    has_last = last is not None
+    last = last if has_last else lse  # any pointer when there is no bound
     _pages_from_logits[(b, groups, triton.cdiv(n_pages, pages_per_prog))](
-        logits, lse, out, logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), t, HEADS=hq // groups, P=page_size, PAGES=pages_per_prog, PER_KV=per_kv_head,
-        **pdl.options(logits.device),
+        logits, lse, out, last, logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1), out.stride(0),
+        out.stride(1), last.stride(0) if has_last and last.dim() else 0, t, HEADS=hq // groups, P=page_size,
+        PAGES=pages_per_prog, PER_KV=per_kv_head, HAS_LAST=has_last, **pdl.options(logits.device),
     )
     return out if per_kv_head else out[:, 0]
 
