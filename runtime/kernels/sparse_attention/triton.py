@@ -153,6 +153,9 @@ def _sparse_decode_partial(
     if HAS_SPAN:  # the row's valid slots are first..last: no mask to read
         first = tl.load(FIRST + b)
         last = tl.load(LAST + b * s_last)  # one for all rows (stride 0) or each row's own
+        # a row that reads every token stops at its last slot: the tiles past it (a cache larger than the row's
+        # context: a scheduler's rows, a kept decoder's rounded slots) would load nothing and still cost their loop
+        end = tl.minimum(end, full * (last + 1) + (1 - full) * end)
     if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2): CHUNK = chunk there
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
