@@ -155,7 +155,7 @@ def _sparse_decode_partial(
         last = tl.load(LAST + b * s_last)  # one for all rows (stride 0) or each row's own
         # a row that reads every token stops at its last slot: the tiles past it (a cache larger than the row's
         # context: a scheduler's rows, a kept decoder's rounded slots) would load nothing and still cost their loop
-        end = tl.minimum(end, full * (last + 1) + (1 - full) * end)
+        end = tl.minimum(end, full * (last + 1).to(tl.int32) + (1 - full) * end)  # int32: the loop's index math
     if STATIC_BOUNDS:  # Triton's CPU interpreter cannot loop over runtime bounds (NumPy >= 2): CHUNK = chunk there
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
