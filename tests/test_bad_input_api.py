@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import struct
 import tracemalloc
 
@@ -417,6 +418,16 @@ def test_merge_refuses_an_output_that_is_one_of_its_inputs(tmp_path, capsys, whi
 
 
 # ---- manifests: what a path is, and a large file of something else ------------------------------------------------
+
+@pytest.mark.parametrize("given, says", [(b"\x00" * 64, "not a bytes; pass RoleManifest.from_bytes(data)"),
+                                         (3, "not a int; pass its path"), (["a.safetensors"], "not a list; pass its path")])
+def test_a_manifest_given_as_something_other_than_a_path_is_named(given, says):
+    """Bytes or another object where a path goes: a one-line ManifestError naming the type, not torch's or the
+    os module's TypeError (attach reads its manifest with RoleManifest.load)."""
+    with pytest.raises(ManifestError, match=f"^a manifest is given by its path \\(str or os.PathLike\\) or as a "
+                                            f"RoleManifest, {re.escape(says)}$"):
+        RoleManifest.load(given)
+
 
 def test_a_fifo_or_a_device_is_named_not_called_missing(tmp_path, capsys):
     fifo = tmp_path / "pipe.safetensors"

@@ -328,7 +328,12 @@ class RoleManifest:
 
     @classmethod
     def load(cls, path: str | os.PathLike, strict: bool = True) -> RoleManifest:
-        """The manifest at ``path`` (:func:`read_manifest_file`, then :meth:`from_bytes`); ``strict`` as there."""
+        """The manifest at ``path`` (:func:`read_manifest_file`, then :meth:`from_bytes`); ``strict`` as there.
+        ``path`` is a path (str or ``os.PathLike``); anything else is a :class:`ManifestError` naming its type."""
+        if not isinstance(path, (str, os.PathLike)):
+            fix = "RoleManifest.from_bytes(data)" if isinstance(path, (bytes, bytearray, memoryview)) else "its path"
+            raise ManifestError(f"a manifest is given by its path (str or os.PathLike) or as a RoleManifest, not a "
+                                f"{type(path).__name__}; pass {fix}")
         return cls.from_bytes(read_manifest_file(path), source=str(path), strict=strict)
 
     @classmethod
