@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,10 @@ def decide(model, totals: CalibrationTotals, config: CalibrateConfig, data: dict
 
 
 def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | None = None, *,
-        data: dict[str, Any] | None = None, progress: bool = True) -> RoleManifest:
-    """Record attention on ``traces`` and decide DELTA's layer roles and Lethe's budgets.
+        data: dict[str, Any] | None = None, progress: bool = True,
+        times: dict[str, float] | None = None) -> RoleManifest:
+    """Record attention on ``traces`` and decide DELTA's layer roles and Lethe's budgets; ``times``, when given,
+    receives the seconds of ``recording`` and ``selection``.
 
     ``traces``: token-id lists or texts (texts are tokenised without special tokens). ``config``: a
     :class:`CalibrateConfig` or a dict of its fields. ``data``: provenance to merge into the manifest's ``data``
@@ -192,8 +195,13 @@ def run(model, tokenizer, traces, config: CalibrateConfig | dict[str, Any] | Non
     if isinstance(provenance.get("source"), str):  # e.g. file:/home/me/t.jsonl -> file:t.jsonl
         provenance["source"] = portable_name(provenance["source"])
     check_layers(model, config)  # before recording, which takes long
+    began = time.perf_counter()
     totals = record(model, traces, config, progress=progress)
-    return decide(model, totals, config, provenance)
+    recorded = time.perf_counter()
+    manifest = decide(model, totals, config, provenance)
+    if times is not None:
+        times.update(recording=recorded - began, selection=time.perf_counter() - recorded)
+    return manifest
 
 
 def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) -> list[Path]:

@@ -141,9 +141,11 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.traces import read_traces
     from runtime import distributed
     from runtime.atomic import check_writable
+    from runtime.cli import common
     from runtime.cli.common import check_placement, check_sampling_flags, chosen_device
     from runtime.models import load_config, load_tokenizer
 
+    start = time.perf_counter()
     config, config_path = resolve_config(args)
     if not config.traces:  # generated traces: a sampling flag without sampling would change nothing
         check_sampling_flags(config.sample, {"--temperature": args.temperature, "--top-p": args.top_p,
@@ -180,14 +182,19 @@ def run(args: argparse.Namespace) -> int:
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
                                           device=None if config.device_map else device, trust_remote_code=trust)
+    times = {"load": time.perf_counter() - start}
     if not config.traces:
+        began = time.perf_counter()
         traces = _generate(model, tokenizer, prompts, config, data, args)
+        times["generation"] = time.perf_counter() - began
     began = time.perf_counter()
-    manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet)
+    manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet, times=times)
     cost = _cost(time.perf_counter() - began, len(traces), device)
     if distributed.is_main():
+        began = time.perf_counter()
         for path in save(manifest, output, plots=config.plots):
             say(f"wrote {path}")
+        times["writing"] = time.perf_counter() - began
         m = manifest.metrics
         if config.num_delta == "auto" and 2 * len(m["delta_layers"]) > selectable:
             print(f"calibrate-delta: warning: --num-delta auto chose {len(m['delta_layers'])} of the {selectable} "
@@ -198,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
               f"{m['recall_mean']:.4f} at K={config.num_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
         print(cost)
+        print(common.wall_time_line("calibrate-delta", time.perf_counter() - start, times))
     return 0
+
 
 
 def _prompts(config) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,33 +102,90 @@ class _StepCounter:
         return scores
 
 
+def engine_refusal(model) -> str | None:
+    """Why the engine cannot generate ``model``'s traces (a line), or None: it runs a model whose weights are
+    all on one CUDA device; a model on the CPU, spread by a device map, or partitioned by ZeRO-3 generates
+    through transformers."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return "ZeRO-3 partitions the weights"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the weights are spread over {len(devices)} devices (a device map)"
+    if next(iter(devices)).type != "cuda":
+        return f"the model is on the {next(iter(devices)).type.upper()}"
+    return None
+
+
 def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, sample: bool = False,
                     temperature: float = 0.6, top_p: float = 0.95, seed: int = 0, batch_size: int = 8,
-                    cache: bool = True, progress: bool = True) -> list[list[int]]:
-    """One trace per prompt: the chat-formatted prompt's ids and the model's answer, ended by its EOS token.
+                    cache: bool = True, progress: bool = True, engine: str = "auto") -> list[list[int]]:
+    """One trace per prompt: the chat-formatted prompt's ids and the model's answer, ended by its EOS token (at
+    least one answer token: an EOS first is not taken).
 
-    Prompts are generated ``batch_size`` at a time with left padding; the padding is removed again.
+    ``engine``: ``"auto"`` generates on rolecall's engine (:func:`runtime.engine.generate`: static cache, CUDA
+    graphs, all prompts in as few batches as the GPU's free memory holds) when :func:`engine_refusal` finds
+    nothing in the way, else through transformers ``model.generate`` (``batch_size`` prompts at a time, left
+    padded), saying why in one line; ``"engine"`` or ``"transformers"`` take that path. Greedy traces are the
+    same either way (the engine matches ``model.generate`` token for token; the cache key is the same); sampled
+    ones are drawn by each path's own generator, so the engine's are cached under a key of their own.
     """
-    from tqdm.auto import tqdm
-    from transformers import LogitsProcessorList
-
     from data.reasoning import format_prompt
 
     if not prompts:
         raise TraceError("no calibration prompts; pass --prompts with a source that has some")
+    if engine not in ("auto", "engine", "transformers"):
+        raise TraceError(f"engine must be 'auto', 'engine' or 'transformers', got {engine!r}")
+    why = engine_refusal(model) if engine == "auto" else None
+    on_engine = engine == "engine" or (engine == "auto" and why is None)
     settings = {"max_new_tokens": max_new_tokens, "sample": sample, "seed": seed, "batch_size": batch_size,
-                **({"temperature": temperature, "top_p": top_p} if sample else {})}
+                **({"temperature": temperature, "top_p": top_p} if sample else {}),
+                **({"sampler": "engine"} if sample and on_engine else {})}
     path = trace_cache_path(model, prompts, settings)
     if cache and path.is_file():
         return read_traces(path)
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    device = model.get_input_embeddings().weight.device
     encoded = [tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+    gen = dict(max_new_tokens=max_new_tokens, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
+               eos=eos, pad=pad, progress=progress)
+    if on_engine:
+        traces = _on_engine(model, encoded, **gen)
+        first_eos = [i for i, t in enumerate(traces) if len(t) == len(encoded[i]) + 1 and t[-1] in eos]
+        if first_eos:  # what min_new_tokens=1 forbids: those prompts again through transformers (rare)
+            redone = _on_transformers(model, [encoded[i] for i in first_eos], batch_size=batch_size, **gen)
+            for i, trace in zip(first_eos, redone):
+                traces[i] = trace
+    else:
+        if engine == "auto" and progress:
+            print(f"generating traces through transformers: {why}", file=sys.stderr)
+        traces = _on_transformers(model, encoded, batch_size=batch_size, **gen)
+    if cache:
+        write_traces(path, traces)
+    return traces
+
+
+def _answer(prompt_ids: list[int], row: list[int], eos: set[int]) -> list[int]:
+    """The trace: the prompt, then the answer up to and with its first EOS."""
+    answer = []
+    for t in row:
+        answer.append(t)
+        if t in eos:
+            break
+    return prompt_ids + answer
+
+
+def _on_transformers(model, encoded: list[list[int]], *, max_new_tokens: int, sample: bool, temperature: float,
+                     top_p: float, seed: int, eos: set[int], pad: int, progress: bool,
+                     batch_size: int) -> list[list[int]]:
+    """``model.generate``, ``batch_size`` left-padded prompts at a time; a bar of decoding steps."""
+    from tqdm.auto import tqdm
+    from transformers import LogitsProcessorList
+
+    device = model.get_input_embeddings().weight.device
     generator_seed = torch.Generator().manual_seed(seed)
     traces = []
     batches = -(-len(encoded) // batch_size)
-    bar = tqdm(total=batches * max_new_tokens, desc=f"generating {len(prompts)} traces", unit="step",
+    bar = tqdm(total=batches * max_new_tokens, desc=f"generating {len(encoded)} traces", unit="step",
                disable=not progress)
     steps = LogitsProcessorList([_StepCounter(bar)])
     for i in range(0, len(encoded), batch_size):
@@ -141,16 +199,69 @@ def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, s
                                  min_new_tokens=1, do_sample=sample, pad_token_id=pad, logits_processor=steps,
                                  **({"temperature": temperature, "top_p": top_p} if sample else
                                     {"temperature": None, "top_p": None, "top_k": None}))
-        for prompt_ids, row in zip(batch, out[:, width:].tolist()):
-            answer = []
-            for t in row:
-                answer.append(t)
-                if t in eos:
-                    break
-            traces.append(prompt_ids + answer)
+        traces.extend(_answer(p, row, eos) for p, row in zip(batch, out[:, width:].tolist()))
         bar.n = (i // batch_size + 1) * max_new_tokens  # a batch that stopped early at EOS
         bar.refresh()
     bar.close()
-    if cache:
-        write_traces(path, traces)
+    return traces
+
+
+class _TokenBar:
+    """A streamer for :func:`runtime.engine.generate` that advances a bar of generated tokens: the batch's rows
+    times the steps its first row has taken (the first call is the prompt)."""
+
+    def __init__(self, bar, rows: int) -> None:
+        self.bar, self.rows, self.prompt_seen = bar, rows, False
+
+    def put(self, ids) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.bar.update(self.rows * len(ids))
+
+    def end(self) -> None:
+        pass
+
+
+def engine_rows(model, longest: int, max_new_tokens: int, prompts: int, device) -> int:
+    """Rows per engine batch: all ``prompts`` where the GPU's free memory holds their cache (``longest`` prompt
+    plus ``max_new_tokens`` a row, with a fifth of the memory left for the rest), else as many as it holds; all of
+    them off the GPU."""
+    if device.type != "cuda":
+        return prompts
+    from runtime.engine import ModelShape, StaticCache
+
+    shape = ModelShape.from_config(model.config)
+    per_row = StaticCache.bytes_needed(shape, 1, longest + max_new_tokens)
+    free = torch.cuda.mem_get_info(device)[0]
+    return max(1, min(prompts, int(0.8 * free // max(per_row, 1))))
+
+
+def _on_engine(model, encoded: list[list[int]], *, max_new_tokens: int, sample: bool, temperature: float,
+               top_p: float, seed: int, eos: set[int], pad: int, progress: bool) -> list[list[int]]:
+    """:func:`runtime.engine.generate` with full attention, in batches of :func:`engine_rows`; a bar of tokens
+    that finishes at the total."""
+    from tqdm.auto import tqdm
+
+    from runtime.engine import Sampling, generate, shared_weights
+    from runtime.session import bound_policy
+
+    device = model.get_input_embeddings().weight.device
+    policy = bound_policy("full", None, model.config)
+    rows = engine_rows(model, max(map(len, encoded)), max_new_tokens, len(encoded), device)
+    total = len(encoded) * max_new_tokens
+    bar = tqdm(total=total, desc=f"generating {len(encoded)} traces on the engine", unit="tok", disable=not progress)
+    traces = []
+    with shared_weights(model) as weights:
+        for k, i in enumerate(range(0, len(encoded), rows)):
+            batch = encoded[i : i + rows]
+            sampling = Sampling(do_sample=sample, temperature=temperature, top_p=top_p, seed=(seed + k) % 2**32)
+            done_before = bar.n
+            out = generate(weights, policy, batch, max_new_tokens=max_new_tokens, sampling=sampling,
+                           eos_token_id=sorted(eos), pad_token_id=pad, streamer=_TokenBar(bar, len(batch)))
+            traces.extend(p + tokens for p, tokens in zip(batch, out.tokens))
+            bar.n = done_before + len(batch) * max_new_tokens  # rows that ended at EOS count their full share
+            bar.refresh()
+    bar.n = total
+    bar.close()
     return traces

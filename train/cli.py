@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -193,11 +194,12 @@ def run(args: argparse.Namespace) -> int:
 
     from runtime import distributed
     from runtime.atomic import check_writable
-    from runtime.cli.common import check_placement, chosen_device
+    from runtime.cli.common import check_placement, chosen_device, wall_time_line
     from runtime.models import load_config, load_tokenizer
     from train.config import check_dataset, check_settings
     from train.recipe import run as train_run
 
+    start = time.perf_counter()
     config = config_from_args(args)
     overwrite = getattr(args, "overwrite", False)
     if args.resume is not None and overwrite:
@@ -218,7 +220,9 @@ def run(args: argparse.Namespace) -> int:
     # a JSONL dataset is already tokenized: a model given by its architecture alone needs no tokenizer
     trust = args.trust_remote_code
     tokenizer = None if config.dataset != "passkey" else load_tokenizer(config.model, trust_remote_code=trust)
+    began = time.perf_counter()
     dataset, info = load_dataset(config, tokenizer)  # before the model: bad data fails fast
+    times = {"load": 0.0, "data": time.perf_counter() - began}  # load: set once the model is in
     check_dataset(dataset, config, model_cfg, limit, args.allow_long_context)
     resume = args.resume
     if resume is not None:  # the checkpoint: there, readable and of this run, before the model loads
@@ -229,7 +233,10 @@ def run(args: argparse.Namespace) -> int:
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
                                           random_weights=config.random_weights, deepspeed=config.deepspeed,
                                           device=device, trust_remote_code=trust)
+    times["load"] = time.perf_counter() - start - times["data"]  # the checks, the tokenizer and the model
+    began = time.perf_counter()
     manifest = train_run(model, tokenizer, dataset, config, resume=resume, data_info=info, overwrite=overwrite)
+    times["training (checkpoints and the manifest written)"] = time.perf_counter() - began
     if distributed.is_main():
         m = manifest.metrics
         print(f"wrote {config.resolved_output()}: {m['retrieval_heads']} retrieval heads (+ layer 0), "
@@ -239,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         verdict = convergence(m)
         if verdict:
             print(verdict)
+        print(wall_time_line("train-heads", time.perf_counter() - start, times))
     return 0
 
 

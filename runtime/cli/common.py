@@ -240,3 +240,11 @@ def check_placement(prog: str, device_map: str | None, deepspeed: str | None) ->
     if device_map and not torch.cuda.is_available():
         print(f"{prog}: warning: --device-map {device_map} spreads a model over GPUs and this machine has none; on "
               "the CPU it only slows the run down, so leave --device-map out", file=sys.stderr)
+
+
+def wall_time_line(command: str, total: float, times: dict[str, float]) -> str:
+    """``<command>: wall time T s: load a s, generation b s, ...`` in the order the phases ran, and what the named
+    phases leave out of the total (checks, plots, the report) as ``other``."""
+    parts = [f"{name} {seconds:.1f} s" for name, seconds in times.items()]
+    other = total - sum(times.values())
+    return f"{command}: wall time {total:.1f} s: {', '.join(parts)}, other {max(other, 0.0):.1f} s"

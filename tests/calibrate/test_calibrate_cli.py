@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 
 import pytest
 import torch
@@ -25,9 +26,15 @@ def model_dir(tmp_path_factory):
     return tiny_folder(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", layers=4, heads=4, kv_heads=2, seed=7)
 
 
-def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_path, cache_dir):
+def test_cli_writes_a_deterministic_manifest_plots_and_config(model_dir, tmp_path, cache_dir, capsys):
     out1, out2 = tmp_path / "a" / "m.delta.safetensors", tmp_path / "b" / "m.delta.safetensors"
     assert cli.main(["--model", str(model_dir), "--output", str(out1), *FLAGS]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]  # the run's wall time, split by phase, in order
+    phases = re.fullmatch(r"calibrate-delta: wall time ([\d.]+) s: load ([\d.]+) s, generation ([\d.]+) s, "
+                          r"recording ([\d.]+) s, selection ([\d.]+) s, writing ([\d.]+) s, other ([\d.]+) s", last)
+    assert phases, last
+    total, *parts = map(float, phases.groups())
+    assert sum(parts) == pytest.approx(total, abs=0.35)  # each rounded to 0.1 s
     cached = list((cache_dir / "traces").glob("*.jsonl"))
     assert len(cached) == 1
     stamp = cached[0].stat().st_mtime_ns

@@ -1,6 +1,7 @@
 """The real ``train-heads`` command line, a few steps on a 2-layer tiny model saved to a folder."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -39,7 +40,10 @@ def _args(model_dir, data_file, out, *extra):
 def test_cli_trains_resumes_exactly_and_inspect_reads_it(model_dir, data_file, tmp_path, capsys):
     out = tmp_path / "run" / "heads.safetensors"
     assert main(_args(model_dir, data_file, out)) == 0
-    assert "1 retrieval heads" in capsys.readouterr().out or out.is_file()
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert out.is_file() and printed[0].startswith(f"wrote {out}: ")
+    assert re.fullmatch(r"train-heads: wall time [\d.]+ s: load [\d.]+ s, data [\d.]+ s, training \(checkpoints "
+                        r"and the manifest written\) [\d.]+ s, other [\d.]+ s", printed[-1]), printed[-1]
     first = out.read_bytes()
     m = RoleManifest.load(out)
     assert m.head_role.shape == (2, 2) and m.config["steps"] == 4 and m.data["kind"] == "jsonl"
