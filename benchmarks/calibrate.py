@@ -7,6 +7,15 @@ CUDA-synchronised, the first trace of each phase is a warm-up and left out; the 
 
     python benchmarks/calibrate.py --out "$OUT"             # GPU: 32 traces × 8K tokens
     python benchmarks/calibrate.py --shape tiny --traces 3  # CPU smoke run
+    python benchmarks/calibrate.py --end-to-end --out "$OUT"  # the whole calibrate-delta run, phase by phase
+
+``--end-to-end`` times what ``calibrate-delta`` does with generated traces, phase by phase: load (here: building
+the random-weight model on the device), generation on the engine (``calibrate.traces``: ``--traces`` prompts of
+``--prompt-tokens`` random ids, each forced to ``--length`` tokens, no EOS), recording and selection
+(``calibrate.run``, the shipped settings' stride and pages) and writing the manifest. Beside the engine's
+generation, in the same run: transformers ``model.generate`` on one batch of 8 of the same prompts for
+``--hf-steps`` new tokens, projected to all the traces (batches × new tokens × its time per step; a lower bound,
+since its later steps read more context). JSON: ``calibrate_end_to_end.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import at_least  # noqa: E402
 from calibrate.config import resolve  # noqa: E402
 from calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
+from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
 
 SHAPES = {
@@ -86,8 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-lengths", default=None,
                    help="eager output_attentions lengths to try, comma-separated, each at most --length (default: "
                         "--length, a half and a quarter of it)")
+    p.add_argument("--end-to-end", action="store_true", help="time the whole calibrate-delta run phase by phase, "
+                   "generation on the engine and transformers' projected beside it")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="--end-to-end: tokens of each prompt")
+    p.add_argument("--hf-steps", type=int, default=128, help="--end-to-end: transformers generate steps timed")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
+    at_least(p, args, prompt_tokens=1, hf_steps=1)
+    if args.end_to_end and args.prompt_tokens >= args.length:
+        p.error(f"--prompt-tokens must be below --length ({args.length}): the rest of each trace is generated, got "
+                f"{args.prompt_tokens}")
     p.check_writable(args.out, "--out", folder=True)  # written after the timing: refused now if it cannot be
     at_least(p, args, traces=1, length=1, stride=1, min_context=0, query_block=1)
     if args.min_context >= args.length:
@@ -105,11 +123,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def end_to_end(args: argparse.Namespace, device, dtype, gpu: str) -> dict:
+    """The phases of a ``calibrate-delta`` run with generated traces (see the module's docstring), in seconds."""
+    import tempfile
+
+    import calibrate
+    from calibrate.api import save
+    from calibrate.traces import _on_engine
+
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    model = build(args.shape, device, dtype)
+    sync(device)
+    times["load"] = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.traces)]
+    new = args.length - args.prompt_tokens
+    t0 = time.perf_counter()
+    traces = _on_engine(model, prompts, max_new_tokens=new, sample=False, temperature=1.0, top_p=1.0, seed=0,
+                        eos=set(), pad=0, progress=True)
+    sync(device)
+    times["generation"] = time.perf_counter() - t0
+    assert all(len(t) == args.length for t in traces), "a trace stopped short of --length"
+    batch = prompts[:8]
+    ids = torch.tensor(batch, device=device)
+    steps = min(args.hf_steps, new)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        sync(device)
+    hf_step = (time.perf_counter() - t0) / steps
+    hf_projected = -(-args.traces // len(batch)) * new * hf_step
+    config = {"stride": args.stride, "min_context": args.min_context, "query_block": args.query_block,
+              "num_pages": 64, "recent_pages": 8, "chunk_size": min(args.length, 4096), "plots": False,
+              "num_delta": min(3, model.config.num_hidden_layers - 3)}  # the tiny shape has 2 layers to select from
+    manifest = calibrate.run(model, None, traces, config, progress=False, times=times)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        save(manifest, Path(tmp) / "m.delta.safetensors", plots=False)
+    times["writing"] = time.perf_counter() - t0
+    total = sum(times.values())
+    result = {"gpu": gpu, "torch": torch.__version__, "shape": args.shape, "dtype": str(dtype), "traces": args.traces,
+              "length": args.length, "prompt_tokens": args.prompt_tokens, "phases_s": times, "total_s": total,
+              "transformers_generate": {"batch": len(batch), "steps_timed": steps, "s_per_step": hf_step,
+                                        "projected_s": hf_projected,
+                                        "projected_over_engine": hf_projected / times["generation"]},
+              "delta_layers": manifest.delta_layers}
+    print(f"{gpu}, {args.shape}, calibrate-delta end to end: {args.traces} traces of {args.length} tokens "
+          f"({args.prompt_tokens} prompt + {new} generated)")
+    for name, seconds in times.items():
+        print(f"  {name:<11} {seconds:8.1f} s")
+    print(f"  {'total':<11} {total:8.1f} s")
+    print(f"  transformers generate, the same traces: {hf_projected:.1f} s projected ({hf_step * 1e3:.1f} ms a step "
+          f"over its first {steps} steps at batch {len(batch)}), {hf_projected / times['generation']:.1f}x the "
+          "engine's generation")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if args.end_to_end:
+        result = end_to_end(args, device, dtype, gpu)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_text(out / "calibrate_end_to_end.json", json.dumps(result, indent=2) + "\n")
+        return 0
     t0 = time.perf_counter()
     model = build(args.shape, device, dtype)
     build_s = time.perf_counter() - t0
