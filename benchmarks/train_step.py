@@ -11,6 +11,11 @@ Medians over ``--repeats`` steps after ``--warmup`` untimed ones; CUDA events; t
 table and the JSON. Random weights give near-uniform attention, which does not change the work done.
 
     python benchmarks/train_step.py --lengths 1000 4000 10000 --json train_step.json
+
+Beside each length it projects the published recipe's wall time (``configs/train/llama3-8b-1048k.yaml``: its
+``steps`` and ``checkpoint_every``): steps × the measured step, plus one checkpoint write (the gates' and the
+optimizer's state, timed here) per interval. The recipe runs no evaluation between steps; loading the model and
+building the dataset come before and are not in it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,37 @@ def time_cuda(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
     """Median and all seconds of ``repeats`` calls after ``warmup`` (CUDA events)."""
     times = [ms / 1000 for ms in event_times(fn, repeats, warmup)]
     return statistics.median(times), times
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "llama3-8b-1048k.yaml"
+
+
+def recipe_settings(path: Path = RECIPE) -> tuple[int, int]:
+    """The published recipe's ``steps`` and ``checkpoint_every``."""
+    from train.config import read_yaml
+
+    doc = read_yaml(str(path))
+    return int(doc["steps"]), int(doc["checkpoint_every"])
+
+
+def projected_recipe_s(step_s: float, steps: int, checkpoint_every: int, checkpoint_s: float) -> float:
+    """Seconds of ``steps`` steps of ``step_s`` and a checkpoint of ``checkpoint_s`` every ``checkpoint_every``
+    steps (the last step's included)."""
+    return steps * step_s + (steps // checkpoint_every) * checkpoint_s
+
+
+def checkpoint_seconds(gates: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Median seconds of writing the gates' and the optimizer's state to a file (what a checkpoint holds)."""
+    import tempfile
+    import time
+
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(5):
+            t0 = time.perf_counter()
+            torch.save({"gates": gates.state_dict(), "optimizer": optimizer.state_dict()}, f"{tmp}/step-{i}.pt")
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,11 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
     print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
           f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
-    print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9}")
+    steps, every = recipe_settings()
+    ckpt_s = checkpoint_seconds(gates, optimizer)
+    for r in rows:
+        r["recipe_projected_s"] = projected_recipe_s(r["train_step_s"], steps, every, ckpt_s)
+    print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9} {'recipe min':>11}")
     for r in rows:
         print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['train_step_s']:>8.3f} "
-              f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f}")
-    result = {"gpu": gpu, "torch": torch.__version__, "args": vars(args), "rows": rows}
+              f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f} {r['recipe_projected_s'] / 60:>11.1f}")
+    print(f"recipe: {steps} steps, a checkpoint every {every} ({ckpt_s * 1e3:.1f} ms each), no evaluation between "
+          f"steps ({RECIPE.name})")
+    result = {"gpu": gpu, "torch": torch.__version__, "args": vars(args), "rows": rows,
+              "recipe": {"file": RECIPE.name, "steps": steps, "checkpoint_every": every, "checkpoint_s": ckpt_s}}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
