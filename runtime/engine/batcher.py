@@ -166,6 +166,8 @@ class Batcher:
             return True
         del self.live[row]
         self.sampler.free_row(row)
+        # an idle row reads one slot, not its last request's context, until a request joins it
+        self.dec.cache.length[row], self.dec.cache.pads[row] = 0, 0
         with s._lock:
             s._running.pop(live.id, None)
         return False

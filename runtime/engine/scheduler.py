@@ -133,6 +133,7 @@ class Scheduler:
         # of decode steps (from the first step's launch to the tokens read back)
         self.prefill_s, self.prefill_tokens, self.decode_s, self.decode_steps = 0.0, 0, 0.0, 0
         self.failure: str | None = None
+        self.engine: Any = None  # the Batcher, once the scheduler's thread built it
 
     # -- the client side -----------------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
@@ -236,7 +237,7 @@ class Scheduler:
         try:
             from runtime.engine.batcher import Batcher
 
-            engine = Batcher(self)
+            engine = self.engine = Batcher(self)
             while True:
                 with self._lock:
                     idle = not self._waiting and not self._running

@@ -92,10 +92,12 @@ def test_a_reused_row_does_not_see_the_previous_request():
     model, weights, pol = served("delta")
     long, short = random_requests(3, 2)
     long = Request([5] * 150, 30, ignore_eos=True)
-    got = serve_all(weights, pol, (long, short, long), slots=1, check_every=4, min_context=0)[0]
+    got, sched = serve_all(weights, pol, (long, short, long), slots=1, check_every=4, min_context=0)
     for i, r in enumerate((long, short, long)):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0).tokens[0]
         assert got.tokens[i] == alone, i
+    cache = sched.engine.dec.cache  # the freed row reads one slot, not the last request's context
+    assert cache.length.tolist() == [0] and cache.pads.tolist() == [0]
 
 
 
