@@ -182,3 +182,107 @@ def test_delta_keeps_no_more_recent_pages_than_pages():
     assert policy.num_pages == 7 and policy.recent_pages == 7
     with pytest.raises(PolicyError, match="recent_pages"):
         get_policy("delta", budget=100, page_size=16, recent_pages=8)
+
+
+# -- boundaries: the inclusive end of every documented range ---------------------------------------------------------
+def test_lychee_top_p_takes_the_fewest_blocks_whose_mass_reaches_p_exactly():
+    """LycheeDecode's top-p mode keeps the smallest set of blocks holding at least ``top_p`` of the mass: with four
+    equal blocks and p = 0.5 two reach it exactly (a third is one too many); with two halves one does."""
+    from runtime.policies.lychee import Lychee
+
+    policy = Lychee(top_p=0.5, recent=0)
+    valid = torch.ones(1, 1, 4, dtype=torch.bool)
+    chosen = policy._choose(torch.tensor([[[0.25, 0.25, 0.25, 0.25]]]), valid)
+    assert sorted(int(i) for i in chosen.flatten() if i >= 0) == [0, 1]
+    chosen = policy._choose(torch.tensor([[[0.5, 0.5, 0.0, 0.0]]]), valid)
+    assert sorted(int(i) for i in chosen.flatten() if i >= 0) == [0]
+    chosen = policy._choose(torch.tensor([[[0.1, 0.6, 0.2, 0.1]]]), valid)  # 0.6 alone passes 0.5
+    assert sorted(int(i) for i in chosen.flatten() if i >= 0) == [1]
+
+
+def test_vattention_heavy_hitters_reach_the_slot_just_before_the_window():
+    """Slots 0..7, one sink, a window of 4 (slots 4..7): the candidates are slots 1..3, and slot 3, the highest,
+    is the newest slot outside the window. With exactly as many candidates as heavy hitters, all come back."""
+    from runtime.policies.vattention import heavy_hitters
+
+    scores = torch.tensor([[[0.0, 0.0, 0.0, 9.0, 1.0, 1.0, 1.0, 1.0]]])
+    first = torch.tensor([0])
+    assert heavy_hitters(scores, first, 7, sinks=1, window=4, heavy=2).tolist() == [[[3, 1]]]
+    got = heavy_hitters(torch.tensor([[[5.0, 1.0, 2.0, 3.0, 9.0, 9.0, 9.0, 9.0]]]), first, 7, sinks=1, window=4, heavy=3)
+    assert sorted(got.flatten().tolist()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("pieces, stop, cut", [
+    ([b"xEN", b"D"], "END", 4),  # all but its last character given out before
+    ([b"ab\n", b"\n", b"zz"], "\n\n", 4),  # a two-character stop one character at a time
+    ([b"a", b"E", b"N", b"D", b"more"], "END", 4),
+])
+def test_a_stop_string_split_across_deliveries_is_found_when_it_is_the_last_one(pieces, stop, cut):
+    """The stop string's first characters went out in earlier pieces and its last comes now: found at once, at the
+    fewest ids that hold it (each id a byte)."""
+    from runtime.engine.text import TokenText, cut_at_stop
+    from tests.runtime.test_token_text import Bytes
+
+    text = TokenText(Bytes(), [stop])
+    for piece in pieces:
+        text.add(list(piece))
+        if text.stop_cut() is not None:
+            break
+    ids = list(b"".join(pieces))
+    assert text.stop_cut() == cut == cut_at_stop(Bytes(), ids, [stop])
+
+
+def test_the_stopper_finishes_a_row_at_its_limit_and_pads_it_after():
+    """Rows with limits 2 and 5: after two tokens row 0 is finished and later steps write padding (0) for it; row
+    1 runs on. An EOS ends a row on the step that emits it."""
+    from runtime.engine.generate import Stopper
+
+    s = Stopper(2, [2, 5], [], 0, "cpu")
+    s(torch.tensor([7, 8]))
+    assert s.finished.tolist() == [False, False]
+    s(torch.tensor([7, 8]))
+    assert s.finished.tolist() == [True, False]
+    s(torch.tensor([9, 9]))
+    assert s.out.tolist() == [[7, 7, 0, 0, 0], [8, 8, 9, 0, 0]]
+    e = Stopper(1, [5], [4], 0, "cpu")
+    e(torch.tensor([3]))
+    e(torch.tensor([4]))
+    assert e.finished.tolist() == [True] and e.out.tolist() == [[3, 4, 0, 0, 0]]
+
+
+def test_a_row_of_the_scheduler_with_one_token_to_make_makes_one():
+    """max_new_tokens = 1: the prefill's token is the whole answer (RowStopper.set_row finishes the row there)."""
+    from runtime.engine.batcher import RowStopper
+
+    stopper = RowStopper(2, 1, 0, "cpu")
+    assert stopper.set_row(0, 1, [], 5) is True
+    assert stopper.set_row(1, 2, [], 5) is False
+    assert stopper.set_row(1, 3, [9], 9) is True  # its first token is its EOS
+
+
+@pytest.mark.parametrize("field, edge, past", [("temperature", 2, 2.0000001), ("temperature", 0, -1e-9),
+                                               ("top_p", 1, 1.0000001)])
+def test_the_servers_sampling_ranges_include_their_ends(field, edge, past):
+    """OpenAI's documented ranges: temperature in [0, 2], top_p in (0, 1]; the ends are accepted, just past them
+    refused naming the field."""
+    from runtime.server.protocol import ProtocolError, parse_completion
+
+    assert getattr(parse_completion({"prompt": "hi", field: edge}), field) == edge
+    with pytest.raises(ProtocolError) as info:
+        parse_completion({"prompt": "hi", field: past})
+    assert info.value.param == field and info.value.status == 400
+
+
+def test_a_lethe_budget_of_exactly_one_loads():
+    """A layer that keeps its whole context has budget 1.0, the closed end of (0, 1]: it round-trips through a
+    file; the next float32 above 1 is refused."""
+    import struct
+
+    from runtime.manifest import ManifestError, RoleManifest
+    from tests.test_bad_input_api import manifest, rewritten, set_value
+
+    m = manifest(layer_budget=[1.0, 1.0, 0.5, 1.0])
+    assert RoleManifest.from_bytes(m.to_bytes()).layer_budget.tolist() == [1.0, 1.0, 0.5, 1.0]
+    above = struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", 1.0))[0] + 1))[0]
+    with pytest.raises(ManifestError, match=r"layers\.budget\[2\] is 1\.0000001"):
+        RoleManifest.from_bytes(rewritten(m.to_bytes(), set_value("layers.budget", 2, above)))
