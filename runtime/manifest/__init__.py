@@ -329,7 +329,9 @@ class RoleManifest:
     @classmethod
     def load(cls, path: str | os.PathLike, strict: bool = True) -> RoleManifest:
         """The manifest at ``path`` (:func:`read_manifest_file`, then :meth:`from_bytes`); ``strict`` as there.
-        ``path`` is a path (str or ``os.PathLike``); anything else is a :class:`ManifestError` naming its type."""
+        ``path`` is a path (str or ``os.PathLike``); anything else is a :class:`ManifestError` naming its type. A
+        folder that ``rolecall export --format hub`` wrote, or a Hub repo id in the local cache, reads its
+        ``manifest.safetensors`` (:func:`runtime.manifest.hub.resolve_manifest_path`)."""
         if not isinstance(path, (str, os.PathLike)):
             fix = "RoleManifest.from_bytes(data)" if isinstance(path, (bytes, bytearray, memoryview)) else "its path"
             raise ManifestError(f"a manifest is given by its path (str or os.PathLike) or as a RoleManifest, not a "
@@ -405,8 +407,11 @@ def read_manifest_file(path: str | os.PathLike) -> bytes:
     a folder, a FIFO, a device or a socket, named as such (before anything opens it: reading a FIFO would wait);
     then the 8-byte header length against the file's size, the header as a rolecall manifest's, and its tensors'
     extent against the file's size, before more than the length and the header is read (a large file of another
-    kind is never read whole)."""
-    path = Path(path)
+    kind is never read whole). A folder that ``rolecall export --format hub`` wrote, or a Hub repo id in the local
+    cache, gives its ``manifest.safetensors`` (:func:`runtime.manifest.hub.resolve_manifest_path`)."""
+    from runtime.manifest.hub import resolve_manifest_path
+
+    path = Path(resolve_manifest_path(path))
     source = str(path)
     try:
         mode = os.stat(path).st_mode

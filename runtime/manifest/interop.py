@@ -35,7 +35,7 @@ from runtime.manifest import (
     RoleManifest,
 )
 
-FORMATS = ("duo", "json", "layers")
+FORMATS = ("duo", "json", "layers")  # and "hub" (runtime.manifest.hub), written from the file by rolecall export
 DUO_TSV = "full_attention_heads.tsv"
 # what import reads in each format
 SOURCES = {"duo": f"a DuoAttention pattern folder or its {DUO_TSV}",
