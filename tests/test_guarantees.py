@@ -286,3 +286,85 @@ def test_a_lethe_budget_of_exactly_one_loads():
     above = struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", 1.0))[0] + 1))[0]
     with pytest.raises(ManifestError, match=r"layers\.budget\[2\] is 1\.0000001"):
         RoleManifest.from_bytes(rewritten(m.to_bytes(), set_value("layers.budget", 2, above)))
+
+
+# -- a second planted set: worked by hand -------------------------------------------------------------------------------
+def test_head_sparsity_is_each_heads_hoyer_sum_over_its_layers_count():
+    """Two heads of one layer with Hoyer sums 0.4 and 0.8 over 2 recorded rows: 0.2 and 0.4, whose mean is the
+    layer's 0.3."""
+    from calibrate.totals import CalibrationTotals
+
+    t = CalibrationTotals.zeros(1, 2, 1)
+    t.hoyer_sum[0, :, 0] = torch.tensor([0.4, 0.8], dtype=t.hoyer_sum.dtype)
+    t.hoyer_count[0, 0] = 2
+    means = t.means()
+    assert means["head_sparsity"][0].tolist() == pytest.approx([0.2, 0.4])
+    assert float(means["head_sparsity"].mean()) == pytest.approx(float(means["layer_sparsity"].mean()))
+
+
+def test_auto_peaks_stop_at_a_recall_that_meets_the_target_exactly():
+    from calibrate.select_peaks import PeaksSelector
+
+    chosen = PeaksSelector(warmup=0, min_gap=1, target_recall=0.5)(torch.tensor([0.0, 0.3, 0.1]),
+                                                                  torch.full((3, 3), 0.5), "auto")
+    assert chosen == [0]  # layer `warmup` is always the first Δ-layer, and it alone already reaches 0.5
+
+
+def test_resume_takes_the_latest_of_several_checkpoints(tmp_path):
+    from train.checkpoint import checkpoint_path, latest_checkpoint
+
+    out = tmp_path / "h.safetensors"
+    for step in (2, 4, 10):
+        path = checkpoint_path(out, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    assert latest_checkpoint(out) == checkpoint_path(out, 10)
+
+
+def test_lethes_breakpoint_keeps_the_candidates_whose_mass_reaches_tau_exactly():
+    """Scores 2, 1, 1 (total 4), tau 0.5: the first candidate alone holds 2 = tau × total, so one is kept."""
+    from runtime.policies.lethe import Lethe
+
+    kept = Lethe(budget=16, tau=0.5, segments=1)._segmented(torch.tensor([2.0, 1.0, 1.0]), torch.ones(3, dtype=torch.bool), 3)
+    assert kept.tolist() == [True, False, False]
+
+
+def test_vattention_sample_size_uses_the_unbiased_variance_of_the_pilot():
+    """Pilot weights e = 1 and 3 (unbiased variance 2), values 0 (so b_N = 0), fixed output 1, n_r = 100,000:
+    b = ⌈(z n_r √2 / (η (1 + 2 n_r)))²⌉ = 4223 at ε = δ = 0.05."""
+    from runtime.policies.vattention import VAttention
+
+    v = VAttention()
+    logits = torch.tensor([0.0, math.log(3.0)], dtype=torch.float32).view(1, 1, 1, 2)
+    got = v._sample_size(logits, torch.zeros(1, 1, 2, 4), torch.ones(1, 1, 1, 4), torch.tensor([[100000]]))
+    z, eta, n_r = NormalDist().inv_cdf(1 - v.delta / 4), v.epsilon / (2 + v.epsilon), 100000
+    want = math.ceil((z * n_r * math.sqrt(2.0) / (eta * (1 + 2 * n_r))) ** 2)
+    assert want == 4223 and int(got.flatten()[0]) == pytest.approx(want, abs=1)
+
+
+def test_a_sliding_layer_past_the_last_layer_is_refused():
+    from runtime.manifest import ManifestError, ModelIdentity, RoleManifest
+
+    with pytest.raises(ManifestError, match="model.sliding_layers holds layer 3, but the model has 3 layers"):
+        RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=[3]), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
+    RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=[2]), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
+
+
+def test_the_servers_seed_range_is_every_32_bit_value():
+    from runtime.server.protocol import ProtocolError, parse_completion
+
+    assert parse_completion({"prompt": "x", "seed": 2**32 - 1}).seed == 2**32 - 1
+    for bad in (2**32, -1):
+        with pytest.raises(ProtocolError) as info:
+            parse_completion({"prompt": "x", "seed": bad})
+        assert info.value.param == "seed"
+
+
+def test_passkey_lengths_take_one_from_each_stratum_up_to_the_top():
+    import numpy as np
+
+    from data.passkey import spread_lengths
+
+    for seed in range(5):
+        assert sorted(spread_lengths(0, 1, 2, np.random.default_rng(seed))) == [0, 1]
+        assert sorted(spread_lengths(5, 9, 5, np.random.default_rng(seed))) == [5, 6, 7, 8, 9]
