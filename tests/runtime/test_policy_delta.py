@@ -135,3 +135,21 @@ def test_refine_keeps_per_kv_head_the_candidates_with_the_highest_quest_bound():
     assert len({tuple(plan.indices[0, h].tolist()) for h in range(hkv)}) > 1  # each head refines its own way
     with pytest.raises(PolicyError, match="refine must be an integer"):
         get_policy("delta", refine=0)
+
+
+def test_per_head_pages_take_the_max_over_the_group_not_the_mean():
+    """Two query heads on one KV head, one-hot keys at tokens 0, 2 and 4 (pages of 2): head 0 puts 0.6 on token 0
+    and 0.4 on token 2, head 1 0.4 on token 2 and 0.6 on token 4 (the recent page). DELTA's score Σ_page max_h p_h
+    gives page 0 0.6 and page 1 0.4, so page 0 joins the recent page; a mean would give 0.3 and 0.4 and pick page 1."""
+    big = 40.0
+    manifest = RoleManifest(ModelIdentity(2, 2, 1, 3), layer_role=torch.tensor([1, 2], dtype=torch.int8))
+    policy = get_policy("delta", num_pages=2, recent_pages=1, page_size=2, per_head=True)
+    policy.bind(manifest, None)
+    k = torch.zeros(1, 1, 6, 3)
+    k[0, 0, 0, 0] = k[0, 0, 2, 1] = k[0, 0, 4, 2] = 1.0
+    q = torch.tensor([[[big + math.log(0.6), big + math.log(0.4), -big],
+                       [-big, big + math.log(0.4), big + math.log(0.6)]]])
+    keep, scratch = torch.ones(1, 6, dtype=torch.bool), {}
+    policy.plan(Step(0, q, k, k, keep, 1.0, scratch))
+    plan = policy.plan(Step(1, q, k, k, keep, 1.0, scratch))
+    assert sorted(plan.indices[0, 0].tolist()) == [0, 2]
