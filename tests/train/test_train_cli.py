@@ -160,3 +160,21 @@ def test_device_map_without_a_gpu_warns_in_one_line(model_dir, data_file, tmp_pa
     assert warning == ("train-heads: warning: --device-map auto spreads a model over GPUs and this machine has none; "
                        "on the CPU it only slows the run down, so leave --device-map out")
     assert error.startswith("train-heads: error: target 9 is more than the 2 gated heads")
+
+
+def test_a_resume_keeps_no_log_record_of_a_step_past_its_checkpoint(model_dir, data_file, tmp_path, capsys):
+    """A run killed between writing its progress log and its next checkpoint leaves the log ahead: the log saved
+    with the step-2 checkpoint also holds step 2. A resume from step 2 runs step 2 again and logs it once."""
+    from train import checkpoint as ckpt
+
+    out = tmp_path / "run" / "heads.safetensors"
+    assert main(_args(model_dir, data_file, out)) == 0
+    log = out.parent / "heads.log.jsonl"
+    step2 = next(line for line in log.read_text().splitlines() if json.loads(line)["step"] == 2)
+    saved = ckpt.progress_log(ckpt.checkpoint_path(out, 2).parent)
+    assert saved.is_file()
+    saved.write_text(saved.read_text() + step2 + "\n")  # the log ran ahead of its checkpoint
+    out.unlink()
+    log.unlink()
+    assert main(_args(model_dir, data_file, out, "--resume", str(ckpt.checkpoint_path(out, 2)))) == 0
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2, 3]
