@@ -472,7 +472,8 @@ def server_load(samples: list[tuple[float, dict[str, float]]], window: tuple[flo
             (t0, first), (t1, last) = seen[0], seen[-1]
             steady = inside[-1][1] - inside[0][1] if len(inside) >= 2 else None
             out[key] = {"increase": last - first, "per_s": (last - first) / (t1 - t0) if t1 > t0 else None,
-                        "steady_increase": steady, "steady_s": inside[-1][0] - inside[0][0] if steady else None}
+                        "steady_increase": steady,
+                        "steady_s": inside[-1][0] - inside[0][0] if steady is not None else None}
         else:
             inside = [x for _, x in inside]
             xs = [x for _, x in seen]

@@ -244,6 +244,8 @@ def test_the_engine_step_and_prefill_share_come_from_the_counters_inside_the_win
     out = load.server_load(samples, (1.0, 3.0))
     assert out["step_ms"] == pytest.approx(12.5) and out["prefill_share"] == pytest.approx(0.3)
     assert out["decode_steps"]["steady_increase"] == 40 and out["decode_steps"]["increase"] == 500
+    quiet = [(t, {**v, "prefill_seconds": 0.0}) for t, v in samples]  # no prefill at all: a share of 0, not unknown
+    assert load.server_load(quiet, (1.0, 3.0))["prefill_share"] == 0.0
 
 
 def test_the_steady_window_starts_when_every_slot_first_decodes_and_runs_to_a_cut_end(load):
