@@ -185,6 +185,18 @@ class Bench:
         self.timelines: dict[str, dict] = {}  # --timeline: per configuration, one step's kernels in time order
         self.held: int | None = None  # bytes the last measured decoder holds beside the weights and the cache
 
+    @classmethod
+    def with_defaults(cls, device: str, bandwidth: float) -> Bench:
+        """A bench timing as this script does by default (medians of 30 replays after 5, compiled), for the other
+        scripts that put a static step beside their own figures."""
+        return cls(SimpleNamespace(warmup=5, steps=30, compile=True, profile=None, timeline=None), device, bandwidth)
+
+    def measure_random(self, weights: Weights, policy, batch: int, slots: int, start: int, name: str) -> float:
+        """:meth:`measure` over a cache of its own, ``batch`` rows of ``slots``, filled with random keys and values."""
+        cache = StaticCache(weights.shape, batch, slots, weights.device, weights.dtype)
+        cache.fill_random()
+        return self.measure(weights, policy, batch, slots, start, cache, name)
+
     def free_bytes(self) -> int:
         if self.device != "cuda":
             return 1 << 62

@@ -310,33 +310,25 @@ def static_steps(args: argparse.Namespace, target: Target, rows: list[dict]) -> 
     step (CUDA-graph replays, median) of the same policy at the steady window's live batch (its mean, rounded) and
     mean context, on random weights of the shape; ``static_step`` in each row, with the steady TPOT and the
     server's own step time over it."""
-    from types import SimpleNamespace
-
     from benchmarks.decode import Bench, make_policy
-    from runtime.engine import StaticCache, Weights
+    from runtime.engine import Weights
 
-    dtype = getattr(torch, args.dtype)
-    weights = Weights.random(target.shape, torch.device(args.device), dtype)
-    options = SimpleNamespace(warmup=5, steps=30, compile=True, profile=None, timeline=None)
-    bench = Bench(options, "cuda", args.bandwidth_tbs * 1e12)
+    weights = Weights.random(target.shape, torch.device(args.device), getattr(torch, args.dtype))
+    bench = Bench.with_defaults("cuda", args.bandwidth_tbs * 1e12)
     for row in rows:
         live, context = row["bound"]["live_batch"], row["bound"]["mean_context"]
         if not live or not context:
             continue
         batch, context = max(1, round(live)), int(context)
-        slots = context + bench.margin()
-        cache = StaticCache(target.shape, batch, slots, weights.device, dtype)
-        cache.fill_random()
         policy = make_policy(row["policy"], target.shape, args.budget,
                              scaled_retrieval_heads(target.shape, args.retrieval_heads))
-        ms = bench.measure(weights, policy, batch, slots, context, cache, row["policy"])
+        ms = bench.measure_random(weights, policy, batch, context + bench.margin(), context, row["policy"])
         steady, server = row["steady_tpot_ms"], row["server"].get("step_ms")
         row["static_step"] = {"batch": batch, "context": context, "ms": ms,
                               "steady_tpot_over_step": steady / ms if steady else None,
                               "server_step_over_step": server / ms if server else None}
         print(f"{row['policy']}: static step at {batch} × {context}: {ms:.2f} ms; steady TPOT "
               f"{steady or float('nan'):.2f} ms, server step {server or float('nan'):.2f} ms", flush=True)
-        del cache
         torch.cuda.empty_cache()
 
 

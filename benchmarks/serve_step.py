@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -34,7 +33,7 @@ from benchmarks.report import host_cpu  # noqa: E402
 from benchmarks.timing import event_times, gpu_slug  # noqa: E402
 from runtime.atomic import write_text  # noqa: E402
 from runtime.cli import Parser  # noqa: E402
-from runtime.engine import SHAPES, StaticCache, StaticDecoder, Weights  # noqa: E402
+from runtime.engine import SHAPES, StaticDecoder, Weights  # noqa: E402
 from runtime.engine.batcher import RowStopper  # noqa: E402
 from runtime.engine.sampling import RowSampler  # noqa: E402
 
@@ -56,12 +55,6 @@ def rows_step_ms(weights: Weights, policy, lengths: torch.Tensor, slots: int) ->
     return statistics.median(event_times(dec.step, reps=30, warmup=5))
 
 
-def static_ms(bench: Bench, weights: Weights, policy, batch: int, context: int, slots: int, name: str) -> float:
-    cache = StaticCache(weights.shape, batch, slots, weights.device, weights.dtype)
-    cache.fill_random()
-    return bench.measure(weights, policy, batch, slots, context, cache, name)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve_step_<gpu>.json)")
@@ -71,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/serve_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
     gpu, shape = torch.cuda.get_device_name(), SHAPES["7b"]
-    bench = Bench(SimpleNamespace(warmup=5, steps=30, compile=True, profile=None, timeline=None), "cuda", 4.2e12)
+    bench = Bench.with_defaults("cuda", 4.2e12)
     weights = Weights.random(shape, torch.device("cuda"), torch.bfloat16)
     lengths = torch.randint(12288, 32768 - 64, (64,), generator=torch.Generator().manual_seed(0))
     mean = int(lengths.float().mean())
@@ -82,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         policy = make_policy(name, shape, BUDGET, RETRIEVAL_HEADS)
         r = rows_step_ms(weights, policy, lengths, 32768)
         torch.cuda.empty_cache()
-        s = static_ms(bench, weights, policy, 64, mean, mean + bench.margin(), name)
-        by_slots = {slots: static_ms(bench, weights, policy, 8, 32768, slots, name)
+        s = bench.measure_random(weights, policy, 64, mean + bench.margin(), mean, name)
+        by_slots = {slots: bench.measure_random(weights, policy, 8, slots, 32768, name)
                     for slots in (32768 + bench.margin(), 40960, 65536)}
         torch.cuda.empty_cache()
         rows.append({"policy": name, "rows_ms": r, "static_ms": s, "rows_over_static": r / s, "mean_context": mean})

@@ -141,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.traces import read_traces
     from runtime import distributed
     from runtime.atomic import check_writable
-    from runtime.cli import common
-    from runtime.cli.common import check_placement, check_sampling_flags, chosen_device
+    from runtime.cli.common import check_placement, check_sampling_flags, chosen_device, wall_time_line
     from runtime.models import load_config, load_tokenizer
 
     start = time.perf_counter()
@@ -205,9 +204,8 @@ def run(args: argparse.Namespace) -> int:
               f"{m['recall_mean']:.4f} at K={config.num_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
               f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
         print(cost)
-        print(common.wall_time_line("calibrate-delta", time.perf_counter() - start, times))
+        print(wall_time_line("calibrate-delta", time.perf_counter() - start, times))
     return 0
-
 
 
 def _prompts(config) -> list[str]:

@@ -262,6 +262,5 @@ def _on_engine(model, encoded: list[list[int]], *, max_new_tokens: int, sample: 
             traces.extend(p + tokens for p, tokens in zip(batch, out.tokens))
             bar.n = done_before + len(batch) * max_new_tokens  # rows that ended at EOS count their full share
             bar.refresh()
-    bar.n = total
     bar.close()
     return traces

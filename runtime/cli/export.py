@@ -37,15 +37,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _hub(args: argparse.Namespace) -> int:
-    from runtime.manifest.hub import export_hub, resolve_manifest_path
+    from runtime.manifest import read_manifest_file
+    from runtime.manifest.hub import export_hub
     from runtime.models import load_config
 
-    path = resolve_manifest_path(args.manifest)  # a hub folder again: its manifest.safetensors
-    manifest = RoleManifest.load(path)  # verified before anything is written
+    raw = read_manifest_file(args.manifest)  # a hub folder again: its manifest.safetensors
+    manifest = RoleManifest.from_bytes(raw, source=args.manifest)  # verified before anything is written
     base = args.base_model or manifest.model.name
     if not base:
         raise ValueError("--base-model is needed: the manifest records no model name; pass the model it is for")
     config = load_config(base, trust_remote_code=args.trust_remote_code)
-    out = export_hub(path, args.output, base, config)
+    out = export_hub(manifest, raw, args.output, base, config)
     print(f"wrote hub folder {out} for {base}: upload it with huggingface-cli upload <repo> {out}", file=sys.stderr)
     return 0

@@ -158,7 +158,7 @@ class Batcher:
         r = live.request
         reason = None
         if finished:
-            last = (live.tokens + new)[-1:]
+            last = (new or live.tokens)[-1:]
             reason = "stop" if last and not r.ignore_eos and last[0] in s.eos else "length"
         elif live.cancelled:
             reason = "cancelled"

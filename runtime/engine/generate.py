@@ -342,9 +342,11 @@ class _Loop:
     def check(self, done: torch.Tensor) -> None:
         seen = len(self.rows[0]) if self.rows else 0  # only the tokens since the last check are read back
         new = self.stopper.out[:, seen:int(self.stopper.count)].cpu().tolist()
-        for row, more in zip(self.rows, new):
-            row.extend(more)
-        self.rows = self.rows or new
+        if self.rows:
+            for row, more in zip(self.rows, new):
+                row.extend(more)
+        else:
+            self.rows = new
         out = self.rows
         for r in range(len(out)):  # stop strings first, so that nothing past one is streamed
             if self.stop_strings and r not in self.cut:

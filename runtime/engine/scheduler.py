@@ -271,8 +271,7 @@ class Scheduler:
             cut = live.text.stop_cut()
             if cut is not None:  # the text through the stop string, less what went out before
                 sent = len(live.text.text) - len(text)
-                full = self.tokenizer.decode(live.text.ids[:cut], skip_special_tokens=True)
-                new, text, finish = new[:max(0, cut - len(live.tokens))], full[sent:], "stop"
+                new, text, finish = new[:max(0, cut - len(live.tokens))], live.text.stop_text()[sent:], "stop"
         live.tokens.extend(new)
         if new or finish is not None:
             self._emit(live, Event(new, text, finish, len(live.request.prompt), len(live.tokens),

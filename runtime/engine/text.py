@@ -62,6 +62,10 @@ class TokenText:
         """How many ids the answer keeps: through the first stop string (kept), or None while none appeared."""
         return self._cut
 
+    def stop_text(self) -> str:
+        """The text of the ids :meth:`stop_cut` keeps (all of them while no stop string appeared)."""
+        return self._decode(self.ids[:self._cut])
+
 
 def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> int | None:
     """The shortest prefix length of ``ids`` whose text contains a stop string, or None."""

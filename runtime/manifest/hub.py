@@ -78,13 +78,11 @@ def model_card(manifest: RoleManifest, base_model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_hub(manifest_path: str | os.PathLike, out: str | os.PathLike, base_model: str, config: Any) -> Path:
-    """Write the hub folder of the manifest at ``manifest_path`` to ``out`` for ``base_model`` (its Hub id or an
-    alias), after checking the manifest against ``config``, the base model's."""
+def export_hub(manifest: RoleManifest, raw: bytes, out: str | os.PathLike, base_model: str, config: Any) -> Path:
+    """Write the hub folder of ``manifest`` (read from the bytes ``raw``, copied as they are) to ``out`` for
+    ``base_model`` (its Hub id or an alias), after checking the manifest against ``config``, the base model's."""
     from runtime.manifest.interop import export_manifest
 
-    raw = Path(manifest_path).read_bytes()
-    manifest = RoleManifest.from_bytes(raw, source=str(manifest_path))
     try:
         manifest.validate_for(config)
     except ValueError as e:
