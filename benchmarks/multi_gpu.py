@@ -279,21 +279,26 @@ def part_large(args, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"architecture": "DeepSeek-R1-Distill-Llama-70B (random bf16 weights)", "gpus": gpus,
                               "weights_gib": None, "train": [], "calibrate": []}
     runs = []
-    for length in args.large_lengths:
-        data = random_dataset(out / f"large{length}.jsonl", gpus * args.large_steps, length, LLAMA_70B["vocab_size"])
-        dest = out / f"large{length}" / "heads.safetensors"
-        run = launch(f"large-train-{length}", "train",
-                     [*model, "--model-name", "ds-llama-70b-random", "--dataset", str(data), "--mixed-precision", "bf16",
-                      "--target", "32", "--batch-size", str(gpus), "--prefill-chunk", "4096", "--no-plots",
-                      "--checkpoint-every", "1000", "--steps", str(args.large_steps), "--output", str(dest),
-                      "--overwrite"], out, gpus, "zero3")
-        runs.append(run)
-        log = _log(dest.with_name("heads.log.jsonl"))
-        step = _median_step(log, 1)
-        result["train"].append({
-            "prompt_tokens": length, "ok": run["exit"] == 0 and len(log) == args.large_steps, "steps": len(log),
-            "step_seconds": step, "tokens_per_second": round(gpus * (length + 64) / step, 1) if step else None,
-            "peak_gib_per_gpu": max((r.get("peak_gib", 0) for r in log), default=None), "launch_seconds": run["seconds"]})
+    counts = sorted({min(n, gpus) for n in args.large_gpus}) if args.large_gpus else [gpus]
+    for n in counts:  # one sample per process and step: the global batch is the GPU count
+        for length in args.large_lengths:
+            name = f"large{length}" + (f"-{n}gpu" if n != gpus else "")
+            data = random_dataset(out / f"{name}.jsonl", n * args.large_steps, length, LLAMA_70B["vocab_size"])
+            dest = out / name / "heads.safetensors"
+            run = launch(f"large-train-{length}" + (f"-{n}gpu" if n != gpus else ""), "train",
+                         [*model, "--model-name", "ds-llama-70b-random", "--dataset", str(data), "--mixed-precision",
+                          "bf16", "--target", "32", "--batch-size", str(n), "--prefill-chunk", "4096", "--no-plots",
+                          "--checkpoint-every", "1000", "--steps", str(args.large_steps), "--output", str(dest),
+                          "--overwrite"], out, n, "zero3", gpus=",".join(map(str, range(n))) if n != gpus else None)
+            runs.append(run)
+            log = _log(dest.with_name("heads.log.jsonl"))
+            step = _median_step(log, 1)
+            result["train"].append({
+                "gpus": n, "prompt_tokens": length, "ok": run["exit"] == 0 and len(log) == args.large_steps,
+                "steps": len(log), "step_seconds": step,
+                "tokens_per_second": round(n * (length + 64) / step, 1) if step else None,
+                "peak_gib_per_gpu": max((r.get("peak_gib", 0) for r in log), default=None),
+                "launch_seconds": run["seconds"]})
     traces = out / "large_traces.jsonl"
     g = torch.Generator().manual_seed(0)
     traces.write_text("".join(json.dumps({"ids": torch.randint(0, LLAMA_70B["vocab_size"], (args.large_trace_tokens,),
@@ -333,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero3-prompt", type=int, default=4096)
     p.add_argument("--prompt-lengths", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--large-lengths", type=int, nargs="*", default=[4096, 10240], help="large: prompt tokens")
+    p.add_argument("--large-gpus", type=int, nargs="*", default=[],
+                   help="large: train-heads on each of these GPU counts (default: every visible GPU)")
     p.add_argument("--large-steps", type=int, default=4, help="large: train-heads steps per prompt length")
     p.add_argument("--large-traces", type=int, default=8, help="large: calibration traces")
     p.add_argument("--large-trace-tokens", type=int, default=8192, help="large: tokens per calibration trace")
@@ -343,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tokens = (MIN_CONTEXT + 1, f"calibrate-delta records from position {MIN_CONTEXT} on")
     at_least(p, args, traces=1, trace_tokens=tokens, steps=(2, "a 1-GPU run resumes the half-way checkpoint"),
              warmup=0, zero3_steps=(3, "the resumed runs continue from the step-2 checkpoint"), zero3_prompt=1,
-             prompt_lengths=1, large_lengths=1, large_steps=1, large_traces=1, large_trace_tokens=tokens, limit=1)
+             prompt_lengths=1, large_lengths=1, large_gpus=1, large_steps=1, large_traces=1, large_trace_tokens=tokens, limit=1)
     if args.warmup >= args.steps:
         p.error(f"--warmup must be below --steps ({args.steps}): the steps after it are timed, got {args.warmup}")
     return args
