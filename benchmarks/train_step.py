@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f} {r['recipe_projected_s'] / 60:>11.1f}")
     print(f"recipe: {steps} steps, a checkpoint every {every} ({ckpt_s * 1e3:.1f} ms each), no evaluation between "
           f"steps ({RECIPE.name})")
-    result = {"gpu": gpu, "torch": torch.__version__, "args": vars(args), "rows": rows,
+    result = {"gpu": gpu, "torch": torch.__version__, "rows": rows,
+              # the output files by name only: a report holds no machine's paths
+              "args": {k: (Path(v).name if k in ("json", "profile") and v else v) for k, v in vars(args).items()},
               "recipe": {"file": RECIPE.name, "steps": steps, "checkpoint_every": every, "checkpoint_s": ckpt_s}}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

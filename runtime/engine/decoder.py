@@ -47,6 +47,12 @@ from runtime.kernels.topk_select import topk_with_recent
 RING_BLOCK = 64  # a ring is read as blocks of this many slots (a gathered set's launch: more, shorter programs)
 LAYER_ORDER = "layer"  # out_heads' default: the running layer's head map (StaticDecoder.head_maps)
 MIXED_MAX_BATCH = 8  # from this batch size a mixed layer takes two launches (see attend_mixed_and_choose)
+# Tokens a program of a dense call reads where rows keep their own lengths (the scheduler's). choose_launch gives
+# many rows one program each, which suits rows of one length; rows of 12K-32K tokens then wait on the longest.
+# DS-Qwen-7B shape, 64 such rows (mean 21.5K) in 32K-slot rows against the static step at the mean, H200
+# (benchmarks/results/rows_chunk_h200.json): full 1.178 one program a row, 1.064 / 1.056 / 1.079 / 1.152 with
+# chunks of 1,024 / 2,048 / 4,096 / 8,192; delta's dense layers 1.099 against 1.075 at 2,048.
+ROWS_CHUNK: int | None = 2048
 
 
 def static_step_of(policy: Any, shape: Any) -> Any:
@@ -152,6 +158,7 @@ class StaticDecoder:
         self.compiles = compile  # whether the step's small ops go through torch.compile (policies may too)
         self._post = L.compiled_finish(s) if compile else L.bound_finish(s)
         self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
+        self._dense = dict(self._out, chunk=ROWS_CHUNK) if self.triton and row_lengths and ROWS_CHUNK else self._out
 
     def _choose_kernels(self, kernels: str, device: torch.device) -> None:
         """Triton (on CUDA by default, or under the interpreter when asked) or the PyTorch references."""
@@ -336,7 +343,7 @@ class StaticDecoder:
         if self.triton:
             o, lse = self._sparse_triton.sparse_decode_attention(
                 q, k, v, indices, scale=scale, block_size=block_size, log_weights=log_weights, index_rows=index_rows,
-                out=out, out_heads=out_heads, **keys, **self._out)
+                out=out, out_heads=out_heads, **keys, **(self._dense if indices is None else self._out))
         else:
             if index_rows is not None:
                 rows = index_rows.long()
@@ -360,7 +367,7 @@ class StaticDecoder:
         if self.triton:
             o, _, scores = self._page_triton.decode_and_score(q, k, v, self.shape.attention_scale, block_size,
                                                               per_kv_head=per_kv_head, out=out, out_heads=out_heads,
-                                                              **keys, **self._out)
+                                                              **keys, **self._dense)
             return o, scores
         o, _, scores = naive_decode_and_score(q, k, v, self.shape.attention_scale, block_size,
                                               per_kv_head=per_kv_head, **keys)
@@ -443,7 +450,7 @@ class StaticDecoder:
                                           out=out, out_rows=out_rows))
         o, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale, out=into,
                                                                  out_heads=out_heads, keeping_heads=c,
-                                                                 **self.keys(span, k.shape[2]), **self._out)
+                                                                 **self.keys(span, k.shape[2]), **self._dense)
         g = q.shape[1] // k.shape[1]
         return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, per_kv_head, count, recent, out, out_rows,
                                      span.last)
