@@ -189,17 +189,24 @@ def test_policies_that_cannot_serve_rows_are_refused_in_one_line(policy):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("policy", ["delta", "lychee"])
-def test_rows_of_their_own_lengths_in_the_triton_kernels(policy):
-    """The GPU kernels (in Triton's interpreter) read each row up to its own length: interleaved requests through
-    them give the tokens the reference kernels give each request alone."""
+@pytest.mark.parametrize("policy", ["full", "delta", "lychee"])
+def test_rows_of_their_own_lengths_in_the_triton_kernels(policy, monkeypatch):
+    """The GPU kernels (in Triton's interpreter) read each row up to its own length, the dense calls in programs of
+    ``ROWS_CHUNK`` tokens (64 here, so rows span several programs and a short row's later ones read nothing):
+    interleaved requests through them give the tokens the reference kernels give each request alone."""
     import os
+
+    import runtime.engine.decoder as decoder
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    monkeypatch.setattr(decoder, "ROWS_CHUNK", 64)
     model, weights, pol = served(policy)
     requests = random_requests(5, 4)
-    got = serve_all(weights, pol, requests, slots=2, check_every=2, kernels="triton", min_context=0)[0]
+    lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
+    assert min(lengths) < 64 < max(lengths)  # one row spans two programs, another leaves its second empty
+    got, sched = serve_all(weights, pol, requests, slots=2, check_every=2, kernels="triton", min_context=0)
+    assert sched.engine.dec._dense["chunk"] == 64
     for i, r in enumerate(requests):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0,
                          kernels="naive").tokens[0]
