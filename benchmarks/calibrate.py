@@ -10,7 +10,7 @@ CUDA-synchronised, the first trace of each phase is a warm-up and left out; the 
     python benchmarks/calibrate.py --end-to-end --out "$OUT"  # the whole calibrate-delta run, phase by phase
 
 ``--end-to-end`` times what ``calibrate-delta`` does with generated traces, phase by phase: load (here: building
-the random-weight model on the device), generation on the engine (``calibrate.traces``: ``--traces`` prompts of
+the random-weight model on the device), generation on the engine (``rolecall.calibrate.traces``: ``--traces`` prompts of
 ``--prompt-tokens`` random ids, each forced to ``--length`` tokens, no EOS), recording and selection
 (``calibrate.run``, the shipped settings' stride and pages) and writing the manifest. Beside the engine's
 generation, in the same run: transformers ``model.generate`` on one batch of 8 of the same prompts for
@@ -32,11 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rolecall.calibrate.config import resolve  # noqa: E402
+from rolecall.calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
+from rolecall.runtime.atomic import write_text  # noqa: E402
+from rolecall.runtime.cli import Parser  # noqa: E402
+
 from benchmarks.report import at_least  # noqa: E402
-from calibrate.config import resolve  # noqa: E402
-from calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
-from runtime.atomic import write_text  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
 
 SHAPES = {
     "qwen-14b": dict(num_hidden_layers=48, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
@@ -127,9 +128,10 @@ def end_to_end(args: argparse.Namespace, device, dtype, gpu: str) -> dict:
     """The phases of a ``calibrate-delta`` run with generated traces (see the module's docstring), in seconds."""
     import tempfile
 
-    import calibrate
-    from calibrate.api import save
-    from calibrate.traces import _on_engine
+    from rolecall.calibrate.api import save
+    from rolecall.calibrate.traces import _on_engine
+
+    from rolecall import calibrate
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@
 Models are DS-Qwen-7B / DS-Qwen-1.5B shaped, Gemma-3-4B shaped (``gemma3-4b``, a hybrid model whose sliding
 layers hold rings of their window) or Llama-3-8B shaped (``llama3-8b``: 8 KV heads); random bf16 weights: speed
 does not depend on the values. For each model, context, batch, policy and budget it fills a static cache with
-random keys and values (the prefill is not timed), captures :class:`runtime.engine.StaticDecoder`'s step in a CUDA
+random keys and values (the prefill is not timed), captures :class:`rolecall.runtime.engine.StaticDecoder`'s step in a CUDA
 graph, warms up, and times ``--steps`` replays with CUDA events: median time per output token (TPOT), tokens/s
 (batch / TPOT) and the speed-up over ``full`` in the same run. Every row also gives its byte bound: the weights read once
 plus the K/V bytes the policy must read, over the device-to-device copy bandwidth measured in the same run
@@ -15,7 +15,7 @@ scores that Δ-layers write and read (4 bytes per head and token) are not counte
 the policy's decoder takes beside the weights and the cache: its own buffers (lychee's sets and kept logits,
 quest's page bounds), and nothing more, since every decoder reads the weights it was given.
 
-Policies are the runtime's own (``runtime.policies``, bound to manifests made for the shape): ``full``;
+Policies are the runtime's own (``rolecall.runtime.policies``, bound to manifests made for the shape): ``full``;
 ``delta`` (layers 0–1 full, Δ-layers 2, 14, 22, the rest read ``budget`` tokens of 16-token pages, 8 of them
 the most recent); ``lychee`` (``--retrieval-heads`` of the 112 KV heads of 7B read everything, scaled for
 other shapes; the others read ``budget`` tokens of 16-token blocks). Sparse policies are timed as they are (no
@@ -57,16 +57,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rolecall.runtime.atomic import write_text  # noqa: E402
+from rolecall.runtime.cli import Parser  # noqa: E402
+from rolecall.runtime.engine import (  # noqa: E402
+    SHAPES,
+    ModelShape,
+    StaticCache,
+    StaticDecoder,
+    Weights,
+    default_min_context,
+)
+from rolecall.runtime.engine.cache import head_order_of  # noqa: E402
+from rolecall.runtime.kernels import pdl  # noqa: E402
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
+from rolecall.runtime.policies import get_policy  # noqa: E402
+
 from benchmarks.peers import flashinfer_available  # noqa: E402
 from benchmarks.report import at_least, host_cpu  # noqa: E402
 from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
-from runtime.atomic import write_text  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
-from runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context  # noqa: E402
-from runtime.engine.cache import head_order_of  # noqa: E402
-from runtime.kernels import pdl  # noqa: E402
-from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
-from runtime.policies import get_policy  # noqa: E402
 
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
@@ -104,7 +112,7 @@ def _config(shape: ModelShape) -> SimpleNamespace:
 def spread_heads(layers: int, kv_heads: int, count: int, seed: int = 0) -> torch.Tensor:
     """``count`` retrieval heads ``[L, Hkv]``: all of layer 0, the rest at random (layer, head) places. About a
     quarter of them then have a retrieval head of the same index in the next layer, as in trained manifests, and
-    so make no choice (runtime.policies.lychee.passes_on)."""
+    so make no choice (rolecall.runtime.policies.lychee.passes_on)."""
     g = torch.Generator().manual_seed(seed)
     heads = torch.zeros(layers, kv_heads, dtype=torch.bool)
     heads[0] = True
@@ -393,9 +401,9 @@ def wall(fn, reps: int) -> float:
 
 
 def real_model(args: argparse.Namespace) -> dict:
-    from runtime import attach
-    from runtime.engine import Weights as EngineWeights
-    from runtime.models import load_model, load_tokenizer, pad_token
+    from rolecall.runtime import attach
+    from rolecall.runtime.engine import Weights as EngineWeights
+    from rolecall.runtime.models import load_model, load_tokenizer, pad_token
 
     model = load_model(args.real, dtype=torch.bfloat16).to("cuda")
     tok = load_tokenizer(args.real)
@@ -461,9 +469,10 @@ def users_path(args: argparse.Namespace, model: str, shape: ModelShape, steps: l
     the grid's context. A request runs twice (the first compiles and captures); the second's decode time per step
     (``Generation.decode_s / steps``: graph replays, the host's checks and the tokens read back) is the TPOT, and
     ``generate / step`` its ratio to the static step's median."""
+    from rolecall.runtime import attach
+    from rolecall.runtime.distributed import random_model
+
     from benchmarks.serve import qwen2_config
-    from runtime import attach
-    from runtime.distributed import random_model
 
     new, budget = args.generate_new, args.budgets[0]
     longest = max(context for context, _ in args.generate) + new

@@ -29,9 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rolecall.runtime.cli import Parser, run_reporting_errors  # noqa: E402
+from rolecall.runtime.eval.stats import paired_difference  # noqa: E402
+
 from benchmarks.report import at_least, grid_summary, read_report, save_figure, write_report  # noqa: E402
-from runtime.cli import Parser, run_reporting_errors  # noqa: E402
-from runtime.eval.stats import paired_difference  # noqa: E402
 
 PROG = Path(__file__).name
 Z = 1.959964

@@ -28,7 +28,7 @@ as rolecall's and FlashInfer's dense calls differ there.
   its time over ``ours_dense`` is the selection overhead DELTA reports (154 % at 1K, 25 % at 32K).
 
 ``--linear`` adds the decode step's projections (DS-Qwen-7B and 1.5B shapes, 1 / 8 / 16 rows, or ``--rows``): the
-linear layer the engine runs (``runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated
+linear layer the engine runs (``rolecall.runtime.kernels.skinny_linear.linear``) against ``F.linear`` (cuBLAS), weights rotated
 past L2, and for gate/up the engine's gated MLP (``gated_linear``) against cuBLAS then a compiled activation.
 ``--linear-tiles`` sweeps the Triton kernel's ``tl.dot`` tiles (features × columns × warps × stages, 128 of them) on
 each projection (and Llama-3-8B's gate/up) at 2 / 8 / 16 rows (or ``--rows``) against cuBLAS, and times the gated
@@ -37,7 +37,7 @@ in eager kernels.
 ``--topk`` adds the engine's top-k selection (rows of 2,048 and 8,192 block scores, 8 to 256 rows, k = 128 and
 512): the Triton kernel as the engine runs it (``split``), and in one program per row by radix counting (2 bits a
 round) and by histogram (8 bits a round) at 4 / 8 / 16 warps, against ``torch.topk``.
-``--refine`` adds DELTA's two-stage second stage (``runtime.kernels.page_bounds.refine_candidates``: the Quest
+``--refine`` adds DELTA's two-stage second stage (``rolecall.runtime.kernels.page_bounds.refine_candidates``: the Quest
 bounds of 512 candidate pages of 8,192 per KV head, DS-Qwen-7B heads, then the choice of 128), scored by 1, 2, 4
 or 8 programs per head; the page-metadata update (``update_page``) alone; and both in one launch (``new_page=``),
 as the engine's step runs them.
@@ -66,14 +66,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rolecall.runtime.atomic import write_text  # noqa: E402
+from rolecall.runtime.cli import Parser  # noqa: E402
+from rolecall.runtime.kernels import graphed, max_shared, pdl, peak_bandwidth, sm_count  # noqa: E402
+from rolecall.runtime.kernels.page_scores import triton as page_tri  # noqa: E402
+from rolecall.runtime.kernels.sparse_attention import triton as tri  # noqa: E402
+
 from benchmarks import peers  # noqa: E402
 from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
-from runtime.atomic import write_text  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
-from runtime.kernels import graphed, max_shared, pdl, peak_bandwidth, sm_count  # noqa: E402
-from runtime.kernels.page_scores import triton as page_tri  # noqa: E402
-from runtime.kernels.sparse_attention import triton as tri  # noqa: E402
 
 HQ, HKV, D, BLOCK, KEEP = 32, 8, 128, 64, 0.10
 SPARSE_HEADS = (0, 4, 8)  # KV heads of 8 that read 10 % of the blocks in the mixed calls (sparse_r)
@@ -406,7 +407,7 @@ def tile_label(config) -> str:
 def linear_rows(copy_bw: float, rows_list=(1, 8, 16), projections=()) -> list[dict]:
     """The engine's linear layer against cuBLAS on each projection, as a decode step runs it (graph-captured,
     each call a different copy of the weight so that none is served from L2)."""
-    from runtime.kernels.skinny_linear import gated_linear, kernel_config, linear
+    from rolecall.runtime.kernels.skinny_linear import gated_linear, kernel_config, linear
 
     projection_then_silu = torch.compile(lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w).chunk(2, -1)))
     out = []
@@ -444,11 +445,10 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
     """Every ``tl.dot`` tile of the skinny kernel on each projection (or those named) against cuBLAS (tiles that
     do not fit shared memory are skipped), the split kernel's tiles on the long narrow ones, and the gated
     gate/up kernel against the projection then the activation."""
+    from rolecall.runtime.kernels.skinny_linear import activation, gated_linear, kernel_config
+    from rolecall.runtime.kernels.skinny_linear.naive import Config
+    from rolecall.runtime.kernels.skinny_linear.triton import launch
     from triton.runtime.errors import OutOfResources
-
-    from runtime.kernels.skinny_linear import activation, gated_linear, kernel_config
-    from runtime.kernels.skinny_linear.naive import Config
-    from runtime.kernels.skinny_linear.triton import launch
 
     def tile_times(x, ws, tiles, gated=None) -> dict[str, float]:
         """Milliseconds of each ``tl.dot`` tile that fits (``gated``: the gated kernel, no bias)."""
@@ -496,7 +496,7 @@ def topk_rows(recent: int = 4) -> list[dict]:
     """The top-k of each row with its recent blocks, graph-captured: the engine's kernel as it runs (``split``:
     rows split over programs where few rows leave the GPU idle), one program per row by radix method and warp
     count, and ``torch.topk`` (unordered) as the baseline."""
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     out = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -525,8 +525,8 @@ REFINE_SHAPES = ((8, 4, 7), (1, 4, 7))  # (batch, KV heads, query heads per KV h
 def refine_rows(pages: int = 8192, candidates: int = 512, k: int = 128, recent: int = 8) -> list[dict]:
     """The refining step of one sparse layer, graph-captured, metadata rotated past L2: ``refine_candidates``
     by how many programs score each head's candidates, and the new token's page update beside it."""
-    from runtime.kernels.page_bounds import triton as pb_tri
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.page_bounds import triton as pb_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     out = []
     for b, hkv, groups in REFINE_SHAPES:

@@ -5,7 +5,7 @@ For each model shape it measures, in the same run, the memory a request holds be
 
 - ``copy``: the engine's weights taken as a copy (``Weights.from_model(model)``): q/k/v and gate/up stacked
   beside the model's own projections, more than half of the weights again;
-- ``shared``: what ``attach`` does (``runtime.engine.shared_weights``): the model's projections become views of
+- ``shared``: what ``attach`` does (``rolecall.runtime.engine.shared_weights``): the model's projections become views of
   the stacked matrices, so the request holds its cache and activations only;
 
 and, after ``shared``, whether every byte came back (the model's projections standalone again). A variant that
@@ -30,10 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rolecall.runtime.cli import Parser  # noqa: E402
+from rolecall.runtime.engine import SHAPES, ModelShape  # noqa: E402
+
 from benchmarks.decode import GEMMA3_4B, make_policy, scaled_retrieval_heads  # noqa: E402
 from benchmarks.report import at_least  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
-from runtime.engine import SHAPES, ModelShape  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-32B (Qwen2 architecture): the largest of the family, beside the engine's 7B and 1.5B
 MODELS = {**SHAPES, "32b": ModelShape(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, intermediate=27648,
@@ -95,9 +96,9 @@ def held_beyond(run) -> float | None:
 
 
 def measure(name: str, args: argparse.Namespace) -> dict:
-    from runtime.distributed import random_model
-    from runtime.engine import Weights, generate, shared_weights
-    from runtime.policies import get_policy
+    from rolecall.runtime.distributed import random_model
+    from rolecall.runtime.engine import Weights, generate, shared_weights
+    from rolecall.runtime.policies import get_policy
 
     model = random_model(config_of(MODELS[name]), torch.bfloat16, device="cuda")
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:>9} {r['weights_gb']:>8.2f} {r['stacked_gb']:>14.2f} {gb(r['copy_gb']):>10} "
               f"{gb(r['shared_gb']):>10} {left:>11}" + "".join(f" {gb(r[f'shared_{p}_gb']):>14}" for p in others))
     if args.out:
-        from runtime.atomic import write_text
+        from rolecall.runtime.atomic import write_text
 
         write_text(args.out, json.dumps({"gpu": gpu, "gpu_gb": total / GB, "torch": torch.__version__,
                                          "prompt": args.prompt, "new": args.new, "policies": args.policies,

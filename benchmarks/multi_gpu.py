@@ -4,7 +4,7 @@ Run on a machine with two GPUs, from the repository root:
 
     python benchmarks/multi_gpu.py --model smollm2-135m --out results/multi_gpu
 
-It runs, each as its own command (``python -m calibrate`` / ``python -m train`` for one process,
+It runs, each as its own command (``python -m rolecall.calibrate`` / ``python -m rolecall.train`` for one process,
 ``accelerate launch --config_file configs/accelerate/<name>.yaml -m ...`` for two):
 
 1. ``calibrate``: the same traces calibrated by 1 process and by 2 (``multi_gpu.yaml``); the two manifests
@@ -40,8 +40,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from rolecall.runtime.cli import Parser  # noqa: E402
+
 from benchmarks.report import at_least  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-14B's architecture (Qwen2.5-14B)
 QWEN_14B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=5120,
@@ -132,8 +133,7 @@ def _compare_logs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str,
 
 def _compare_manifests(a: Path, b: Path) -> dict[str, Any]:
     import torch
-
-    from runtime.manifest import RoleManifest
+    from rolecall.runtime.manifest import RoleManifest
 
     if not (a.is_file() and b.is_file()):
         return {"compared": False}
@@ -148,8 +148,8 @@ def _compare_manifests(a: Path, b: Path) -> dict[str, Any]:
 
 def traces_file(path: Path, tokenizer_model: str, count: int, tokens: int) -> Path:
     """``count`` traces of ``tokens`` tokens cut from the offline essay corpus."""
-    from data.corpora import PGEssays
-    from runtime.models import load_tokenizer
+    from rolecall.data.corpora import PGEssays
+    from rolecall.runtime.models import load_tokenizer
 
     tok = load_tokenizer(tokenizer_model)
     ids: list[int] = []
@@ -179,8 +179,8 @@ def random_dataset(path: Path, samples: int, prompt: int, vocab: int, seed: int 
 def part_calibrate(args, out: Path) -> dict[str, Any]:
     traces = traces_file(out / "traces.jsonl", args.model, args.traces, args.trace_tokens)
     common = ["--model", args.model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", str(MIN_CONTEXT)]
-    one = launch("calibrate-1", "calibrate", [*common, "--output", str(out / "cal1.safetensors")], out)
-    two = launch("calibrate-2", "calibrate", [*common, "--output", str(out / "cal2.safetensors")], out, 2, "multi_gpu")
+    one = launch("calibrate-1", "rolecall.calibrate", [*common, "--output", str(out / "cal1.safetensors")], out)
+    two = launch("calibrate-2", "rolecall.calibrate", [*common, "--output", str(out / "cal2.safetensors")], out, 2, "multi_gpu")
     return {"runs": [one, two], **_compare_manifests(out / "cal1.safetensors", out / "cal2.safetensors")}
 
 
@@ -190,12 +190,12 @@ def part_ddp(args, out: Path) -> dict[str, Any]:
               "--lengths", "1000,4000", "--no-plots", "--checkpoint-every", str(half)]
     if args.model_name:
         common += ["--model-name", args.model_name]
-    runs = [launch("ddp-1", "train", [*common, "--output", str(out / "ddp1" / "heads.safetensors"), "--overwrite"], out, gpus="0"),
-            launch("ddp-2", "train", [*common, "--output", str(out / "ddp2" / "heads.safetensors"), "--overwrite"], out, 2, "multi_gpu")]
+    runs = [launch("ddp-1", "rolecall.train", [*common, "--output", str(out / "ddp1" / "heads.safetensors"), "--overwrite"], out, gpus="0"),
+            launch("ddp-2", "rolecall.train", [*common, "--output", str(out / "ddp2" / "heads.safetensors"), "--overwrite"], out, 2, "multi_gpu")]
     # the 2-GPU run's half-way checkpoint, finished on 1 GPU
     ckpt = out / "ddp2" / "heads.ckpt" / f"step-{half:07d}.pt"
     (out / "ddp-resume-1").mkdir(exist_ok=True)
-    runs.append(launch("ddp-resume-1", "train", [*common, "--output", str(out / "ddp-resume-1" / "heads.safetensors"),
+    runs.append(launch("ddp-resume-1", "rolecall.train", [*common, "--output", str(out / "ddp-resume-1" / "heads.safetensors"),
                                                   "--resume", str(ckpt)], out, gpus="0"))
     a, b = _log(out / "ddp1" / "heads.log.jsonl"), _log(out / "ddp2" / "heads.log.jsonl")
     r = _log(out / "ddp-resume-1" / "heads.log.jsonl")
@@ -222,13 +222,13 @@ def part_zero3(args, out: Path) -> dict[str, Any]:
                 "--batch-size", "2", "--prefill-chunk", "4096", "--no-plots", "--checkpoint-every", "2"]
 
     steps = ["--steps", str(args.zero3_steps)]
-    runs = [launch("zero3-2", "train", [*common(data), *steps, "--output", str(out / "z2" / "heads.safetensors"), "--overwrite"],
+    runs = [launch("zero3-2", "rolecall.train", [*common(data), *steps, "--output", str(out / "z2" / "heads.safetensors"), "--overwrite"],
                    out, 2, "zero3")]
     ckpt = out / "z2" / "heads.ckpt" / "step-0000002.pt"
     (out / "z2-resume").mkdir(exist_ok=True)
-    runs.append(launch("zero3-resume-2", "train", [*common(data), *steps, "--output", str(out / "z2-resume" / "heads.safetensors"),
+    runs.append(launch("zero3-resume-2", "rolecall.train", [*common(data), *steps, "--output", str(out / "z2-resume" / "heads.safetensors"),
                                                    "--resume", str(ckpt)], out, 2, "zero3"))
-    runs.append(launch("plain-1", "train", [*common(data), *steps, "--output", str(out / "plain1" / "heads.safetensors"), "--overwrite"],
+    runs.append(launch("plain-1", "rolecall.train", [*common(data), *steps, "--output", str(out / "plain1" / "heads.safetensors"), "--overwrite"],
                        out, gpus="0"))
     full, resumed, plain = (_log(out / d / "heads.log.jsonl") for d in ("z2", "z2-resume", "plain1"))
     result: dict[str, Any] = {
@@ -246,7 +246,7 @@ def part_zero3(args, out: Path) -> dict[str, Any]:
     for length in args.prompt_lengths:
         data_n = random_dataset(out / f"len{length}.jsonl", 2, length, QWEN_14B["vocab_size"], seed=length)
         dest = out / f"len{length}" / "heads.safetensors"
-        run = launch(f"zero3-len{length}", "train", [*common(data_n), "--steps", "2", "--output", str(dest), "--overwrite"], out, 2, "zero3")
+        run = launch(f"zero3-len{length}", "rolecall.train", [*common(data_n), "--steps", "2", "--output", str(dest), "--overwrite"], out, 2, "zero3")
         log = _log(dest.with_name("heads.log.jsonl"))
         memory.append({"prompt_tokens": length, "ok": run["exit"] == 0 and len(log) == 2,
                        "step_seconds": _median_step(log, 1),
@@ -285,7 +285,7 @@ def part_large(args, out: Path) -> dict[str, Any]:
             name = f"large{length}" + (f"-{n}gpu" if n != gpus else "")
             data = random_dataset(out / f"{name}.jsonl", n * args.large_steps, length, LLAMA_70B["vocab_size"])
             dest = out / name / "heads.safetensors"
-            run = launch(f"large-train-{length}" + (f"-{n}gpu" if n != gpus else ""), "train",
+            run = launch(f"large-train-{length}" + (f"-{n}gpu" if n != gpus else ""), "rolecall.train",
                          [*model, "--model-name", "ds-llama-70b-random", "--dataset", str(data), "--mixed-precision",
                           "bf16", "--target", "32", "--batch-size", str(n), "--prefill-chunk", "4096", "--no-plots",
                           "--checkpoint-every", "1000", "--steps", str(args.large_steps), "--output", str(dest),
@@ -306,7 +306,7 @@ def part_large(args, out: Path) -> dict[str, Any]:
                               for _ in range(args.large_traces)))
     calibrate = [*model, "--traces", str(traces), "--no-plots", "--quiet", "--min-context", str(MIN_CONTEXT)]
     for name, processes, extra in (("zero3", gpus, []), ("device-map", 1, ["--device-map", "auto"])):
-        run = launch(f"large-calibrate-{name}", "calibrate",
+        run = launch(f"large-calibrate-{name}", "rolecall.calibrate",
                      [*calibrate, *extra, "--output", str(out / f"large-{name}.safetensors")], out,
                      processes, "zero3" if name == "zero3" else None)
         runs.append(run)

@@ -9,7 +9,7 @@ a forest plot with the one-point band, a table and JSON.
 ``--grid NAME=FOLDER``: a folder written by ``benchmarks/quality.py`` (its ``summary.json`` keeps every row's
 per-prompt scores), shown as one panel named NAME. In each, every row at ``--budget`` (or the ``--rows`` given,
 in that order) is compared with the grid's full-attention row and with its Quest row at the same budget: the
-mean per-prompt score difference in points with its 95 % interval (``runtime.eval.stats.paired_difference``).
+mean per-prompt score difference in points with its 95 % interval (``rolecall.runtime.eval.stats.paired_difference``).
 A row is *within one point* of full when that whole interval lies in [−1, +1]; *significant* when it excludes 0.
 Writes ``paired.png``, ``paired.json`` and ``PAIRED.md`` (the table it prints).
 """
@@ -23,9 +23,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rolecall.runtime.cli import Parser, run_reporting_errors  # noqa: E402
+from rolecall.runtime.eval.stats import paired_difference  # noqa: E402
+
 from benchmarks.report import at_least, grid_summary, pairable_scores, save_figure, write_report  # noqa: E402
-from runtime.cli import Parser, run_reporting_errors  # noqa: E402
-from runtime.eval.stats import paired_difference  # noqa: E402
 
 PROG = Path(__file__).name
 BAND = 1.0  # points: "within one point of full"

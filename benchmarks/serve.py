@@ -61,6 +61,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rolecall.runtime.atomic import write_text  # noqa: E402
+from rolecall.runtime.cli import Parser  # noqa: E402
+from rolecall.runtime.engine import SHAPES, ModelShape  # noqa: E402
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
+
 from benchmarks.decode import (  # noqa: E402
     RETRIEVAL_HEADS_7B,
     delta_manifest,
@@ -83,10 +88,6 @@ from benchmarks.load import (  # noqa: E402
 )
 from benchmarks.report import host_cpu  # noqa: E402
 from benchmarks.timing import gpu_slug  # noqa: E402
-from runtime.atomic import write_text  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
-from runtime.engine import SHAPES, ModelShape  # noqa: E402
-from runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
 
 POLICIES = ("full", "delta", "lychee")
 HOST = "127.0.0.1"
@@ -138,8 +139,8 @@ class Target:
 def prepare(args: argparse.Namespace, folder: Path) -> Target:
     """The config (written to ``folder`` for ``--shape``) and each policy's manifest (made for the shape, written
     to ``folder``; or given or shipped), checked against the config as the server will check them."""
-    from runtime.models import load_config
-    from runtime.session import bound_policy
+    from rolecall.runtime.models import load_config
+    from rolecall.runtime.session import bound_policy
 
     random = random_weights(args)
     if args.model is None:
@@ -192,7 +193,7 @@ def free_port() -> int:
 
 def server_command(args: argparse.Namespace, target: Target, policy: str, port: int) -> list[str]:
     """``rolecall serve`` for ``policy`` on ``port``, run by this interpreter from this checkout."""
-    cmd = [sys.executable, "-c", "import sys; from runtime.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from rolecall.runtime.cli import main; sys.exit(main())", "serve",
            "--model", target.model, "--policy", policy, "--host", HOST, "--port", str(port), "--slots",
            str(args.slots), "--max-context", str(args.max_context), "--device", args.device, "--dtype", args.dtype]
     if target.random:
@@ -310,8 +311,9 @@ def static_steps(args: argparse.Namespace, target: Target, rows: list[dict]) -> 
     step (CUDA-graph replays, median) of the same policy at the steady window's live batch (its mean, rounded) and
     mean context, on random weights of the shape; ``static_step`` in each row, with the steady TPOT and the
     server's own step time over it."""
+    from rolecall.runtime.engine import Weights
+
     from benchmarks.decode import Bench, make_policy
-    from runtime.engine import Weights
 
     weights = Weights.random(target.shape, torch.device(args.device), getattr(torch, args.dtype))
     bench = Bench.with_defaults("cuda", args.bandwidth_tbs * 1e12)
@@ -357,7 +359,7 @@ def print_row(r: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from runtime.cli.common import chosen_device
+    from rolecall.runtime.cli.common import chosen_device
 
     p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--policies", default="full,delta,lychee", help=f"comma-separated: {', '.join(POLICIES)}")

@@ -28,14 +28,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rolecall.runtime.atomic import write_text  # noqa: E402
+from rolecall.runtime.cli import Parser  # noqa: E402
+from rolecall.runtime.engine import SHAPES, StaticDecoder, Weights  # noqa: E402
+from rolecall.runtime.engine.batcher import RowStopper  # noqa: E402
+from rolecall.runtime.engine.sampling import RowSampler  # noqa: E402
+
 from benchmarks.decode import Bench, make_policy  # noqa: E402
 from benchmarks.report import host_cpu  # noqa: E402
 from benchmarks.timing import event_times, gpu_slug  # noqa: E402
-from runtime.atomic import write_text  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
-from runtime.engine import SHAPES, StaticDecoder, Weights  # noqa: E402
-from runtime.engine.batcher import RowStopper  # noqa: E402
-from runtime.engine.sampling import RowSampler  # noqa: E402
 
 POLICIES = ("full", "delta", "lychee")
 BUDGET, RETRIEVAL_HEADS = 2048, 32

@@ -5,7 +5,7 @@ For each prompt length it times, in the same run:
 - ``baseline``: what any distillation step must do anyway: the teacher's chunked prefill of the prompt and
   its forward over the target span (no gradients);
 - ``train step``: one full step of the recipe: the baseline plus the student's hybrid forward, the backward
-  pass into the gates and the optimizer and λ updates (``train.recipe`` does the same per step).
+  pass into the gates and the optimizer and λ updates (``rolecall.train.recipe`` does the same per step).
 
 Medians over ``--repeats`` steps after ``--warmup`` untimed ones; CUDA events; the GPU is named in the
 table and the JSON. Random weights give near-uniform attention, which does not change the work done.
@@ -30,13 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rolecall.runtime.cli import Parser  # noqa: E402
+from rolecall.runtime.models import cache_keyword  # noqa: E402
+from rolecall.train.distill import distill_loss, prefill, split_sample  # noqa: E402
+from rolecall.train.gates import GateParameters  # noqa: E402
+from rolecall.train.hybrid import HybridAttention, fast_float32_matmul  # noqa: E402
+
 from benchmarks.report import at_least  # noqa: E402
 from benchmarks.timing import event_times  # noqa: E402
-from runtime.cli import Parser  # noqa: E402
-from runtime.models import cache_keyword  # noqa: E402
-from train.distill import distill_loss, prefill, split_sample  # noqa: E402
-from train.gates import GateParameters  # noqa: E402
-from train.hybrid import HybridAttention, fast_float32_matmul  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -75,7 +76,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "llama3-8b-
 
 def recipe_settings(path: Path = RECIPE) -> tuple[int, int]:
     """The published recipe's ``steps`` and ``checkpoint_every``."""
-    from train.config import read_yaml
+    from rolecall.train.config import read_yaml
 
     doc = read_yaml(str(path))
     return int(doc["steps"]), int(doc["checkpoint_every"])

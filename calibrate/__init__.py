@@ -5,20 +5,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from calibrate.api import run, save
-    from calibrate.config import CalibrateConfig
+    from rolecall.calibrate.api import run, save
+    from rolecall.calibrate.config import CalibrateConfig
 
 __all__ = ["CalibrateConfig", "run", "save"]
 
 
 def __getattr__(name: str):
-    # imported on first use, so `import calibrate.cli` (and `rolecall --help`) loads no transformers
+    # imported on first use, so `import rolecall.calibrate.cli` (and `rolecall --help`) loads no transformers
     if name in ("run", "save"):
-        from calibrate import api
+        from rolecall.calibrate import api
 
         return getattr(api, name)
     if name == "CalibrateConfig":
-        from calibrate.config import CalibrateConfig
+        from rolecall.calibrate.config import CalibrateConfig
 
         return CalibrateConfig
-    raise AttributeError(f"module 'calibrate' has no attribute {name!r}")
+    raise AttributeError(f"module 'rolecall.calibrate' has no attribute {name!r}")

@@ -1,7 +1,7 @@
-"""``python -m calibrate`` = ``calibrate-delta`` (so ``accelerate launch -m calibrate ...`` works)."""
+"""``python -m rolecall.calibrate`` = ``calibrate-delta`` (so ``accelerate launch -m rolecall.calibrate ...`` works)."""
 
 import sys
 
-from calibrate.cli import main
+from rolecall.calibrate.cli import main
 
 sys.exit(main())

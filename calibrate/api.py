@@ -1,4 +1,4 @@
-"""``calibrate.run``: traces in, role manifest out. The CLI (``calibrate.cli``) only wraps this.
+"""``calibrate.run``: traces in, role manifest out. The CLI (``rolecall.calibrate.cli``) only wraps this.
 
 Hybrid models (Gemma 3 and others whose ``layer_types`` mix sliding-window and full attention): the sliding
 layers keep their own windowed attention at decode time, so by default they are not recorded, never become
@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from calibrate.config import CalibrateConfig, dumps, resolve
-from calibrate.delta import (
+from rolecall.calibrate.config import CalibrateConfig, dumps, resolve
+from rolecall.calibrate.delta import (
     candidate_recall,
     get_selector,
     layer_roles,
@@ -28,20 +27,20 @@ from calibrate.delta import (
     recall_per_layer,
     select_among,
 )
-from calibrate.lethe import LetheBudget
-from calibrate.recorder import AttentionRecorder, record_traces
-from calibrate.totals import CalibrationTotals
-from calibrate.traces import traces_sha256
-from runtime import distributed
-from runtime.atomic import write_text
-from runtime.manifest import ModelIdentity, RoleManifest, portable_name
-from runtime.models import sliding_layers
+from rolecall.calibrate.lethe import LetheBudget
+from rolecall.calibrate.recorder import AttentionRecorder, record_traces
+from rolecall.calibrate.totals import CalibrationTotals
+from rolecall.calibrate.traces import traces_sha256
+from rolecall.runtime import distributed
+from rolecall.runtime.atomic import write_text
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest, portable_name
+from rolecall.runtime.models import sliding_layers
 
 _SIDECAR = "_calibrate_config"  # attribute of a manifest from decide(): its config with the paths as given
 
 
 def _text_config(model):
-    """The text config of ``model``, or of ``model`` itself when it is a config (:func:`runtime.models.load_config`)."""
+    """The text config of ``model``, or of ``model`` itself when it is a config (:func:`rolecall.runtime.models.load_config`)."""
     cfg = getattr(model, "config", model)
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
@@ -77,7 +76,7 @@ def candidate_layers(model, config: CalibrateConfig) -> list[int]:
 
 def check_layers(model, config: CalibrateConfig) -> int:
     """Refuse, in one line, a ``warmup`` or a ``num_delta`` the model has no room for. ``model`` may be its config
-    alone (:func:`runtime.models.load_config`), so this runs before any weights load. Returns the number of layers
+    alone (:func:`rolecall.runtime.models.load_config`), so this runs before any weights load. Returns the number of layers
     there are to select Δ-layers from: the candidates from layer ``warmup`` on."""
     candidates = candidate_layers(model, config)
     num_layers = int(_text_config(model).num_hidden_layers)
@@ -219,7 +218,7 @@ def save(manifest: RoleManifest, output: str | os.PathLike, plots: bool = True) 
     with tempfile.TemporaryDirectory(prefix=f".{stem}.plots.", dir=output.parent) as drawn:
         pngs = []
         if plots:
-            from calibrate.plots import plot_all
+            from rolecall.calibrate.plots import plot_all
 
             pngs = plot_all(manifest, drawn, stem)
         write_text(config_path, config_text)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.cli import Parser
+from rolecall.runtime.cli import Parser
 
 
 def _real(low: float, high: float | None, example: str, low_closed: bool = False):
@@ -71,7 +71,7 @@ _FLAGS: list[tuple[str, str, Callable[[str], object], str]] = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from runtime.models import DTYPES
+    from rolecall.runtime.models import DTYPES
 
     parser.add_argument("--config", help="YAML of settings [configs/calibrate/<model>.yaml when it exists]")
     shown = effective_defaults()
@@ -104,7 +104,7 @@ def effective_defaults() -> dict:
     model's shipped ``configs/calibrate/<model>.yaml`` (for ``--help``; read without importing torch)."""
     from dataclasses import fields
 
-    from calibrate.config import CalibrateConfig, read_yaml, shipped_config
+    from rolecall.calibrate.config import CalibrateConfig, read_yaml, shipped_config
 
     values = {f.name: f.default for f in fields(CalibrateConfig)}
     path = shipped_config(values["model"])
@@ -114,7 +114,7 @@ def effective_defaults() -> dict:
 
 
 def resolve_config(args: argparse.Namespace):
-    from calibrate.config import read_yaml, resolve, shipped_config
+    from rolecall.calibrate.config import read_yaml, resolve, shipped_config
 
     flags = {key: getattr(args, key) for _, key, _, _ in _FLAGS} | {"sample": args.sample, "plots": args.plots,
                                                                       "include_sliding": args.include_sliding,
@@ -135,14 +135,18 @@ def _default_output(model: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from calibrate.api import check_layers, save
-    from calibrate.api import run as calibrate
-    from calibrate.traces import read_traces
-    from runtime import distributed
-    from runtime.atomic import check_writable
-    from runtime.cli.common import check_placement, check_sampling_flags, chosen_device, wall_time_line
-    from runtime.models import load_config, load_tokenizer
+    from rolecall.calibrate.api import check_layers, save
+    from rolecall.calibrate.api import run as calibrate
+    from rolecall.calibrate.traces import read_traces
+    from rolecall.runtime import distributed
+    from rolecall.runtime.atomic import check_writable
+    from rolecall.runtime.cli.common import (
+        check_placement,
+        check_sampling_flags,
+        chosen_device,
+        wall_time_line,
+    )
+    from rolecall.runtime.models import load_config, load_tokenizer
 
     start = time.perf_counter()
     config, config_path = resolve_config(args)
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _prompts(config) -> list[str]:
     """The prompts of ``--prompts``, or a one-line refusal naming the flag."""
-    from calibrate.traces import load_prompts
+    from rolecall.calibrate.traces import load_prompts
 
     try:
         prompts = load_prompts(config.prompts, config.num_prompts)
@@ -224,9 +228,8 @@ def _prompts(config) -> list[str]:
 def _generate(model, tokenizer, prompts: list[str], config, data: dict, args: argparse.Namespace) -> list[list[int]]:
     """Greedy (or sampled) reasoning traces of the model itself; rank 0 generates and caches, the others read."""
     import torch
-
-    from calibrate.traces import generate_traces
-    from runtime import distributed
+    from rolecall.calibrate.traces import generate_traces
+    from rolecall.runtime import distributed
 
     gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
                top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
@@ -244,8 +247,7 @@ def _generate(model, tokenizer, prompts: list[str], config, data: dict, args: ar
 def _cost(seconds: float, traces: int, device) -> str:
     """One line of what recording cost: seconds per trace and, on GPUs, the peak memory of the busiest process."""
     import torch
-
-    from runtime import distributed
+    from rolecall.runtime import distributed
 
     world = distributed.world_size()
     gpus = range(torch.cuda.device_count()) if device.type == "cuda" else []  # --device-map spreads over several
@@ -259,8 +261,8 @@ def _cost(seconds: float, traces: int, device) -> str:
 def check_traces(traces: list[list[int]], config, model_config, allow_long: bool = False) -> None:
     """Refuse, in one line and before the model loads, a trace with a token id the model (its ``model_config``)
     has no embedding for or one longer than its context (only a warning with ``allow_long``)."""
-    from data.tokens import check_token_ids, vocab_size
-    from runtime.models import check_context, context_limit
+    from rolecall.data.tokens import check_token_ids, vocab_size
+    from rolecall.runtime.models import check_context, context_limit
 
     if not traces:
         return
@@ -276,7 +278,7 @@ def check_traces(traces: list[list[int]], config, model_config, allow_long: bool
 def check_prompt_lengths(prompts: list[str], tokenizer, config) -> None:
     """Refuse, before the model loads, a ``min_context`` that no trace generated from ``prompts`` can reach: the
     longest chat-formatted prompt plus ``max_new_tokens``, the most a trace can hold."""
-    from data.reasoning import format_prompt
+    from rolecall.data.reasoning import format_prompt
 
     if tokenizer is None or not prompts:
         return
@@ -302,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.cli import run_reporting_errors
+    from rolecall.runtime.cli import run_reporting_errors
 
     return run_reporting_errors("calibrate-delta", run, build_parser().parse_args(argv))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.configfile import ConfigError, layered, read_config, shipped
+from rolecall.runtime.configfile import ConfigError, layered, read_config, shipped
 
 
 @dataclass
@@ -27,7 +27,7 @@ class CalibrateConfig:
     deepspeed: str | None = None  # a DeepSpeed JSON (path or configs/deepspeed/ name) whose ZeRO-3 shards the model
     random_weights: bool = False  # the model's architecture with random weights: speed and memory only
     # traces
-    prompts: str = "champ"  # data.reasoning source: champ, arithmetic[:N], jsonl:PATH
+    prompts: str = "champ"  # rolecall.data.reasoning source: champ, arithmetic[:N], jsonl:PATH
     num_prompts: int = 8
     max_new_tokens: int = 320
     sample: bool = False  # greedy by default; sampling uses temperature / top_p with `seed`
@@ -81,8 +81,8 @@ class CalibrateConfig:
             self.num_delta = int(self.num_delta)
         need(self.num_delta == "auto" or (isinstance(self.num_delta, int) and self.num_delta >= 1),
              f"num_delta must be an integer ≥ 1 or 'auto', got {self.num_delta!r}")
-        from calibrate.delta import SELECTORS
-        from runtime.models import DTYPES
+        from rolecall.calibrate.delta import SELECTORS
+        from rolecall.runtime.models import DTYPES
 
         need(self.select in SELECTORS, f"select must be one of {sorted(SELECTORS)}, got {self.select!r}")
         need(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -105,7 +105,7 @@ RENAMED = {"top_pages": "num_pages"}  # keys of older configs and manifests, rea
 
 
 def resolve(*layers: dict[str, Any] | None) -> CalibrateConfig:
-    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`runtime.configfile.layered`).
+    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`rolecall.runtime.configfile.layered`).
     A key of an older release (``RENAMED``) is read as its current name."""
     current = [{RENAMED.get(k, k): v for k, v in layer.items()} if layer else layer for layer in layers]
     return layered(CalibrateConfig, *current, what="calibration config")

@@ -1,6 +1,6 @@
 """The recording attention function: normal attention output, plus statistics of sampled query rows.
 
-transformers calls :class:`AttentionRecorder` through ``AttentionInterface`` (see ``runtime.attention``) once per
+transformers calls :class:`AttentionRecorder` through ``AttentionInterface`` (see ``rolecall.runtime.attention``) once per
 layer and forward. It first returns exactly what SDPA returns, so the model's outputs do not change; then, for
 the sampled query positions inside the current chunk (every ``stride`` tokens from ``min_context`` on), it
 computes those rows' attention probabilities in float32 over their causal prefix, ``query_block`` rows at a
@@ -16,13 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from rolecall.calibrate.stats import cosine_shift, head_max, hoyer_sparsity, page_sums, pair_recall
+from rolecall.calibrate.totals import CalibrationTotals
+from rolecall.runtime.attention import keep_mask, use_attention
+from rolecall.runtime.distributed import model_device
+from rolecall.runtime.models import cache_keyword
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-from calibrate.stats import cosine_shift, head_max, hoyer_sparsity, page_sums, pair_recall
-from calibrate.totals import CalibrationTotals
-from runtime.attention import keep_mask, use_attention
-from runtime.distributed import model_device
-from runtime.models import cache_keyword
 
 ATTENTION_NAME = "rolecall-record"
 

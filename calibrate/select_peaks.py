@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from calibrate.delta import choose_delta_layers, mean_sparse_recall
+from rolecall.calibrate.delta import choose_delta_layers, mean_sparse_recall
 
 
 @dataclass

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from runtime.kernels.topk_select import topk_mask_with_recent
+from rolecall.runtime.kernels.topk_select import topk_mask_with_recent
 
 
 def hoyer_sparsity(p: torch.Tensor, n: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -64,7 +63,7 @@ def page_sums(x: torch.Tensor, page_size: int) -> torch.Tensor:
 def selected_pages(score: torch.Tensor, last_page: torch.Tensor, num_pages: int, recent_pages: int) -> torch.Tensor:
     """DELTA's page choice for rows of page scores: ``num_pages`` (K) pages in all, the last ``recent_pages``
     (L) up to and including ``last_page`` (the page of the query itself) and the K − L highest-scoring older
-    pages, the same rule (``runtime.kernels.topk_select``) as the runtime's ``delta`` policy and engine.
+    pages, the same rule (``rolecall.runtime.kernels.topk_select``) as the runtime's ``delta`` policy and engine.
 
     ``score``: ``[..., P]``; ``last_page``: ``[...]`` int, index of the query's page. Returns a bool ``[..., P]``.
     Pages after ``last_page`` are never chosen (they do not exist yet at that decode step).

@@ -1,7 +1,7 @@
 """Calibration traces: token ids of a prompt followed by the model's own answer.
 
-Either generated once by the model from reasoning prompts (``data.reasoning``) and cached on disk under
-``runtime.models.cache_dir() / "traces"``, keyed by the model, the prompts and the generation settings, so a
+Either generated once by the model from reasoning prompts (``rolecall.data.reasoning``) and cached on disk under
+``rolecall.runtime.models.cache_dir() / "traces"``, keyed by the model, the prompts and the generation settings, so a
 second run with the same settings reuses them; or read from a JSONL file (``--traces``) whose lines are
 ``{"text": "..."}``, ``{"ids": [...]}`` (or ``"input_ids"``), or a bare JSON string.
 """
@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from data.jsonl import iter_jsonl
-from data.tokens import check_token_ids
-from runtime.atomic import write_text
+from rolecall.data.jsonl import iter_jsonl
+from rolecall.data.tokens import check_token_ids
+from rolecall.runtime.atomic import write_text
 
 
 class TraceError(ValueError):
@@ -65,7 +64,7 @@ def write_traces(path: Path, traces: list[list[int]]) -> None:
 
 
 def load_prompts(source: str, limit: int) -> list[str]:
-    from data.reasoning import load_prompts as load
+    from rolecall.data.reasoning import load_prompts as load
 
     return load(source, limit=limit)
 
@@ -79,8 +78,8 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def trace_cache_path(model, prompts: list[str], settings: dict[str, Any]) -> Path:
-    from runtime.manifest import config_sha256
-    from runtime.models import cache_dir
+    from rolecall.runtime.manifest import config_sha256
+    from rolecall.runtime.models import cache_dir
 
     spec = getattr(model, "rolecall_spec", None)
     name = spec.name if spec is not None else str(getattr(model.config, "_name_or_path", "") or "model")
@@ -122,14 +121,14 @@ def generate_traces(model, tokenizer, prompts: list[str], max_new_tokens: int, s
     """One trace per prompt: the chat-formatted prompt's ids and the model's answer, ended by its EOS token (at
     least one answer token: an EOS first is not taken).
 
-    ``engine``: ``"auto"`` generates on rolecall's engine (:func:`runtime.engine.generate`: static cache, CUDA
+    ``engine``: ``"auto"`` generates on rolecall's engine (:func:`rolecall.runtime.engine.generate`: static cache, CUDA
     graphs, all prompts in as few batches as the GPU's free memory holds) when :func:`engine_refusal` finds
     nothing in the way, else through transformers ``model.generate`` (``batch_size`` prompts at a time, left
     padded), saying why in one line; ``"engine"`` or ``"transformers"`` take that path. Greedy traces are the
     same either way (the engine matches ``model.generate`` token for token; the cache key is the same); sampled
     ones are drawn by each path's own generator, so the engine's are cached under a key of their own.
     """
-    from data.reasoning import format_prompt
+    from rolecall.data.reasoning import format_prompt
 
     if not prompts:
         raise TraceError("no calibration prompts; pass --prompts with a source that has some")
@@ -207,7 +206,7 @@ def _on_transformers(model, encoded: list[list[int]], *, max_new_tokens: int, sa
 
 
 class _TokenBar:
-    """A streamer for :func:`runtime.engine.generate` that advances a bar of generated tokens: the batch's rows
+    """A streamer for :func:`rolecall.runtime.engine.generate` that advances a bar of generated tokens: the batch's rows
     times the steps its first row has taken (the first call is the prompt)."""
 
     def __init__(self, bar, rows: int) -> None:
@@ -229,7 +228,7 @@ def engine_rows(model, longest: int, max_new_tokens: int, prompts: int, device) 
     them off the GPU."""
     if device.type != "cuda":
         return prompts
-    from runtime.engine import ModelShape, StaticCache
+    from rolecall.runtime.engine import ModelShape, StaticCache
 
     shape = ModelShape.from_config(model.config)
     per_row = StaticCache.bytes_needed(shape, 1, longest + max_new_tokens)
@@ -239,12 +238,11 @@ def engine_rows(model, longest: int, max_new_tokens: int, prompts: int, device) 
 
 def _on_engine(model, encoded: list[list[int]], *, max_new_tokens: int, sample: bool, temperature: float,
                top_p: float, seed: int, eos: set[int], pad: int, progress: bool) -> list[list[int]]:
-    """:func:`runtime.engine.generate` with full attention, in batches of :func:`engine_rows`; a bar of tokens
+    """:func:`rolecall.runtime.engine.generate` with full attention, in batches of :func:`engine_rows`; a bar of tokens
     that finishes at the total."""
+    from rolecall.runtime.engine import Sampling, generate, shared_weights
+    from rolecall.runtime.session import bound_policy
     from tqdm.auto import tqdm
-
-    from runtime.engine import Sampling, generate, shared_weights
-    from runtime.session import bound_policy
 
     device = model.get_input_embeddings().weight.device
     policy = bound_policy("full", None, model.config)

@@ -1,15 +1,15 @@
 """Datasets for rolecall, offline by default.
 
-* ``data.passkey``: passkey-in-haystack training prompts (DuoAttention / LycheeDecode) and a single-passkey
+* ``rolecall.data.passkey``: passkey-in-haystack training prompts (DuoAttention / LycheeDecode) and a single-passkey
   needle-in-a-haystack evaluation grid.
-* ``data.ruler``: a RULER-style synthetic suite (needles, variable tracking, common and frequent words) for
+* ``rolecall.data.ruler``: a RULER-style synthetic suite (needles, variable tracking, common and frequent words) for
   any tokenizer and length, with RULER's string-match scorer.
-* ``data.hotpotqa``: HotpotQA distractor-setting prompts with answer targets.
-* ``data.reasoning``: calibration prompts (CHAMP by default, a user JSONL, or generated arithmetic).
-* ``data.corpora``: haystack text sources (``pg-essays``, ``booksum[:WHERE]``, ``text:PATH``).
+* ``rolecall.data.hotpotqa``: HotpotQA distractor-setting prompts with answer targets.
+* ``rolecall.data.reasoning``: calibration prompts (CHAMP by default, a user JSONL, or generated arithmetic).
+* ``rolecall.data.corpora``: haystack text sources (``pg-essays``, ``booksum[:WHERE]``, ``text:PATH``).
 
-Every builder returns a ``data.tokens.TokenDataset`` (a ``torch.utils.data.Dataset`` of dicts with 1-D
-``input_ids`` and ``labels``), cached under ``runtime.models.cache_dir() / "data"``. ``build_dataset(name,
+Every builder returns a ``rolecall.data.tokens.TokenDataset`` (a ``torch.utils.data.Dataset`` of dicts with 1-D
+``input_ids`` and ``labels``), cached under ``rolecall.runtime.models.cache_dir() / "data"``. ``build_dataset(name,
 tokenizer, **options)`` selects a builder by name, for configs.
 """
 
@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 BUILDERS: dict[str, tuple[str, str]] = {  # name -> (module, function)
-    "passkey": ("data.passkey", "build_passkey_dataset"),
-    "niah": ("data.passkey", "build_niah_dataset"),
-    "ruler": ("data.ruler", "build_ruler_dataset"),
-    "hotpotqa": ("data.hotpotqa", "build_hotpotqa_dataset"),
-    "reasoning": ("data.reasoning", "build_reasoning_dataset"),
+    "passkey": ("rolecall.data.passkey", "build_passkey_dataset"),
+    "niah": ("rolecall.data.passkey", "build_niah_dataset"),
+    "ruler": ("rolecall.data.ruler", "build_ruler_dataset"),
+    "hotpotqa": ("rolecall.data.hotpotqa", "build_hotpotqa_dataset"),
+    "reasoning": ("rolecall.data.reasoning", "build_reasoning_dataset"),
 }
 
 
@@ -47,5 +47,5 @@ def builder(name: str) -> Callable[..., Any]:
 
 
 def build_dataset(name: str, tokenizer, **options: Any):
-    """``build_dataset("passkey", tok, lengths=(1000, 4000))`` = ``data.passkey.build_passkey_dataset(tok, ...)``."""
+    """``build_dataset("passkey", tok, lengths=(1000, 4000))`` = ``rolecall.data.passkey.build_passkey_dataset(tok, ...)``."""
     return builder(name)(tokenizer, **options)

@@ -1,6 +1,6 @@
 """Sanity check that passkey prompts are well formed: does a model retrieve the passkeys with full attention?
 
-    python -m data.check_retrieval --model smollm2-135m --lengths 1000 2000 4000 --samples 3 --out retrieval.json
+    python -m rolecall.data.check_retrieval --model smollm2-135m --lengths 1000 2000 4000 --samples 3 --out retrieval.json
 
 Greedy decoding reproduces an answer exactly iff the argmax at every answer position, fed the true prefix,
 is the answer's next token; so one teacher-forced forward pass per sample scores all of its passkeys, with
@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+from rolecall.data.passkey import answer_prompt, build_niah_dataset, build_passkey_dataset, passkey_correct
+from rolecall.runtime.cli import Parser
 from tqdm.auto import tqdm
-
-from data.passkey import answer_prompt, build_niah_dataset, build_passkey_dataset, passkey_correct
-from runtime.cli import Parser
 
 
 @torch.no_grad()
@@ -49,7 +48,7 @@ def generated_first_answer(model, tokenizer, sample) -> str:
 
 def run(model_name: str, lengths: list[int], samples: int, words: int, chat: bool, generate: bool,
         num_passkeys: int, depths: list[float], alphabet: str = "nato") -> dict:
-    from runtime.models import load_model, load_tokenizer
+    from rolecall.runtime.models import load_model, load_tokenizer
 
     tokenizer, model = load_tokenizer(model_name), load_model(model_name)
     results: dict = {"model": model_name, "chat_template": chat, "passkey_words": words, "alphabet": alphabet,

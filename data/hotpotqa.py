@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-
-from data.corpora import CorpusError, CorpusNotFoundError, builder_for
-from data.tokens import (
+from rolecall.data.corpora import CorpusError, CorpusNotFoundError, builder_for
+from rolecall.data.tokens import (
     Piece,
     TokenDataset,
     assemble,
@@ -34,6 +32,7 @@ from data.tokens import (
     text_piece,
     tokenizer_fingerprint,
 )
+from tqdm.auto import tqdm
 
 HUB_ID = "hotpotqa/hotpot_qa"
 INSTRUCTION = "Answer the question using the passages below. Reply with the answer only."

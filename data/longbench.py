@@ -51,7 +51,7 @@ def _load_tasks() -> dict[str, Task]:
 
     import yaml
 
-    doc = yaml.safe_load((importlib.resources.files("configs") / "suites" / "longbench.yaml").read_text())
+    doc = yaml.safe_load((importlib.resources.files("rolecall.configs") / "suites" / "longbench.yaml").read_text())
     return {name: Task(t["metric"], int(t["max_new_tokens"]), t["instruction"]) for name, t in doc["tasks"].items()}
 
 
@@ -64,13 +64,13 @@ class DataNotFound(ValueError):
 
 
 def check_tasks(tasks) -> tuple[str, ...]:
-    from data import check_names
+    from rolecall.data import check_names
 
     return check_names("LongBench task", tasks, TASKS)
 
 
 def _hub_zip() -> Path:
-    from runtime.models import _hub_reachable, _offline
+    from rolecall.runtime.models import _hub_reachable, _offline
 
     hint = (f"on a machine with access, fetch {HUB_FILE} of the dataset {HUB_DATASET} from the Hugging Face Hub and "
             f"pass --data PATH (the zip, or the folder of <task>.jsonl files it holds)")

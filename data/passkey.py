@@ -26,12 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from rolecall.data import tokens as tk
+from rolecall.data.corpora import Corpus, load_corpus
+from rolecall.data.haystack import POOL_TOKENS, Haystack, load_haystack
+from rolecall.data.tokens import Piece, encode, text_piece
 from tqdm.auto import tqdm
-
-from data import tokens as tk
-from data.corpora import Corpus, load_corpus
-from data.haystack import POOL_TOKENS, Haystack, load_haystack
-from data.tokens import Piece, encode, text_piece
 
 NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo",
         "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor",

@@ -18,11 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-
-from data.corpora import ASSETS_HINT, CorpusError, CorpusNotFoundError
-from data.jsonl import iter_jsonl
-from data.tokens import (
+from rolecall.data.corpora import ASSETS_HINT, CorpusError, CorpusNotFoundError
+from rolecall.data.jsonl import iter_jsonl
+from rolecall.data.tokens import (
     TokenDataset,
     cache_root,
     cached,
@@ -30,8 +28,9 @@ from data.tokens import (
     sha256_text,
     tokenizer_fingerprint,
 )
-from runtime.atomic import write_text
-from runtime.registry import Registry
+from rolecall.runtime.atomic import write_text
+from rolecall.runtime.registry import Registry
+from tqdm.auto import tqdm
 
 INSTRUCTION = "Think it through step by step, then give the final answer in \\boxed{}."
 

@@ -43,12 +43,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from rolecall.data import tokens as tk
+from rolecall.data.corpora import load_corpus
+from rolecall.data.haystack import POOL_TOKENS, Haystack, load_haystack
+from rolecall.data.tokens import Piece, encode, text_piece
 from tqdm.auto import tqdm
-
-from data import tokens as tk
-from data.corpora import load_corpus
-from data.haystack import POOL_TOKENS, Haystack, load_haystack
-from data.tokens import Piece, encode, text_piece
 
 NOISE = "The river runs to the sea. The hills stand still. The day goes by and comes again. "
 ADJECTIVES = ("amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
@@ -328,7 +327,7 @@ def _sample(tokenizer, hay: Haystack | None, task: str, length: int, index: int,
 
 
 def check_tasks(tasks) -> tuple[str, ...]:
-    from data import check_names
+    from rolecall.data import check_names
 
     return check_names("RULER task", tasks, TASKS)
 

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rolecall.runtime.atomic import atomic_write
 from torch.utils.data import Dataset
-
-from runtime.atomic import atomic_write
 
 IGNORE = -100
 CACHE_FORMAT = "1"  # bump when the layout of cached samples changes
@@ -144,7 +143,7 @@ def sha256_text(text: str) -> str:
 
 
 def cache_root() -> Path:
-    from runtime.models import cache_dir
+    from rolecall.runtime.models import cache_dir
 
     return cache_dir() / "data"
 

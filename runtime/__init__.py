@@ -7,7 +7,7 @@ __all__ = ["__version__", "attach"]
 
 def __getattr__(name: str):
     if name == "attach":  # imported on first use: reading a manifest should not load transformers
-        from runtime.session import attach
+        from rolecall.runtime.session import attach
 
         return attach
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'rolecall.runtime' has no attribute {name!r}")

@@ -37,7 +37,7 @@ RENAMED: dict[str, dict[str, str]] = {
 
 def shipped(folder: str) -> dict[str, Path]:
     """The configs that ship in ``configs/<folder>/``, by name (the file name without its suffix)."""
-    root = importlib.resources.files("configs") / folder
+    root = importlib.resources.files("rolecall.configs") / folder
     return {p.name.rsplit(".", 1)[0]: Path(str(p)) for p in root.iterdir()
             if p.name.endswith((".yaml", ".yml", ".json"))}
 

@@ -65,7 +65,7 @@ def cache_dir() -> Path:
 
 
 def _alias_files() -> dict[str, Any]:
-    root = importlib.resources.files("configs") / "models"
+    root = importlib.resources.files("rolecall.configs") / "models"
     return {p.name.rsplit(".", 1)[0]: p for p in root.iterdir() if p.name.endswith((".yaml", ".yml"))}
 
 
@@ -512,7 +512,7 @@ def check_context(tokens: int, limit: int | None, what: str, fix: str, allow_lon
     """Refuse ``tokens`` beyond the model's context ``limit`` in one line (``what`` names the input, ``fix`` the
     remedy); with ``allow_long`` (``--allow-long-context``: RoPE extended on purpose) print a one-line warning
     to stderr instead. The one check calibrate-delta, train-heads, eval, decode and the Python API
-    (:func:`runtime.prompts.check_prompts`) share. ``opt_in``: how the caller asks for a longer context, named in
+    (:func:`rolecall.runtime.prompts.check_prompts`) share. ``opt_in``: how the caller asks for a longer context, named in
     the message (the Python API's ``allow_long_context=True``); None where nothing can allow more (a buffer's
     size), and then ``allow_long`` does not apply. ``limit_name``: what the limit is (``{limit}`` its value)."""
     if limit is None or tokens <= limit:

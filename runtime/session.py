@@ -1,15 +1,15 @@
 """Attach a role manifest and a decode policy to a model: ``with attach(model, manifest, "delta"): ...``.
 
 ``session.generate(...)`` takes ``model.generate``'s arguments. On a GPU it runs the engine
-(:mod:`runtime.engine`: static cache, chunked prefill, CUDA-graph step, the policy's static step) whenever the
+(:mod:`rolecall.runtime.engine`: static cache, chunked prefill, CUDA-graph step, the policy's static step) whenever the
 model's family, the policy and the arguments allow; otherwise it says in one line why and runs the reference
 path below, transformers' own forward with rolecall's attention function (the CPU path, and the truth in tests).
 
 Reference path: prefill (more than one query token) stays dense through SDPA; each decode step (one query token) of every
 non-sliding layer goes through the policy's plan and the sparse-attention kernel. Sliding-window layers of
-hybrid models (``runtime.models.sliding_layers``) always run their own windowed attention and never call the
+hybrid models (``rolecall.runtime.models.sliding_layers``) always run their own windowed attention and never call the
 policy, so policies see, and hand selections between, the full-attention layers only. Everything runs inside
-``runtime.attention.use_attention``, so on exit the model is exactly what it was.
+``rolecall.runtime.attention.use_attention``, so on exit the model is exactly what it was.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from rolecall.runtime.attention import keep_mask, use_attention
+from rolecall.runtime.kernels.page_scores import attention_probs
+from rolecall.runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
+from rolecall.runtime.manifest import RoleManifest
+from rolecall.runtime.models import cache_keyword, sliding_layers
+from rolecall.runtime.policies import Plan, PolicyError, Step, get_policy
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-from runtime.attention import keep_mask, use_attention
-from runtime.kernels.page_scores import attention_probs
-from runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
-from runtime.manifest import RoleManifest
-from runtime.models import cache_keyword, sliding_layers
-from runtime.policies import Plan, PolicyError, Step, get_policy
 
 
 class LayerStats:
@@ -79,7 +78,7 @@ class Session:
         self.model, self.manifest, self.policy, self.engine = model, manifest, policy, engine
         self.allow_long_context = allow_long_context
         self._weights: Any = None  # the engine's weights, built at the first engine request
-        self._decoders: Any = None  # the last engine request's decoder, kept for the next (runtime.engine.Decoders)
+        self._decoders: Any = None  # the last engine request's decoder, kept for the next (rolecall.runtime.engine.Decoders)
         self._notice_given = False
         self.min_context = min_context
         self.last: Any = None  # the engine's Generation of the last call, when the engine ran
@@ -98,7 +97,7 @@ class Session:
     # -- public helpers ----------------------------------------------------------------------------------------
     @property
     def engine_weights(self) -> Any:
-        """The engine's weights of the model (``runtime.engine.Weights``: q/k/v and gate/up stacked into one
+        """The engine's weights of the model (``rolecall.runtime.engine.Weights``: q/k/v and gate/up stacked into one
         matrix each) from this session's first engine request on, or None. Inside the session the model's own
         projections are views of the stacked matrices, so they cost no second copy; when the session ends the
         model gets standalone tensors back and these weights are spent."""
@@ -113,11 +112,11 @@ class Session:
         """``model.generate``'s arguments and outputs; the engine when :meth:`engine_reason` allows (then also
         ``seed=`` for sampling, ``reference_logits=True`` for full attention's logits along the generated
         tokens in ``self.last.reference_logits``, and ``keep_prefill=True`` / ``prefilled=`` to share one prefill
-        between sessions, see :func:`runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
+        between sessions, see :func:`rolecall.runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
         :meth:`cache`. On the engine, ``output_logits=True`` gives one ``[B, V]`` per step as transformers does, but
         as views of one buffer in the model's dtype (transformers makes float32 copies; bf16 values are the same).
         The previous request's generation is freed when this one starts; its decoder is kept for the next request
-        of the same kind that fits it (``runtime.engine.Decoders``: the CUDA graphs replay instead of being captured
+        of the same kind that fits it (``rolecall.runtime.engine.Decoders``: the CUDA graphs replay instead of being captured
         again) and freed at the end of the session.
 
         Before anything runs, the request is checked (:meth:`check_request`); a bad one is refused in one line
@@ -140,16 +139,16 @@ class Session:
         return self.model.generate(*args, **kwargs)
 
     def check_request(self, args: tuple, kwargs: dict[str, Any]) -> list[list[int]] | None:
-        """``generate(*args, **kwargs)``'s prompts checked as :func:`runtime.prompts.check_prompts` checks them:
+        """``generate(*args, **kwargs)``'s prompts checked as :func:`rolecall.runtime.prompts.check_prompts` checks them:
         ``input_ids`` (or ``inputs``, or the first positional argument) a ``[batch, tokens]`` integer tensor of ids
         in the model's vocabulary, every row with a token its ``attention_mask`` (of the same shape) keeps,
         ``max_new_tokens`` (default: the generation config's, else 20) a whole number ≥ 1, and the longest row
         plus ``max_new_tokens`` within the model's context (``max_position_embeddings``) unless the session was
         attached with ``allow_long_context=True``. Returns each row's ids without those the mask drops (None for a
         request by ``inputs_embeds``, whose new tokens alone are checked)."""
-        from data.tokens import vocab_size
-        from runtime.models import context_limit
-        from runtime.prompts import PromptError, check_max_new_tokens, check_prompts
+        from rolecall.data.tokens import vocab_size
+        from rolecall.runtime.models import context_limit
+        from rolecall.runtime.prompts import PromptError, check_max_new_tokens, check_prompts
 
         given = kwargs.get("max_new_tokens")
         if given is None:
@@ -168,7 +167,7 @@ class Session:
         if not isinstance(ids, torch.Tensor):
             raise PromptError(f"generate takes input_ids as a [batch, tokens] tensor, as model.generate does, not a "
                               f"{type(ids).__name__}; torch.tensor(rows) makes one (rows of other lengths: "
-                              "runtime.engine.pad_left, with their attention_mask)")
+                              "rolecall.runtime.engine.pad_left, with their attention_mask)")
         return rows
 
     def engine_reason(self, kwargs: dict[str, Any] | None = None, args: tuple = ()) -> str | None:
@@ -177,7 +176,7 @@ class Session:
             return "engine='reference' was asked for"
         if self.engine == "auto" and self.model.device.type != "cuda":
             return "the model is not on a CUDA device"
-        from runtime.engine.weights import placement_problem
+        from rolecall.runtime.engine.weights import placement_problem
 
         misplaced = placement_problem(self.model)
         if misplaced:
@@ -196,7 +195,7 @@ class Session:
     @functools.cached_property
     def _engine_misfit(self) -> str | None:
         """Why the model's family or the policy keeps every request off the engine, or None (checked once)."""
-        from runtime.engine import ModelShape, static_step_of, unsupported
+        from rolecall.runtime.engine import ModelShape, static_step_of, unsupported
 
         why = unsupported(self.model.config)
         if why:
@@ -217,9 +216,8 @@ class Session:
                          rows: list[list[int]] | None = None):
         """The engine's request; ``rows``: each row's ids without those ``attention_mask`` drops (left padding),
         as :meth:`check_request` gives them."""
+        from rolecall.runtime.engine import Decoders, Sampling, Weights, generate
         from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-        from runtime.engine import Decoders, Sampling, Weights, generate
 
         gc = self.model.generation_config
         ids = rows if rows is not None else self.check_request((), {"input_ids": input_ids,
@@ -371,7 +369,7 @@ def bound_policy(policy: str | Any, manifest: RoleManifest | None, config: Any, 
 @contextmanager
 def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | None = None,
            policy: str | Any = "delta", **params: Any) -> Iterator[Session]:
-    """Decode ``model`` with ``policy`` (a name from ``runtime.policies.POLICIES`` or a policy object) and
+    """Decode ``model`` with ``policy`` (a name from ``rolecall.runtime.policies.POLICIES`` or a policy object) and
     ``manifest`` (a RoleManifest or a path) inside the ``with`` block; yields a :class:`Session`.
 
     ``params`` go to the policy, except ``record_recall`` / ``record_error`` (bool, default False): also
@@ -380,7 +378,7 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     ``engine``: ``"auto"`` (the engine on CUDA where it can run, default), ``"static"`` (the engine or an
     error, also on the CPU) or ``"reference"`` (always the transformers path); ``min_context``: below this
     many tokens the engine runs a sparse policy's full step (default: the measured crossover for the policy
-    and batch, :func:`runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs);
+    and batch, :func:`rolecall.runtime.engine.default_min_context`; 0 = always sparse, as evaluation needs);
     ``allow_long_context`` (default False): decode prompts whose tokens and new tokens pass the model's context
     (``max_position_embeddings``), for a model whose RoPE was extended on purpose, as ``--allow-long-context``
     does in the commands; without it such a request is refused in one line before it runs.

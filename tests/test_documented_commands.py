@@ -23,14 +23,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SCRIPT = re.compile(r"(rolecall|calibrate-delta|train-heads|python3? (-m (calibrate|train)(\.cli)?|benchmarks/\w+\.py)|accelerate launch|"
+SCRIPT = re.compile(r"(rolecall|calibrate-delta|train-heads|python3? (-m rolecall\.(calibrate|train)(\.cli)?|benchmarks/\w+\.py)|accelerate launch|"
                     r"torchrun)(\s|$)")
 # argparse's own refusals of the command's shape; a command's later checks (files, a GPU) are not these
 SHAPE_ERRORS = ("unrecognized arguments", "invalid choice", "the following arguments are required",
                 "expected one argument", "expected at least one argument", "invalid int value", "invalid float value",
                 "not allowed with argument", "ambiguous option")
-MODULES = {"calibrate": "calibrate-delta", "calibrate.cli": "calibrate-delta", "train": "train-heads",
-           "train.cli": "train-heads"}
+MODULES = {"rolecall.calibrate": "calibrate-delta", "rolecall.calibrate.cli": "calibrate-delta",
+           "rolecall.train": "train-heads", "rolecall.train.cli": "train-heads"}
 
 
 def code_lines(text: str) -> list[tuple[int, str]]:
@@ -98,12 +98,12 @@ def program(argv: list[str]) -> tuple[str, list[str]]:
 def parse(name: str, args: list[str]) -> None:
     """Parse ``args`` with the program ``name``'s parser (its checks on the flags' values included)."""
     if name == "rolecall":
-        from runtime.cli import SUBCOMMANDS, build_parser
+        from rolecall.runtime.cli import SUBCOMMANDS, build_parser
 
         chosen = next((a for a in args if not a.startswith("-")), None)
         build_parser(chosen if chosen in SUBCOMMANDS else "").parse_args(args)
     elif name in ("calibrate-delta", "train-heads"):
-        module = importlib.import_module("calibrate.cli" if name == "calibrate-delta" else "train.cli")
+        module = importlib.import_module("rolecall.calibrate.cli" if name == "calibrate-delta" else "rolecall.train.cli")
         module.build_parser().parse_args(args)
     else:
         script = re.fullmatch(r"benchmarks/(\w+)\.py", name)
@@ -143,11 +143,11 @@ def test_the_documents_show_commands_of_every_kind():
 
 def test_extraction_joins_continuations_and_reads_launchers():
     text = ("Run\n\n```bash\nrolecall eval --model m \\\n    --lengths 1 2  # a comment\nrolecall decode: error: x\n"
-            "```\n\n    accelerate launch --config_file c.yaml --num_processes 8 -m train --target 32\n\n"
+            "```\n\n    accelerate launch --config_file c.yaml --num_processes 8 -m rolecall.train --target 32\n\n"
             "and `python benchmarks/memory.py\n--models 32b` then `rolecall decode --prompts`.\n")
     lines = code_lines(text)
     assert lines == [(4, "rolecall eval --model m --lengths 1 2  # a comment"), (6, "rolecall decode: error: x"),
-                     (9, "accelerate launch --config_file c.yaml --num_processes 8 -m train --target 32"),
+                     (9, "accelerate launch --config_file c.yaml --num_processes 8 -m rolecall.train --target 32"),
                      (11, "python benchmarks/memory.py --models 32b")]
     argvs = [shlex.split(line, comments=True) for _, line in lines if SCRIPT.match(line) and ": error:" not in line]
     assert [program(a) for a in argvs] == [("rolecall", ["eval", "--model", "m", "--lengths", "1", "2"]),
@@ -158,7 +158,7 @@ def test_extraction_joins_continuations_and_reads_launchers():
 def test_a_renamed_flag_is_caught(monkeypatch, capsys):
     """The check can fail: a flag the parser does not know, or a value of the wrong kind, is a shape error, while
     a refusal of what the flags name (a missing GPU, file or manifest) is left to the command."""
-    monkeypatch.setattr("runtime.cli.Parser.check_writable", lambda *a, **k: None)
+    monkeypatch.setattr("rolecall.runtime.cli.Parser.check_writable", lambda *a, **k: None)
     for args in (["decode", "--prompt", "x", "--max-tokens", "5"], ["eval", "--lengths", "many"]):
         with pytest.raises(SystemExit):
             parse("rolecall", args)
@@ -173,7 +173,7 @@ def test_a_renamed_flag_is_caught(monkeypatch, capsys):
 @pytest.mark.parametrize("where, argv", DOCUMENTED, ids=[w for w, _ in DOCUMENTED])
 def test_each_documented_command_parses(where, argv, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # an output folder a parser makes on its way lands here
-    monkeypatch.setattr("runtime.cli.Parser.check_writable", lambda *a, **k: None)
+    monkeypatch.setattr("rolecall.runtime.cli.Parser.check_writable", lambda *a, **k: None)
     name, args = program(argv)
     try:
         parse(name, args)
@@ -184,7 +184,7 @@ def test_each_documented_command_parses(where, argv, monkeypatch, tmp_path, caps
 
 def test_the_readme_python_snippet_is_marked_to_run():
     """The README's Python API snippet is among those run, and the marker finds only what follows it."""
-    assert any(where.startswith("README.md:") and "runtime.attach" in code for where, code in SNIPPETS)
+    assert any(where.startswith("README.md:") and "rolecall.attach" in code for where, code in SNIPPETS)
     text = "x\n<!-- documented-snippet: run -->\n```python\nprint(1)\n```\n\n```python\nprint(2)\n```\n"
     assert marked_snippets(text) == [(4, "print(1)\n")]
 

@@ -10,10 +10,9 @@ from statistics import NormalDist
 
 import pytest
 import torch
-
-from calibrate.select_recall import RecallSelector
-from calibrate.stats import hoyer_sparsity
-from runtime.policies.vattention import VAttention
+from rolecall.calibrate.select_recall import RecallSelector
+from rolecall.calibrate.stats import hoyer_sparsity
+from rolecall.runtime.policies.vattention import VAttention
 
 
 # -- vAttention: the sample size -------------------------------------------------------------------------------------
@@ -150,7 +149,8 @@ def test_a_manifest_whose_header_was_reformatted_is_refused():
     import json
     import struct
 
-    from runtime.manifest import ManifestError, RoleManifest
+    from rolecall.runtime.manifest import ManifestError, RoleManifest
+
     from tests.test_bad_input_api import manifest
 
     raw = manifest().to_bytes()
@@ -165,7 +165,8 @@ def test_a_manifest_whose_header_was_reformatted_is_refused():
 
 @pytest.mark.parametrize("value", [2, -1])
 def test_head_roles_outside_zero_and_one_are_refused(value):
-    from runtime.manifest import ManifestError, RoleManifest
+    from rolecall.runtime.manifest import ManifestError, RoleManifest
+
     from tests.test_bad_input_api import manifest, rewritten, set_value
 
     bad = rewritten(manifest().to_bytes(), set_value("heads.role", 3, value))
@@ -176,7 +177,7 @@ def test_head_roles_outside_zero_and_one_are_refused(value):
 def test_delta_keeps_no_more_recent_pages_than_pages():
     """``budget=100`` of 16-token pages is 7 pages: the default of 8 recent pages becomes 7; 8 asked for
     explicitly is refused."""
-    from runtime.policies import PolicyError, get_policy
+    from rolecall.runtime.policies import PolicyError, get_policy
 
     policy = get_policy("delta", budget=100, page_size=16)
     assert policy.num_pages == 7 and policy.recent_pages == 7
@@ -188,7 +189,7 @@ def test_delta_keeps_no_more_recent_pages_than_pages():
 def test_lychee_top_p_takes_the_fewest_blocks_whose_mass_reaches_p_exactly():
     """LycheeDecode's top-p mode keeps the smallest set of blocks holding at least ``top_p`` of the mass: with four
     equal blocks and p = 0.5 two reach it exactly (a third is one too many); with two halves one does."""
-    from runtime.policies.lychee import Lychee
+    from rolecall.runtime.policies.lychee import Lychee
 
     policy = Lychee(top_p=0.5, recent=0)
     valid = torch.ones(1, 1, 4, dtype=torch.bool)
@@ -203,7 +204,7 @@ def test_lychee_top_p_takes_the_fewest_blocks_whose_mass_reaches_p_exactly():
 def test_vattention_heavy_hitters_reach_the_slot_just_before_the_window():
     """Slots 0..7, one sink, a window of 4 (slots 4..7): the candidates are slots 1..3, and slot 3, the highest,
     is the newest slot outside the window. With exactly as many candidates as heavy hitters, all come back."""
-    from runtime.policies.vattention import heavy_hitters
+    from rolecall.runtime.policies.vattention import heavy_hitters
 
     scores = torch.tensor([[[0.0, 0.0, 0.0, 9.0, 1.0, 1.0, 1.0, 1.0]]])
     first = torch.tensor([0])
@@ -220,7 +221,8 @@ def test_vattention_heavy_hitters_reach_the_slot_just_before_the_window():
 def test_a_stop_string_split_across_deliveries_is_found_when_it_is_the_last_one(pieces, stop, cut):
     """The stop string's first characters went out in earlier pieces and its last comes now: found at once, at the
     fewest ids that hold it (each id a byte)."""
-    from runtime.engine.text import TokenText, cut_at_stop
+    from rolecall.runtime.engine.text import TokenText, cut_at_stop
+
     from tests.runtime.test_token_text import Bytes
 
     text = TokenText(Bytes(), [stop])
@@ -235,7 +237,7 @@ def test_a_stop_string_split_across_deliveries_is_found_when_it_is_the_last_one(
 def test_the_stopper_finishes_a_row_at_its_limit_and_pads_it_after():
     """Rows with limits 2 and 5: after two tokens row 0 is finished and later steps write padding (0) for it; row
     1 runs on. An EOS ends a row on the step that emits it."""
-    from runtime.engine.generate import Stopper
+    from rolecall.runtime.engine.generate import Stopper
 
     s = Stopper(2, [2, 5], [], 0, "cpu")
     s(torch.tensor([7, 8]))
@@ -252,7 +254,7 @@ def test_the_stopper_finishes_a_row_at_its_limit_and_pads_it_after():
 
 def test_a_row_of_the_scheduler_with_one_token_to_make_makes_one():
     """max_new_tokens = 1: the prefill's token is the whole answer (RowStopper.set_row finishes the row there)."""
-    from runtime.engine.batcher import RowStopper
+    from rolecall.runtime.engine.batcher import RowStopper
 
     stopper = RowStopper(2, 1, 0, "cpu")
     assert stopper.set_row(0, 1, [], 5) is True
@@ -265,7 +267,7 @@ def test_a_row_of_the_scheduler_with_one_token_to_make_makes_one():
 def test_the_servers_sampling_ranges_include_their_ends(field, edge, past):
     """OpenAI's documented ranges: temperature in [0, 2], top_p in (0, 1]; the ends are accepted, just past them
     refused naming the field."""
-    from runtime.server.protocol import ProtocolError, parse_completion
+    from rolecall.runtime.server.protocol import ProtocolError, parse_completion
 
     assert getattr(parse_completion({"prompt": "hi", field: edge}), field) == edge
     with pytest.raises(ProtocolError) as info:
@@ -278,7 +280,8 @@ def test_a_lethe_budget_of_exactly_one_loads():
     file; the next float32 above 1 is refused."""
     import struct
 
-    from runtime.manifest import ManifestError, RoleManifest
+    from rolecall.runtime.manifest import ManifestError, RoleManifest
+
     from tests.test_bad_input_api import manifest, rewritten, set_value
 
     m = manifest(layer_budget=[1.0, 1.0, 0.5, 1.0])
@@ -292,7 +295,7 @@ def test_a_lethe_budget_of_exactly_one_loads():
 def test_head_sparsity_is_each_heads_hoyer_sum_over_its_layers_count():
     """Two heads of one layer with Hoyer sums 0.4 and 0.8 over 2 recorded rows: 0.2 and 0.4, whose mean is the
     layer's 0.3."""
-    from calibrate.totals import CalibrationTotals
+    from rolecall.calibrate.totals import CalibrationTotals
 
     t = CalibrationTotals.zeros(1, 2, 1)
     t.hoyer_sum[0, :, 0] = torch.tensor([0.4, 0.8], dtype=t.hoyer_sum.dtype)
@@ -303,7 +306,7 @@ def test_head_sparsity_is_each_heads_hoyer_sum_over_its_layers_count():
 
 
 def test_auto_peaks_stop_at_a_recall_that_meets_the_target_exactly():
-    from calibrate.select_peaks import PeaksSelector
+    from rolecall.calibrate.select_peaks import PeaksSelector
 
     chosen = PeaksSelector(warmup=0, min_gap=1, target_recall=0.5)(torch.tensor([0.0, 0.3, 0.1]),
                                                                   torch.full((3, 3), 0.5), "auto")
@@ -311,7 +314,7 @@ def test_auto_peaks_stop_at_a_recall_that_meets_the_target_exactly():
 
 
 def test_resume_takes_the_latest_of_several_checkpoints(tmp_path):
-    from train.checkpoint import checkpoint_path, latest_checkpoint
+    from rolecall.train.checkpoint import checkpoint_path, latest_checkpoint
 
     out = tmp_path / "h.safetensors"
     for step in (2, 4, 10):
@@ -323,7 +326,7 @@ def test_resume_takes_the_latest_of_several_checkpoints(tmp_path):
 
 def test_lethes_breakpoint_keeps_the_candidates_whose_mass_reaches_tau_exactly():
     """Scores 2, 1, 1 (total 4), tau 0.5: the first candidate alone holds 2 = tau × total, so one is kept."""
-    from runtime.policies.lethe import Lethe
+    from rolecall.runtime.policies.lethe import Lethe
 
     kept = Lethe(budget=16, tau=0.5, segments=1)._segmented(torch.tensor([2.0, 1.0, 1.0]), torch.ones(3, dtype=torch.bool), 3)
     assert kept.tolist() == [True, False, False]
@@ -332,7 +335,7 @@ def test_lethes_breakpoint_keeps_the_candidates_whose_mass_reaches_tau_exactly()
 def test_vattention_sample_size_uses_the_unbiased_variance_of_the_pilot():
     """Pilot weights e = 1 and 3 (unbiased variance 2), values 0 (so b_N = 0), fixed output 1, n_r = 100,000:
     b = ⌈(z n_r √2 / (η (1 + 2 n_r)))²⌉ = 4223 at ε = δ = 0.05."""
-    from runtime.policies.vattention import VAttention
+    from rolecall.runtime.policies.vattention import VAttention
 
     v = VAttention()
     logits = torch.tensor([0.0, math.log(3.0)], dtype=torch.float32).view(1, 1, 1, 2)
@@ -343,7 +346,7 @@ def test_vattention_sample_size_uses_the_unbiased_variance_of_the_pilot():
 
 
 def test_a_sliding_layer_past_the_last_layer_is_refused():
-    from runtime.manifest import ManifestError, ModelIdentity, RoleManifest
+    from rolecall.runtime.manifest import ManifestError, ModelIdentity, RoleManifest
 
     with pytest.raises(ManifestError, match="model.sliding_layers holds layer 3, but the model has 3 layers"):
         RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=[3]), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
@@ -351,7 +354,7 @@ def test_a_sliding_layer_past_the_last_layer_is_refused():
 
 
 def test_the_servers_seed_range_is_every_32_bit_value():
-    from runtime.server.protocol import ProtocolError, parse_completion
+    from rolecall.runtime.server.protocol import ProtocolError, parse_completion
 
     assert parse_completion({"prompt": "x", "seed": 2**32 - 1}).seed == 2**32 - 1
     for bad in (2**32, -1):
@@ -362,8 +365,7 @@ def test_the_servers_seed_range_is_every_32_bit_value():
 
 def test_passkey_lengths_take_one_from_each_stratum_up_to_the_top():
     import numpy as np
-
-    from data.passkey import spread_lengths
+    from rolecall.data.passkey import spread_lengths
 
     for seed in range(5):
         assert sorted(spread_lengths(0, 1, 2, np.random.default_rng(seed))) == [0, 1]

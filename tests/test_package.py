@@ -1,4 +1,6 @@
-"""The built wheel works outside the checkout: console scripts run and model aliases ship as package data."""
+"""The built wheel works outside the checkout: everything installs under ``rolecall`` (no top-level ``runtime``,
+``data``, ``train``, ``calibrate`` or ``configs`` to collide with a user's), console scripts run and model aliases
+ship as package data."""
 
 import os
 import site
@@ -36,18 +38,25 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout
 
-    where = run(str(py), "-c", "import runtime, configs; print(runtime.__file__); print(configs.__file__)")
-    assert ROOT not in where and "site-packages" in where
-    aliases = run(str(py), "-c", "from runtime.models import list_aliases; print(' '.join(list_aliases()))")
+    where = run(str(py), "-c", "import rolecall.runtime, rolecall.configs, rolecall.data\n"
+                "for m in (rolecall.runtime, rolecall.configs, rolecall.data): print(m.__file__)")
+    assert ROOT not in where and where.count("site-packages") == 3
+    for name in ("runtime", "data", "train", "calibrate", "configs"):  # only the namespace is installed
+        gone = subprocess.run([str(py), "-c", f"import {name}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert gone.returncode == 1 and f"No module named '{name}'" in gone.stderr, name
+    top = subprocess.run([str(py), "-c", "import site, os; print(sorted(os.listdir(site.getsitepackages()[0])))"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert not {"'runtime'", "'data'", "'train'", "'calibrate'", "'configs'"} & set(top.strip("[]\n").split(", "))
+    aliases = run(str(py), "-c", "from rolecall.runtime.models import list_aliases; print(' '.join(list_aliases()))")
     assert {"qwen-14b", "smollm2-135m", "llama-70b"} <= set(aliases.split())
-    assert run(str(py), "-c", "import data.longbench as lb; print(len(lb.TASKS))").strip() == "16"  # its table ships
+    assert run(str(py), "-c", "import rolecall.data.longbench as lb; print(len(lb.TASKS))").strip() == "16"  # its table ships
     assert "inspect" in run(str(bin_dir / "rolecall"), "--help")
     assert "--model" in run(str(bin_dir / "calibrate-delta"), "--help")
     assert "--target" in run(str(bin_dir / "train-heads"), "--help")
 
 
 def test_registry_imports_on_lookup_and_refuses_unknown_names():
-    from runtime.registry import Registry
+    from rolecall.runtime.registry import Registry
 
     reg = Registry("widget", KeyError)
     reg["lazy"] = "json:dumps"  # a "module:attr" entry is imported when looked up
@@ -67,8 +76,8 @@ def test_registry_imports_on_lookup_and_refuses_unknown_names():
 
 
 def test_config_files_read_the_same_way_everywhere(tmp_path):
-    from calibrate.config import CalibrateConfig, read_yaml
-    from runtime.configfile import ConfigError, layered, read_config
+    from rolecall.calibrate.config import CalibrateConfig, read_yaml
+    from rolecall.runtime.configfile import ConfigError, layered, read_config
 
     assert read_yaml("smollm2-135m") == read_config("smollm2-135m", "calibration config", "calibrate")  # by name
     bad = tmp_path / "bad.yaml"
@@ -110,7 +119,7 @@ def test_shipped_config_files_are_named_model_or_model_dot_variant():
 
 
 def test_renamed_shipped_configs_point_at_files_and_unknown_names_fail_in_one_line(capsys):
-    from runtime.configfile import RENAMED, ConfigError, read_config, shipped
+    from rolecall.runtime.configfile import RENAMED, ConfigError, read_config, shipped
 
     for folder, names in RENAMED.items():
         for old, new in names.items():

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rolecall.runtime import distributed
+from rolecall.runtime.manifest import RoleManifest
 
-import calibrate
-import train
-from runtime import distributed
-from runtime.manifest import RoleManifest
+from rolecall import calibrate, train
 from tests.tiny import tiny_config
 from tests.train.test_train_recipe import _config, _dataset
 

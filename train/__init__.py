@@ -9,20 +9,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from train.config import TrainConfig, build_config
-    from train.recipe import run
+    from rolecall.train.config import TrainConfig, build_config
+    from rolecall.train.recipe import run
 
 __all__ = ["TrainConfig", "build_config", "run"]
 
 
 def __getattr__(name: str):
-    # imported on first use, so `import train.gates` stays light (no transformers, no accelerate)
+    # imported on first use, so `import rolecall.train.gates` stays light (no transformers, no accelerate)
     if name == "run":
-        from train.recipe import run
+        from rolecall.train.recipe import run
 
         return run
     if name in ("TrainConfig", "build_config"):
-        from train import config
+        from rolecall.train import config
 
         return getattr(config, name)
-    raise AttributeError(f"module 'train' has no attribute {name!r}")
+    raise AttributeError(f"module 'rolecall.train' has no attribute {name!r}")

@@ -1,7 +1,7 @@
-"""``python -m train`` = ``train-heads`` (so ``accelerate launch -m train ...`` works)."""
+"""``python -m rolecall.train`` = ``train-heads`` (so ``accelerate launch -m rolecall.train ...`` works)."""
 
 import sys
 
-from train.cli import main
+from rolecall.train.cli import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ sampler's RNG and torch's global RNG states, so that resuming from step N gives 
 stopping. The data position is the step itself (the sample order is a function of seed and epoch), stored too
 so a reader can see it.
 
-A run owns its checkpoint folder: every checkpoint carries the run's id (``train.recipe.run_id``: a hash of the
+A run owns its checkpoint folder: every checkpoint carries the run's id (``rolecall.train.recipe.run_id``: a hash of the
 settings that decide the numbers, the data's hash and the model's architecture, never the time), a resume
 accepts only a checkpoint of the same run, and a fresh run does not start over another run's checkpoints or
 manifest unless told to (``--overwrite``). Even then the earlier run's folder stays whole until the new run has
@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from runtime.atomic import atomic_write, write_text
+from rolecall.runtime.atomic import atomic_write, write_text
 
 
 class CheckpointError(ValueError):

@@ -1,6 +1,6 @@
 """``train-heads`` (= ``rolecall train``): learn retrieval heads with HardKuma gates and write a manifest.
 
-Flags override the YAML given by ``--config``, which overrides the defaults of ``train.config.TrainConfig``.
+Flags override the YAML given by ``--config``, which overrides the defaults of ``rolecall.train.config.TrainConfig``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from runtime.cli import Parser
-from train.config import MIXED_PRECISION, TrainConfig, build_config, read_yaml, shipped_configs
+from rolecall.runtime.cli import Parser
+from rolecall.train.config import MIXED_PRECISION, TrainConfig, build_config, read_yaml, shipped_configs
 
 
 def _budget(text: str) -> float | int:
@@ -40,9 +40,9 @@ def _budget(text: str) -> float | int:
 
 
 def _rate(name: str):
-    """The argparse type of a rate flag: a finite number in its range (:data:`train.config.RATE_FLAGS`), else a
+    """The argparse type of a rate flag: a finite number in its range (:data:`rolecall.train.config.RATE_FLAGS`), else a
     usage error naming the value, the range and an example."""
-    from train.config import rate_fix, rate_problem
+    from rolecall.train.config import rate_fix, rate_problem
 
     def parse(text: str) -> float:
         problem = rate_problem(name, text)
@@ -75,11 +75,11 @@ def _lengths(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from runtime.models import DTYPES
+    from rolecall.runtime.models import DTYPES
 
     # the effective defaults: the dataclass's, then the default model's shipped config (configs/train/<model>.yaml,
     # which a run without --model and --config reads), without building a config (that checks the gate name
-    # against train.gates, which imports torch: --help stays fast)
+    # against rolecall.train.gates, which imports torch: --help stays fast)
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     shipped_for_model = shipped_configs().get(defaults["model"])
     if shipped_for_model is not None:
@@ -177,7 +177,7 @@ def load_dataset(config: TrainConfig, tokenizer) -> tuple[Any, dict[str, Any]]:
     if config.dataset != "passkey":
         return JsonlDataset(config.dataset), {"kind": "jsonl", "path": config.dataset}
     try:
-        from data.passkey import build_passkey_dataset
+        from rolecall.data.passkey import build_passkey_dataset
     except ImportError as e:
         raise ValueError(f"the passkey dataset needs the data package ({e}); pass --dataset FILE.jsonl instead") from None
     info = {"kind": "passkey", "source": config.data_source, "lengths": list(config.lengths),
@@ -191,13 +191,12 @@ def load_dataset(config: TrainConfig, tokenizer) -> tuple[Any, dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from runtime import distributed
-    from runtime.atomic import check_writable
-    from runtime.cli.common import check_placement, chosen_device, wall_time_line
-    from runtime.models import load_config, load_tokenizer
-    from train.config import check_dataset, check_settings
-    from train.recipe import run as train_run
+    from rolecall.runtime import distributed
+    from rolecall.runtime.atomic import check_writable
+    from rolecall.runtime.cli.common import check_placement, chosen_device, wall_time_line
+    from rolecall.runtime.models import load_config, load_tokenizer
+    from rolecall.train.config import check_dataset, check_settings
+    from rolecall.train.recipe import run as train_run
 
     start = time.perf_counter()
     config = config_from_args(args)
@@ -205,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None and overwrite:
         raise ValueError("--resume continues a run and --overwrite starts a new one over it; pass one of them")
     if args.resume is None:
-        from train.checkpoint import claim_output
+        from rolecall.train.checkpoint import claim_output
 
         claim_output(config.resolved_output(), overwrite)  # an output taken by another run fails before anything loads
     check_writable(config.resolved_output(), "--output")  # checkpoints go beside it from the first interval on
@@ -226,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
     check_dataset(dataset, config, model_cfg, limit, args.allow_long_context)
     resume = args.resume
     if resume is not None:  # the checkpoint: there, readable and of this run, before the model loads
-        from train.outputs import dataset_provenance
-        from train.recipe import check_resume
+        from rolecall.train.outputs import dataset_provenance
+        from rolecall.train.recipe import check_resume
 
         resume = check_resume(resume, config, dataset_provenance(dataset, info), model_cfg)
     model = distributed.load_frozen_model(config.model, dtype=config.dtype, device_map=config.device_map,
@@ -273,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.cli import run_reporting_errors
+    from rolecall.runtime.cli import run_reporting_errors
 
     return run_reporting_errors("train-heads", run, build_parser().parse_args(argv))
 

@@ -11,13 +11,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.configfile import layered, read_config, shipped
+from rolecall.runtime.configfile import layered, read_config, shipped
 
 MIXED_PRECISION = ("no", "bf16")  # fp16 would need loss scaling, whose skipped steps the NaN check stops on
 
 # The rates a run accepts, (low, high] with low excluded. Both are finite, so inf and nan never reach a step.
 # lr: Adam moves each gate parameter by about lr per step, and the parameters live in log space clamped to
-# [-ln 1e3, ln 1e3] (train.gates.GateParameters.clamp_), about 13.8 wide: above 10 one step crosses most of the
+# [-ln 1e3, ln 1e3] (rolecall.train.gates.GateParameters.clamp_), about 13.8 wide: above 10 one step crosses most of the
 # range, so every gate flips between its ends instead of learning (the recipes use 0.01-0.02).
 LR_RANGE = (0.0, 10.0)
 # lambda_lr: λ grows by lambda_lr · (E[L0] − goal) a step, the gap being at most the number of gates (below 1e4
@@ -59,7 +59,7 @@ class TrainConfig:
 
     model: str = "smollm2-135m"
     model_name: str | None = None  # the name recorded in the manifest (default: the model's alias or id)
-    gate: str = "hardkuma"  # a name in train.gates.GATES
+    gate: str = "hardkuma"  # a name in rolecall.train.gates.GATES
     target: int = 32  # retrieval heads wanted among the gated (layer >= 1, KV head) pairs
     steps: int = 3000
     batch_size: int = 1  # samples per step (the global batch: split over the processes of a multi-GPU run)
@@ -68,7 +68,7 @@ class TrainConfig:
     # vocabulary, 1e4-1e5 for SmolLM2); with 3.0 and lr 0.02 SmolLM2 ends on 8 heads for a target of 8 with 84 of
     # 87 gates decided (artifacts/smollm2-135m/), 10 and 30 overshot the target; the paper does not give a value
     lambda_lr: float = 3.0
-    # every gate keeps P(z = 0) in [min_gate_prob, 1 − min_gate_prob] (train.gates.GateParameters.constrain_), so
+    # every gate keeps P(z = 0) in [min_gate_prob, 1 − min_gate_prob] (rolecall.train.gates.GateParameters.constrain_), so
     # neither the distillation loss nor λ loses its grip on a gate that has made up its mind; E[L0] is then driven
     # to target (1 − 2p) + n p, what `target` decided gates count (GateParameters.l0_goal)
     min_gate_prob: float = 0.01
@@ -83,13 +83,13 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = True  # recompute attention scores in backward instead of keeping them
     mixed_precision: str = "no"  # accelerate autocast: no | bf16
-    tf32: bool = True  # TF32 tensor cores for the float32 attention scores on GPUs (train.hybrid)
+    tf32: bool = True  # TF32 tensor cores for the float32 attention scores on GPUs (rolecall.train.hybrid)
     dtype: str | None = None  # model weights when the CLI loads it (None: the alias's default)
     device_map: str | None = None  # "auto" spreads a model over the visible GPUs
     deepspeed: str | None = None  # a DeepSpeed JSON (path or configs/deepspeed/ name) whose ZeRO-3 shards the model
     random_weights: bool = False  # the model's architecture with random weights: speed and memory only
     checkpoint_every: int = 100
-    # data: "passkey" builds data.passkey.build_passkey_dataset; otherwise a .jsonl file of
+    # data: "passkey" builds rolecall.data.passkey.build_passkey_dataset; otherwise a .jsonl file of
     # {"input_ids": [...], "labels": [...]} records
     dataset: str = "passkey"
     data_source: str = "pg-essays"
@@ -101,7 +101,7 @@ class TrainConfig:
     plots: bool = True
 
     def __post_init__(self):
-        from train.gates import GATES  # torch: imported when a config is made, not for --help
+        from rolecall.train.gates import GATES  # torch: imported when a config is made, not for --help
 
         if self.gate not in GATES:
             raise ValueError(f"gate {self.gate!r} is unknown; choose one of {', '.join(sorted(GATES))}")
@@ -127,7 +127,7 @@ class TrainConfig:
             raise ValueError(f"token_budget must be a fraction in (0, 1] (e.g. 0.3) or a token count >= 1, got {b!r}")
         if not (self.low < 0 < 1 < self.high):
             raise ValueError(f"low/high must satisfy low < 0 < 1 < high, got ({self.low}, {self.high})")
-        from runtime.models import DTYPES
+        from rolecall.runtime.models import DTYPES
 
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -183,8 +183,8 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
 def check_settings(config: TrainConfig, model_cfg, allow_long: bool = False) -> int | None:
     """Refuse, in one line and before any data is built or weights load, a ``target`` the model has no room for
     and passkey ``lengths`` beyond its context (a warning with ``allow_long``). Returns the context limit."""
-    from runtime.models import check_context, context_limit
-    from train.hybrid import GateLayout
+    from rolecall.runtime.models import check_context, context_limit
+    from rolecall.train.hybrid import GateLayout
 
     text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
     num_kv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -209,9 +209,8 @@ def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, al
     one whose labels mark no target after a prompt, one longer than its context (a warning with ``allow_long``),
     and a ``token_budget`` that covers every key of every sample (nothing would be sparse)."""
     import torch
-
-    from data.tokens import check_token_ids, vocab_size
-    from runtime.models import check_context
+    from rolecall.data.tokens import check_token_ids, vocab_size
+    from rolecall.runtime.models import check_context
 
     what = "passkey sample {n}" if config.dataset == "passkey" else f"sample {{n}} of {config.dataset}"
     ids = [torch.as_tensor(dataset[i]["input_ids"]).reshape(-1) for i in range(len(dataset))]
@@ -231,7 +230,7 @@ def config_json(config: TrainConfig) -> str:
 
 def target_keys(input_ids, labels, name: str) -> int:
     """The keys the student reads at a sample's last target (its prompt and target span, as
-    :func:`train.distill.split_sample` cuts them), or a one-line refusal naming the sample (``name``) when its
+    :func:`rolecall.train.distill.split_sample` cuts them), or a one-line refusal naming the sample (``name``) when its
     labels mark no target, mark the very first token, or differ in length from its input_ids."""
     import torch
 
@@ -252,7 +251,7 @@ def check_budget(budget: float | int, keys: list[int], what: str) -> None:
     """Refuse a token budget that keeps every key of every sample (``keys``: per sample, the keys its last target
     reads; ``what``: how to name sample n): the sparse heads would then read what the full ones read, the
     distillation loss would sit at rounding noise and no gate could learn a role."""
-    from train.hybrid import budget_tokens
+    from rolecall.train.hybrid import budget_tokens
 
     if not keys or any(budget_tokens(budget, k) < k for k in keys):
         return

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from rolecall.runtime.registry import Registry
 from torch import Tensor, nn
-
-from runtime.registry import Registry
 
 GATES = Registry("gate")
 

@@ -28,10 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from rolecall.runtime.attention import keep_mask
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
-
-from runtime.attention import keep_mask
 
 ATTENTION_NAME = "rolecall-hybrid"
 
@@ -141,7 +140,7 @@ class GateLayout:
 
     @classmethod
     def of(cls, model, include_sliding: bool = False) -> GateLayout:
-        from runtime.models import sliding_layers
+        from rolecall.runtime.models import sliding_layers
 
         config = getattr(model, "config", model)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -186,7 +185,7 @@ def _align(inherited: Tensor, t: int) -> Tensor:
 
 @dataclass
 class HybridAttention:
-    """Attention function for ``runtime.attention.use_attention``; set ``gates`` before each forward.
+    """Attention function for ``rolecall.runtime.attention.use_attention``; set ``gates`` before each forward.
 
     ``gates``: z for layers 1..L−1, [L − 1, Hkv]; ``None`` gives full attention everywhere.
     ``checkpoint``: recompute each layer's scores in the backward pass instead of keeping them

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from runtime.atomic import write_figure
-from runtime.manifest import ModelIdentity, RoleManifest, portable_name
+from rolecall.runtime.atomic import write_figure
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest, portable_name
 
 UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
 
@@ -52,7 +51,7 @@ def build_manifest(model, gates_dist, config, metrics: dict[str, Any], data: dic
     runs their own attention whatever the role), and the first full-attention layer is all retrieval, as layer
     0 is otherwise. ``metrics["retrieval_heads"]`` counts the learned retrieval heads.
     """
-    from train.hybrid import GateLayout
+    from rolecall.train.hybrid import GateLayout
 
     expected = gates_dist.expected_gate().detach().float().cpu()  # [L − 1, Hkv]
     alpha, beta = (t.detach().float().cpu() for t in gates_dist.manifest_params())

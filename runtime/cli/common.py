@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.models import DEFAULT_MODEL, DTYPES
+from rolecall.runtime.models import DEFAULT_MODEL, DTYPES
 
 
 def parse_params(pairs: list[str] | None) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[st
     """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``, checked before the model loads: a bad
     policy name or parameter, or a bad manifest file, fails here in one line; with the model's ``config`` also
     what :func:`check_policy` checks."""
-    from runtime.manifest import RoleManifest
+    from rolecall.runtime.manifest import RoleManifest
 
     params = parse_params(args.param)
     manifest = RoleManifest.load(args.manifest) if args.manifest else None
@@ -43,11 +43,11 @@ def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[st
 
 def check_policy(name: str, params: dict[str, Any], manifest: Any = None, config: Any = None) -> None:
     """What ``attach()`` checks before it decodes, without the weights: the policy ``name`` made from ``params``
-    (the session's own keys left out), and with the model's ``config`` (:func:`runtime.models.load_config`) the
+    (the session's own keys left out), and with the model's ``config`` (:func:`rolecall.runtime.models.load_config`) the
     manifest against the model and the policy against the manifest (a manifest of another model, delta without
     layer roles, lychee without head roles). Raises the error ``attach()`` would."""
-    from runtime.policies import get_policy
-    from runtime.session import SESSION_PARAMS, bound_policy
+    from rolecall.runtime.policies import get_policy
+    from rolecall.runtime.session import SESSION_PARAMS, bound_policy
 
     own = {k: v for k, v in params.items() if k not in SESSION_PARAMS}
     if config is None:
@@ -86,10 +86,10 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int,
     parser.add_argument("--passkey-words", type=int, default=passkey_words)
     parser.add_argument("--alphabet", default=alphabet, choices=("nato", "digits"),
                         help="passkey words: NATO code words, or digits (small models copy digits, not words)")
-    parser.add_argument("--source", default="pg-essays", help="haystack text (see data.corpora)")
+    parser.add_argument("--source", default="pg-essays", help="haystack text (see rolecall.data.corpora)")
     parser.add_argument("--suite", default="passkey", choices=("passkey", "ruler", "longbench", "reasoning"),
                         help="passkey: the single-passkey grid (--lengths x --depths); ruler: the RULER-style suite "
-                             "of data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline; "
+                             "of rolecall.data.ruler (--tasks x --lengths, --samples-per-cell each), generated offline; "
                              "longbench: LongBench's English tasks (--data, or the Hugging Face Hub when it answers; "
                              "the first --samples-per-cell of each task, cut to each of --lengths); "
                              "reasoning: full attention's own greedy traces on reasoning prompts, the policy fed the "
@@ -98,10 +98,10 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, *, passkey_words: int,
                         help="--suite longbench: LongBench's data.zip or the folder of its <task>.jsonl files "
                              "(default: download it from the Hugging Face Hub when it answers)")
     parser.add_argument("--reasoning-source", default="champ",
-                        help="reasoning prompts: champ, arithmetic[:N] or jsonl:PATH (see data.reasoning)")
+                        help="reasoning prompts: champ, arithmetic[:N] or jsonl:PATH (see rolecall.data.reasoning)")
     parser.add_argument("--limit", type=int, default=limit, help=f"reasoning prompts to use (default {limit})")
     parser.add_argument("--tasks", nargs="+", default=None,
-                        help="RULER or LongBench tasks (default: all; see data.ruler, data.longbench)")
+                        help="RULER or LongBench tasks (default: all; see rolecall.data.ruler, rolecall.data.longbench)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the RULER prompts")
     parser.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "answer": ...} (or '
                                                         '"answers": [...]) instead of generated prompts')
@@ -204,8 +204,7 @@ def load_placed(args: argparse.Namespace):
     """The model in ``--dtype`` (bf16 on a GPU, else fp32), on ``--device`` (default cuda when there is one) or
     where ``--device-map`` puts it; ``--rope-theta`` where the command has it."""
     import torch
-
-    from runtime.models import load_model
+    from rolecall.runtime.models import load_model
 
     device = chosen_device(args)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -215,8 +214,8 @@ def load_placed(args: argparse.Namespace):
 
 
 def eval_settings(args: argparse.Namespace):
-    """The :class:`runtime.eval.EvalSettings` the flags of :func:`add_prompt_arguments` ask for."""
-    from runtime.eval import EvalSettings
+    """The :class:`rolecall.runtime.eval.EvalSettings` the flags of :func:`add_prompt_arguments` ask for."""
+    from rolecall.runtime.eval import EvalSettings
 
     return EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                         passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
@@ -230,8 +229,7 @@ def check_placement(prog: str, device_map: str | None, deepspeed: str | None) ->
     (``ValueError``; DeepSpeed would look for MPI instead), and ``--device-map`` on a machine without a GPU prints
     a one-line warning."""
     import torch
-
-    from runtime import distributed
+    from rolecall.runtime import distributed
 
     if not distributed.started_by_launcher() and distributed.zero_stage(distributed.deepspeed_config(deepspeed)) >= 3:
         raise ValueError(f"--deepspeed {deepspeed}: ZeRO-3 shards the model over the processes a launcher starts, "

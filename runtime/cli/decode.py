@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from runtime.atomic import check_writable, write_text
-from runtime.cli.common import (
+from rolecall.runtime.atomic import check_writable, write_text
+from rolecall.runtime.cli.common import (
     add_common,
     add_long_context,
     check_batch_size,
@@ -20,7 +20,7 @@ from runtime.cli.common import (
     one_at_a_time,
     policy_inputs,
 )
-from runtime.models import pad_token
+from rolecall.runtime.models import pad_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,11 +84,11 @@ def chat_hint(tokenizer, chat: bool, empty: int, of: int) -> str | None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads; the sampling
-    flags left out take :class:`~runtime.engine.sampling.Sampling`'s defaults."""
+    flags left out take :class:`~rolecall.runtime.engine.sampling.Sampling`'s defaults."""
     from dataclasses import fields
 
-    from runtime.engine.sampling import Sampling
-    from runtime.prompts import check_max_new_tokens
+    from rolecall.runtime.engine.sampling import Sampling
+    from rolecall.runtime.prompts import check_max_new_tokens
 
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
         raise ValueError("--prompt is empty: give the text to continue (or --chat, to answer an empty user turn)")
@@ -129,9 +129,9 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from data.tokens import vocab_size
-    from runtime.models import context_limit, load_config, load_tokenizer
-    from runtime.prompts import check_prompts
+    from rolecall.data.tokens import vocab_size
+    from rolecall.runtime.models import context_limit, load_config, load_tokenizer
+    from rolecall.runtime.prompts import check_prompts
 
     check_flags(args)
     trust = args.trust_remote_code
@@ -145,14 +145,14 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat: {args.model} has no chat template (a base model); leave out --chat")
     if args.prompts:
-        from runtime.eval import prompt_rows
+        from rolecall.runtime.eval import prompt_rows
 
         rows = prompt_rows(args.prompts)
         texts = [(f"{args.prompts}:{line}: the prompt", row["prompt"]) for line, row in rows]
     else:
         rows, texts = [], [("--prompt", args.prompt)]
     prompts = [encode(tokenizer, text, args.chat) for _, text in texts]
-    # the one check of prompts the Python API makes too (runtime.prompts): a text that is no token at all, an id
+    # the one check of prompts the Python API makes too (rolecall.runtime.prompts): a text that is no token at all, an id
     # past the model's vocabulary (a tokenizer of another model), a prompt and its new tokens past its context
     check_prompts(prompts, vocab_size=vocab_size(config), max_new_tokens=args.max_new_tokens,
                   context=context_limit(config, args.model), allow_long=args.allow_long_context,
@@ -196,9 +196,8 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
     import time
 
     import torch
+    from rolecall.runtime.session import attach
     from transformers import TextStreamer
-
-    from runtime.session import attach
 
     class TimedStreamer(TextStreamer):
         """Streams the text and notes when each new token arrives (the first ``put`` is the prompt)."""
@@ -252,12 +251,11 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     import time
 
     import torch
+    from rolecall.runtime.engine import pad_left, padding_mask
+    from rolecall.runtime.engine.generate import answer_end
+    from rolecall.runtime.eval import Checkpoint, resume_plan
+    from rolecall.runtime.session import attach
     from tqdm.auto import tqdm
-
-    from runtime.engine import pad_left, padding_mask
-    from runtime.engine.generate import answer_end
-    from runtime.eval import Checkpoint, resume_plan
-    from runtime.session import attach
 
     size = args.batch_size or (1 if one_at_a_time(args) else 16)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together: less padding

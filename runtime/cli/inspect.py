@@ -9,14 +9,14 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.manifest import RoleManifest
+    from rolecall.runtime.manifest import RoleManifest
 
 SLIDING_GLYPH = "w"  # a sliding-window layer: its own windowed attention under every policy, whatever its role
 
 
 def role_map(manifest: RoleManifest) -> str:
     """One line per layer: the layer role, its numbers, and one glyph per KV head (``w`` on sliding layers)."""
-    from runtime.manifest import (
+    from rolecall.runtime.manifest import (
         HEAD_ROLE_RETRIEVAL,
         HEAD_ROLE_SPARSE,
         LAYER_ROLE_FULL,
@@ -121,7 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def verify(raw: bytes, path: str) -> tuple[bool, str]:
     """(ok, message) for the bytes ``raw`` of the file at ``path``. Loading checks the content hash; a rolecall
     file must also re-serialise to its own bytes."""
-    from runtime.manifest import CONTENT_HASH_KEY, RoleManifest, UnverifiedManifestWarning, read_metadata
+    from rolecall.runtime.manifest import (
+        CONTENT_HASH_KEY,
+        RoleManifest,
+        UnverifiedManifestWarning,
+        read_metadata,
+    )
 
     with warnings.catch_warnings():  # no hash: said below, in this command's words
         warnings.simplefilter("ignore", UnverifiedManifestWarning)
@@ -139,7 +144,7 @@ def verify(raw: bytes, path: str) -> tuple[bool, str]:
 def load_described(path: str) -> RoleManifest:
     """The manifest to describe: one without a content hash too (looking at it is harmless), with one line on
     stderr saying it was not verified; a corrupted one is refused as everywhere."""
-    from runtime.manifest import RoleManifest, UnverifiedManifestWarning
+    from rolecall.runtime.manifest import RoleManifest, UnverifiedManifestWarning
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", UnverifiedManifestWarning)
@@ -151,8 +156,8 @@ def load_described(path: str) -> RoleManifest:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.atomic import check_writable
-    from runtime.manifest import ManifestError, read_manifest_file
+    from rolecall.runtime.atomic import check_writable
+    from rolecall.runtime.manifest import ManifestError, read_manifest_file
 
     if args.plot:
         check_writable(args.plot, "--plot")  # refused before anything is printed
@@ -171,11 +176,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(describe(manifest, args.manifest))
     if args.plot:
-        from runtime.manifest.plots import plot_manifest
+        from rolecall.runtime.manifest.plots import plot_manifest
 
         print(f"\nplot: {plot_manifest(manifest, args.plot)}")
     if args.model:
-        from runtime.models import load_config
+        from rolecall.runtime.models import load_config
 
         manifest.validate_for(load_config(args.model))
         print(f"\nfits {args.model}: yes")

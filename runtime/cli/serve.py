@@ -13,8 +13,14 @@ import sys
 import threading
 from typing import Any
 
-from runtime.cli.common import add_common, add_long_context, chosen_device, load_placed, policy_inputs
-from runtime.models import pad_token
+from rolecall.runtime.cli.common import (
+    add_common,
+    add_long_context,
+    chosen_device,
+    load_placed,
+    policy_inputs,
+)
+from rolecall.runtime.models import pad_token
 
 SLOTS = {"cuda": 8, "cpu": 4}  # default --slots by device type
 
@@ -39,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads."""
-    from runtime.cli.common import parse_params
-    from runtime.session import SESSION_PARAMS
+    from rolecall.runtime.cli.common import parse_params
+    from rolecall.runtime.session import SESSION_PARAMS
 
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
@@ -72,9 +78,9 @@ def check_flags(args: argparse.Namespace) -> None:
 def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
     """The model's family and the policy's static step, which the engine needs, and a step that serves rows of
     their own lengths, which the scheduler needs (``ValueError`` in one line)."""
-    from runtime.engine import ModelShape, static_step_of, unsupported
-    from runtime.engine.decoder import rows_refusal
-    from runtime.policies import PolicyError
+    from rolecall.runtime.engine import ModelShape, static_step_of, unsupported
+    from rolecall.runtime.engine.decoder import rows_refusal
+    from rolecall.runtime.policies import PolicyError
 
     why = unsupported(config)
     if why:
@@ -90,7 +96,7 @@ def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
 
 def context_of(args: argparse.Namespace, config: Any) -> int:
     """``--max-context``, else the model's context; past the model's context only with --allow-long-context."""
-    from runtime.models import check_context, context_limit
+    from rolecall.runtime.models import check_context, context_limit
 
     limit = context_limit(config, args.model)
     if args.max_context is None and limit is None:
@@ -105,7 +111,7 @@ def tokenizer_of(args: argparse.Namespace) -> Any:
     """The model's tokenizer; with ``--random-weights`` None where the source has none (prompts are then ids)."""
     from pathlib import Path
 
-    from runtime.models import load_tokenizer
+    from rolecall.runtime.models import load_tokenizer
 
     source = str(Path(args.model).parent) if str(args.model).endswith("config.json") else args.model
     if not args.random_weights:
@@ -131,7 +137,7 @@ def eos_ids(config: Any, tokenizer: Any, generation: Any = None) -> list[int]:
 def warm_up(scheduler: Any) -> None:
     """One short request through the engine before the server says it is ready; an engine that fails here is
     refused in one line (``ValueError``)."""
-    from runtime.engine.scheduler import Request
+    from rolecall.runtime.engine.scheduler import Request
 
     done, last = threading.Event(), []
 
@@ -150,12 +156,11 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
 
     import torch
-
-    from runtime.engine import ModelShape, Weights, shared_weights
-    from runtime.engine.scheduler import Scheduler
-    from runtime.models import load_config
-    from runtime.server import bind, create_app, serve
-    from runtime.session import bound_policy
+    from rolecall.runtime.engine import ModelShape, Weights, shared_weights
+    from rolecall.runtime.engine.scheduler import Scheduler
+    from rolecall.runtime.models import load_config
+    from rolecall.runtime.server import bind, create_app, serve
+    from rolecall.runtime.session import bound_policy
 
     check_flags(args)
     device = chosen_device(args)

@@ -17,13 +17,13 @@
 The policies' static steps live in their own files (``runtime/policies/<name>.py``); the engine calls them.
 """
 
-from runtime.engine.cache import StaticCache
-from runtime.engine.crossovers import NEVER, default_min_context
-from runtime.engine.decoder import StaticDecoder, pad_left, padding_mask, static_step_of
-from runtime.engine.generate import Decoders, Generation, Lockstep, generate, lockstep
-from runtime.engine.sampling import Sampling
-from runtime.engine.shape import SHAPES, ModelShape, unsupported
-from runtime.engine.weights import Weights, shared_weights
+from rolecall.runtime.engine.cache import StaticCache
+from rolecall.runtime.engine.crossovers import NEVER, default_min_context
+from rolecall.runtime.engine.decoder import StaticDecoder, pad_left, padding_mask, static_step_of
+from rolecall.runtime.engine.generate import Decoders, Generation, Lockstep, generate, lockstep
+from rolecall.runtime.engine.sampling import Sampling
+from rolecall.runtime.engine.shape import SHAPES, ModelShape, unsupported
+from rolecall.runtime.engine.weights import Weights, shared_weights
 
 __all__ = ["NEVER", "SHAPES", "Decoders", "Generation", "Lockstep", "ModelShape", "Sampling", "StaticCache", "StaticDecoder",
            "Weights", "default_min_context", "generate", "lockstep", "pad_left", "padding_mask", "shared_weights", "static_step_of",

@@ -1,8 +1,8 @@
 """The scheduler's engine side: continuous batching over the row slots of one decoder.
 
-One :class:`~runtime.engine.decoder.StaticDecoder` of ``slots`` rows, each row keeping its own length (no left
+One :class:`~rolecall.runtime.engine.decoder.StaticDecoder` of ``slots`` rows, each row keeping its own length (no left
 padding: a request's pages start at its first token wherever it joins), its own sampling settings
-(:class:`~runtime.engine.sampling.RowSampler`) and its own token limit and EOS ids (:class:`RowStopper`). The
+(:class:`~rolecall.runtime.engine.sampling.RowSampler`) and its own token limit and EOS ids (:class:`RowStopper`). The
 step is captured once, over idle rows, and replayed for the process's lifetime: one compilation per scheduler and
 one capture per kind of step (the policy's, its full fallback) and sampler mode (greedy while no row samples),
 whatever the requests. Between runs of ``check_every`` steps the host admits waiting requests into
@@ -19,9 +19,8 @@ import time
 from typing import Any
 
 import torch
-
-from runtime.engine.decoder import StaticDecoder
-from runtime.engine.sampling import RowSampler, Sampler
+from rolecall.runtime.engine.decoder import StaticDecoder
+from rolecall.runtime.engine.sampling import RowSampler, Sampler
 
 
 class RowStopper:

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from runtime.engine.shape import ModelShape
+from rolecall.runtime.engine.shape import ModelShape
 
 
 class StaticCache:

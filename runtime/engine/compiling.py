@@ -2,7 +2,7 @@
 when compilation fails, never an error.
 
 The decode step's compiled functions see tensors whose leading size is the decoder's row count. The GPU kernels
-they call choose a launch from that count in Python (:func:`runtime.kernels.skinny_linear.kernel_config`), so a
+they call choose a launch from that count in Python (:func:`rolecall.runtime.kernels.skinny_linear.kernel_config`), so a
 symbolic size would be guarded per launch choice, and every new batch size could recompile until torch.compile's
 recompile limit (8 a function by default) ends the process with ``FailOnRecompileLimitHit``. So the engine compiles
 static code for a few row counts only: a decoder's rows are rounded up to one of :data:`ROW_BUCKETS` wherever

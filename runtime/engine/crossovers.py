@@ -13,7 +13,7 @@ NEVER = 1 << 62  # a threshold no context reaches: the policy always runs the fu
 
 @functools.cache
 def table() -> dict[str, Any]:
-    return json.loads((importlib.resources.files("runtime.engine") / "crossovers.json").read_text())
+    return json.loads((importlib.resources.files("rolecall.runtime.engine") / "crossovers.json").read_text())
 
 
 def budget_of(policy: Any) -> int | None:

@@ -6,7 +6,7 @@ is chosen on the device (greedy, or the sampler's choice) and ``length += 1`` ha
 sync and no shape that changes per step, so the step is captured in a CUDA graph (:meth:`capture`) and
 replayed. Attention goes through the policy's static step (``policy.static_step(shape)``, written in the
 policy's own file); sliding-window layers of hybrid models read their window themselves, from a ring of at most
-``window + 1`` slots (:class:`~runtime.engine.cache.StaticCache`).
+``window + 1`` slots (:class:`~rolecall.runtime.engine.cache.StaticCache`).
 
 A selection layer's choice may run beside the step on a second stream (:meth:`StaticDecoder.attend_and_choose`:
 DELTA's page scores and top-k), joined where the choice is first read and at the end of the step, so the graph
@@ -15,7 +15,7 @@ captures both branches.
 Short contexts: a sparse policy reads nothing less than full below its budget and pays for selection, so
 below ``min_context`` tokens :meth:`step` runs the full step instead (two graphs over the same buffers; the
 host knows the length because it issued every step). The default threshold is the measured crossover for
-the policy and batch size (:func:`runtime.engine.crossovers.default_min_context`).
+the policy and batch size (:func:`rolecall.runtime.engine.crossovers.default_min_context`).
 
 A policy whose held state stops growing may settle a few steps after each fill (``steps_to_settle``, then
 ``settle``: lethe shrinks its prompt-sized buffers to its capacity there); the step's graphs are captured once
@@ -29,20 +29,26 @@ import time
 from typing import Any
 
 import torch
-
-from runtime.engine import layers as L
-from runtime.engine.cache import KeySpan, StaticCache, head_order_of, ring_slots, ring_span, same_order
-from runtime.engine.compiling import compiled, compiles_on
-from runtime.engine.crossovers import default_min_context
-from runtime.engine.prefill import PrefillGraphs
-from runtime.engine.prefill import prefill as _prefill
-from runtime.engine.weights import Weights
-from runtime.kernels import graphed, use_triton
-from runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
-from runtime.kernels.rope_cache import rope_and_store as naive_rope_and_store
-from runtime.kernels.skinny_linear import linear
-from runtime.kernels.sparse_attention import naive as naive_attention
-from runtime.kernels.topk_select import topk_with_recent
+from rolecall.runtime.engine import layers as L
+from rolecall.runtime.engine.cache import (
+    KeySpan,
+    StaticCache,
+    head_order_of,
+    ring_slots,
+    ring_span,
+    same_order,
+)
+from rolecall.runtime.engine.compiling import compiled, compiles_on
+from rolecall.runtime.engine.crossovers import default_min_context
+from rolecall.runtime.engine.prefill import PrefillGraphs
+from rolecall.runtime.engine.prefill import prefill as _prefill
+from rolecall.runtime.engine.weights import Weights
+from rolecall.runtime.kernels import graphed, use_triton
+from rolecall.runtime.kernels.page_scores import decode_and_score as naive_decode_and_score
+from rolecall.runtime.kernels.rope_cache import rope_and_store as naive_rope_and_store
+from rolecall.runtime.kernels.skinny_linear import linear
+from rolecall.runtime.kernels.sparse_attention import naive as naive_attention
+from rolecall.runtime.kernels.topk_select import topk_with_recent
 
 RING_BLOCK = 64  # a ring is read as blocks of this many slots (a gathered set's launch: more, shorter programs)
 LAYER_ORDER = "layer"  # out_heads' default: the running layer's head map (StaticDecoder.head_maps)
@@ -73,21 +79,21 @@ def rows_refusal(step: Any) -> str | None:
 
 
 class StaticDecoder:
-    """``policy``: a bound policy from ``runtime.policies`` (``Full()`` when None). ``kernels``: ``"auto"``
+    """``policy``: a bound policy from ``rolecall.runtime.policies`` (``Full()`` when None). ``kernels``: ``"auto"``
     (Triton on CUDA), ``"naive"`` (the PyTorch references) or ``"triton"`` (also on the CPU under
     ``TRITON_INTERPRET=1``). ``cache``: share one cache between decoders (benchmarks). ``sampler``: chooses
     the next token from the logits inside the step (greedy when None); ``stopper``: bookkeeping of finished
-    rows inside the step (``runtime.engine.generate``). ``compile``: fuse each layer's small ops around its GEMMs
+    rows inside the step (``rolecall.runtime.engine.generate``). ``compile``: fuse each layer's small ops around its GEMMs
     with ``torch.compile`` (default: on CUDA, unless ``ROLECALL_COMPILE=0``; ``ROLECALL_COMPILE=1`` compiles on
-    any device; see :mod:`runtime.engine.compiling` for how many times). ``row_lengths``: each row keeps its own
-    length, unpadded (the scheduler's rows, :mod:`runtime.engine.batcher`); the policy's step must run so
+    any device; see :mod:`rolecall.runtime.engine.compiling` for how many times). ``row_lengths``: each row keeps its own
+    length, unpadded (the scheduler's rows, :mod:`rolecall.runtime.engine.batcher`); the policy's step must run so
     (``row_lengths`` true) and the stopper says which rows advance (``running()``)."""
 
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
                  cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
                  sampler: Any = None, stopper: Any = None, compile: bool | None = None,
                  prompt_tokens: int | None = None, row_lengths: bool = False) -> None:
-        from runtime.policies.full import Full
+        from rolecall.runtime.policies.full import Full
 
         self.policy = policy if policy is not None else Full()
         s = weights.shape
@@ -145,7 +151,7 @@ class StaticDecoder:
         self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (last_block)
         self._aside: dict[Any, Any] = {}  # per (device, role), a stream beside the step's (_side_stream)
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
-        # A hybrid model's sliding layers keep their own attention (as in runtime.models.sliding_layers), over
+        # A hybrid model's sliding layers keep their own attention (as in rolecall.runtime.models.sliding_layers), over
         # their rings; a window on every layer (Mistral) is part of every layer's mask and the policy still runs.
         # per ring size n: its last readable slot (a device scalar) and the blocks that cover it
         self._ring_reads = {n: (torch.tensor(n - 1, device=device),
@@ -167,10 +173,10 @@ class StaticDecoder:
         self.triton = kernels == "triton" or (kernels == "auto" and use_triton(torch.empty(0, device=device)))
         if not self.triton:
             return
-        from runtime.kernels.page_scores import triton as page_triton
-        from runtime.kernels.rope_cache import triton as rope_triton
-        from runtime.kernels.sparse_attention import triton as sparse_triton
-        from runtime.kernels.topk_select import triton as topk_triton
+        from rolecall.runtime.kernels.page_scores import triton as page_triton
+        from rolecall.runtime.kernels.rope_cache import triton as rope_triton
+        from rolecall.runtime.kernels.sparse_attention import triton as sparse_triton
+        from rolecall.runtime.kernels.topk_select import triton as topk_triton
 
         self._page_triton, self._sparse_triton, self._rope_triton = page_triton, sparse_triton, rope_triton
         self._topk_triton = topk_triton
@@ -212,7 +218,7 @@ class StaticDecoder:
     def reset(self) -> None:
         """Ready for a new request over the same buffers, so the graphs captured so far replay for it: the cache
         zeroed (as a new decoder's), no length, no padding, and the policy's cache-derived state rebuilt at the
-        next fill. The sampler's and the stopper's books are the caller's (``runtime.engine.generate``)."""
+        next fill. The sampler's and the stopper's books are the caller's (``rolecall.runtime.engine.generate``)."""
         if not self.reusable:
             raise RuntimeError(f"policy {self.policy.name!r}: this decoder cannot be reset; make a new one")
         for t in self.cache.k + self.cache.v:
@@ -250,7 +256,7 @@ class StaticDecoder:
 
     def capture(self, warmup: int = 2) -> None:
         """Capture the step (and the full fallback when the policy can use it) in CUDA graphs, one per mode of the
-        sampler (a :class:`~runtime.engine.sampling.RowSampler` has a greedy one and a sampling one); a graph
+        sampler (a :class:`~rolecall.runtime.engine.sampling.RowSampler` has a greedy one and a sampling one); a graph
         captured before (a reused decoder, :meth:`reset`) is kept, so with nothing new to capture this does nothing.
 
         Warm-up runs (on a side stream) compile the kernels; afterwards the length, the next tokens, the
@@ -479,7 +485,7 @@ class StaticDecoder:
 
     def compiled(self, fn: Any) -> Any:
         """``fn`` through ``torch.compile`` where this decoder compiles, else ``fn``: how a policy's step fuses its
-        small ops (:func:`runtime.engine.compiling.compiled`: static shapes, a bounded number of compilations,
+        small ops (:func:`rolecall.runtime.engine.compiling.compiled`: static shapes, a bounded number of compilations,
         the eager function when compilation fails)."""
         return compiled(fn, dynamic=None) if self.compiles else fn
 
@@ -493,7 +499,7 @@ class StaticDecoder:
         """Block scores ``[..., n]`` → ``[..., min(k, n)]`` int32 block ids (-1 = none): the last ``recent``
         blocks up to the new token's, then the highest scores among the existing ones. No sync; ascending
         when :meth:`triton_topk` of ``n`` is not None. With ``out`` and ``out_rows`` (see
-        :func:`runtime.kernels.topk_select.triton.topk_with_recent`) row i of the choice is written to row
+        :func:`rolecall.runtime.kernels.topk_select.triton.topk_with_recent`) row i of the choice is written to row
         ``out_rows[i]`` of ``out`` in place, and ``out`` is returned."""
         last = self.last_block(block_size)
         if last.dim() and scores.dim() == 3:  # each row's own last block, for each of its KV heads
@@ -583,7 +589,7 @@ class StaticDecoder:
         """Fill an empty cache with ``input_ids [B, P]`` (left-padded: row b's first ``pads[b]`` ids are
         padding); returns the last position's logits ``[B, vocab]`` and sets the next tokens to the choice
         made from them. ``graph``: a short prompt's prefill replays a CUDA graph of its width from the second
-        time this decoder sees that width. See :func:`runtime.engine.prefill.prefill`."""
+        time this decoder sees that width. See :func:`rolecall.runtime.engine.prefill.prefill`."""
         return _prefill(self, input_ids, pads, chunk, graph)
 
 

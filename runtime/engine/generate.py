@@ -1,6 +1,6 @@
 """Generation on the engine: prefill, then graph-replayed steps, stopping per row, text streamed as it comes.
 
-The step chooses the next token (:mod:`runtime.engine.sampling`) and keeps the books of finished rows on the
+The step chooses the next token (:mod:`rolecall.runtime.engine.sampling`) and keeps the books of finished rows on the
 device (:class:`Stopper`): a row finishes on an EOS token or at its ``max_new_tokens``, and from then on emits
 padding. The host looks only every ``check_every`` steps: to stop when every row is done, to stream text and
 to look for stop strings (a row whose text contains one is finished there and cut after it).
@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from runtime.engine.compiling import compiles_on, rows_for
-from runtime.engine.decoder import StaticDecoder, pad_left
-from runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
-from runtime.engine.prefill import load as load_prefill
-from runtime.engine.sampling import Sampler, Sampling
-from runtime.engine.text import TokenText, cut_at_stop
-from runtime.engine.weights import Weights
+from rolecall.runtime.engine.compiling import compiles_on, rows_for
+from rolecall.runtime.engine.decoder import StaticDecoder, pad_left
+from rolecall.runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
+from rolecall.runtime.engine.prefill import load as load_prefill
+from rolecall.runtime.engine.sampling import Sampler, Sampling
+from rolecall.runtime.engine.text import TokenText, cut_at_stop
+from rolecall.runtime.engine.weights import Weights
 
 
 class Stopper:
@@ -82,7 +81,7 @@ class Generation:
     # asked for (a policy that evicted prompt keys: from a copy of the prefill, in a full-attention cache)
     reference_logits: list[torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    prefilled: Any = None  # the prefill it ran or loaded (runtime.engine.prefill.Prefilled), when kept
+    prefilled: Any = None  # the prefill it ran or loaded (rolecall.runtime.engine.prefill.Prefilled), when kept
 
     @property
     def logits(self) -> list[torch.Tensor] | None:
@@ -166,7 +165,7 @@ class Decoders:
 def _full_with_prompt(weights: Weights, batch: int, slots: int, prefilled: Any) -> StaticDecoder:
     """A full-attention decoder over ``weights`` (the model's) with the prefill loaded, for the dense pass only:
     the reference of a policy that evicted prompt keys (it reads them all)."""
-    from runtime.policies.full import Full
+    from rolecall.runtime.policies.full import Full
 
     full = StaticDecoder(weights, Full(), batch, slots, kernels="naive", compile=False)  # no step runs
     load_prefill(full, prefilled)
@@ -192,7 +191,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     fits it, and keep this request's decoder there (see :class:`Decoders`; not with ``output_logits`` or
     ``reference_logits``, whose buffers are sized to the request).
 
-    Checked before any work (:func:`runtime.prompts.check_prompts`), each refused in one line (``ValueError``):
+    Checked before any work (:func:`rolecall.runtime.prompts.check_prompts`), each refused in one line (``ValueError``):
     ``prompts`` a list of token id lists (or 1-D integer tensors) or a ``[batch, tokens]`` integer tensor, each
     prompt at least one id in the model's vocabulary; ``max_new_tokens`` whole numbers ≥ 1; the longest prompt
     plus ``max_new_tokens`` within the positions of the weights' RoPE tables (``Weights.from_model``'s
@@ -202,13 +201,13 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     prompts, limits, eos = _request(weights, prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     live, device = len(prompts), weights.device
     if decoders is not None and not (output_logits or reference_logits) and compiles_on(device):
-        # rows rounded up to a bucket (runtime.engine.compiling): a bounded number of compilations and captures
+        # rows rounded up to a bucket (rolecall.runtime.engine.compiling): a bounded number of compilations and captures
         # for requests of any batch size; the extra rows are one padding token each, finished at the prefill
         idle = rows_for(live) - live
         prompts, limits = list(prompts) + [[pad_token_id]] * idle, limits + [1] * idle
     b = len(prompts)
     graphs = device.type == "cuda" if graphs is None else graphs
-    # short prompts on the GPU: padded to a width the decoder keeps a prefill graph of (see runtime.engine.prefill);
+    # short prompts on the GPU: padded to a width the decoder keeps a prefill graph of (see rolecall.runtime.engine.prefill);
     # a kept prefill's prompts are padded as they were then
     longest = max(len(p) for p in prompts)
     if prefilled is not None:
@@ -294,7 +293,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
 def _request(weights: Weights, prompts: Any, max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,
              eos_token_id: int | list[int] | None) -> tuple[list[list[int]], list[int], list[int]]:
     """Checks a request before any work: the prompts as id lists, the per-row token limits and the EOS ids."""
-    from runtime.prompts import check_prompts
+    from rolecall.runtime.prompts import check_prompts
 
     rows = check_prompts(prompts, vocab_size=weights.shape.vocab, max_new_tokens=max_new_tokens, per_row=True,
                          name="prompts", context=weights.max_positions, opt_in=None,
@@ -404,9 +403,9 @@ def lockstep(weights: Weights, policy: Any, prompts: list[list[int]],
     """Full attention decodes every prompt greedily; ``policy`` is fed the very same tokens (teacher forcing)
     in a second decoder over the same weights, so each step compares the two next-token distributions on one
     context: ``compare(full_logits, policy_logits)`` (``[B, V]`` each) gives the step's KL ``[B]`` and top-1
-    agreement ``[B]`` (``runtime.eval.step_divergence``). A row ends at its first EOS (kept). ``policy``
+    agreement ``[B]`` (``rolecall.runtime.eval.step_divergence``). A row ends at its first EOS (kept). ``policy``
     never falls back to the full step here."""
-    from runtime.policies.full import Full
+    from rolecall.runtime.policies.full import Full
 
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
     ids, pads = pad_left(prompts, pad_token_id, weights.device)

@@ -1,6 +1,6 @@
 """The decoder's arithmetic, written once for the prefill (``[B, P, ...]``) and the decode step (``[B, ...]``).
 
-Every function takes the layer's weights and the :class:`~runtime.engine.shape.ModelShape` switches; nothing
+Every function takes the layer's weights and the :class:`~rolecall.runtime.engine.shape.ModelShape` switches; nothing
 here knows a model family by name.
 """
 
@@ -10,13 +10,12 @@ import functools
 
 import torch
 import torch.nn.functional as F
-
-from runtime.engine.shape import ModelShape
-from runtime.engine.weights import LayerWeights, Weights
-from runtime.kernels.add_rms_norm import add_rms_norm
-from runtime.kernels.add_rms_norm.naive import rms_norm
-from runtime.kernels.rope_cache import split_rope
-from runtime.kernels.skinny_linear import gated_linear, linear
+from rolecall.runtime.engine.shape import ModelShape
+from rolecall.runtime.engine.weights import LayerWeights, Weights
+from rolecall.runtime.kernels.add_rms_norm import add_rms_norm
+from rolecall.runtime.kernels.add_rms_norm.naive import rms_norm
+from rolecall.runtime.kernels.rope_cache import split_rope
+from rolecall.runtime.kernels.skinny_linear import gated_linear, linear
 
 
 def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
@@ -66,16 +65,16 @@ def first_input(w: Weights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @functools.cache
 def bound_finish(s: ModelShape):
     """:func:`finish_tensors` for ``s``: what the decode step runs through ``torch.compile``
-    (:func:`runtime.engine.compiling.compiled`), which fuses what no kernel of ours covers (the activation of a
+    (:func:`rolecall.runtime.engine.compiling.compiled`), which fuses what no kernel of ours covers (the activation of a
     projection the gated kernel does not take, the casts) instead of a launch for each small op (a batch-1 step
     is otherwise bound by the launch latency of a dozen small kernels per layer). Compiled once per shape and
     row count, in the engine's eager warm-up, before its CUDA-graph capture; one object per shape, so later
     decoders of the same model reuse its compilations.
 
     On CUDA each residual add and the norm after it are one kernel of ours
-    (:func:`runtime.kernels.add_rms_norm.add_rms_norm`), which takes part in the chain of dependent launches: an
+    (:func:`rolecall.runtime.kernels.add_rms_norm.add_rms_norm`), which takes part in the chain of dependent launches: an
     add and norm that inductor fused measured 0.3–4.5 % slower a step, since it cannot. The GEMMs of a decode
-    step are :func:`runtime.kernels.skinny_linear.linear`'s custom op where it measured faster than cuBLAS; the
+    step are :func:`rolecall.runtime.kernels.skinny_linear.linear`'s custom op where it measured faster than cuBLAS; the
     compiled graph calls both ops as they are. Inductor's pattern matcher is off: it would fold a residual add
     into its GEMM as an ``addmm``, which first copies the residual into the output (one more kernel)."""
     return functools.partial(finish_tensors, s)
@@ -84,14 +83,14 @@ def bound_finish(s: ModelShape):
 @functools.cache
 def compiled_finish(s: ModelShape):
     """:func:`bound_finish` of ``s`` compiled, one object per shape (its compilations shared by every decoder)."""
-    from runtime.engine.compiling import compiled
+    from rolecall.runtime.engine.compiling import compiled
 
     return compiled(bound_finish(s), pattern_matcher=False)
 
 
 def qkv_tensors(s: ModelShape, h, wqkv, bqkv, q_norm, k_norm, cos, sin, order=None):
     """Normed hidden ``h [..., H]`` → ``q [..., Hq, D]``, ``k``, ``v [..., Hkv, D]`` with RoPE applied
-    (:func:`runtime.kernels.rope_cache.split_rope`; KV heads in ``order`` when given, query groups with them).
+    (:func:`rolecall.runtime.kernels.rope_cache.split_rope`; KV heads in ``order`` when given, query groups with them).
 
     ``cos``/``sin`` broadcast against ``[..., 1, D]`` (one row per position); ``sin`` is signed
     (:func:`signed_sin`) so that rotating half of a head is one ``roll``."""
@@ -127,7 +126,7 @@ def finish_tensors(s: ModelShape, x, attn, wo, bo, norm_attn_out, norm_mlp, w_ga
 
 def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:
     """Logits from the last layer's output after the final norm. The output head is a projection like the others
-    (the Triton kernel where :func:`~runtime.kernels.skinny_linear.linear` takes it, up to 16 rows for a head this
+    (the Triton kernel where :func:`~rolecall.runtime.kernels.skinny_linear.linear` takes it, up to 16 rows for a head this
     wide): against cuBLAS the full step measured 0.2–0.8 % faster (H100, DS-Qwen 7B and 1.5B shapes at 32K, one and
     eight rows, two alternating runs each, ``decode_lm_head_ab_{on,off}{1,2}_h100.json``)."""
     out = linear(h, w.lm_head)

@@ -9,7 +9,7 @@ are repeated for the masked kernel, which does not take grouped heads). A slidin
 of ``max(window, WINDOW_BLOCK)`` queries, each reading only the keys its window reaches (the block and the
 ``window - 1`` slots before it): per query at most one block and one window of keys, not the whole chunk
 (Gemma 3's 512-token windows in a 4,096-token chunk: under a third of the keys, and a block × keys mask per call).
-A hybrid model's sliding layer holds a ring (:class:`~runtime.engine.cache.StaticCache`): a chunk reads the
+A hybrid model's sliding layer holds a ring (:class:`~rolecall.runtime.engine.cache.StaticCache`): a chunk reads the
 ``window - 1`` tokens before it from the ring and its own from its projections, then leaves as many of its last
 tokens there as the ring holds.
 
@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rolecall.runtime.engine import layers as L
 from torch.nn.attention.bias import causal_lower_right
-
-from runtime.engine import layers as L
 
 DEFAULT_CHUNK = 4096  # tokens per row of a chunk, at least
 GRAPH_WIDTHS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)  # the prompt widths graphs are made for
@@ -57,7 +56,7 @@ def graph_width(longest: int, rows: int) -> int | None:
 
 def prefill(dec, input_ids: torch.Tensor, pads: list[int] | None = None, chunk: int | None = None,
             graph: bool = False) -> torch.Tensor:
-    """See :meth:`runtime.engine.decoder.StaticDecoder.prefill`."""
+    """See :meth:`rolecall.runtime.engine.decoder.StaticDecoder.prefill`."""
     c = dec.cache
     b, p = input_ids.shape
     pads = list(pads or [0] * b)

@@ -1,6 +1,6 @@
 """Serving many requests on one engine: a scheduler over a fixed number of row slots (continuous batching).
 
-A :class:`Scheduler` owns one :class:`~runtime.engine.decoder.StaticDecoder` of ``slots`` rows and a thread that
+A :class:`Scheduler` owns one :class:`~rolecall.runtime.engine.decoder.StaticDecoder` of ``slots`` rows and a thread that
 drives it. :meth:`Scheduler.submit` checks a :class:`Request` at once (a bad one raises :class:`RequestError`,
 naming the field, before any work) and queues it; the thread admits waiting requests into free rows at step
 boundaries (each after its own prefill, into its own row, which keeps its own length and positions), steps every
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.sampling import Sampling
-from runtime.engine.text import TokenText
+from rolecall.runtime.engine.sampling import Sampling
+from rolecall.runtime.engine.text import TokenText
 
 
 class RequestError(ValueError):
@@ -89,10 +89,10 @@ class Scheduler:
     ``weights``: the engine's weights; ``policy``: a bound policy with a static step; ``max_context``: the most
     tokens (prompt + new) one request may hold, default the weights' RoPE positions; ``tokenizer``: for text
     and stop strings (without one, events carry ids only and ``stop`` is refused); ``eos_token_id``: an id or
-    ids that end a request. ``kernels`` as :class:`~runtime.engine.decoder.StaticDecoder`'s. ``min_context``: a
+    ids that end a request. ``kernels`` as :class:`~rolecall.runtime.engine.decoder.StaticDecoder`'s. ``min_context``: a
     sparse policy's step runs only once the longest live request holds this many tokens; below it every row takes
     the full step (faster there: the sparse step's selection costs more than the reads it saves). Default: the
-    measured crossover for the policy at ``slots`` rows (:func:`runtime.engine.default_min_context`); 0: always
+    measured crossover for the policy at ``slots`` rows (:func:`rolecall.runtime.engine.default_min_context`); 0: always
     the policy's step."""
 
     def __init__(self, weights: Any, policy: Any, *, slots: int = 8, max_context: int | None = None,
@@ -104,7 +104,7 @@ class Scheduler:
         max_context = most if max_context is None else int(max_context)
         if not 2 <= max_context <= most:
             raise ValueError(f"max_context {max_context} must be in [2, {most}] (the model's RoPE positions)")
-        from runtime.engine.decoder import rows_refusal, static_step_of
+        from rolecall.runtime.engine.decoder import rows_refusal, static_step_of
 
         why = rows_refusal(static_step_of(policy, weights.shape))
         if why:
@@ -138,7 +138,7 @@ class Scheduler:
     # -- the client side -----------------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
         """Raise :class:`RequestError` for a request this scheduler cannot run (before any work)."""
-        from runtime.prompts import PromptError, check_max_new_tokens, check_prompts
+        from rolecall.runtime.prompts import PromptError, check_max_new_tokens, check_prompts
 
         try:
             check_max_new_tokens(request.max_new_tokens, "max_tokens")
@@ -154,7 +154,7 @@ class Scheduler:
         if request.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer, and this server has none")
         if not isinstance(request.sampling, Sampling):
-            raise RequestError("sampling", "sampling must be a runtime.engine.Sampling")
+            raise RequestError("sampling", "sampling must be a rolecall.runtime.engine.Sampling")
 
     def submit(self, request: Request, emit: Callable[[Event], None]) -> int:
         """Check ``request`` (:class:`RequestError` if bad, :class:`SchedulerClosed` while draining) and queue it;
@@ -235,7 +235,7 @@ class Scheduler:
     # -- the scheduler's thread ---------------------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            from runtime.engine.batcher import Batcher
+            from rolecall.runtime.engine.batcher import Batcher
 
             engine = self.engine = Batcher(self)
             while True:

@@ -1,6 +1,6 @@
 """The engine's weights: a transformers model's tensors in the fused layout the decode step reads.
 
-``Weights.from_model(model)`` takes any model whose config :func:`runtime.engine.shape.unsupported` accepts:
+``Weights.from_model(model)`` takes any model whose config :func:`rolecall.runtime.engine.shape.unsupported` accepts:
 q, k and v projections stacked into one matrix, gate and up into another (one GEMV each per layer), norms with
 Gemma's ``1 + w`` folded in, and the RoPE cos/sin tables computed once by the model's own rotary module (so
 every static RoPE variant, llama3 and YaRN included, is exactly the model's). ``Weights.random(shape)`` builds
@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-
-from runtime.engine.shape import ModelShape
+from rolecall.runtime.engine.shape import ModelShape
 
 
 @dataclass

@@ -7,12 +7,12 @@ holds; elsewhere one forward over the prompt and that generation), so every deco
 * the KL divergence ``KL(p_full ‖ p_policy)`` and whether both pick the same top-1 token;
 * per layer, the attention recall (true attention mass inside the set the layer read) and the fraction of
   the context it read;
-* passkey accuracy (single passkey in a haystack, from ``data.passkey``) per context length and depth, and the
+* passkey accuracy (single passkey in a haystack, from ``rolecall.data.passkey``) per context length and depth, and the
   generation length;
-* with the RULER-style suite (``suite="ruler"``, ``data.ruler``), RULER's score per task and length (the share
+* with the RULER-style suite (``suite="ruler"``, ``rolecall.data.ruler``), RULER's score per task and length (the share
   of the expected strings generated), each with its Wilson 95 % interval.
 
-Prompts come from ``data.passkey.build_niah_dataset``, ``data.ruler.build_ruler_dataset`` or a JSONL file
+Prompts come from ``rolecall.data.passkey.build_niah_dataset``, ``rolecall.data.ruler.build_ruler_dataset`` or a JSONL file
 (``{"prompt": ..., "answer": ...}`` or ``{"prompt": ..., "answers": [...]}`` per line, answers optional).
 """
 
@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rolecall.runtime import atomic
+from rolecall.runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
+from rolecall.runtime.models import cache_keyword, pad_token
+from rolecall.runtime.session import attach
 from transformers import DynamicCache
-
-from runtime import atomic
-from runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
-from runtime.models import cache_keyword, pad_token
-from runtime.session import attach
 
 
 @dataclass
@@ -42,10 +41,10 @@ class EvalSettings:
     samples_per_cell: int = 1
     passkey_words: int = 2
     alphabet: str = "nato"  # passkey words: "nato" code words, or "digits" (what small models can copy)
-    source: str = "pg-essays"  # haystack text (see data.corpora)
+    source: str = "pg-essays"  # haystack text (see rolecall.data.corpora)
     prompts: str | None = None  # a JSONL file instead of passkey prompts
-    max_new_tokens: int = 12  # RULER prompts carry their own budget (data.ruler.TASKS)
-    suite: str = "passkey"  # "passkey", "ruler" (data.ruler) or "longbench" (data.longbench; lengths truncate)
+    max_new_tokens: int = 12  # RULER prompts carry their own budget (rolecall.data.ruler.TASKS)
+    suite: str = "passkey"  # "passkey", "ruler" (rolecall.data.ruler) or "longbench" (rolecall.data.longbench; lengths truncate)
     tasks: tuple[str, ...] = ()  # RULER or LongBench tasks; () = all
     seed: int = 0
     data: str | None = None  # LongBench's data.zip or folder (None: the Hugging Face Hub when it answers)
@@ -53,7 +52,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
             raise ValueError(f"suite must be one of {', '.join(SUITES)}, got {self.suite!r}")
-        from runtime.prompts import check_max_new_tokens
+        from rolecall.runtime.prompts import check_max_new_tokens
 
         check_max_new_tokens(self.max_new_tokens, least=2, why=NEW_TOKENS_WHY)
         if self.prompts is None and (not self.lengths or not self.depths):
@@ -99,7 +98,9 @@ def load_prompts(path: str | Path, tokenizer) -> list[dict[str, Any]]:
 
 
 def passkey_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
-    from data.passkey import build_niah_dataset  # evaluation only: runtime does not need data otherwise
+    from rolecall.data.passkey import (
+        build_niah_dataset,  # evaluation only: runtime does not need data otherwise
+    )
 
     grid = build_niah_dataset(tokenizer, source=settings.source, lengths=settings.lengths, depths=settings.depths,
                               samples_per_cell=settings.samples_per_cell, passkey_words=settings.passkey_words,
@@ -109,7 +110,7 @@ def passkey_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
 
 
 def ruler_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
-    from data.ruler import TASKS, build_ruler_dataset, prompt_ids
+    from rolecall.data.ruler import TASKS, build_ruler_dataset, prompt_ids
 
     suite = build_ruler_dataset(tokenizer, tasks=settings.tasks or tuple(TASKS), lengths=settings.lengths,
                                 samples_per_cell=settings.samples_per_cell, seed=settings.seed, source=settings.source)
@@ -121,7 +122,7 @@ def ruler_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
 def longbench_prompts(tokenizer, settings: EvalSettings) -> list[dict[str, Any]]:
     """The first ``samples_per_cell`` samples of each LongBench task, each cut to every length of ``lengths``
     (its first and last halves); ``context_length`` is that length, the cell it is reported in."""
-    from data.longbench import TASKS, load_tasks, prompt_ids
+    from rolecall.data.longbench import TASKS, load_tasks, prompt_ids
 
     rows = load_tasks(settings.tasks or tuple(TASKS), settings.data, limit=settings.samples_per_cell)
     return [{"input_ids": torch.tensor(prompt_ids(tokenizer, r, n), dtype=torch.long), "answers": r["answers"],
@@ -143,9 +144,9 @@ def suite_new_tokens(settings: EvalSettings) -> int:
     if settings.prompts or settings.suite not in ("ruler", "longbench"):
         return settings.max_new_tokens
     if settings.suite == "ruler":
-        from data.ruler import TASKS, check_tasks
+        from rolecall.data.ruler import TASKS, check_tasks
     else:
-        from data.longbench import TASKS, check_tasks
+        from rolecall.data.longbench import TASKS, check_tasks
     return max(TASKS[t].max_new_tokens for t in check_tasks(settings.tasks or TASKS))
 
 
@@ -153,11 +154,11 @@ def sample_score(generated: str, sample: dict[str, Any]) -> float | None:
     """LongBench's metric for its samples, 1/0 for a passkey answer, RULER's share of expected strings for
     ``answers``, None without either."""
     if sample.get("suite") == "longbench":
-        from data.longbench import score
+        from rolecall.data.longbench import score
 
         return score(sample["task"], generated, sample["answers"], sample["classes"])
     if sample.get("answers"):
-        from data.ruler import score
+        from rolecall.data.ruler import score
 
         return score(generated, sample["answers"])
     if sample.get("answer"):
@@ -206,7 +207,7 @@ def _batches(samples: list[dict[str, Any]], size: int, default_budget: int) -> l
 def _dense_logits(model, rows: list[list[int]], last: list[int]) -> list[torch.Tensor]:
     """Full attention's logits at the last ``last[r]`` positions of each token list in ``rows``, in one batched
     forward (left-padded, positions counted from each row's first real token)."""
-    from runtime.engine import pad_left, padding_mask
+    from rolecall.runtime.engine import pad_left, padding_mask
 
     ids, pads = pad_left(rows, 0, model.device)
     mask = padding_mask(pads, ids.shape[1], ids.device)
@@ -511,12 +512,12 @@ def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | No
 def check_samples(samples: list[dict[str, Any]], config: Any, settings: EvalSettings,
                   allow_long_context: bool = False, name: str = "samples", **how: Any) -> None:
     """The samples' prompts (``input_ids``) and budgets, checked for a model of ``config`` as
-    :func:`runtime.prompts.check_prompts` checks prompts (see :func:`evaluate_many`); a sample without
+    :func:`rolecall.runtime.prompts.check_prompts` checks prompts (see :func:`evaluate_many`); a sample without
     ``input_ids`` is refused too. ``name``: what to call the samples in a message; ``how``: the rest of
     ``check_prompts``' wording (the commands name their flags: ``new_name``, ``opt_in``, ``warn_as``, ``fix``)."""
-    from data.tokens import vocab_size
-    from runtime.models import context_limit
-    from runtime.prompts import PromptError, check_prompts
+    from rolecall.data.tokens import vocab_size
+    from rolecall.runtime.models import context_limit
+    from rolecall.runtime.prompts import PromptError, check_prompts
 
     if not isinstance(samples, (list, tuple)) or not samples:
         raise PromptError(f"{name} must be a non-empty list of samples (dicts with 'input_ids'), got "
@@ -626,13 +627,13 @@ def _result(r: _Run, samples: list[dict[str, Any]], settings: EvalSettings) -> d
 def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dict[str, Any] | None = None,
              source: str = "champ", limit: int = 8, max_new_tokens: int = 1024, batch: int = 8) -> dict[str, Any]:
     """Reasoning fidelity (DELTA's concern: sparse attention's errors accumulate over long generations). On
-    reasoning prompts (``data.reasoning``: CHAMP by default, chat-formatted), full attention decodes its own
+    reasoning prompts (``rolecall.data.reasoning``: CHAMP by default, chat-formatted), full attention decodes its own
     greedy trace of up to ``max_new_tokens`` tokens on the engine, and the policy, in a second decoder, is fed
     the same tokens: per step, KL(p_full ‖ p_policy) and top-1 agreement over the whole generation, and the
     divergence point, the first generated token the policy would have chosen otherwise (from there on its
     own greedy generation would part from full's)."""
-    from data.reasoning import build_reasoning_dataset
-    from runtime.engine import lockstep, shared_weights, static_step_of
+    from rolecall.data.reasoning import build_reasoning_dataset
+    from rolecall.runtime.engine import lockstep, shared_weights, static_step_of
 
     prompts = [s["input_ids"].tolist() for s in build_reasoning_dataset(tokenizer, source, limit)]
     with attach(model, manifest, policy, engine="static", **dict(params or {})) as session:

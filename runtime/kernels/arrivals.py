@@ -5,8 +5,8 @@ after a barrier so every thread's stores are counted); the program that reads ``
 stored, reads them from L2 and finishes (a choice among candidates, a merge of split-K partials). It then sets
 the counter back to zero, so one buffer serves every launch on a stream, and a CUDA graph captures the same
 buffer. Each stream has its own: kernels on two streams (the engine's step and the work it puts beside it) may
-run at once, and must not count into the same rows. Used by :mod:`runtime.kernels.topk_select.triton`,
-:mod:`runtime.kernels.page_bounds.triton` and :mod:`runtime.kernels.skinny_linear.triton`.
+run at once, and must not count into the same rows. Used by :mod:`rolecall.runtime.kernels.topk_select.triton`,
+:mod:`rolecall.runtime.kernels.page_bounds.triton` and :mod:`rolecall.runtime.kernels.skinny_linear.triton`.
 
 Where it does not pay: merging the decode-attention kernel's split-K partials in each row's last program, instead
 of a small launch of its own, measured slower at every shape (H200, 32 / 8 heads, bf16, graph-captured: a 10 %

@@ -14,7 +14,7 @@ NVIDIA Hopper (compute capability 9.0) and later; off on ROCm, under the Triton 
 ``ROLECALL_PDL=0``. A CUDA graph keeps the launches' programmatic edges, so the engine's replayed step uses them.
 Measured on an H100 (``docs/performance.md``): a sparse call 0.7–1.4 µs shorter; lychee's
 step at 128K × 8 on the DS-Qwen-7B shape 12.18 → 12.08 ms, delta's 9.67 → 9.62, full's unchanged. With the
-add-and-norm in the chain (:mod:`runtime.kernels.add_rms_norm`) and the projections placing the next kernel at
+add-and-norm in the chain (:mod:`rolecall.runtime.kernels.add_rms_norm`) and the projections placing the next kernel at
 once, every step measured 0.3–4.5 % faster again (full at 32K × 1 on the 7B shape 6.01 → 5.89 ms).
 """
 

@@ -22,10 +22,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from runtime.atomic import write_text
-from runtime.configfile import read_mapping
-from runtime.manifest import (
+from rolecall.runtime.atomic import write_text
+from rolecall.runtime.configfile import read_mapping
+from rolecall.runtime.manifest import (
     LAYER_ROLE_FULL,
     LAYER_ROLE_SELECT,
     LAYER_ROLE_SPARSE,
@@ -35,7 +34,7 @@ from runtime.manifest import (
     RoleManifest,
 )
 
-FORMATS = ("duo", "json", "layers")  # and "hub" (runtime.manifest.hub), written from the file by rolecall export
+FORMATS = ("duo", "json", "layers")  # and "hub" (rolecall.runtime.manifest.hub), written from the file by rolecall export
 DUO_TSV = "full_attention_heads.tsv"
 # what import reads in each format
 SOURCES = {"duo": f"a DuoAttention pattern folder or its {DUO_TSV}",

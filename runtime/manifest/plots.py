@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-
-from runtime.atomic import write_figure
-from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
+from rolecall.runtime.atomic import write_figure
+from rolecall.runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
 
 # panel -> the manifest tensor it draws; a panel appears when its tensor is present
 PANELS = [("layers", "layer_role"), ("shift", "layer_shift"), ("sparsity", "layer_sparsity"),

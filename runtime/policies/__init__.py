@@ -5,7 +5,7 @@ A policy is a small dataclass that checks its parameters in ``__post_init__`` an
 * ``bind(manifest, config)`` — check that the manifest has what the policy needs, remember the per-layer plan;
 * ``plan(step) -> Plan`` — for one decode step of one layer, say which keys each KV head reads.
 
-The engine (``runtime.engine``) turns the plan into attention with the sparse-attention kernel and keeps the
+The engine (``rolecall.runtime.engine``) turns the plan into attention with the sparse-attention kernel and keeps the
 statistics. ``get_policy("delta", budget=1024)`` builds one from a name and keyword parameters.
 """
 
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from runtime.registry import Registry
+from rolecall.runtime.registry import Registry
 
 
 class PolicyError(ValueError):
@@ -31,12 +30,12 @@ class UnknownPolicyError(PolicyError):
 # name -> "module:class", imported on use
 POLICIES = Registry("policy", UnknownPolicyError, lead="known policies:", ordered=True)
 POLICIES.update({
-    "full": "runtime.policies.full:Full",
-    "delta": "runtime.policies.delta:Delta",
-    "lychee": "runtime.policies.lychee:Lychee",
-    "lethe": "runtime.policies.lethe:Lethe",
-    "vattention": "runtime.policies.vattention:VAttention",
-    "quest": "runtime.policies.quest:Quest",
+    "full": "rolecall.runtime.policies.full:Full",
+    "delta": "rolecall.runtime.policies.delta:Delta",
+    "lychee": "rolecall.runtime.policies.lychee:Lychee",
+    "lethe": "rolecall.runtime.policies.lethe:Lethe",
+    "vattention": "rolecall.runtime.policies.vattention:VAttention",
+    "quest": "rolecall.runtime.policies.quest:Quest",
 })
 
 

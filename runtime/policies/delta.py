@@ -27,15 +27,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-
-from runtime.kernels.page_bounds import naive as bounds_naive
-from runtime.kernels.page_bounds import page_minmax
-from runtime.kernels.page_scores import attention_probs, head_max_probs, pool_pages
-from runtime.kernels.topk_select import topk_with_recent
-from runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
-from runtime.models import sliding_layers
-from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
-from runtime.policies.quest import PageMeta
+from rolecall.runtime.kernels.page_bounds import naive as bounds_naive
+from rolecall.runtime.kernels.page_bounds import page_minmax
+from rolecall.runtime.kernels.page_scores import attention_probs, head_max_probs, pool_pages
+from rolecall.runtime.kernels.topk_select import topk_with_recent
+from rolecall.runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
+from rolecall.runtime.models import sliding_layers
+from rolecall.runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
+from rolecall.runtime.policies.quest import PageMeta
 
 
 def select_pages(token_scores: torch.Tensor, page_size: int, num_pages: int, recent_pages: int) -> torch.Tensor:
@@ -129,7 +128,7 @@ class Delta:
 
     def refined(self, step: Step, candidates: torch.Tensor) -> torch.Tensor:
         """The sparse layer's own choice among the Δ-layer's candidates (``refine_candidates`` of
-        :mod:`runtime.kernels.page_bounds`), from page metadata computed over every readable key (the
+        :mod:`rolecall.runtime.kernels.page_bounds`), from page metadata computed over every readable key (the
         reference: cost is no concern here)."""
         kmin, kmax = page_minmax(step.key, step.keep, self.page_size)  # [B, Hkv, n, D]
         return bounds_naive.refine_candidates(step.query, kmin, kmax, candidates, step.scale, self.num_pages,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.policies import Plan, Step, mean_tokens_read
+from rolecall.runtime.policies import Plan, Step, mean_tokens_read
 
 
 @dataclass

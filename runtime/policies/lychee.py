@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-
-from runtime.kernels.page_scores import attention_probs, pool_pages
-from runtime.kernels.topk_select import mask_to_indices
-from runtime.manifest import HEAD_ROLE_RETRIEVAL
-from runtime.models import sliding_layers
-from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
+from rolecall.runtime.kernels.page_scores import attention_probs, pool_pages
+from rolecall.runtime.kernels.topk_select import mask_to_indices
+from rolecall.runtime.manifest import HEAD_ROLE_RETRIEVAL
+from rolecall.runtime.models import sliding_layers
+from rolecall.runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 DEFAULT_BUDGET = 1024
 
@@ -144,7 +143,7 @@ class LycheeStep:
     the decoder reads the new token's heads in it and writes the attention's output back in the model's, so the
     weights stay the session's), so they are a head prefix that reads the whole cache, while the
     sparse heads read what they inherit (one launch below 8 rows, two from there;
-    :meth:`~runtime.engine.decoder.StaticDecoder.attend_mixed_and_choose`). Within that prefix the heads whose
+    :meth:`~rolecall.runtime.engine.decoder.StaticDecoder.attend_mixed_and_choose`). Within that prefix the heads whose
     choice a later layer reads (``choosing``, :func:`passes_on`) come first: only they keep their logits, and
     their block scores and top-k run beside the step; ``state["lychee.sets"]`` is that choice, pending until the
     next layer reads it. The sets ``[B, Hkv, N]`` hold the blocks per *original* head index, as the next layer's

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-
-from runtime.kernels.page_bounds import naive as bounds_naive
-from runtime.kernels.page_bounds import page_bounds, page_minmax
-from runtime.kernels.page_scores import pool_pages
-from runtime.kernels.topk_select import topk_with_recent
-from runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
+from rolecall.runtime.kernels.page_bounds import naive as bounds_naive
+from rolecall.runtime.kernels.page_bounds import page_bounds, page_minmax
+from rolecall.runtime.kernels.page_scores import pool_pages
+from rolecall.runtime.kernels.topk_select import topk_with_recent
+from rolecall.runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 GROUPS = ("max", "sum")
 
@@ -163,7 +162,7 @@ class PageMeta:
     def impl(dec: Any) -> Any:
         """The page-bound kernels the decoder runs: Triton's, or the references."""
         if dec.triton:
-            from runtime.kernels.page_bounds import triton
+            from rolecall.runtime.kernels.page_bounds import triton
 
             return triton
         return bounds_naive
@@ -193,6 +192,6 @@ class PageMeta:
         return self.kmin[layer], self.kmax[layer]
 
     def new_page(self, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """What :func:`~runtime.kernels.page_bounds.update_page` reads besides the buffers (keys, first and last
+        """What :func:`~rolecall.runtime.kernels.page_bounds.update_page` reads besides the buffers (keys, first and last
         readable slot, page size): for a kernel that updates the new token's page itself."""
         return k, span.first, span.last, self.page_size

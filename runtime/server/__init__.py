@@ -2,7 +2,7 @@
 
 ==================  ============================================================================
 ``protocol.py``     request bodies checked, responses and stream chunks built, OpenAI's errors
-``app.py``          :func:`create_app`: the FastAPI app on a :class:`~runtime.engine.scheduler.Scheduler`
+``app.py``          :func:`create_app`: the FastAPI app on a :class:`~rolecall.runtime.engine.scheduler.Scheduler`
 ``metrics.py``      ``/metrics`` in Prometheus' text format
 ``lifetime.py``     :func:`bind` a socket, :func:`serve` on it: uvicorn; SIGTERM drains, then it returns
 ==================  ============================================================================
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"create_app": "runtime.server.app", "bind": "runtime.server.lifetime", "serve": "runtime.server.lifetime"}
+_LAZY = {"create_app": "rolecall.runtime.server.app", "bind": "rolecall.runtime.server.lifetime", "serve": "rolecall.runtime.server.lifetime"}
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
-        raise AttributeError(f"module 'runtime.server' has no attribute {name!r}")
+        raise AttributeError(f"module 'rolecall.runtime.server' has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(_LAZY[name]), name)

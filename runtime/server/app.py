@@ -20,12 +20,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
-
-from runtime.engine.scheduler import Event, RequestError, SchedulerClosed
-from runtime.engine.scheduler import Request as EngineRequest
-from runtime.server import metrics
-from runtime.server.protocol import (
+from rolecall.runtime.engine.scheduler import Event, RequestError, SchedulerClosed
+from rolecall.runtime.engine.scheduler import Request as EngineRequest
+from rolecall.runtime.server import metrics
+from rolecall.runtime.server.protocol import (
     FINISH_REASONS,
     Params,
     ProtocolError,
@@ -39,6 +37,7 @@ from runtime.server.protocol import (
     usage,
     usage_chunk,
 )
+from starlette.exceptions import HTTPException
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting whole-answer request looks whether its client is still there
 ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
@@ -206,7 +205,7 @@ async def body_of(http: Request) -> Any:
 
 
 def create_app(scheduler: Any, *, model_name: str, tokenizer: Any = None) -> FastAPI:
-    """The OpenAI-compatible app on ``scheduler`` (a :class:`runtime.engine.scheduler.Scheduler`: ``submit``,
+    """The OpenAI-compatible app on ``scheduler`` (a :class:`rolecall.runtime.engine.scheduler.Scheduler`: ``submit``,
     ``cancel``, ``stats``, ``max_context``), answering to ``model_name``; ``tokenizer`` turns text prompts and chat
     turns into ids (without one, prompts must be token ids and chat is refused). ``app.state.serving`` is the
     :class:`Serving`; set its ``draining`` to answer 503 to new requests and to ``/health``."""

@@ -34,7 +34,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app: Any, sock: socket.socket, *, ready: Callable[[int], None] | None = None) -> None:
-    """Serve ``app`` (from :func:`runtime.server.create_app`) on ``sock`` until a signal has drained it (see the
+    """Serve ``app`` (from :func:`rolecall.runtime.server.create_app`) on ``sock`` until a signal has drained it (see the
     module's docstring). ``ready(port)`` is called once the server accepts connections."""
     import uvicorn
 

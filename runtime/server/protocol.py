@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine.sampling import M32, Sampling
+from rolecall.runtime.engine.sampling import M32, Sampling
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills what is left of the context
 

@@ -4,9 +4,9 @@ On a GPU with ``flashinfer-python`` importable; elsewhere skipped."""
 
 import pytest
 import torch
+from rolecall.runtime.kernels.sparse_attention import naive
 
 from benchmarks import peers
-from runtime.kernels.sparse_attention import naive
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not peers.flashinfer_available(), reason="needs flashinfer-python")]
 
@@ -35,7 +35,7 @@ def test_flashinfer_decode_reads_the_pages_its_table_lists():
 
 
 def test_the_engine_step_on_flashinfer_gives_fulls_logits():
-    from runtime.engine import ModelShape, StaticDecoder, Weights
+    from rolecall.runtime.engine import ModelShape, StaticDecoder, Weights
 
     shape = ModelShape(layers=3, hidden=256, heads=8, kv_heads=2, head_dim=128, intermediate=512, vocab=300)
     weights = Weights.random(shape, device="cuda", dtype=torch.bfloat16, std=0.05, positions=1024)

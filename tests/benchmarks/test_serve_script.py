@@ -274,9 +274,9 @@ def test_the_byte_bound_is_the_weights_and_what_each_policy_reads_at_7b(serve, t
     tokens in the others; lychee 32 retrieval heads of 112 and 2,048 tokens in the others."""
     args = serve.parse_args(["--concurrency", "64", "--duration", "300", "--device", "cpu"])
     target = serve.prepare(args, tmp_path)
-    from runtime.engine import SHAPES
-    from runtime.manifest import RoleManifest
-    from runtime.models import load_config
+    from rolecall.runtime.engine import SHAPES
+    from rolecall.runtime.manifest import RoleManifest
+    from rolecall.runtime.models import load_config
 
     config = load_config(target.model)
     shape = SHAPES["7b"]

@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
+from rolecall.calibrate import cli
+from rolecall.calibrate.config import ConfigError, read_yaml, resolve
+from rolecall.calibrate.traces import read_traces
+from rolecall.runtime.manifest import RoleManifest
 
-import calibrate
-from calibrate import cli
-from calibrate.config import ConfigError, read_yaml, resolve
-from calibrate.traces import read_traces
-from runtime.manifest import RoleManifest
+from rolecall import calibrate
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 
 FLAGS = ["--prompts", "arithmetic:3", "--max-new-tokens", "48", "--stride", "6", "--min-context", "40",
@@ -62,7 +62,7 @@ def test_run_api_takes_texts_and_matches_the_pair_matrix(model_dir):
               "num_delta": 2, "min_gap": 1, "select": "recall"}
     m = calibrate.run(model, tok, texts, config, progress=False)
     pairs = torch.tensor(m.metrics["recall_pairs"])
-    from calibrate.delta import mean_sparse_recall
+    from rolecall.calibrate.delta import mean_sparse_recall
 
     assert m.metrics["recall_mean"] == pytest.approx(mean_sparse_recall(pairs, m.delta_layers, 1), abs=1e-5)
     # the greedy recall search is at least as good as the peaks it is compared with
@@ -71,7 +71,7 @@ def test_run_api_takes_texts_and_matches_the_pair_matrix(model_dir):
 
 
 def test_every_shipped_calibration_config_resolves():
-    folder = importlib.resources.files("configs") / "calibrate"
+    folder = importlib.resources.files("rolecall.configs") / "calibrate"
     names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".yaml"))
     assert "smollm2-135m.yaml" in names and "qwen-14b.yaml" in names
     for name in names:
@@ -113,7 +113,7 @@ def test_traces_file_errors_name_the_line(tmp_path):
 
 def test_older_names_of_k_still_read(tmp_path):
     """``top_pages`` (flag and key) is what older configs and manifests call K; it reads as ``num_pages``."""
-    from calibrate.cli import build_parser, resolve_config
+    from rolecall.calibrate.cli import build_parser, resolve_config
 
     args = build_parser().parse_args(["--top-pages", "12", "--config", str(_yaml(tmp_path, "top_pages: 9\n"))])
     config, _ = resolve_config(args)
@@ -139,9 +139,9 @@ def _refused(capsys) -> str:
 
 @pytest.fixture
 def no_model(monkeypatch):
-    import runtime.distributed
+    import rolecall.runtime.distributed
 
-    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(rolecall.runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
 
 
 def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, capsys, no_model):
@@ -173,7 +173,7 @@ def test_layer_counts_are_checked_against_the_models_config_before_it_loads(mode
 
 def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model,
                                                                      monkeypatch):
-    from runtime.distributed import LAUNCHER_ENVIRONMENT
+    from rolecall.runtime.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)

@@ -6,15 +6,14 @@ import itertools
 
 import pytest
 import torch
-
-from calibrate.delta import (
+from rolecall.calibrate.delta import (
     choose_delta_layers,
     get_selector,
     layer_roles,
     mean_sparse_recall,
     recall_per_layer,
 )
-from calibrate.lethe import LetheBudget
+from rolecall.calibrate.lethe import LetheBudget
 
 
 def curve(num_layers: int, peaks: dict[int, float]) -> list[float]:

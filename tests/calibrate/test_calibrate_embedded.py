@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
-from calibrate import cli
-from runtime.manifest import RoleManifest
+from rolecall.calibrate import cli
+from rolecall.runtime.manifest import RoleManifest
 
 
 @pytest.mark.slow
 def test_embedded_model_calibrates_with_its_shipped_config(tmp_path, cache_dir):
-    from runtime.models import load_model
+    from rolecall.runtime.models import load_model
 
     out = tmp_path / "smollm2.delta.safetensors"
     argv = ["--prompts", "arithmetic:2", "--max-new-tokens", "48", "--min-context", "64", "--num-pages", "2",

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import torch
 import zstandard
+from rolecall.data.corpora import BookSum, CorpusError, CorpusNotFoundError, PGEssays, TextFiles, load_corpus
+from rolecall.data.haystack import load_haystack
 
-from data.corpora import BookSum, CorpusError, CorpusNotFoundError, PGEssays, TextFiles, load_corpus
-from data.haystack import load_haystack
 from tests.tiny import tiny_tokenizer
 
 CHAPTERS = [f"Chapter {i}. " + " ".join(f"line {i}-{j} of the story." for j in range(40)) for i in range(4)]
@@ -121,7 +121,7 @@ def test_haystack_stream_joins_documents_on_token_boundaries_and_caches(tmp_path
 
 
 def test_passkey_prompts_build_on_a_local_booksum_file(zst_file, cache_dir):
-    from data.passkey import build_passkey_dataset
+    from rolecall.data.passkey import build_passkey_dataset
 
     tok = tiny_tokenizer()
     ds = build_passkey_dataset(tok, f"booksum:{zst_file}", lengths=(500, 1500), num_samples=2, num_passkeys=2,
@@ -133,7 +133,7 @@ def test_passkey_prompts_build_on_a_local_booksum_file(zst_file, cache_dir):
 
 
 def test_located_corpora_name_themselves_by_their_location_and_refuse_an_empty_one():
-    from data.corpora import BookSum, TextFiles
+    from rolecall.data.corpora import BookSum, TextFiles
 
     assert TextFiles(path="notes/").spec == "text:notes/" and BookSum(where="my/sums").spec == "booksum:my/sums"
     with pytest.raises(ValueError, match=r"^text corpus needs a path: text:/path/to/folder_or_file$"):

@@ -4,9 +4,8 @@ import json
 
 import pandas as pd
 import pytest
-
-from data.corpora import CorpusError, CorpusNotFoundError
-from data.hotpotqa import (
+from rolecall.data.corpora import CorpusError, CorpusNotFoundError
+from rolecall.data.hotpotqa import (
     answered,
     build_hotpotqa_dataset,
     closed_book_answers,
@@ -14,6 +13,7 @@ from data.hotpotqa import (
     load_hotpotqa,
     normalize_answer,
 )
+
 from tests.tiny import tiny_model, tiny_tokenizer
 
 

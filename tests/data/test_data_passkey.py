@@ -9,9 +9,8 @@ import re
 import numpy as np
 import pytest
 import torch
-
-from data.corpora import CorpusError
-from data.passkey import (
+from rolecall.data.corpora import CorpusError
+from rolecall.data.passkey import (
     NATO,
     answer_prompt,
     build_niah_dataset,
@@ -21,7 +20,8 @@ from data.passkey import (
     question_text,
     spread_lengths,
 )
-from data.tokens import cache_root
+from rolecall.data.tokens import cache_root
+
 from tests.tiny import tiny_tokenizer
 
 WORDS = ("river", "stone", "lantern", "orchard", "meadow", "harbour", "quiet", "morning", "copper", "window")
@@ -167,7 +167,7 @@ def test_passkey_correct_ignores_case_and_punctuation_but_not_words():
 
 @pytest.mark.slow
 def test_embedded_tokenizer_4k_sample_holds_ten_needles_in_order():
-    from runtime.models import load_tokenizer
+    from rolecall.runtime.models import load_tokenizer
 
     tok = load_tokenizer()
     ds = build_passkey_dataset(tok, lengths=(4000, 4000), num_samples=1, cache=False)
@@ -203,7 +203,7 @@ class _Oracle:
 
 
 def test_teacher_forced_scoring_counts_exact_answers(tok, corpus, cache_dir):
-    from data.check_retrieval import answer_hits
+    from rolecall.data.check_retrieval import answer_hits
 
     s = _build(tok, corpus, num_samples=1)[0]
     vocab = len(tok)

@@ -5,9 +5,15 @@ import re
 
 import pytest
 import torch
+from rolecall.data.corpora import CorpusError, CorpusNotFoundError
+from rolecall.data.reasoning import (
+    INSTRUCTION,
+    build_reasoning_dataset,
+    format_prompt,
+    load_problems,
+    load_prompts,
+)
 
-from data.corpora import CorpusError, CorpusNotFoundError
-from data.reasoning import INSTRUCTION, build_reasoning_dataset, format_prompt, load_problems, load_prompts
 from tests.tiny import tiny_tokenizer
 
 

@@ -11,8 +11,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from rolecall.data.ruler import DEPTHS, TASKS, build_ruler_dataset, prompt_ids, score
 
-from data.ruler import DEPTHS, TASKS, build_ruler_dataset, prompt_ids, score
 from tests.tiny import tiny_tokenizer
 
 
@@ -141,7 +141,7 @@ def test_bad_requests_are_refused_in_one_line(corpus):
 
 def test_tokenising_bar_ends_complete_on_a_short_corpus(corpus, monkeypatch):
     """A corpus shorter than the token pool still ends its progress bar at its total."""
-    import data.haystack as haystack
+    import rolecall.data.haystack as haystack
 
     bars = []
     real = haystack.tqdm
@@ -158,7 +158,7 @@ def test_tokenising_bar_ends_complete_on_a_short_corpus(corpus, monkeypatch):
 def test_dense_keys_stay_distinct_past_the_adjective_noun_pairs(corpus):
     """A context long enough for more distractor needles than there are adjective-noun pairs (a 32K-token
     prompt of a real tokenizer holds about 2,000) is still built, every key once, the asked one among them."""
-    from data.ruler import KEY_PAIRS
+    from rolecall.data.ruler import KEY_PAIRS
 
     tok = tiny_tokenizer()
     (s,) = build_ruler_dataset(tok, tasks=("niah_multikey_dense",), lengths=(60_000,), samples_per_cell=1,
@@ -170,7 +170,7 @@ def test_dense_keys_stay_distinct_past_the_adjective_noun_pairs(corpus):
 def test_worker_processes_build_the_same_samples(corpus):
     """Built in two worker processes, the suite is the same samples in the same order as built serially (each
     sample depends on its own seed only); small suites are built serially by default."""
-    from data.ruler import PARALLEL_FROM, build_workers
+    from rolecall.data.ruler import PARALLEL_FROM, build_workers
 
     tok = tiny_tokenizer()
     kw = dict(tasks=("niah_multikey", "common_words", "variable_tracking"), lengths=(500, 700), samples_per_cell=2,

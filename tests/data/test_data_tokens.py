@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from rolecall.data import tokens as tk
+from rolecall.data.tokens import IGNORE, Piece, encode
 from tokenizers.processors import TemplateProcessing
 
-from data import tokens as tk
-from data.tokens import IGNORE, Piece, encode
 from tests.tiny import tiny_tokenizer
 
 
@@ -78,8 +78,8 @@ def test_tokenizer_fingerprint_follows_the_chat_template():
 
 
 def test_builders_are_found_by_name(cache_dir):
-    from data import build_dataset
-    from data.reasoning import build_reasoning_dataset
+    from rolecall.data import build_dataset
+    from rolecall.data.reasoning import build_reasoning_dataset
 
     tok = tiny_tokenizer()
     a = build_dataset("reasoning", tok, source="arithmetic:2")

@@ -2,7 +2,7 @@
 
 Run as a script, outside Triton's interpreter (which the CPU tests turn on): it takes a JSON list of cases
 ``[rows, n, k, itemsize, gated, capability]`` on stdin, makes the launch the engine would make for each with the
-tiles :func:`~runtime.kernels.skinny_linear.naive.kernel_config` measured best (no shared-memory limit), captures
+tiles :func:`~rolecall.runtime.kernels.skinny_linear.naive.kernel_config` measured best (no shared-memory limit), captures
 it instead of running it, compiles it for ``sm<capability>`` and prints the bytes of shared memory each took as a
 JSON list.
 """
@@ -57,8 +57,8 @@ def compiled_shared(call, capability: int) -> list[int]:
 
 
 def main() -> None:
-    from runtime.kernels.skinny_linear.naive import kernel_config
-    from runtime.kernels.skinny_linear.triton import launch
+    from rolecall.runtime.kernels.skinny_linear.naive import kernel_config
+    from rolecall.runtime.kernels.skinny_linear.triton import launch
 
     out = []
     for rows, n, k, itemsize, gated, capability in json.load(sys.stdin):

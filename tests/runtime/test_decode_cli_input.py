@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from rolecall.runtime.cli import main
+from rolecall.runtime.cli.decode import chat_hint, transformers_line
 
-from runtime.cli import main
-from runtime.cli.decode import chat_hint, transformers_line
 from tests.tiny import tiny_folder, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +100,7 @@ class Killed(Exception):
 def test_a_stopped_prompt_file_run_resumes_where_it_stopped(tmp_path, capsys, monkeypatch):
     """A run killed after its first batch keeps that batch; the rerun decodes only the rest and writes what an
     uninterrupted run writes. A rerun with other flags is refused rather than mixed in."""
-    from runtime.session import Session
+    from rolecall.runtime.session import Session
 
     folder = tiny_folder(tmp_path / "tiny", "llama", layers=2, heads=4, kv_heads=2)
     prompts = write_prompts(tmp_path / "p.jsonl")

@@ -1,4 +1,4 @@
-"""runtime.engine: the static decoder against the truth (transformers' forward with rolecall's attention hook),
+"""rolecall.runtime.engine: the static decoder against the truth (transformers' forward with rolecall's attention hook),
 sampling, stopping, the short-context fallback, attach()'s restoration and the engine's scope."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import rolecall.runtime.engine as engine
 import torch
+from rolecall.runtime import attach
+from rolecall.runtime.engine import Generation, Sampling, Weights, default_min_context, unsupported
+from rolecall.runtime.engine.generate import MIN_SLOTS
+from rolecall.runtime.engine.sampling import Sampler, filtered_logits
+from rolecall.runtime.engine.weights import placement_problem
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+from rolecall.runtime.policies import PolicyError, get_policy
 from transformers import GPT2Config, LlamaConfig, TopKLogitsWarper, TopPLogitsWarper
 
-import runtime.engine as engine
-from runtime import attach
-from runtime.engine import Generation, Sampling, Weights, default_min_context, unsupported
-from runtime.engine.generate import MIN_SLOTS
-from runtime.engine.sampling import Sampler, filtered_logits
-from runtime.engine.weights import placement_problem
-from runtime.manifest import ModelIdentity, RoleManifest
-from runtime.policies import PolicyError, get_policy
 from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -323,7 +323,7 @@ def test_an_evicting_policys_decoder_is_freed_before_its_reference_decoder_is_bu
     import gc
     import weakref
 
-    from runtime.engine import StaticDecoder
+    from rolecall.runtime.engine import StaticDecoder
 
     built = []
     init = StaticDecoder.__init__
@@ -736,7 +736,7 @@ ENGLISH = ["The capital of France is", "Once upon a time, a little fox",
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m"])
 def test_embedded_model_engine_equals_generate(name):
-    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
+    from rolecall.runtime.models import ModelNotFoundError, load_model, load_tokenizer
 
     try:
         model = load_model(name, dtype="float32")
@@ -760,8 +760,8 @@ def test_gemma3_engine_equals_generate_past_its_window():
     """Gemma-3-270M's sliding layers hold rings of 513 slots on the engine: a prompt of 700 tokens of an essay
     wraps them in the prefill, and 64 greedy tokens move them on; the tokens equal ``model.generate``'s (float32),
     as does a ragged batch of that prompt beside a short one."""
-    from data.corpora import CorpusNotFoundError, load_corpus
-    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
+    from rolecall.data.corpora import CorpusNotFoundError, load_corpus
+    from rolecall.runtime.models import ModelNotFoundError, load_model, load_tokenizer
 
     try:
         model = load_model("gemma3-270m", dtype="float32")
@@ -790,8 +790,8 @@ def test_gemma3_engine_equals_generate_past_its_window():
 def test_a_long_chunks_mlp_runs_in_parts_with_the_same_result(family, monkeypatch):
     """A prefill chunk's output projection and MLP run over at most ``MLP_TOKENS`` tokens at once (rows × positions;
     a ragged batch, Gemma 3's sandwich norms): the logits and every layer's cache equal those of one pass."""
-    from runtime.engine import StaticDecoder, pad_left
-    from runtime.engine import layers as L
+    from rolecall.runtime.engine import StaticDecoder, pad_left
+    from rolecall.runtime.engine import layers as L
 
     model = model_of(family)
     ids, pads = pad_left(prompts(), PAD)
@@ -822,10 +822,9 @@ def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch
     import types
 
     import torch.nn.functional as F
+    from rolecall.runtime.engine import StaticDecoder
+    from rolecall.runtime.engine import prefill as prefill_module
     from torch.nn.attention.bias import CausalBias
-
-    from runtime.engine import StaticDecoder
-    from runtime.engine import prefill as prefill_module
 
     model = model_of(family)
     rows = prompts(lengths=(90, 90), seed=3)
@@ -874,9 +873,8 @@ def test_sliding_layers_prefill_in_blocks_that_read_only_their_window(ragged, mo
     import types
 
     import torch.nn.functional as F
-
-    from runtime.engine import StaticDecoder, pad_left
-    from runtime.engine import prefill as prefill_module
+    from rolecall.runtime.engine import StaticDecoder, pad_left
+    from rolecall.runtime.engine import prefill as prefill_module
 
     model = model_of("gemma3")  # window 8 on the sliding layers
     rows = prompts(lengths=(90, 61, 77) if ragged else (90, 90), seed=4)
@@ -910,7 +908,7 @@ def test_sliding_layers_prefill_in_blocks_that_read_only_their_window(ragged, mo
 
 
 def test_prefill_chunk_grows_when_few_rows():
-    from runtime.engine.prefill import chunk_for
+    from rolecall.runtime.engine.prefill import chunk_for
 
     assert [chunk_for(b) for b in (1, 2, 8, 32)] == [32768, 16384, 4096, 4096]
     assert chunk_for(1, padded=True) == chunk_for(2, padded=True) == 4096  # a padded batch reads a mask
@@ -1036,7 +1034,7 @@ def test_kept_decoders_round_their_slots_and_serve_requests_that_fill_half():
 def test_short_prompts_are_padded_to_a_graph_width():
     """The prefill graph's widths: the smallest that holds the longest prompt, none past 1,024 tokens or 4,096
     rows × width; pad_left pads to a given width and refuses a shorter one."""
-    from runtime.engine.prefill import graph_width
+    from rolecall.runtime.engine.prefill import graph_width
 
     assert [graph_width(n, 1) for n in (1, 16, 17, 25, 49, 100, 700, 1024, 1025)] == \
         [16, 16, 24, 32, 64, 128, 768, 1024, None]
@@ -1121,7 +1119,7 @@ def test_a_session_views_the_models_projections_and_gives_them_back(tmp_path):
 def test_row_sampler_modes_follow_the_rows_that_sample():
     """Greedy mode while no row samples (an argmax, nothing else), sample mode while one does: its row draws what a
     lone Sampler draws with the same settings, the greedy rows still take their argmax; freeing the row goes back."""
-    from runtime.engine.sampling import RowSampler, Sampling
+    from rolecall.runtime.engine.sampling import RowSampler, Sampling
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     rows = RowSampler(3, "cpu")

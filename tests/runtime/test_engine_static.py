@@ -6,10 +6,18 @@ import os
 
 import pytest
 import torch
+from rolecall.runtime.engine import (
+    NEVER,
+    SHAPES,
+    ModelShape,
+    StaticCache,
+    StaticDecoder,
+    Weights,
+    default_min_context,
+)
+from rolecall.runtime.engine.generate import Decoders, generate
 
 from benchmarks import decode as bench
-from runtime.engine import NEVER, SHAPES, ModelShape, StaticCache, StaticDecoder, Weights, default_min_context
-from runtime.engine.generate import Decoders, generate
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +60,7 @@ def test_a_sliding_layers_ring_holds_each_rows_last_window(window, chunks):
     slot."""
     import dataclasses
 
-    from runtime.engine.cache import ring_slots, ring_span
+    from rolecall.runtime.engine.cache import ring_slots, ring_span
 
     shape = dataclasses.replace(SHAPES["1.5b"], layers=3, kv_heads=2, head_dim=4, windows=(window, None, window))
     b, slots, pads = 3, 40, torch.tensor([0, 5, 2])
@@ -101,7 +109,7 @@ def test_default_min_context_follows_the_measured_crossovers():
     # a 1K budget crosses over earlier from 16 rows; below 16, and for larger budgets, the 2K rows hold
     assert [default_min_context("delta", b, 1024) for b in (8, 16, 63, 64)] == [8192, 2048, 2048, 1536]
     assert [default_min_context("delta", 64, t) for t in (512, 1024, 1025, 2048, 4096)] == [1536, 1536, 4096, 4096, 4096]
-    from runtime.policies import get_policy
+    from rolecall.runtime.policies import get_policy
     assert default_min_context(get_policy("delta"), 64) == 1536  # the paper's default K = 64 pages of 16
     assert default_min_context(get_policy("delta", budget=2048), 64) == 4096
     assert default_min_context(get_policy("lychee", budget=1024), 64) == 4096  # measured at 2K only
@@ -117,8 +125,8 @@ def test_default_min_context_follows_the_measured_crossovers():
 def test_lychee_with_reordered_heads_reads_a_random_cache_as_full():
     """A lychee decoder stores a layer's retrieval heads first: a random cache holds the same model state as a
     full decoder's with the same seed, for the reference kernels and (through the interpreter) the Triton ones."""
-    from runtime.manifest import ModelIdentity, RoleManifest
-    from runtime.policies import get_policy
+    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.runtime.policies import get_policy
 
     shape = ModelShape(layers=4, hidden=64, heads=8, kv_heads=2, head_dim=16, intermediate=128, vocab=100)
     weights = Weights.random(shape, dtype=torch.float32, std=0.05, positions=256)
@@ -160,8 +168,8 @@ def test_triton_calls_in_the_interpreter():
     """The Triton kernels as the decoder calls them (head-prefix views, int8 masks, int32 block ids, windows)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.manifest import ModelIdentity, RoleManifest
-    from runtime.policies import get_policy
+    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.runtime.policies import get_policy
 
     for family, layers in (("qwen2", 4), ("gemma3", 6)):
         model = tiny_model(family, layers=layers, heads=4, kv_heads=2, head_dim=16)
@@ -177,7 +185,7 @@ def test_triton_calls_in_the_interpreter():
         heads = torch.tensor([[1, 1], [0, 1], [0, 0], [1, 0], [0, 1], [0, 0]][:layers], dtype=torch.int8)
         lychee = get_policy("lychee", budget=16, block_size=16)
         lychee.bind(RoleManifest(identity, head_role=heads), model.config)
-        # batch 8: a mixed retrieval/sparse layer takes two launches there, one below (runtime.engine.decoder)
+        # batch 8: a mixed retrieval/sparse layer takes two launches there, one below (rolecall.runtime.engine.decoder)
         for batch in (2, 8):
             ids = torch.randint(0, 256, (batch, 42), generator=torch.Generator().manual_seed(0))
             pads = [0, 5] + [3] * (batch - 2)
@@ -197,10 +205,10 @@ def test_refine_past_one_program_takes_the_reference_in_the_interpreter(monkeypa
     (as the top-k does over long rows) instead of failing mid-step, and still equals the naive decoder."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.page_bounds import triton as pb_triton
-    from runtime.kernels.topk_select import triton as topk_triton
-    from runtime.manifest import ModelIdentity, RoleManifest
-    from runtime.policies import get_policy
+    from rolecall.runtime.kernels.page_bounds import triton as pb_triton
+    from rolecall.runtime.kernels.topk_select import triton as topk_triton
+    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.runtime.policies import get_policy
 
     monkeypatch.setattr(topk_triton, "MAX_N", 2)  # fewer than the 3 candidates below (3 pages of 16 at 42 tokens)
     monkeypatch.setattr(pb_triton, "MAX_N", 2)
@@ -280,7 +288,7 @@ def test_projection_kernels_launch_in_the_captured_step_not_in_eager_passes_on_g
     """The eager prefill of a short prompt and an uncaptured step project on cuBLAS (a Triton launch costs the host
     several times more there); the capture of the step, and its warm-up, launch the projections' kernels, and the
     replayed step stays within bf16 rounding of the eager one."""
-    from runtime.kernels.skinny_linear import triton as sl_tri
+    from rolecall.runtime.kernels.skinny_linear import triton as sl_tri
 
     launched = []
     kernels = {name: getattr(sl_tri, name) for name in ("_skinny_linear", "_split_linear")}
@@ -371,8 +379,8 @@ def test_a_kept_decoder_replays_its_prefill_graph_for_short_prompts_on_gpu(name)
     """Short prompts are left-padded to a graph width; a decoder prefills a width eagerly the first time and from a
     CUDA graph from the second (the same logits and cache bit for bit, for other prompts of that width too), and
     requests on a kept decoder give a new decoder's tokens."""
-    from runtime.engine import pad_left
-    from runtime.engine.prefill import graph_width
+    from rolecall.runtime.engine import pad_left
+    from rolecall.runtime.engine.prefill import graph_width
 
     weights = Weights.random(GPU_SHAPE, "cuda", torch.bfloat16, std=0.05, positions=4096)
     pol = policy(name, GPU_SHAPE, 256, 5)
@@ -418,7 +426,7 @@ def test_a_hybrid_models_rings_on_gpu(short):
     (or a short batch's, from its CUDA graph the second time: ring reads and writes captured, logits and cache
     bit for bit as the eager pass), the Triton step replayed from a graph, each row writing its own ring slot,
     follows the reference kernels' eager step past several wraps of the rings."""
-    from runtime.engine import pad_left
+    from rolecall.runtime.engine import pad_left
 
     weights = Weights.random(HYBRID_SHAPE, "cuda", torch.bfloat16, std=0.05, positions=4096)
     g = torch.Generator().manual_seed(2)
@@ -463,8 +471,8 @@ def test_triton_decoder_matches_the_references_on_gpu(name, batch):
 def test_embedded_model_generates_as_transformers_on_gpu():
     """SmolLM2-135M on the engine (CUDA graphs, Triton): greedy 64 tokens equal model.generate in float32, and
     in bf16 the step logits stay within bf16 tolerance of transformers' on the same tokens."""
-    from runtime import attach
-    from runtime.models import load_model, load_tokenizer
+    from rolecall.runtime import attach
+    from rolecall.runtime.models import load_model, load_tokenizer
 
     name = os.environ.get("ROLECALL_TEST_MODEL", "smollm2-135m")  # a GGUF path where the package is absent
     tok = load_tokenizer(name)
@@ -503,9 +511,9 @@ def test_mixed_launch_scores_its_full_heads_as_the_dense_reference():
     outputs and the full heads' block scores equal the references (odd length, GQA 3, a masked prefix)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.page_scores import naive as page_naive
-    from runtime.kernels.page_scores import triton as page_triton
-    from runtime.kernels.sparse_attention import naive as attention_naive
+    from rolecall.runtime.kernels.page_scores import naive as page_naive
+    from rolecall.runtime.kernels.page_scores import triton as page_triton
+    from rolecall.runtime.kernels.sparse_attention import naive as attention_naive
 
     g = torch.Generator().manual_seed(3)
     b, hkv, groups, t, d, bs = 2, 4, 3, 77, 16, 16
@@ -543,8 +551,8 @@ def test_mixed_launch_scores_its_full_heads_as_the_dense_reference():
 def test_quest_rebuilds_its_pages_after_the_full_fallback():
     """Below min_context the full step keeps no page metadata; the first Quest step after it rebuilds every
     page, so the bounds it ranks by are those of the cache, not stale or empty."""
-    from runtime.kernels.page_bounds import page_minmax
-    from runtime.policies import get_policy
+    from rolecall.runtime.kernels.page_bounds import page_minmax
+    from rolecall.runtime.policies import get_policy
 
     shape = ModelShape(layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100)
     weights = Weights.random(shape, dtype=torch.float32, std=0.05, positions=128)
@@ -566,9 +574,8 @@ def test_a_step_whose_compilation_fails_runs_eagerly_with_one_line(capsys):
     """``StaticDecoder.compiled``: when torch.compile itself fails on a call (inductor's codegen error seen on
     lethe's eviction at 16K slots), that call and every later one run the eager function, with one notice; an
     error of the function itself still reaches the caller."""
+    from rolecall.runtime.engine.compiling import FallsBackToEager as _FallsBackToEager
     from torch._inductor.exc import InductorError
-
-    from runtime.engine.compiling import FallsBackToEager as _FallsBackToEager
 
     calls = []
 

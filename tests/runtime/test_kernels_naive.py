@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
-
-from runtime.kernels.page_scores import page_scores
-from runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
-from runtime.kernels.topk_select import mask_to_indices, topk_with_recent
+from rolecall.runtime.kernels.page_scores import page_scores
+from rolecall.runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
+from rolecall.runtime.kernels.topk_select import mask_to_indices, topk_with_recent
 
 
 def brute_attention(q, k, v, sets, scale, weights):

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runtime.kernels.sparse_attention import naive
+from rolecall.runtime.kernels.sparse_attention import naive
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -56,7 +55,7 @@ def _reference(q, k, v, idx, kw, fr, bs, scale):
 
 
 def _check(case, bs, tol, chunk=None):
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     q, k, v, idx, kw, fr = case
     scale = q.shape[-1] ** -0.5
@@ -101,7 +100,7 @@ def test_sparse_decode_with_uneven_chunks_matches_reference_in_interpreter():
 def _check_one_program_a_row(monkeypatch, b, hq, hkv, t, d, n, dtype, device, tol):
     """A call of many rows: one program a row (choose_launch), which writes the output itself (no merge is
     launched), equal to the reference with log weights, a key mask and ragged rows."""
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     def no_merge(*args, **kwargs):
         raise AssertionError("a call of one program a row launched the merge")
@@ -114,7 +113,7 @@ def _check_one_program_a_row(monkeypatch, b, hq, hkv, t, d, n, dtype, device, to
 def test_sparse_decode_one_program_a_row_matches_reference_in_interpreter(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.sparse_attention.triton import choose_launch
+    from rolecall.runtime.kernels.sparse_attention.triton import choose_launch
 
     assert choose_launch(13 * 16, 6 * 2, 8, dense=False) == (256, 128, 3)  # the CPU stands for 8 SMs
     _check_one_program_a_row(monkeypatch, 6, 6, 2, 300, 16, 13, torch.float32, "cpu", 1e-4)
@@ -132,7 +131,7 @@ def test_many_rows_whose_tiles_do_not_fit_split_on_gpu(d, dtype):
     """128 rows of heads of 256 (Gemma 3) or of a float32 cache, read through bounds as the engine reads: one
     program a row would not fit in shared memory (test_one_program_a_row_only_where_its_tiles_fit), so these calls
     split instead of failing to launch; gathered and dense, as the reference."""
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     b, t = 64, 2048
     q, k, v, idx, _, _ = _case(b, 8, 2, t, d, 64, 16, dtype, "cuda")
@@ -153,7 +152,7 @@ def test_many_rows_whose_tiles_do_not_fit_split_on_gpu(d, dtype):
 def test_split_launch_of_a_smaller_gpu_matches_reference_on_gpu(monkeypatch):
     """As on sm86/sm89 (101,376 bytes a program): heads of 256 in a float32 cache take 32-token tiles, which must give
     the reference's output too, gathered and dense, split over programs with their merge."""
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     monkeypatch.setattr(tri, "max_shared", lambda tensor: 101376)
     b, t, d = 3, 3000, 256
@@ -177,7 +176,7 @@ def test_split_launch_of_a_smaller_gpu_matches_reference_on_gpu(monkeypatch):
     (2048, 32, False, (128, 64, 2)),  # 7B sparse layer at 8 rows
 ])
 def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, expected):
-    from runtime.kernels.sparse_attention.triton import choose_launch
+    from rolecall.runtime.kernels.sparse_attention.triton import choose_launch
 
     assert choose_launch(tokens, rows, 132, dense=dense) == expected
 
@@ -192,7 +191,7 @@ def test_choose_launch_gives_many_rows_one_program_each(tokens, rows, dense, exp
 ])
 def test_rows_that_stream_the_cache_are_one_program_each_only_where_they_reach_the_peak_bandwidth(rows, bandwidth,
                                                                                                    one):
-    from runtime.kernels.sparse_attention.triton import choose_launch
+    from rolecall.runtime.kernels.sparse_attention.triton import choose_launch
 
     chunk, tile, stages = choose_launch(131072, rows, 132, dense=True, bandwidth=bandwidth)
     assert (chunk, tile, stages) == ((131072, 128, 3) if one else (chunk, 64, 2)) and (chunk < 131072) != one
@@ -204,7 +203,7 @@ def test_peak_bandwidth_is_the_memory_clock_times_two_times_the_bus(monkeypatch)
     CPU."""
     from types import SimpleNamespace
 
-    from runtime.kernels import peak_bandwidth
+    from rolecall.runtime.kernels import peak_bandwidth
 
     cuda = SimpleNamespace(is_cuda=True, device="cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -219,7 +218,7 @@ def test_peak_bandwidth_is_the_memory_clock_times_two_times_the_bus(monkeypatch)
 def test_torch_tells_the_gpus_peak_bandwidth_on_gpu():
     """The launch rule reads the memory's peak from torch's device properties; were torch to stop giving it, the
     rule would fall back to the SMs' alone without a word, so this test says so instead."""
-    from runtime.kernels import peak_bandwidth
+    from rolecall.runtime.kernels import peak_bandwidth
 
     peak = peak_bandwidth(torch.empty(1, device="cuda"))
     assert peak is not None and 0.3e12 < peak < 20e12  # HBM and GDDR GPUs of today: 0.3 to 8 TB/s
@@ -235,7 +234,7 @@ def test_torch_tells_the_gpus_peak_bandwidth_on_gpu():
 def test_one_program_a_row_only_where_its_tiles_fit(head_dim, itemsize, shared, one):
     """The tiles of one program a row must fit the GPU's shared memory, else the launch fails (Triton's
     OutOfResources): where they would not, the call splits as it did before."""
-    from runtime.kernels.sparse_attention.triton import choose_launch, shared_bytes
+    from rolecall.runtime.kernels.sparse_attention.triton import choose_launch, shared_bytes
 
     chunk, tile, stages = choose_launch(1024, 128, 132, dense=True, head_dim=head_dim, itemsize=itemsize,
                                         shared=shared)
@@ -254,7 +253,7 @@ def test_one_program_a_row_only_where_its_tiles_fit(head_dim, itemsize, shared, 
 def test_split_launch_tiles_fit_shared_memory(head_dim, itemsize, shared, tile):
     """The split launch's tiles (two stages) also fit the GPU: 32-token tiles where 64 would not. Compiled sizes for
     sm80, sm89 and sm90 (Triton 3.9, dense and gathered calls alike within 512 bytes) are bounded by the estimate."""
-    from runtime.kernels.sparse_attention.triton import choose_launch, shared_bytes, split_tile
+    from rolecall.runtime.kernels.sparse_attention.triton import choose_launch, shared_bytes, split_tile
 
     assert split_tile(head_dim, itemsize, shared) == tile
     assert choose_launch(4096, 16, 132, dense=True, head_dim=head_dim, itemsize=itemsize, shared=shared)[1:] == (tile, 2)
@@ -273,7 +272,7 @@ def test_split_launch_tiles_fit_shared_memory(head_dim, itemsize, shared, tile):
     (1000, 4, False, 128, 128),  # gathered sets: floor 128, one tile
 ])
 def test_choose_chunk_splits_rows_evenly_in_whole_tiles(tokens, rows, dense, tile, expected):
-    from runtime.kernels.sparse_attention.triton import choose_chunk
+    from rolecall.runtime.kernels.sparse_attention.triton import choose_chunk
 
     chunk = choose_chunk(tokens, rows, 132, dense=dense, tile=tile)
     assert chunk == expected
@@ -303,8 +302,8 @@ def test_sparse_decode_matches_reference_on_gpu(b, hq, hkv, t, d, bs, dtype):
 
 
 def _check_page_scores(b, hq, hkv, t, d, page, dtype, device, per_kv):
-    from runtime.kernels.page_scores import naive as page_naive
-    from runtime.kernels.page_scores import triton as page_tri
+    from rolecall.runtime.kernels.page_scores import naive as page_naive
+    from rolecall.runtime.kernels.page_scores import triton as page_tri
 
     g = torch.Generator(device="cpu").manual_seed(1)
     q = (torch.randn(b, hq, d, generator=g) * 2).to(device, dtype)
@@ -342,8 +341,8 @@ def test_page_scores_match_reference_on_gpu(b, hq, hkv, t, d, per_kv, dtype):
 
 
 def _check_decode_and_score(b, hq, hkv, t, d, page, dtype, device, per_kv):
-    from runtime.kernels.page_scores import naive as page_naive
-    from runtime.kernels.page_scores import triton as page_tri
+    from rolecall.runtime.kernels.page_scores import naive as page_naive
+    from rolecall.runtime.kernels.page_scores import triton as page_tri
 
     g = torch.Generator(device="cpu").manual_seed(2)
     q = (torch.randn(b, hq, d, generator=g) * 2).to(device, dtype)
@@ -378,8 +377,8 @@ def test_logits_kept_in_float16_in_interpreter():
     page scores read from them stay within float16's rounding of the float32 ones."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.page_scores import triton as page_tri
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.page_scores import triton as page_tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     assert page_tri.logits_dtype(torch.bfloat16) is torch.float16 is page_tri.logits_dtype(torch.float16)
     assert page_tri.logits_dtype(torch.float32) is torch.float32
@@ -408,8 +407,8 @@ def test_decode_and_score_on_gpu(b, hq, hkv, t, d, per_kv):
 
 
 def _check_rope_cache(b, hq, hkv, d, norms, dtype, device, tol, ordered=False, per_row=False):
-    from runtime.kernels.rope_cache import naive as rope_naive
-    from runtime.kernels.rope_cache import triton as rope_tri
+    from rolecall.runtime.kernels.rope_cache import naive as rope_naive
+    from rolecall.runtime.kernels.rope_cache import triton as rope_tri
 
     g = torch.Generator(device="cpu").manual_seed(3)
     y = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
@@ -468,7 +467,7 @@ def test_rope_cache_matches_reference_on_gpu(b, hq, hkv, d, norms, ordered):
 
 
 def _check_combine(splits, device, d=16, parts=None):
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     g = torch.Generator(device="cpu").manual_seed(4)
     b, hkv, grp = 2, 3, 2
@@ -503,7 +502,7 @@ def test_combine_matches_logsumexp_on_gpu(splits, d):
 def _check_head_map_and_out(device, dtype, tol):
     """Sets kept in another head order read through ``index_rows`` give what the reordered sets give, and ``out``
     receives the result in a slice of a larger buffer, leaving the rest of it as it was."""
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     q, k, v, idx, kw, _ = _case(2, 12, 3, 300, 16, 6, 16, dtype, device, weights=True)
     rows = torch.tensor([2, 0, 1], device=device, dtype=torch.int32)
@@ -555,7 +554,7 @@ def test_head_map_and_out_slice_on_gpu():
 
 def _check_topk_rows(device, parts):
     """``out`` and ``out_rows``: each row's ids land in the named row of ``out``, the other rows are untouched."""
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     g = torch.Generator(device="cpu").manual_seed(9)
     scores = torch.randn(2, 3, 200, generator=g).to(device)
@@ -588,9 +587,9 @@ def test_topk_into_named_rows_on_gpu(parts):
 
 
 def _check_topk(shape, k, recent, last, device, bits=2, parts=None):
-    from runtime.kernels.arrivals import arrival_counters
-    from runtime.kernels.topk_select import naive as topk_naive
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.arrivals import arrival_counters
+    from rolecall.runtime.kernels.topk_select import naive as topk_naive
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     g = torch.Generator(device="cpu").manual_seed(5)
     scores = torch.randn(*shape, generator=g)  # both signs: Quest bounds are often negative
@@ -626,7 +625,7 @@ def test_split_topk_matches_reference_in_interpreter(shape, k, recent, last, par
 
 
 def test_split_parts_sizes_both_stages():
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     assert topk_tri.split_parts(8, 8192, 128, 132) == (8, 1024)  # a final row of 8 x 128 kept scores
     assert topk_tri.split_parts(8, 8192, 512, 132) == (4, 2048)
@@ -646,7 +645,7 @@ def test_topk_matches_reference_on_gpu(shape, k, recent, last, bits, parts):
 
 def _check_key_span(device, dtype, t, tol):
     """Bounds ``first[b]..last`` read exactly what the matching key mask reads, dense and over blocks."""
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     q, k, v, idx, _, fr = _case(3, 8, 2, t, 16, 4, 16, dtype, device, full=True)
     first = torch.tensor([0, 7, t // 2], device=device)
@@ -680,7 +679,7 @@ def test_key_span_reads_as_the_mask_on_gpu():
 def test_topk_breaks_ties_toward_lower_ids_in_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     scores = torch.tensor([[0.5, 2.0, 0.5, 0.5, -1.0, 0.5, 0.5, 3.0]])
     got = topk_tri.topk_with_recent(scores, 4, 1, last=7)  # 7 is recent; then 1 (2.0); then the lowest 0.5s
@@ -696,8 +695,8 @@ def test_topk_breaks_ties_toward_lower_ids_in_interpreter():
 
 
 def _check_page_bounds(b, hq, hkv, t, d, p, group, dtype, device, tol):
-    from runtime.kernels.page_bounds import naive as pb_naive
-    from runtime.kernels.page_bounds import triton as pb_tri
+    from rolecall.runtime.kernels.page_bounds import naive as pb_naive
+    from rolecall.runtime.kernels.page_bounds import triton as pb_tri
 
     g = torch.Generator(device="cpu").manual_seed(6)
     k = torch.randn(b, hkv, t, d, generator=g).to(device, dtype)
@@ -735,8 +734,8 @@ def test_page_bounds_match_reference_on_gpu(group):
 
 
 def _check_skinny_linear(m, n, k, bias, config, device, dtype, tol):
-    from runtime.kernels.skinny_linear import naive as sl_naive
-    from runtime.kernels.skinny_linear import triton as sl_tri
+    from rolecall.runtime.kernels.skinny_linear import naive as sl_naive
+    from rolecall.runtime.kernels.skinny_linear import triton as sl_tri
 
     g = torch.Generator(device="cpu").manual_seed(7)
     x = torch.randn(m, k, generator=g).to(device, dtype)
@@ -757,7 +756,7 @@ def test_skinny_linear_matches_reference_in_interpreter(m, n, k, bias, dot, bn, 
     without bias."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.skinny_linear.naive import Config
+    from rolecall.runtime.kernels.skinny_linear.naive import Config
 
     _check_skinny_linear(m, n, k, bias, Config(dot, bn, bk, 4, 2), "cpu", torch.float32, 1e-4)
 
@@ -770,7 +769,7 @@ def test_split_linear_matches_reference_in_interpreter(m, n, k, bias, split):
     launch reuses the arrival counters the first left at zero."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.skinny_linear.naive import Config
+    from rolecall.runtime.kernels.skinny_linear.naive import Config
 
     for _ in range(2):
         _check_skinny_linear(m, n, k, bias, Config(True, 16, 32, 4, 2, split), "cpu", torch.float32, 1e-4)
@@ -781,7 +780,7 @@ def test_split_linear_matches_reference_in_interpreter(m, n, k, bias, split):
 @pytest.mark.parametrize("n, k, split", [(1536, 8960, 4), (3584, 18944, 2), (1000, 4100, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_linear_matches_reference_on_gpu(m, n, k, split, dtype):
-    from runtime.kernels.skinny_linear.naive import Config
+    from rolecall.runtime.kernels.skinny_linear.naive import Config
 
     bk = 128 if dtype == torch.bfloat16 else 64
     for _ in range(2):
@@ -812,16 +811,16 @@ def test_small_projection_of_many_rows_matches_reference_on_gpu(m, n, k, bias):
 
 def _check_gated(rows, n, k, kind, config, device, dtype, tol):
     """The gated kernel against the reference: ``act(gate) · up`` of the two rounded halves."""
-    from runtime.kernels.skinny_linear import naive as ref
-    from runtime.kernels.skinny_linear import triton as tri
+    from rolecall.runtime.kernels.skinny_linear import naive as ref
+    from rolecall.runtime.kernels.skinny_linear import triton as tri
 
     g = torch.Generator(device="cpu").manual_seed(3)
     x = torch.randn(rows, k, generator=g).to(device, dtype)
     w = (torch.randn(2 * n, k, generator=g) * 0.2).to(device, dtype)
     want = ref.gated_linear(x.cpu().float(), w.cpu().float(), kind)
     if config is None:
-        from runtime.kernels import graphed
-        from runtime.kernels.skinny_linear import gated_linear
+        from rolecall.runtime.kernels import graphed
+        from rolecall.runtime.kernels.skinny_linear import gated_linear
 
         with graphed():  # as the captured decode step calls it
             got = gated_linear(x, w, kind)
@@ -838,7 +837,7 @@ def test_gated_linear_matches_reference_in_interpreter(rows, n, k, kind, dot):
     """Both tile kinds, ragged N and K: each program's features of the gate and of the up half, activation last."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.skinny_linear.naive import Config
+    from rolecall.runtime.kernels.skinny_linear.naive import Config
 
     _check_gated(rows, n, k, kind, Config(dot, 32, 64, 4, 2), "cpu", torch.float32, 1e-4)
 
@@ -853,7 +852,7 @@ def test_gated_linear_matches_reference_on_gpu(rows, n, k, kind, dtype):
 
 
 def test_gated_linear_off_the_kernel_is_the_projection_then_the_activation():
-    from runtime.kernels.skinny_linear import gated_linear
+    from rolecall.runtime.kernels.skinny_linear import gated_linear
 
     x, w = torch.randn(3, 8), torch.randn(10, 8)
     gate, up = torch.nn.functional.linear(x, w).chunk(2, -1)
@@ -861,8 +860,8 @@ def test_gated_linear_off_the_kernel_is_the_projection_then_the_activation():
 
 
 def test_skinny_linear_rule_keeps_cublas_where_it_measured_faster():
-    from runtime.kernels.skinny_linear import kernel_config, linear
-    from runtime.kernels.skinny_linear.naive import Config
+    from rolecall.runtime.kernels.skinny_linear import kernel_config, linear
+    from rolecall.runtime.kernels.skinny_linear.naive import Config
 
     assert kernel_config(65, 3584, 3584) is None  # more rows than the kernel pads to
     # from 17 rows, only the gated MLP and only from 33 rows
@@ -904,7 +903,7 @@ def test_projection_tiles_only_where_they_fit(rows, n, k, itemsize, gated, fits_
     them (OutOfResources): the engine takes cuBLAS there. The bound the rule uses is checked against the compiler:
     each case compiled for sm80, sm89 and sm90 (outside the interpreter, in a subprocess) takes at most
     ``shared_bytes``, and the rule never picks a tile a GPU cannot hold."""
-    from runtime.kernels.skinny_linear.naive import kernel_config, shared_bytes
+    from rolecall.runtime.kernels.skinny_linear.naive import kernel_config, shared_bytes
 
     config = kernel_config(rows, n, k, itemsize, gated)
     assert config is not None
@@ -927,9 +926,9 @@ def test_projection_tiles_only_where_they_fit(rows, n, k, itemsize, gated, fits_
 def test_refine_candidates_on_gpu(b, hkv, groups, n, width, k):
     """bf16 metadata at the benchmark's shape (8 × 4 KV heads, 8K pages, 4·128 candidates) and odd ones: each
     head keeps its recent pages and a top-k of the reference's scores (up to bf16 ties), in ascending order."""
-    from runtime.kernels.page_bounds import naive as pb_naive
-    from runtime.kernels.page_bounds import triton as pb_tri
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.page_bounds import naive as pb_naive
+    from rolecall.runtime.kernels.page_bounds import triton as pb_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     g = torch.Generator(device="cpu").manual_seed(5)
     kmin = torch.randn(b, hkv, n, 128, generator=g)
@@ -965,10 +964,10 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
     equals gathering."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.arrivals import arrival_counters
-    from runtime.kernels.page_bounds import naive as pb_naive
-    from runtime.kernels.page_bounds import triton as pb_tri
-    from runtime.kernels.topk_select import triton as topk_tri
+    from rolecall.runtime.kernels.arrivals import arrival_counters
+    from rolecall.runtime.kernels.page_bounds import naive as pb_naive
+    from rolecall.runtime.kernels.page_bounds import triton as pb_tri
+    from rolecall.runtime.kernels.topk_select import triton as topk_tri
 
     g = torch.Generator().manual_seed(3)
     b, hkv, groups, d, n = 2, 2, 3, 16, 40
@@ -1016,7 +1015,7 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
 @pytest.mark.gpu
 def test_arrival_counters_are_per_stream_on_gpu():
     """Kernels on two streams may run at once: each stream counts in a buffer of its own."""
-    from runtime.kernels import arrivals
+    from rolecall.runtime.kernels import arrivals
 
     device = torch.device("cuda")
     main = arrivals.arrival_counters(device, 8)
@@ -1031,7 +1030,7 @@ def test_arrival_counters_are_per_stream_on_gpu():
 def test_arrival_counters_grow_and_keep_what_graphs_hold():
     """A launch with more rows gets a larger zeroed buffer; the outgrown one stays allocated (a captured graph
     may still launch on it) and later calls reuse the larger one."""
-    from runtime.kernels import arrivals
+    from rolecall.runtime.kernels import arrivals
 
     device = torch.device("cpu")
     small = arrivals.arrival_counters(device, 8)
@@ -1043,8 +1042,8 @@ def test_arrival_counters_grow_and_keep_what_graphs_hold():
 
 
 def _check_add_rms_norm(device, dtype, n, with_add_norm, atol):
-    from runtime.kernels.add_rms_norm import naive as an_naive
-    from runtime.kernels.add_rms_norm import triton as an_tri
+    from rolecall.runtime.kernels.add_rms_norm import naive as an_naive
+    from rolecall.runtime.kernels.add_rms_norm import triton as an_tri
 
     g = torch.Generator(device="cpu").manual_seed(n)
     x, o = (torch.randn(5, n, generator=g) * 3).to(device, dtype), torch.randn(5, n, generator=g).to(device, dtype)
@@ -1095,10 +1094,10 @@ def test_add_rms_norm_takes_its_kernel_only_where_it_is_compiled_or_graphed(monk
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     import operator
 
-    import runtime.kernels.add_rms_norm as an
-    from runtime.kernels import graphed
-    from runtime.kernels.add_rms_norm import naive as an_naive
-    from runtime.kernels.add_rms_norm import triton as an_tri
+    import rolecall.runtime.kernels.add_rms_norm as an
+    from rolecall.runtime.kernels import graphed
+    from rolecall.runtime.kernels.add_rms_norm import naive as an_naive
+    from rolecall.runtime.kernels.add_rms_norm import triton as an_tri
 
     monkeypatch.setattr(an, "use_triton", lambda t: True)  # the CPU tensors below stand for CUDA ones
     g = torch.Generator().manual_seed(0)
@@ -1124,8 +1123,8 @@ def test_kernel_call_is_the_op_when_traced_the_plain_launch_when_graphed_and_non
     reference."""
     import operator
 
-    from runtime.kernels import graphed, kernel_call
-    from runtime.kernels.skinny_linear import triton as sl_tri
+    from rolecall.runtime.kernels import graphed, kernel_call
+    from rolecall.runtime.kernels.skinny_linear import triton as sl_tri
 
     assert kernel_call("skinny_linear", sl_tri.linear_rows) is None
     with graphed():
@@ -1154,9 +1153,9 @@ def test_projections_take_their_kernels_only_where_they_are_compiled_or_graphed(
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
     import operator
 
-    import runtime.kernels.skinny_linear as sl
-    from runtime.kernels import graphed
-    from runtime.kernels.skinny_linear import triton as sl_tri
+    import rolecall.runtime.kernels.skinny_linear as sl
+    from rolecall.runtime.kernels import graphed
+    from rolecall.runtime.kernels.skinny_linear import triton as sl_tri
 
     monkeypatch.setattr(sl, "use_triton", lambda t: True)  # the CPU tensors below stand for CUDA ones
     launched = []
@@ -1195,7 +1194,7 @@ def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(mon
     add-and-norm's too), so it forces the references everywhere."""
     import types
 
-    from runtime.kernels import use_triton
+    from rolecall.runtime.kernels import use_triton
 
     cuda_like = types.SimpleNamespace(is_cuda=True)
     monkeypatch.delenv("ROLECALL_KERNELS", raising=False)
@@ -1207,11 +1206,11 @@ def test_naive_kernels_switch_sends_every_dispatching_call_to_the_references(mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_naive_kernels_switch_runs_the_references_on_gpu(monkeypatch):
-    from runtime.kernels import graphed
-    from runtime.kernels.add_rms_norm import add_rms_norm
-    from runtime.kernels.add_rms_norm import triton as an_tri
-    from runtime.kernels.skinny_linear import linear
-    from runtime.kernels.skinny_linear import triton as sl_tri
+    from rolecall.runtime.kernels import graphed
+    from rolecall.runtime.kernels.add_rms_norm import add_rms_norm
+    from rolecall.runtime.kernels.add_rms_norm import triton as an_tri
+    from rolecall.runtime.kernels.skinny_linear import linear
+    from rolecall.runtime.kernels.skinny_linear import triton as sl_tri
 
     launched = []
 
@@ -1251,7 +1250,7 @@ def test_one_split_writes_the_output_itself_in_interpreter():
     a strided ``out`` view too, and matches the split call and the reference."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.sparse_attention import triton as tri
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
 
     q, k, v, idx, kw, _ = _case(2, 8, 2, 300, 32, 5, 16, torch.float32, "cpu")
     scale = q.shape[-1] ** -0.5
@@ -1272,7 +1271,7 @@ def test_page_scores_from_logits_read_nothing_past_the_last_slot_in_interpreter(
     nothing, and the scores are those of the logits with every later slot at -inf (pages past it score 0)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from runtime.kernels.page_scores import triton as page_tri
+    from rolecall.runtime.kernels.page_scores import triton as page_tri
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 4, 200, generator=g)

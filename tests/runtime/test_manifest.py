@@ -4,10 +4,7 @@ import struct
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from runtime.manifest import (
+from rolecall.runtime.manifest import (
     SCHEMA_VERSION,
     ManifestError,
     ManifestMismatchError,
@@ -15,6 +12,9 @@ from runtime.manifest import (
     RoleManifest,
     config_sha256,
 )
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from tests.tiny import tiny_config
 
 
@@ -84,7 +84,7 @@ def _schema_meta(config):
 
 def test_file_from_another_writer_loads_and_keeps_unknown_keys(tmp_path):
     """Without a content hash it loads only with strict=False, which says it was not verified."""
-    from runtime.manifest import UnverifiedManifestError, UnverifiedManifestWarning
+    from rolecall.runtime.manifest import UnverifiedManifestError, UnverifiedManifestWarning
 
     config = tiny_config("qwen2", layers=3, heads=4, kv_heads=1)
     role = torch.tensor([[1], [0], [1]], dtype=torch.int8)

@@ -3,10 +3,10 @@ as one that does not (a kernel reading its predecessor's output before that one 
 
 import pytest
 import torch
+from rolecall.runtime.engine import ModelShape, StaticDecoder, Weights
+from rolecall.runtime.kernels import pdl
 
 from benchmarks import decode as bench
-from runtime.engine import ModelShape, StaticDecoder, Weights
-from runtime.kernels import pdl
 
 
 def test_on_only_where_supported_and_not_switched_off(monkeypatch):
@@ -62,7 +62,7 @@ def test_every_kernel_that_takes_part_waits_first_thing():
     kernels = {}
     for op in ("sparse_attention", "page_scores", "rope_cache", "skinny_linear", "topk_select", "page_bounds",
                "add_rms_norm"):
-        module = importlib.import_module(f"runtime.kernels.{op}.triton")
+        module = importlib.import_module(f"rolecall.runtime.kernels.{op}.triton")
         for name, obj in vars(module).items():
             fn = getattr(obj, "fn", None)  # a @triton.jit function, compiled or interpreted
             if inspect.isfunction(fn) and "PDL" in inspect.signature(fn).parameters:

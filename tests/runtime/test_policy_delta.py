@@ -4,11 +4,10 @@ import math
 
 import pytest
 import torch
-
-from runtime.kernels.sparse_attention import sparse_decode_attention
-from runtime.manifest import ModelIdentity, RoleManifest
-from runtime.policies import PolicyError, Step, get_policy
-from runtime.policies.delta import select_pages
+from rolecall.runtime.kernels.sparse_attention import sparse_decode_attention
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+from rolecall.runtime.policies import PolicyError, Step, get_policy
+from rolecall.runtime.policies.delta import select_pages
 
 
 def brute_select(probs, page_size, num_pages, recent_pages):

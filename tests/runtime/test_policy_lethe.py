@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from rolecall.runtime import attach
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+from rolecall.runtime.models import cache_keyword
+from rolecall.runtime.policies import get_policy
+from rolecall.runtime.policies.lethe import LetheCache
 from transformers import DynamicCache
 
-from runtime import attach
-from runtime.manifest import ModelIdentity, RoleManifest
-from runtime.models import cache_keyword
-from runtime.policies import get_policy
-from runtime.policies.lethe import LetheCache
 from tests.tiny import tiny_model
 
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=259)
@@ -107,7 +107,7 @@ def test_beam_search_is_refused_with_one_line():
 def test_eviction_on_the_device_equals_the_reference(seed):
     """keep_on_device (the engine's, fixed shapes) against Lethe._keep (the reference, row by row) on slots with
     holes (already evicted), left padding, ragged choices (a breakpoint that keeps fewer in one row) and ties."""
-    from runtime.policies.lethe import keep_on_device
+    from rolecall.runtime.policies.lethe import keep_on_device
 
     g = torch.Generator().manual_seed(seed)
     b, s, cap = 3, 60, 24
@@ -134,9 +134,9 @@ def test_engine_holds_lethe_layers_in_compact_buffers_of_bounded_size():
     """On the engine a Lethe layer's buffer holds the prompt and one slot until its first step, and capacity + 1
     slots from then on, however many tokens are generated; full attention's cache grows with them. The step
     has no full fallback to hide behind."""
-    from runtime.engine import StaticDecoder, Weights
-    from runtime.engine.generate import generate
-    from runtime.policies.full import Full
+    from rolecall.runtime.engine import StaticDecoder, Weights
+    from rolecall.runtime.engine.generate import generate
+    from rolecall.runtime.policies.full import Full
 
     model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
     weights = Weights.from_model(model, positions=512)
@@ -157,7 +157,7 @@ def test_engine_holds_lethe_layers_in_compact_buffers_of_bounded_size():
 def test_a_length_past_the_compact_buffer_is_a_steady_state_for_benchmarks():
     """set_length beyond a Lethe layer's buffer (a benchmark's random cache) holds the most recent positions,
     and the step then runs at that buffer's size: positions stay in order and the new token is kept."""
-    from runtime.engine import StaticDecoder, Weights
+    from rolecall.runtime.engine import StaticDecoder, Weights
 
     model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
     weights = Weights.from_model(model, positions=512)
@@ -181,8 +181,8 @@ def test_compiled_eviction_equals_the_eager_step():
     """The eviction as the GPU decoder runs it (one torch.compile graph, no graph break, buffers changed in
     place) gives the same logits and the same held positions as the eager step over many evicting steps, at two
     capacities (the second compiles with the shapes symbolic)."""
-    from runtime.engine import StaticDecoder, Weights
-    from runtime.policies.lethe import evict
+    from rolecall.runtime.engine import StaticDecoder, Weights
+    from rolecall.runtime.policies.lethe import evict
 
     model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
     weights = Weights.from_model(model, positions=512)
@@ -204,7 +204,7 @@ def test_compiled_eviction_equals_the_eager_step():
 
 
 def test_compaction_order_is_a_stable_sort_of_the_dropped_slots():
-    from runtime.policies.lethe import compaction_order
+    from rolecall.runtime.policies.lethe import compaction_order
 
     g = torch.Generator().manual_seed(3)
     for width in (1, 2, 7, 64):
@@ -220,7 +220,7 @@ def test_after_its_first_step_lethe_settles_into_capacity_plus_one_slots():
     buffers. A prompt within the capacity settles before its first step, with nothing to shrink."""
     import weakref
 
-    from runtime.engine import StaticDecoder, Weights
+    from rolecall.runtime.engine import StaticDecoder, Weights
 
     model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
     weights = Weights.from_model(model, positions=512)
@@ -268,8 +268,8 @@ def test_a_finished_lethe_decoder_frees_its_buffers_without_the_garbage_collecto
     import gc
     import weakref
 
-    from runtime.engine import StaticDecoder, Weights
-    from runtime.policies.lethe import evict
+    from rolecall.runtime.engine import StaticDecoder, Weights
+    from rolecall.runtime.policies.lethe import evict
 
     model = tiny_model("qwen2", layers=4, heads=4, kv_heads=2, head_dim=16)
     weights = Weights.from_model(model, positions=512)

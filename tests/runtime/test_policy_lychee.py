@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
-
-from runtime.kernels.sparse_attention import indices_to_mask
-from runtime.manifest import ModelIdentity, RoleManifest
-from runtime.policies import Step, get_policy
+from rolecall.runtime.kernels.sparse_attention import indices_to_mask
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+from rolecall.runtime.policies import Step, get_policy
 
 B, HQ, HKV, T, D = 2, 4, 2, 50, 8
 
@@ -91,7 +90,7 @@ def test_blocks_are_scored_by_their_sum():
 def test_only_choices_a_later_layer_reads_are_made():
     """A retrieval head's choice is read by the same head index in the next layer if that head is sparse there;
     a retrieval head there replaces it and a sparse one passes it on, so nothing later reads it otherwise."""
-    from runtime.policies.lychee import passes_on
+    from rolecall.runtime.policies.lychee import passes_on
 
     retrieval = torch.tensor([[1, 1, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0], [1, 0, 1]], dtype=torch.bool)
     want = [[1, 0, 1], [0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]

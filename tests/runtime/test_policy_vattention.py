@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from runtime.kernels.sparse_attention import sparse_decode_attention
-from runtime.policies import Step, get_policy
+from rolecall.runtime.kernels.sparse_attention import sparse_decode_attention
+from rolecall.runtime.policies import Step, get_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,8 +66,8 @@ def test_short_context_is_read_whole_and_exact():
 
 @pytest.mark.slow
 def test_error_bound_holds_on_the_embedded_model():
-    from runtime import attach
-    from runtime.models import load_model
+    from rolecall.runtime import attach
+    from rolecall.runtime.models import load_model
 
     model = load_model("smollm2-135m", dtype="float32")
     torch.manual_seed(0)
@@ -84,7 +83,7 @@ def test_error_bound_holds_on_the_embedded_model():
 
 
 def test_heavy_hitters_follow_the_nearest_delta_layer():
-    from runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 
     torch.manual_seed(4)
     b, hkv, g, t, d = 1, 2, 2, 600, 16
@@ -110,7 +109,7 @@ def test_heavy_hitters_follow_the_nearest_delta_layer():
 
 def test_residual_slots_enumerate_the_free_slots_by_rank():
     """Brute force: the rank-th valid slot not in the deterministic set, for random sets with -1 padding."""
-    from runtime.policies.vattention import residual_slots
+    from rolecall.runtime.policies.vattention import residual_slots
 
     g = torch.Generator().manual_seed(1)
     b, hkv, t = 3, 2, 50
@@ -129,7 +128,7 @@ def test_residual_slots_enumerate_the_free_slots_by_rank():
 
 
 def test_fixed_slots_hold_sinks_window_and_heavy_once():
-    from runtime.policies.vattention import fixed_slots, heavy_hitters
+    from rolecall.runtime.policies.vattention import fixed_slots, heavy_hitters
 
     first, last = torch.tensor([0, 10, 36]), torch.tensor(39)
     scores = torch.rand(3, 2, 40, generator=torch.Generator().manual_seed(2))
@@ -148,7 +147,7 @@ def test_fixed_slots_hold_sinks_window_and_heavy_once():
 
 def test_draws_are_uniform_over_the_residual():
     """Monte Carlo over many steps: every draw lands in the residual, each residual slot about equally often."""
-    from runtime.policies.vattention import residual_slots, token_uniforms
+    from rolecall.runtime.policies.vattention import residual_slots, token_uniforms
 
     first = torch.tensor([3])
     fixed = torch.tensor([[[3, 4, 10, 11, 12, 29, -1]]])

@@ -4,10 +4,17 @@ import json
 
 import pytest
 import torch
+from rolecall.runtime.cli import main
+from rolecall.runtime.eval import (
+    EvalSettings,
+    answer_correct,
+    evaluate,
+    format_table,
+    step_divergence,
+    suite_prompts,
+)
+from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 
-from runtime.cli import main
-from runtime.eval import EvalSettings, answer_correct, evaluate, format_table, step_divergence, suite_prompts
-from runtime.manifest import ModelIdentity, RoleManifest
 from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,7 +74,7 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
 def test_time_split_sums_the_timed_batches_and_leaves_out_the_others():
     """Closed form over hand-made checkpoint entries: the parts are summed over the batches that carry them
     (an entry kept before timings were recorded has none), ``other`` is what the parts leave of the total."""
-    from runtime.eval import time_split
+    from rolecall.runtime.eval import time_split
 
     def entry(prefill, decode, total):
         seconds = {"setup": 0.5, "prefill": prefill, "capture": 0.25, "decode": decode, "reference": 0.25,
@@ -129,7 +136,7 @@ def test_bad_policy_on_the_command_line_is_one_line(tiny_folder, capsys):
 
 @pytest.mark.slow
 def test_eval_on_the_embedded_model(tmp_path, capsys):
-    from runtime.models import load_model
+    from rolecall.runtime.models import load_model
 
     model = load_model("smollm2-135m")
     roles = [0, 0, 1] + [2] * 7 + [1] + [2] * 19
@@ -148,7 +155,8 @@ def test_eval_on_the_embedded_model(tmp_path, capsys):
 
 
 def test_passkey_prompts_follow_the_alphabet():
-    from runtime.eval import EvalSettings, passkey_prompts
+    from rolecall.runtime.eval import EvalSettings, passkey_prompts
+
     from tests.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -161,7 +169,7 @@ def test_passkey_prompts_follow_the_alphabet():
 
 
 def test_wilson_interval_closed_form():
-    from runtime.eval import wilson_interval
+    from rolecall.runtime.eval import wilson_interval
 
     low, high = wilson_interval(99, 100)  # the values the quality reports quote for 99 of 100
     assert (round(low, 3), round(high, 3)) == (0.946, 0.998)
@@ -209,7 +217,7 @@ def test_unknown_ruler_task_is_one_line_before_loading(tiny_folder, capsys):
 
 def test_eval_runs_longbench_from_a_local_copy_and_scores_with_each_task_metric(tiny_folder, tmp_path, capsys,
                                                                                  monkeypatch):
-    from data.longbench import score
+    from rolecall.data.longbench import score
 
     data = tmp_path / "longbench"
     data.mkdir()
@@ -265,7 +273,7 @@ def test_reasoning_suite_refuses_a_policy_without_an_engine_step(tiny_folder, ca
 
 
 def test_bootstrap_interval_matches_the_normal_approximation():
-    from runtime.eval import bootstrap_interval
+    from rolecall.runtime.eval import bootstrap_interval
 
     values = torch.randn(400, generator=torch.Generator().manual_seed(1)).tolist()
     low, high = bootstrap_interval(values, [1.0] * 400, reps=4000)
@@ -309,7 +317,7 @@ def test_the_engine_reference_of_a_trace_equals_one_transformers_forward(tiny_fo
     against one transformers forward over prompt and trace (the path off the engine)."""
     import importlib
 
-    engine_generate = importlib.import_module("runtime.engine.generate")  # the module, not the function
+    engine_generate = importlib.import_module("rolecall.runtime.engine.generate")  # the module, not the function
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     cached = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
     monkeypatch.setattr(engine_generate, "keeps_prompt", lambda dec: False)
@@ -346,7 +354,7 @@ def test_a_batch_that_cannot_run_is_refused_before_the_prompts_are_built(tiny_fo
     """A batch size on the CPU or with --measure is refused in one line naming the flag, the reason and the fix,
     before any prompt is built or model loaded (the quality script: tests/benchmarks); with ``-p engine=static``
     the CPU runs the engine, and batches."""
-    import runtime.eval as ev
+    import rolecall.runtime.eval as ev
 
     prompts = str(tiny_folder / "prompts.jsonl")
     out = tiny_folder / "batched.json"
@@ -370,7 +378,7 @@ def test_a_batch_that_cannot_run_is_refused_before_the_prompts_are_built(tiny_fo
 
 
 def test_paired_difference_closed_form():
-    from runtime.eval import paired_difference
+    from rolecall.runtime.eval import paired_difference
 
     d = paired_difference([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])  # differences 1, 0, 0, 1
     half = 1.959964 * (1 / 3) ** 0.5 / 2  # sample sd √(1/3), n = 4
@@ -398,7 +406,7 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     """The engine path keeps each finished batch; a run killed in its second batch, its file's last line
     torn, resumes at that batch and gives exactly the uninterrupted result, naming the device of each part
     (the first batch's moved to another). Another run's file is refused."""
-    import runtime.eval as ev
+    import rolecall.runtime.eval as ev
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)  # 4 batches
@@ -438,8 +446,8 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
 def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monkeypatch):
     """evaluate_many on the engine: every batch is prefilled once for all policies (the others load it), and
     each policy's result equals its own evaluation; a measuring job still runs alone."""
-    from runtime.engine import StaticDecoder
-    from runtime.eval import Job, evaluate_many
+    from rolecall.runtime.engine import StaticDecoder
+    from rolecall.runtime.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     jobs = [Job("full", None, {"engine": "static"}), Job("delta", manifest, params),
@@ -469,7 +477,7 @@ def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monke
 
 
 def test_row_steps_equal_a_slice_of_the_stacked_batch():
-    from runtime.eval import row_steps
+    from rolecall.runtime.eval import row_steps
 
     steps = [torch.randn(3, 11, generator=torch.Generator().manual_seed(i)) for i in range(5)]
     stacked = torch.stack(steps, 1)  # [B, N, V]
@@ -487,8 +495,8 @@ def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, mon
     import gc
     import weakref
 
-    import runtime.engine as engine
-    from runtime.eval import Job, evaluate_many
+    import rolecall.runtime.engine as engine
+    from rolecall.runtime.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     made, alive = [], []
@@ -516,8 +524,8 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
     """``output_logits=True`` on the engine: one ``[B, V]`` per step as transformers gives them, but views of the
     generation's one buffer (in the model's dtype), not a second copy of it; the evaluation's per-row steps are
     views of it too (no stack of a row's 128 steps at a 262K vocabulary)."""
-    from runtime import attach
-    from runtime.eval import policy_steps, row_steps
+    from rolecall.runtime import attach
+    from rolecall.runtime.eval import policy_steps, row_steps
 
     model = tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=16)
     ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -538,7 +546,7 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
 
 
 def test_resume_plan_keeps_the_finished_batches_and_batches_the_rest_afresh():
-    from runtime.eval import resume_plan
+    from rolecall.runtime.eval import resume_plan
 
     fresh = [[0, 1, 2], [3, 4, 5], [6, 7]]  # batches of 3 of one length each
     assert resume_plan(fresh, [[0, 1], [2, 3]]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -552,8 +560,8 @@ def test_a_run_stopped_midway_resumes_with_another_batch_size(tiny_folder, tmp_p
     """Out of memory at batch 2, rerun at batch 3: the finished batch is kept, only the other prompts decode
     (in batches of 3 of one length), and every prompt's generation and score are those of the whole run; a
     further rerun finds everything done. Decoding together, the batches all policies finished are kept."""
-    import runtime.eval as ev
-    from runtime.eval import Job, evaluate_many
+    import rolecall.runtime.eval as ev
+    from rolecall.runtime.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)

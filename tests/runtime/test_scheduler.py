@@ -8,10 +8,10 @@ import threading
 
 import pytest
 import torch
+from rolecall.runtime.engine import Sampling, Weights, generate
+from rolecall.runtime.engine.scheduler import Request, RequestError, Scheduler, SchedulerClosed
+from rolecall.runtime.session import bound_policy
 
-from runtime.engine import Sampling, Weights, generate
-from runtime.engine.scheduler import Request, RequestError, Scheduler, SchedulerClosed
-from runtime.session import bound_policy
 from tests.runtime.test_engine import PARAMS, manifest_of, model_of
 from tests.tiny import tiny_tokenizer
 
@@ -107,7 +107,7 @@ def test_below_min_context_the_rows_take_the_full_step(policy):
     (default: the measured crossover at its slot count) and its own step from there: one request alone in the
     scheduler gets the tokens the engine gives it alone with the same ``min_context``, which differ from the
     always-sparse ones; far above every length, the full policy's tokens."""
-    from runtime.engine import default_min_context
+    from rolecall.runtime.engine import default_min_context
 
     model, weights, pol = served(policy)
     full = served("full")[2]
@@ -196,7 +196,7 @@ def test_rows_of_their_own_lengths_in_the_triton_kernels(policy, monkeypatch):
     interleaved requests through them give the tokens the reference kernels give each request alone."""
     import os
 
-    import runtime.engine.decoder as decoder
+    import rolecall.runtime.engine.decoder as decoder
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
@@ -222,8 +222,8 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
     import os
     from pathlib import Path
 
-    from runtime.manifest import RoleManifest
-    from runtime.models import load_model
+    from rolecall.runtime.manifest import RoleManifest
+    from rolecall.runtime.models import load_model
 
     name = os.environ.get("ROLECALL_TEST_MODEL", "smollm2-135m")
     model = load_model(name, dtype=torch.float32).to("cuda")

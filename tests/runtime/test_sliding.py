@@ -8,18 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rolecall.calibrate.stats import cosine_shift
+from rolecall.runtime import attach
+from rolecall.runtime.manifest import ManifestMismatchError, ModelIdentity, RoleManifest
+from rolecall.runtime.models import sliding_layers
+from rolecall.runtime.policies import get_policy
+from rolecall.train.config import TrainConfig
+from rolecall.train.gates import GateParameters
+from rolecall.train.hybrid import GateLayout
 
-import calibrate
-import train
-from calibrate.stats import cosine_shift
-from runtime import attach
-from runtime.manifest import ManifestMismatchError, ModelIdentity, RoleManifest
-from runtime.models import sliding_layers
-from runtime.policies import get_policy
+from rolecall import calibrate, train
 from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
-from train.config import TrainConfig
-from train.gates import GateParameters
-from train.hybrid import GateLayout
 
 SLIDING, FULL = [0, 1, 3, 4], [2, 5]
 L, KV = 6, 2
@@ -186,7 +185,7 @@ def test_lychee_first_full_layer_never_reads_a_stale_set(model):
 
 
 def test_lychee_choices_pass_between_full_layers_only(model):
-    from runtime.policies.lychee import passes_on
+    from rolecall.runtime.policies.lychee import passes_on
 
     policy = get_policy("lychee", budget=8)
     policy.bind(_manifest(model, [0] * L, heads=HEADS), model.config)
@@ -246,7 +245,7 @@ def test_training_keeps_sliding_gates_at_one_and_does_not_count_them(model, tmp_
 # -- the real hybrid model ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_gemma3_270m_loads_offline_and_knows_paris():
-    from runtime.models import load_model, load_tokenizer
+    from rolecall.runtime.models import load_model, load_tokenizer
 
     model, tok = load_model("gemma3-270m"), load_tokenizer("gemma3-270m")
     assert not hasattr(model.config, "quantization_config")

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from rolecall.runtime.manifest import RoleManifest
+from rolecall.train import checkpoint as ckpt
+from rolecall.train.cli import main
 
-from runtime.manifest import RoleManifest
 from tests import refused_line
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
-from train import checkpoint as ckpt
-from train.cli import main
 
 HELP = "(`train-heads --help` lists the options)"
 
@@ -36,7 +36,7 @@ def _write_data(path, labelled=(True, True)):
 
 @pytest.fixture
 def data_file(tmp_path):
-    return _write_data(tmp_path / "data.jsonl")
+    return _write_data(tmp_path / "rolecall.data.jsonl")
 
 
 def _args(model_dir, data_file, out, *extra):
@@ -103,7 +103,7 @@ def test_a_token_budget_that_keeps_every_token_is_refused_before_the_model_loads
 
 
 def test_a_budget_below_the_longest_sample_is_taken():
-    from train.config import check_budget
+    from rolecall.train.config import check_budget
 
     check_budget(54, [47, 55], "sample {n}")  # sample 2 still has keys to leave out
     check_budget(0.9, [47, 55], "sample {n}")  # ceil(0.9 · 55) = 50 keys
@@ -158,9 +158,9 @@ def test_resume_from_another_run_is_refused_before_the_model_loads(model_dir, da
     out = tmp_path / "h.safetensors"
     assert main(_args(model_dir, data_file, out)) == 0  # a checkpoint at step 2
     before = _files(tmp_path)
-    import runtime.distributed
+    import rolecall.runtime.distributed
 
-    monkeypatch.setattr(runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(rolecall.runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
     assert main(_args(model_dir, data_file, out, "--resume", "--lr", "0.02")) == 2
     assert refused_line(capsys) == (f"train-heads: error: checkpoint in {tmp_path / 'h.ckpt'} belongs to another run (lr "
                                 "is 0.01 in the checkpoint but 0.02 now); use a new --output or --overwrite")
@@ -177,7 +177,7 @@ def test_resume_from_another_run_is_refused_before_the_model_loads(model_dir, da
 
 def _nan_from_call(monkeypatch, first: int) -> None:
     """The distillation loss turns NaN from the ``first``-th call on (one call per sample, a step has one)."""
-    from train import recipe
+    from rolecall.train import recipe
 
     real, calls = recipe.distill_loss, []
 
@@ -251,7 +251,7 @@ def test_an_overwrite_without_checkpoints_replaces_the_earlier_ones_with_its_man
     assert main(_args(model_dir, data_file, out, "--overwrite", "--steps", "2", "--checkpoint-every", "5")) == 0
     assert not (tmp_path / "h.ckpt").exists()  # the earlier run's: gone with its manifest
     assert RoleManifest.load(out).metrics["steps"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "h.config.json", "h.log.jsonl",
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rolecall.data.jsonl", "h.config.json", "h.log.jsonl",
                                                           "h.safetensors"]
 
 
@@ -298,9 +298,10 @@ def test_the_sidecars_are_in_place_before_the_manifest(model_dir, data_file, tmp
 
 def test_a_nan_model_is_named_as_the_cause(tmp_path):
     """Non-finite teacher logits: the model, not the rates, and no checkpoint: nothing is written."""
-    import train
-    from train.config import TrainConfig
-    from train.distill import NotFiniteError
+    from rolecall.train.config import TrainConfig
+    from rolecall.train.distill import NotFiniteError
+
+    from rolecall import train
 
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
     with torch.no_grad():

@@ -5,12 +5,12 @@ import re
 
 import pytest
 import torch
+from rolecall.runtime.cli import main as rolecall_main
+from rolecall.runtime.manifest import RoleManifest
+from rolecall.train.cli import main
 
-from runtime.cli import main as rolecall_main
-from runtime.manifest import RoleManifest
 from tests import refused_line
 from tests.tiny import tiny_folder
-from train.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def data_file(tmp_path):
         ids = torch.randint(0, 256, (n,), generator=g).tolist()
         labels = [-100] * (n - 6) + ids[n - 6 :]
         lines.append(json.dumps({"input_ids": ids, "labels": labels}))
-    path = tmp_path / "data.jsonl"
+    path = tmp_path / "rolecall.data.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -70,11 +70,12 @@ def test_cli_errors_are_one_line(model_dir, data_file, tmp_path, capsys):
 @pytest.mark.slow
 def test_embedded_model_student_equals_teacher_and_trains(tmp_path):
     """SmolLM2-135M (GQA 9/3): all-retrieval gates reproduce the teacher; two steps write a valid manifest."""
-    import train
-    from runtime.models import load_model, load_tokenizer
-    from train.config import TrainConfig
-    from train.distill import distill_loss
-    from train.hybrid import HybridAttention
+    from rolecall.runtime.models import load_model, load_tokenizer
+    from rolecall.train.config import TrainConfig
+    from rolecall.train.distill import distill_loss
+    from rolecall.train.hybrid import HybridAttention
+
+    from rolecall import train
 
     tok, model = load_tokenizer("smollm2-135m"), load_model("smollm2-135m").requires_grad_(False)
     text = "The passkey is lima oscar kilo. " + "The grass is green and the sky is blue. " * 20
@@ -95,7 +96,7 @@ def test_embedded_model_student_equals_teacher_and_trains(tmp_path):
 
 
 def test_summary_says_how_far_from_converged():
-    from train.cli import convergence
+    from rolecall.train.cli import convergence
 
     settled = {"steps": 3000, "fraction_undecided": 0.02, "expected_l0": 8.3, "expected_l0_goal": 8.0}
     assert convergence(settled) is None
@@ -143,7 +144,7 @@ def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, data_file, tmp_
 
 def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys, no_frozen_model,
                                                                     monkeypatch):
-    from runtime.distributed import LAUNCHER_ENVIRONMENT
+    from rolecall.runtime.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
@@ -165,7 +166,7 @@ def test_device_map_without_a_gpu_warns_in_one_line(model_dir, data_file, tmp_pa
 def test_a_resume_keeps_no_log_record_of_a_step_past_its_checkpoint(model_dir, data_file, tmp_path, capsys):
     """A run killed between writing its progress log and its next checkpoint leaves the log ahead: the log saved
     with the step-2 checkpoint also holds step 2. A resume from step 2 runs step 2 again and logs it once."""
-    from train import checkpoint as ckpt
+    from rolecall.train import checkpoint as ckpt
 
     out = tmp_path / "run" / "heads.safetensors"
     assert main(_args(model_dir, data_file, out)) == 0

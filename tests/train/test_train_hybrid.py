@@ -2,10 +2,10 @@ import math
 
 import pytest
 import torch
+from rolecall.train.distill import distill_loss, prefill, split_sample
+from rolecall.train.hybrid import HybridAttention, budget_tokens, hybrid_layer
 
 from tests.tiny import tiny_model
-from train.distill import distill_loss, prefill, split_sample
-from train.hybrid import HybridAttention, budget_tokens, hybrid_layer
 
 CASES = [("llama", 4, 1), ("qwen3", 4, 2), ("mistral", 4, 4)]
 

@@ -3,15 +3,15 @@ import json
 
 import pytest
 import torch
+from rolecall.runtime.manifest import RoleManifest
+from rolecall.train.checkpoint import CheckpointError, checkpoint_path
+from rolecall.train.config import TrainConfig, build_config, read_yaml, shipped_configs
+from rolecall.train.distill import NotFiniteError
+from rolecall.train.outputs import head_roles
+from rolecall.train.recipe import sample_index
 
-import train
-from runtime.manifest import RoleManifest
+from rolecall import train
 from tests.tiny import tiny_model, tiny_tokenizer
-from train.checkpoint import CheckpointError, checkpoint_path
-from train.config import TrainConfig, build_config, read_yaml, shipped_configs
-from train.distill import NotFiniteError
-from train.outputs import head_roles
-from train.recipe import sample_index
 
 LAYERS, KV = 3, 2
 
@@ -67,7 +67,7 @@ def test_model_alias_picks_its_default_config_and_no_variant(capsys):
                                      ("ablation-hardconcrete", "llama3-8b-1048k.hardconcrete"),
                                      ("ablation-sigmoid", "llama3-8b-1048k.sigmoid")])
 def test_old_recipe_names_read_the_renamed_files_with_a_notice(capsys, old, new):
-    from train.cli import add_arguments, config_from_args
+    from rolecall.train.cli import add_arguments, config_from_args
 
     assert old not in shipped_configs() and new in shipped_configs()
     assert read_yaml(old) == read_yaml(new)

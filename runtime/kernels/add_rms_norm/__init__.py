@@ -11,9 +11,9 @@ returns         ``[..., N]``    the new residual stream (``x``'s dtype) and its 
 ==============  ==============  ===============================================================
 
 Between a layer's GEMMs the decode step runs two of these. In its compiled graph on CUDA (or in a CUDA graph
-captured without torch.compile, :func:`runtime.kernels.kernel_call`) it is the Triton kernel in ``triton.py``
+captured without torch.compile, :func:`rolecall.runtime.kernels.kernel_call`) it is the Triton kernel in ``triton.py``
 (unless ``ROLECALL_KERNELS=naive``), one program per row, launched with programmatic dependent launch
-(:mod:`runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a ``torch.compile``-fused
+(:mod:`rolecall.runtime.kernels.pdl`), which lets the projection after it be placed while it runs; a ``torch.compile``-fused
 add and norm cannot take part in that chain. It computes in float32 and rounds once per output; the sum is rounded
 to ``x``'s dtype before it is normed, as the reference's two steps do. ``naive.py`` is the reference and the CPU
 path.
@@ -28,9 +28,8 @@ SmolLM2-135M-shaped prefill of one row on an H100 (two runs, alternating in one 
 from __future__ import annotations
 
 import torch
-
-from runtime.kernels import kernel_call, use_triton
-from runtime.kernels.add_rms_norm.naive import add_rms_norm as reference
+from rolecall.runtime.kernels import kernel_call, use_triton
+from rolecall.runtime.kernels.add_rms_norm.naive import add_rms_norm as reference
 
 
 def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -39,7 +38,7 @@ def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: fl
     n = x.shape[-1]
     call = None
     if use_triton(x) and n and x.numel():
-        from runtime.kernels.add_rms_norm import triton  # registers torch.ops.rolecall.add_rms_norm
+        from rolecall.runtime.kernels.add_rms_norm import triton  # registers torch.ops.rolecall.add_rms_norm
 
         call = kernel_call("add_rms_norm", triton.add_norm_rows)
     if call is None:

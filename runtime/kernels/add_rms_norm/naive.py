@@ -1,4 +1,4 @@
-"""Reference of :mod:`runtime.kernels.add_rms_norm`."""
+"""Reference of :mod:`rolecall.runtime.kernels.add_rms_norm`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Triton kernel of :mod:`runtime.kernels.add_rms_norm`: one program per row."""
+"""Triton kernel of :mod:`rolecall.runtime.kernels.add_rms_norm`: one program per row."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels import pdl
+from rolecall.runtime.kernels import pdl
 
 
 @triton.jit
@@ -32,7 +31,7 @@ def _add_rms_norm(X, ADD, ADD_W, W, X_OUT, H, N, s_x, s_o, s_xo, s_h, eps, HAS_A
 
 def add_norm_rows(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
                   o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :mod:`runtime.kernels.add_rms_norm`; ``x`` and ``o`` are ``[rows, N]`` with a unit last stride."""
+    """See :mod:`rolecall.runtime.kernels.add_rms_norm`; ``x`` and ``o`` are ``[rows, N]`` with a unit last stride."""
     rows, n = x.shape
     if o.shape != x.shape or x.stride(-1) != 1 or o.stride(-1) != 1:
         raise ValueError(f"add_rms_norm: x {list(x.shape)} and o {list(o.shape)} must be equal [rows, N] with a "
@@ -49,7 +48,7 @@ def add_norm_rows(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: f
 @torch.library.custom_op("rolecall::add_rms_norm", mutates_args=())
 def add_rms_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float,
                  o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_norm_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.kernel_call`)."""
+    """:func:`add_norm_rows` as the custom op that torch.compile calls (:func:`rolecall.runtime.kernels.kernel_call`)."""
     return add_norm_rows(x, o, weight, eps, o_weight)
 
 

@@ -21,7 +21,7 @@ The references are in ``naive.py``; the engine's step runs ``page_scores``, ``up
 dozen small kernels).
 """
 
-from runtime.kernels.page_bounds.naive import (
+from rolecall.runtime.kernels.page_bounds.naive import (
     page_bounds,
     page_minmax,
     page_scores,

@@ -1,4 +1,4 @@
-"""PyTorch references of :mod:`runtime.kernels.page_bounds`."""
+"""PyTorch references of :mod:`rolecall.runtime.kernels.page_bounds`."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     within ``recent_pages`` of the largest always (the recent pages), then those of highest :func:`page_scores`;
     ``[B, Hkv, min(num_pages, C)]`` ascending page ids, -1 padded. Reads the metadata of the candidates only;
     no host sync. ``new_page = (key, first, last, page_size)``: first :func:`update_page` the metadata in place."""
-    from runtime.kernels.topk_select import topk_with_recent
+    from rolecall.runtime.kernels.topk_select import topk_with_recent
 
     if new_page is not None:
         key, first, last, page_size = new_page

@@ -1,13 +1,12 @@
-"""Triton kernels of :mod:`runtime.kernels.page_bounds` for the engine's step."""
+"""Triton kernels of :mod:`rolecall.runtime.kernels.page_bounds` for the engine's step."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels.arrivals import arrival_counters
-from runtime.kernels.topk_select.triton import MAX_N, store_ascending, top_w
+from rolecall.runtime.kernels.arrivals import arrival_counters
+from rolecall.runtime.kernels.topk_select.triton import MAX_N, store_ascending, top_w
 
 
 @triton.jit
@@ -60,7 +59,7 @@ def _page_scores(Q, KMIN, KMAX, OUT, IDX, s_qb, s_qh, s_mb, s_mh, s_mn, s_ob, s_
 
 def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float,
                 group: str = "max", pages: torch.Tensor | None = None) -> torch.Tensor:
-    """See :func:`runtime.kernels.page_bounds.naive.page_scores` (``pages``: read in the kernel, no gather)."""
+    """See :func:`rolecall.runtime.kernels.page_bounds.naive.page_scores` (``pages``: read in the kernel, no gather)."""
     b, hq, d = query.shape
     _, hkv, n, dk = kmin.shape
     if dk != d or hq % hkv or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or query.stride(-1) != 1:
@@ -107,7 +106,7 @@ def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn,
 
 def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
                 page_size: int) -> None:
-    """See :func:`runtime.kernels.page_bounds.naive.update_page`."""
+    """See :func:`rolecall.runtime.kernels.page_bounds.naive.update_page`."""
     b, hkv, t, d = key.shape
     _check_page_update(key, kmin, kmax, page_size)
     _update_page[(b * hkv,)](key, kmin, kmax, first, last, key.stride(0), key.stride(1), key.stride(2),
@@ -157,7 +156,7 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
                       scale: float, num_pages: int, recent_pages: int, group: str = "max",
                       new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
                       parts: int | None = None) -> torch.Tensor:
-    """See :func:`runtime.kernels.page_bounds.naive.refine_candidates`: one launch. ``parts`` programs per
+    """See :func:`rolecall.runtime.kernels.page_bounds.naive.refine_candidates`: one launch. ``parts`` programs per
     (sequence, KV head) each score their share of its candidates into a float32 scratch row; the last of them to
     finish chooses among all with the top-k kernel's rule (ties to the earlier entry). The pages come out in the
     candidates' order: ascending for a Δ-layer's choice on the GPU, and in any order the attention kernels read

@@ -20,7 +20,7 @@ Also exported: ``attention_probs`` (``[B, Hq, T]``), ``head_max_probs`` (``[B, T
 (sum consecutive ``page_size`` entries of the last axis).
 """
 
-from runtime.kernels.page_scores.naive import (
+from rolecall.runtime.kernels.page_scores.naive import (
     attention_probs,
     decode_and_score,
     head_max_probs,

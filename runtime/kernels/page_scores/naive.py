@@ -36,7 +36,7 @@ def pool_pages(token_scores: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def page_scores(query: torch.Tensor, key: torch.Tensor, scale: float, page_size: int,
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """See :func:`runtime.kernels.page_scores.page_scores`."""
+    """See :func:`rolecall.runtime.kernels.page_scores.page_scores`."""
     return pool_pages(head_max_probs(query, key, scale, key_mask), page_size)
 
 
@@ -45,7 +45,7 @@ def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      per_kv_head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of the Triton ``decode_and_score``: dense decode attention and the page scores of the same
     pass, ``(out [B, Hq, D], lse [B, Hq], scores [B, pages] or [B, Hkv, pages])``."""
-    from runtime.kernels.sparse_attention.naive import sparse_decode_attention
+    from rolecall.runtime.kernels.sparse_attention.naive import sparse_decode_attention
 
     mask = key_mask.bool() if key_mask is not None else None
     out, lse = sparse_decode_attention(query, key, value, scale=scale, key_mask=mask)

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels import pdl, sm_count
+from rolecall.runtime.kernels import pdl, sm_count
 
 
 @triton.jit
@@ -160,7 +159,7 @@ def mixed_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     ``(out [B, Hq, D], lse [B, Hq], logits)``, the logits ``[B, keeping_heads · G, T]`` (:func:`logits_dtype`) of
     the first ``keeping_heads`` KV heads' query heads only (default ``full_heads``; 0: no logits, None), which
     only they keep; :func:`page_scores_from_logits` turns them into their block scores per KV head."""
-    from runtime.kernels.sparse_attention import triton as attention
+    from rolecall.runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
     hkv, t = key.shape[1], key.shape[2]
@@ -209,7 +208,7 @@ def decode_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """Full decode attention that keeps its logits: ``(out [B, Hq, D], lse [B, Hq], logits [B, keeping_heads · G,
     T])`` (stored as :func:`logits_dtype` says; the first ``keeping_heads`` KV heads' query heads, default all),
     what :func:`page_scores_from_logits` reads (:func:`decode_and_score` does both in turn)."""
-    from runtime.kernels.sparse_attention import triton as attention
+    from rolecall.runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
     hkv = key.shape[1]

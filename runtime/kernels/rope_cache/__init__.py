@@ -22,6 +22,6 @@ what is otherwise two RoPE kernels and two cache writes per layer. It computes i
 per output, as ``torch.compile`` fuses the reference.
 """
 
-from runtime.kernels.rope_cache.naive import rope_and_store, split_rope
+from rolecall.runtime.kernels.rope_cache.naive import rope_and_store, split_rope
 
 __all__ = ["rope_and_store", "split_rope"]

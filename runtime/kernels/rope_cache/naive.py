@@ -1,4 +1,4 @@
-"""PyTorch reference of :mod:`runtime.kernels.rope_cache` (the arithmetic the engine's prefill also runs)."""
+"""PyTorch reference of :mod:`rolecall.runtime.kernels.rope_cache` (the arithmetic the engine's prefill also runs)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                    eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
-    """See :mod:`runtime.kernels.rope_cache`."""
+    """See :mod:`rolecall.runtime.kernels.rope_cache`."""
     q, k, v = split_rope(y, heads, kv_heads, cos, sin, q_norm, k_norm, eps, order)
     if slot.numel() == 1:
         at = slot.reshape(1)

@@ -1,12 +1,11 @@
-"""Triton kernel of :mod:`runtime.kernels.rope_cache`: one program per (row, head of q, k or v)."""
+"""Triton kernel of :mod:`rolecall.runtime.kernels.rope_cache`: one program per (row, head of q, k or v)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels import pdl
+from rolecall.runtime.kernels import pdl
 
 
 @triton.jit
@@ -65,7 +64,7 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                    eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
-    """See :mod:`runtime.kernels.rope_cache`."""
+    """See :mod:`rolecall.runtime.kernels.rope_cache`."""
     b, width = y.shape
     d = k_cache.shape[-1]
     if width != (heads + 2 * kv_heads) * d or y.stride(-1) != 1 or (q_norm is None) != (k_norm is None):

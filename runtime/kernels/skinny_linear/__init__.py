@@ -17,7 +17,7 @@ whole of ``K``, no split — reaches 70–102 % (H200, bf16; ``benchmarks/kernel
 projection of a small model (too few feature tiles) splits ``K`` over programs instead, the last of which sums
 the partials in the same launch. :func:`linear` takes the kernels on CUDA for up to :data:`MAX_ROWS` rows and for
 the shapes where they measured faster (:func:`kernel_config`), in a compiled or graph-captured call (the decode
-step, :func:`runtime.kernels.kernel_call`), and ``F.linear`` everywhere else (the CPU, the prefill, an eager call,
+step, :func:`rolecall.runtime.kernels.kernel_call`), and ``F.linear`` everywhere else (the CPU, the prefill, an eager call,
 whose launch through Triton costs the host several times cuBLAS's, most projections of a large batch).
 ``naive.py`` is the reference. The kernels are ``torch.library`` custom ops, so ``torch.compile`` keeps them inside
 a compiled graph, and plain launches where a CUDA graph is captured outside it.
@@ -29,18 +29,23 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from runtime.kernels import kernel_call, max_shared, use_triton
-from runtime.kernels.skinny_linear.naive import GATED, MAX_ROWS, activation, kernel_config, skinny_linear
+from rolecall.runtime.kernels import kernel_call, max_shared, use_triton
+from rolecall.runtime.kernels.skinny_linear.naive import (
+    GATED,
+    MAX_ROWS,
+    activation,
+    kernel_config,
+    skinny_linear,
+)
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> Callable | None:
-    """The Triton kernel's call (:func:`runtime.kernels.kernel_call`) where this call takes it, else None: CUDA and
+    """The Triton kernel's call (:func:`rolecall.runtime.kernels.kernel_call`) where this call takes it, else None: CUDA and
     not ``ROLECALL_KERNELS=naive``, a compiled or graph-captured call, 1 to :data:`MAX_ROWS` rows, and a shape where
     it measured faster and whose tiles fit the GPU (:func:`kernel_config`)."""
     if not use_triton(x):
         return None
-    from runtime.kernels.skinny_linear import triton  # registers the custom ops
+    from rolecall.runtime.kernels.skinny_linear import triton  # registers the custom ops
 
     call = kernel_call(*(("skinny_gated", triton.gated_rows) if gated else ("skinny_linear", triton.linear_rows)))
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

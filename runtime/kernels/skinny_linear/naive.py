@@ -1,4 +1,4 @@
-"""Reference of :mod:`runtime.kernels.skinny_linear`, and the rule that picks the GPU kernel's tiles."""
+"""Reference of :mod:`rolecall.runtime.kernels.skinny_linear`, and the rule that picks the GPU kernel's tiles."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
                   shared: int | None = None) -> Config | None:
     """The Triton kernel's tiles for ``rows × [N, K]`` (``gated``: the gated gate/up kernel), or None where cuBLAS
     measured as fast or faster, or where the tiles may not fit ``shared`` bytes of shared memory a program (the
-    GPU's limit, :func:`runtime.kernels.max_shared`; None: no limit: Triton would fail to launch them). The tiles
+    GPU's limit, :func:`rolecall.runtime.kernels.max_shared`; None: no limit: Triton would fail to launch them). The tiles
     were measured on the H100 and H200; on GPUs of 101,376 bytes a program (sm86, sm89) the ``tl.dot`` tiles of 2 to
     16 rows (and the one-row tile of a long narrow projection) do not fit and cuBLAS runs, while the gated kernel of
     33 to 64 rows and the other one-row tiles do.
@@ -61,7 +61,7 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     71.7–73.1, 1.5B's 15.8–16.2 against 17.4–17.9. Llama-3-8B's (N = 7 K) stays with cuBLAS (57.3 µs at 8 rows,
     the best tile 57.6), as do large q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down. A small
     q/k/v (N ≤ 2 K and at most 8 MB, such as the 1.5B's 6.3 MB) takes the ``tl.dot`` tiles since the kernels take
-    part in dependent launches (``runtime.kernels.pdl``): the 1.5B's step at 8 rows 1.0–1.4 % faster, where the
+    part in dependent launches (``rolecall.runtime.kernels.pdl``): the 1.5B's step at 8 rows 1.0–1.4 % faster, where the
     7B's q/k/v on the kernel made its step 0.2–1.2 % slower (H100, two alternating runs each,
     ``decode_qkv_rows8_ab_{on,off}{1,2}_h100.json``).
 

@@ -1,19 +1,18 @@
-"""Triton kernels of :mod:`runtime.kernels.skinny_linear`: one program per ``BN`` output features, each streaming
+"""Triton kernels of :mod:`rolecall.runtime.kernels.skinny_linear`: one program per ``BN`` output features, each streaming
 its ``BN × K`` slice of the weight once (no split over K, so no second reduction kernel). Gated (an MLP's
 gate/up projection): the program streams the same ``BN`` features of both halves and writes ``act(gate) · up``.
 Split (a long narrow projection, too few feature tiles to stream its weight at the bandwidth): ``SPLIT``
 programs share a feature tile's columns, and the last of them to finish sums their partials
-(:mod:`runtime.kernels.arrivals`) in the same launch."""
+(:mod:`rolecall.runtime.kernels.arrivals`) in the same launch."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels import max_shared, pdl
-from runtime.kernels.arrivals import arrival_counters
-from runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config
+from rolecall.runtime.kernels import max_shared, pdl
+from rolecall.runtime.kernels.arrivals import arrival_counters
+from rolecall.runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config
 
 SILU, GELU_TANH = 1, 2  # GATED: the gate's activation
 
@@ -105,7 +104,7 @@ def _split_linear(X, W, BIAS, Y, PART, ARRIVED, M, N, K, s_xm, s_wn, s_ym, HAS_B
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ weight.T + bias`` for ``M ≤ 64`` (see :func:`runtime.kernels.skinny_linear.linear`)."""
+    """``x [M, K] @ weight.T + bias`` for ``M ≤ 64`` (see :func:`rolecall.runtime.kernels.skinny_linear.linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size(), shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_linear: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
@@ -114,14 +113,14 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 @torch.library.custom_op("rolecall::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`linear_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.kernel_call`)."""
+    """:func:`linear_rows` as the custom op that torch.compile calls (:func:`rolecall.runtime.kernels.kernel_call`)."""
     return linear_rows(x, weight, bias)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
            gated: str | None = None) -> torch.Tensor:
     """The kernel with the given tiles (the tests run each kind). ``gated`` (an activation of
-    :data:`~runtime.kernels.skinny_linear.naive.GATED`): ``act(gate) · up`` of the weight's two halves, each program
+    :data:`~rolecall.runtime.kernels.skinny_linear.naive.GATED`): ``act(gate) · up`` of the weight's two halves, each program
     over half as many features of both, so it streams the same bytes a tile."""
     m, k = x.shape
     n = weight.shape[0]
@@ -158,7 +157,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
 
 def gated_rows(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(x @ gate.T) · (x @ up.T)`` for ``weight = [gate; up]`` and ``M ≤ 64`` rows (see
-    :func:`runtime.kernels.skinny_linear.gated_linear`)."""
+    :func:`rolecall.runtime.kernels.skinny_linear.gated_linear`)."""
     config = kernel_config(x.shape[0], *weight.shape, x.element_size(), gated=True, shared=max_shared(x))
     if config is None or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_gated: no kernel for x {list(x.shape)} @ weight {list(weight.shape)}.T")
@@ -167,7 +166,7 @@ def gated_rows(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.
 
 @torch.library.custom_op("rolecall::skinny_gated", mutates_args=())
 def skinny_gated(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """:func:`gated_rows` as the custom op that torch.compile calls (:func:`runtime.kernels.kernel_call`)."""
+    """:func:`gated_rows` as the custom op that torch.compile calls (:func:`rolecall.runtime.kernels.kernel_call`)."""
     return gated_rows(x, weight, activation)
 
 

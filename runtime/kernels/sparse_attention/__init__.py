@@ -25,10 +25,9 @@ the reference. ``ROLECALL_KERNELS=naive`` forces the reference everywhere.
 from __future__ import annotations
 
 import torch
-
-from runtime.kernels import use_triton
-from runtime.kernels.sparse_attention import naive
-from runtime.kernels.sparse_attention.naive import expand_blocks, indices_to_mask
+from rolecall.runtime.kernels import use_triton
+from rolecall.runtime.kernels.sparse_attention import naive
+from rolecall.runtime.kernels.sparse_attention.naive import expand_blocks, indices_to_mask
 
 
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,7 +37,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     """``(out [B, Hq, D] float32, lse [B, Hq] float32)``; see the table above."""
     impl = naive
     if use_triton(query):
-        from runtime.kernels.sparse_attention import triton as impl
+        from rolecall.runtime.kernels.sparse_attention import triton as impl
     return impl.sparse_decode_attention(query, key, value, indices, scale=scale, block_size=block_size,
                                         log_weights=log_weights, key_mask=key_mask)
 

@@ -38,7 +38,7 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None,
                             key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`runtime.kernels.sparse_attention.sparse_decode_attention` for the contract."""
+    """See :func:`rolecall.runtime.kernels.sparse_attention.sparse_decode_attention` for the contract."""
     b, hq, d = query.shape
     _, hkv, t, _ = key.shape
     g = hq // hkv

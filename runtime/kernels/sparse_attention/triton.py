@@ -1,6 +1,6 @@
 """Triton block-sparse GQA decode attention (split-K flash decoding over a chosen set of blocks).
 
-Same contract as :func:`runtime.kernels.sparse_attention.naive.sparse_decode_attention`, plus ``full_rows``:
+Same contract as :func:`rolecall.runtime.kernels.sparse_attention.naive.sparse_decode_attention`, plus ``full_rows``:
 
 =================  ========================  =======================================================
 ``query``          ``[B, Hq, D]``            one decode query per sequence
@@ -40,8 +40,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels import max_shared, pdl, peak_bandwidth, sm_count
+from rolecall.runtime.kernels import max_shared, pdl, peak_bandwidth, sm_count
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -226,7 +225,7 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
     """``(chunk, tile, stages)`` of a call whose ``rows`` each read ``tokens`` (``dense``: every token of the cache,
     else a gathered set) of ``head_dim``-wide heads of ``itemsize`` bytes, on a GPU whose programs may take
     ``shared`` bytes of shared memory (None: no limit) and whose memory peaks at ``bandwidth`` bytes a second
-    (:func:`runtime.kernels.peak_bandwidth`; None: not known).
+    (:func:`rolecall.runtime.kernels.peak_bandwidth`; None: not known).
 
     Many rows are one program each, in 128-token tiles three stages deep: no merge to launch, and half as many
     steps of the tile loop, each with twice the bytes in flight. That takes rows from :data:`ROW_PROGRAMS` of the

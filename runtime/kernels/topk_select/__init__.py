@@ -26,6 +26,10 @@ when few rows leave the GPU idle.
 ``mask_to_indices(mask, width=None)`` turns a boolean selection ``[..., n]`` into the padded form.
 """
 
-from runtime.kernels.topk_select.naive import mask_to_indices, topk_mask_with_recent, topk_with_recent
+from rolecall.runtime.kernels.topk_select.naive import (
+    mask_to_indices,
+    topk_mask_with_recent,
+    topk_with_recent,
+)
 
 __all__ = ["mask_to_indices", "topk_mask_with_recent", "topk_with_recent"]

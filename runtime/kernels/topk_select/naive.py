@@ -43,7 +43,7 @@ def _ranked(scores: torch.Tensor, recent: int, last: torch.Tensor | int | None, 
 def topk_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Tensor | None = None,
                      last: torch.Tensor | int | None = None, ascending: bool = True,
                      positions: torch.Tensor | None = None) -> torch.Tensor:
-    """See :func:`runtime.kernels.topk_select.topk_with_recent`."""
+    """See :func:`rolecall.runtime.kernels.topk_select.topk_with_recent`."""
     n = scores.shape[-1]
     top = _ranked(scores, recent, last, valid, positions).topk(min(k, n), dim=-1, sorted=False)
     ids = top.indices if positions is None else positions.gather(-1, top.indices)

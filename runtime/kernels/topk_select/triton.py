@@ -1,6 +1,6 @@
 """Triton top-k with a recency window: the k-th largest score of a row found by a radix search.
 
-Same choice as :func:`runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
+Same choice as :func:`rolecall.runtime.kernels.topk_select.naive.topk_with_recent` (ties among equal scores go to the
 lower id), returned as ascending ids, -1 padded at the end. The scores map to unsigned 32-bit integers that order
 as the floats do; 16 rounds of "how many are at least each of these four" fix the k-th largest two bits at a time
 (``bits``; from 8 bits a round, a masked histogram of the next digit among the keys that share the prefix so
@@ -8,7 +8,7 @@ far, 4 rounds), then one prefix sum places every chosen id. Rows run in parallel
 the batch (``torch.topk`` takes one pass per radix digit over every row); a row must fit one program
 (:data:`MAX_N` scores). When there are too few rows to fill the GPU, each row is split over several programs
 that keep their part's k largest, and the last of them to finish chooses among those
-(:mod:`runtime.kernels.arrivals`): two searches over short rows instead of one over a long row.
+(:mod:`rolecall.runtime.kernels.arrivals`): two searches over short rows instead of one over a long row.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from runtime.kernels import pdl, sm_count
-from runtime.kernels.arrivals import arrival_counters
+from rolecall.runtime.kernels import pdl, sm_count
+from rolecall.runtime.kernels.arrivals import arrival_counters
 
 MAX_N = 16384  # scores per row one program holds in registers
 
@@ -29,7 +28,7 @@ MAX_N = 16384  # scores per row one program holds in registers
 def top_w(x, W: tl.constexpr, BITS: tl.constexpr):
     """``[N_PAD]`` float32 ranks (``+inf``: always taken, ``-inf``: never) → a mask of the ``W`` largest (ties to
     the lower index; fewer where fewer are above ``-inf``). Shared with the kernels that choose inside a larger
-    program (:func:`runtime.kernels.page_bounds.triton.refine_candidates`)."""
+    program (:func:`rolecall.runtime.kernels.page_bounds.triton.refine_candidates`)."""
     bits = x.to(tl.int32, bitcast=True)
     # unsigned 32-bit keys in float order (negative floats: every bit flipped; the others: the sign bit set)
     key = tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
