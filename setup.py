@@ -4,7 +4,7 @@ under a name of its own. Everything else about the distribution is in ``pyprojec
 
 from setuptools import find_packages, setup
 
-PARTS = ("runtime", "calibrate", "train", "data", "configs")
+PARTS = ("core", "runtime", "eval", "cli", "calibrate", "train", "data", "configs")
 
 setup(
     packages=["rolecall"] + [f"rolecall.{name}" for name in find_packages(include=[f"{p}*" for p in PARTS])],

@@ -5,9 +5,9 @@ Random bf16 weights with the real shapes (Qwen2, 48 layers, hidden 5120, 40 quer
 intermediate 13824, vocab 152064); random token traces. Timings are per trace (one forward of the whole trace),
 CUDA-synchronised, the first trace of each phase is a warm-up and left out; the table shows medians.
 
-    python benchmarks/calibrate.py --out "$OUT"             # GPU: 32 traces × 8K tokens
-    python benchmarks/calibrate.py --shape tiny --traces 3  # CPU smoke run
-    python benchmarks/calibrate.py --end-to-end --out "$OUT"  # the whole calibrate-delta run, phase by phase
+    python -m benchmarks.calibrate --out "$OUT"             # GPU: 32 traces × 8K tokens
+    python -m benchmarks.calibrate --shape tiny --traces 3  # CPU smoke run
+    python -m benchmarks.calibrate --end-to-end --out "$OUT"  # the whole calibrate-delta run, phase by phase
 
 ``--end-to-end`` times what ``calibrate-delta`` does with generated traces, phase by phase: load (here: building
 the random-weight model on the device), generation on the engine (``rolecall.calibrate.traces``: ``--traces`` prompts of
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.calibrate.config import resolve  # noqa: E402
-from rolecall.calibrate.recorder import AttentionRecorder, record_traces  # noqa: E402
-from rolecall.runtime.atomic import write_text  # noqa: E402
-from rolecall.runtime.cli import Parser  # noqa: E402
-
-from benchmarks.report import at_least  # noqa: E402
+from benchmarks.report import at_least
+from rolecall.calibrate.config import resolve
+from rolecall.calibrate.recorder import AttentionRecorder, record_traces
+from rolecall.cli import Parser
+from rolecall.core.atomic import write_text
 
 SHAPES = {
     "qwen-14b": dict(num_hidden_layers=48, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
@@ -128,10 +128,9 @@ def end_to_end(args: argparse.Namespace, device, dtype, gpu: str) -> dict:
     """The phases of a ``calibrate-delta`` run with generated traces (see the module's docstring), in seconds."""
     import tempfile
 
+    from rolecall import calibrate
     from rolecall.calibrate.api import save
     from rolecall.calibrate.traces import _on_engine
-
-    from rolecall import calibrate
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()

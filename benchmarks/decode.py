@@ -1,7 +1,7 @@
 """End-to-end decode speed of rolecall's policies: one static decode step per token, replayed from a CUDA graph.
 
-    python benchmarks/decode.py                     # the default grid, JSON to benchmarks/results/decode_<gpu>.json
-    python benchmarks/decode.py --smoke --out x.json  # tiny shapes on the CPU: checks that it runs
+    python -m benchmarks.decode                     # the default grid, JSON to benchmarks/results/decode_<gpu>.json
+    python -m benchmarks.decode --smoke --out x.json  # tiny shapes on the CPU: checks that it runs
 
 Models are DS-Qwen-7B / DS-Qwen-1.5B shaped, Gemma-3-4B shaped (``gemma3-4b``, a hybrid model whose sliding
 layers hold rings of their window) or Llama-3-8B shaped (``llama3-8b``: 8 KV heads); random bf16 weights: speed
@@ -55,11 +55,16 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.atomic import write_text  # noqa: E402
-from rolecall.runtime.cli import Parser  # noqa: E402
-from rolecall.runtime.engine import (  # noqa: E402
+from benchmarks.peers import flashinfer_available
+from benchmarks.report import at_least, host_cpu
+from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline
+from rolecall.cli import Parser
+from rolecall.core.atomic import write_text
+from rolecall.core.manifest import ModelIdentity, RoleManifest
+from rolecall.runtime.engine import (
     SHAPES,
     ModelShape,
     StaticCache,
@@ -67,14 +72,9 @@ from rolecall.runtime.engine import (  # noqa: E402
     Weights,
     default_min_context,
 )
-from rolecall.runtime.engine.cache import head_order_of  # noqa: E402
-from rolecall.runtime.kernels import pdl  # noqa: E402
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
-from rolecall.runtime.policies import get_policy  # noqa: E402
-
-from benchmarks.peers import flashinfer_available  # noqa: E402
-from benchmarks.report import at_least, host_cpu  # noqa: E402
-from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeline  # noqa: E402
+from rolecall.runtime.engine.cache import head_order_of
+from rolecall.runtime.kernels import pdl
+from rolecall.runtime.policies import get_policy
 
 SMOKE_SHAPE = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 RETRIEVAL_HEADS_7B = 32  # of 28 × 4 = 112 KV heads (LycheeDecode's target)
@@ -401,9 +401,9 @@ def wall(fn, reps: int) -> float:
 
 
 def real_model(args: argparse.Namespace) -> dict:
+    from rolecall.core.models import load_model, load_tokenizer, pad_token
     from rolecall.runtime import attach
     from rolecall.runtime.engine import Weights as EngineWeights
-    from rolecall.runtime.models import load_model, load_tokenizer, pad_token
 
     model = load_model(args.real, dtype=torch.bfloat16).to("cuda")
     tok = load_tokenizer(args.real)
@@ -469,10 +469,9 @@ def users_path(args: argparse.Namespace, model: str, shape: ModelShape, steps: l
     the grid's context. A request runs twice (the first compiles and captures); the second's decode time per step
     (``Generation.decode_s / steps``: graph replays, the host's checks and the tokens read back) is the TPOT, and
     ``generate / step`` its ratio to the static step's median."""
-    from rolecall.runtime import attach
-    from rolecall.runtime.distributed import random_model
-
     from benchmarks.serve import qwen2_config
+    from rolecall.core.distributed import random_model
+    from rolecall.runtime import attach
 
     new, budget = args.generate_new, args.budgets[0]
     longest = max(context for context, _ in args.generate) + new

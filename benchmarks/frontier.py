@@ -1,7 +1,7 @@
 """Accuracy against cost: each policy's quality-grid rows (one per budget) as a frontier, against the fraction of
 keys it read and against its measured decode time per token.
 
-    python benchmarks/frontier.py --grid artifacts/smollm2-135m/ruler-grid-h200 artifacts/smollm2-135m/ruler-budgets-h200 \\
+    python -m benchmarks.frontier --grid artifacts/smollm2-135m/ruler-grid-h200 artifacts/smollm2-135m/ruler-budgets-h200 \\
         --decode benchmarks/results/decode_budgets_h200.json --context 32768 --batch 8 \\
         --out artifacts/smollm2-135m/frontier
 
@@ -27,12 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.cli import Parser, run_reporting_errors  # noqa: E402
-from rolecall.runtime.eval.stats import paired_difference  # noqa: E402
-
-from benchmarks.report import at_least, grid_summary, read_report, save_figure, write_report  # noqa: E402
+from benchmarks.report import at_least, grid_summary, read_report, save_figure, write_report
+from rolecall.cli import Parser, run_reporting_errors
+from rolecall.eval.stats import paired_difference
 
 PROG = Path(__file__).name
 Z = 1.959964

@@ -1,6 +1,6 @@
 """Decode-attention kernels on a GPU: rolecall's Triton kernels against the best dense decode in the same process.
 
-    python benchmarks/kernels.py --out kernels.json
+    python -m benchmarks.kernels --out kernels.json
 
 For each context T and batch B (Hq 32 / Hkv 8 / D 128, bf16, 64-token blocks) it times, as medians of CUDA-event
 timings after warm-up, on K/V buffers rotated so the 50 MB L2 cache cannot serve repeats:
@@ -64,17 +64,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.atomic import write_text  # noqa: E402
-from rolecall.runtime.cli import Parser  # noqa: E402
-from rolecall.runtime.kernels import graphed, max_shared, pdl, peak_bandwidth, sm_count  # noqa: E402
-from rolecall.runtime.kernels.page_scores import triton as page_tri  # noqa: E402
-from rolecall.runtime.kernels.sparse_attention import triton as tri  # noqa: E402
-
-from benchmarks import peers  # noqa: E402
-from benchmarks.report import at_least  # noqa: E402
-from benchmarks.timing import copy_bandwidth, median_ms  # noqa: E402
+from benchmarks import peers
+from benchmarks.report import at_least
+from benchmarks.timing import copy_bandwidth, median_ms
+from rolecall.cli import Parser
+from rolecall.core.atomic import write_text
+from rolecall.runtime.kernels import graphed, max_shared, pdl, peak_bandwidth, sm_count
+from rolecall.runtime.kernels.page_scores import triton as page_tri
+from rolecall.runtime.kernels.sparse_attention import triton as tri
 
 HQ, HKV, D, BLOCK, KEEP = 32, 8, 128, 64, 0.10
 SPARSE_HEADS = (0, 4, 8)  # KV heads of 8 that read 10 % of the blocks in the mixed calls (sparse_r)
@@ -445,10 +445,11 @@ def linear_tile_rows(rows_list=(2, 8, 16), projections=()) -> list[dict]:
     """Every ``tl.dot`` tile of the skinny kernel on each projection (or those named) against cuBLAS (tiles that
     do not fit shared memory are skipped), the split kernel's tiles on the long narrow ones, and the gated
     gate/up kernel against the projection then the activation."""
+    from triton.runtime.errors import OutOfResources
+
     from rolecall.runtime.kernels.skinny_linear import activation, gated_linear, kernel_config
     from rolecall.runtime.kernels.skinny_linear.naive import Config
     from rolecall.runtime.kernels.skinny_linear.triton import launch
-    from triton.runtime.errors import OutOfResources
 
     def tile_times(x, ws, tiles, gated=None) -> dict[str, float]:
         """Milliseconds of each ``tl.dot`` tile that fits (``gated``: the gated kernel, no bias)."""

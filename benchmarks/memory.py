@@ -14,8 +14,8 @@ runs out of memory is reported as such (the 32B shape on an 80 GB GPU with a cop
 holds no weights of its own). Random weights change nothing here: memory depends on the shapes alone. The GPU
 is named in the table and the JSON.
 
-    python benchmarks/memory.py --models 7b,32b --out results/memory.json
-    python benchmarks/memory.py --models gemma3-4b --prompt 32768   # a hybrid model: its sliding layers' rings
+    python -m benchmarks.memory --models 7b,32b --out results/memory.json
+    python -m benchmarks.memory --models gemma3-4b --prompt 32768   # a hybrid model: its sliding layers' rings
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.cli import Parser  # noqa: E402
-from rolecall.runtime.engine import SHAPES, ModelShape  # noqa: E402
-
-from benchmarks.decode import GEMMA3_4B, make_policy, scaled_retrieval_heads  # noqa: E402
-from benchmarks.report import at_least  # noqa: E402
+from benchmarks.decode import GEMMA3_4B, make_policy, scaled_retrieval_heads
+from benchmarks.report import at_least
+from rolecall.cli import Parser
+from rolecall.runtime.engine import SHAPES, ModelShape
 
 # DeepSeek-R1-Distill-Qwen-32B (Qwen2 architecture): the largest of the family, beside the engine's 7B and 1.5B
 MODELS = {**SHAPES, "32b": ModelShape(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, intermediate=27648,
@@ -96,7 +96,7 @@ def held_beyond(run) -> float | None:
 
 
 def measure(name: str, args: argparse.Namespace) -> dict:
-    from rolecall.runtime.distributed import random_model
+    from rolecall.core.distributed import random_model
     from rolecall.runtime.engine import Weights, generate, shared_weights
     from rolecall.runtime.policies import get_policy
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:>9} {r['weights_gb']:>8.2f} {r['stacked_gb']:>14.2f} {gb(r['copy_gb']):>10} "
               f"{gb(r['shared_gb']):>10} {left:>11}" + "".join(f" {gb(r[f'shared_{p}_gb']):>14}" for p in others))
     if args.out:
-        from rolecall.runtime.atomic import write_text
+        from rolecall.core.atomic import write_text
 
         write_text(args.out, json.dumps({"gpu": gpu, "gpu_gb": total / GB, "torch": torch.__version__,
                                          "prompt": args.prompt, "new": args.new, "policies": args.policies,

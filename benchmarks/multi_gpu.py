@@ -2,7 +2,7 @@
 
 Run on a machine with two GPUs, from the repository root:
 
-    python benchmarks/multi_gpu.py --model smollm2-135m --out results/multi_gpu
+    python -m benchmarks.multi_gpu --model smollm2-135m --out results/multi_gpu
 
 It runs, each as its own command (``python -m rolecall.calibrate`` / ``python -m rolecall.train`` for one process,
 ``accelerate launch --config_file configs/accelerate/<name>.yaml -m ...`` for two):
@@ -38,11 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from rolecall.runtime.cli import Parser  # noqa: E402
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from benchmarks.report import at_least  # noqa: E402
+from benchmarks.report import at_least
+from rolecall.cli import Parser
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # DeepSeek-R1-Distill-Qwen-14B's architecture (Qwen2.5-14B)
 QWEN_14B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=5120,
@@ -133,7 +135,8 @@ def _compare_logs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str,
 
 def _compare_manifests(a: Path, b: Path) -> dict[str, Any]:
     import torch
-    from rolecall.runtime.manifest import RoleManifest
+
+    from rolecall.core.manifest import RoleManifest
 
     if not (a.is_file() and b.is_file()):
         return {"compared": False}
@@ -148,8 +151,8 @@ def _compare_manifests(a: Path, b: Path) -> dict[str, Any]:
 
 def traces_file(path: Path, tokenizer_model: str, count: int, tokens: int) -> Path:
     """``count`` traces of ``tokens`` tokens cut from the offline essay corpus."""
+    from rolecall.core.models import load_tokenizer
     from rolecall.data.corpora import PGEssays
-    from rolecall.runtime.models import load_tokenizer
 
     tok = load_tokenizer(tokenizer_model)
     ids: list[int] = []

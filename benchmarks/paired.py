@@ -1,7 +1,7 @@
 """At one budget, each policy's difference to full attention and to Quest over the same prompts, across grids:
 a forest plot with the one-point band, a table and JSON.
 
-    python benchmarks/paired.py --budget 1024 --out artifacts/paired \\
+    python -m benchmarks.paired --budget 1024 --out artifacts/paired \\
         --grid "SmolLM2-135M, 1K-8K=artifacts/smollm2-135m/ruler-grid-h200" \\
         --grid "SmolLM2-135M, 16K-32K=artifacts/smollm2-135m/ruler-long100-h200" \\
         --grid "Gemma-3-270M, 4K-32K=artifacts/gemma3-270m/ruler-grid"
@@ -9,7 +9,7 @@ a forest plot with the one-point band, a table and JSON.
 ``--grid NAME=FOLDER``: a folder written by ``benchmarks/quality.py`` (its ``summary.json`` keeps every row's
 per-prompt scores), shown as one panel named NAME. In each, every row at ``--budget`` (or the ``--rows`` given,
 in that order) is compared with the grid's full-attention row and with its Quest row at the same budget: the
-mean per-prompt score difference in points with its 95 % interval (``rolecall.runtime.eval.stats.paired_difference``).
+mean per-prompt score difference in points with its 95 % interval (``rolecall.eval.stats.paired_difference``).
 A row is *within one point* of full when that whole interval lies in [−1, +1]; *significant* when it excludes 0.
 Writes ``paired.png``, ``paired.json`` and ``PAIRED.md`` (the table it prints).
 """
@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.cli import Parser, run_reporting_errors  # noqa: E402
-from rolecall.runtime.eval.stats import paired_difference  # noqa: E402
-
-from benchmarks.report import at_least, grid_summary, pairable_scores, save_figure, write_report  # noqa: E402
+from benchmarks.report import at_least, grid_summary, pairable_scores, save_figure, write_report
+from rolecall.cli import Parser, run_reporting_errors
+from rolecall.eval.stats import paired_difference
 
 PROG = Path(__file__).name
 BAND = 1.0  # points: "within one point of full"

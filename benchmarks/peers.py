@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
 from rolecall.runtime.policies.full import FullStep
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch for the split-K partials

@@ -1,14 +1,14 @@
 """Quality of every decode policy at a grid of token budgets, for one model: tables, plots, JSON.
 
-    python benchmarks/quality.py --model smollm2-135m --alphabet digits --passkey-words 5 \\
+    python -m benchmarks.quality --model smollm2-135m --alphabet digits --passkey-words 5 \\
         --delta artifacts/smollm2-135m/smollm2-135m.delta.safetensors \\
         --heads hardkuma=artifacts/smollm2-135m/heads.safetensors \\
         --lethe artifacts/smollm2-135m/smollm2-135m.delta.safetensors --out results/quality-smollm2
 
-Every (policy, budget) cell runs ``rolecall.runtime.eval.evaluate`` on the same prompts (the passkey grid, lengths ×
+Every (policy, budget) cell runs ``rolecall.eval.evaluate`` on the same prompts (the passkey grid, lengths ×
 depths × samples, or with ``--suite ruler`` the RULER-style suite, tasks × lengths × samples; built once)
 and gets one JSON file in ``--out/cells/``, written atomically as soon as the cell is done. On a GPU the cells
-still to run go through the batches together (``rolecall.runtime.eval.evaluate_many``): each batch is prefilled once for
+still to run go through the batches together (``rolecall.eval.evaluate_many``): each batch is prefilled once for
 all of them, most of the time at long contexts; their files are written when all are done, and each keeps its
 finished batches in ``cells/<cell>.partial.jsonl`` meanwhile. A second run with
 the same settings skips the cells whose file exists, so a killed run continues where it stopped; a cell made
@@ -19,7 +19,7 @@ printed; every score with its Wilson 95 % interval and sample count), ``quality.
 bars and KL against the budget, one line per policy), with the suite ``quality-tasks.png`` (a panel per task), and
 appends the command line to ``COMMAND.txt`` (unless it is already the last line there).
 
-``--suite reasoning`` measures long generations instead (``rolecall.runtime.eval.fidelity``): on reasoning prompts,
+``--suite reasoning`` measures long generations instead (``rolecall.eval.fidelity``): on reasoning prompts,
 full attention's own greedy trace with each policy fed the same tokens; every cell reports the per-step KL
 with its bootstrap interval over prompts, top-1 agreement and the divergence point (engine policies only).
 
@@ -44,21 +44,21 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime import atomic  # noqa: E402
-from rolecall.runtime.cli import Parser, run_reporting_errors  # noqa: E402
-from rolecall.runtime.cli.common import (  # noqa: E402
+from benchmarks.report import at_least, pairable_scores, save_figure
+from rolecall.cli import Parser, run_reporting_errors
+from rolecall.cli.common import (
     add_prompt_arguments,
     check_policy,
     check_prompt_arguments,
     eval_settings,
 )
-from rolecall.runtime.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval  # noqa: E402
-from rolecall.runtime.models import DEFAULT_MODEL  # noqa: E402
-from rolecall.runtime.policies import PolicyError, engine_policies, get_policy  # noqa: E402
-
-from benchmarks.report import at_least, pairable_scores, save_figure  # noqa: E402
+from rolecall.core import atomic
+from rolecall.core.models import DEFAULT_MODEL
+from rolecall.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval
+from rolecall.runtime.policies import PolicyError, engine_policies, get_policy
 
 PROG = Path(__file__).name
 ARCHIVE = "cells.jsonl.xz"  # a finished grid's cells in one file, the record ``artifacts/`` keeps
@@ -123,7 +123,7 @@ def parse_heads(pairs: list[str] | None) -> list[tuple[str, str]]:
 def parse_variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any], str]]:
     """``--variant delta:per_head=true,num_pages=32`` → ``("delta", {"per_head": True, ...}, "-per_head-num_pages32")``:
     extra rows of a policy with these parameters on top of the budget's."""
-    from rolecall.runtime.cli.common import parse_params
+    from rolecall.cli.common import parse_params
 
     out = []
     for spec in specs or []:
@@ -386,8 +386,8 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def time_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Where each cell's time went on the engine (``rolecall.runtime.eval.time_split``), for the cells that recorded it."""
-    from rolecall.runtime.eval import TIME_PARTS
+    """Where each cell's time went on the engine (``rolecall.eval.time_split``), for the cells that recorded it."""
+    from rolecall.eval import TIME_PARTS
 
     timed = [r for r in rows if r.get("seconds")]
     if not timed:
@@ -584,7 +584,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def new_tokens(args: argparse.Namespace) -> int:
     """The most tokens a prompt generates (RULER tasks carry their own budget; unknown tasks: ``ValueError``)."""
-    from rolecall.runtime.eval import suite_new_tokens
+    from rolecall.eval import suite_new_tokens
 
     return args.max_new_tokens if args.suite == "reasoning" else suite_new_tokens(eval_settings(args))
 
@@ -680,7 +680,7 @@ def partial_file(out: Path, cell: Cell) -> Path:
 
 def run_cell(cell: Cell, model, tokenizer, settings: EvalSettings | None, samples, args) -> tuple[dict, dict]:
     """One cell's full result and its table row."""
-    from rolecall.runtime.eval import fidelity
+    from rolecall.eval import fidelity
 
     start = time.perf_counter()
     if settings is None:  # --suite reasoning
@@ -697,8 +697,8 @@ def check_cells(cells: list[Cell], args: argparse.Namespace):
     """Each cell's manifest against the model's config (read without its weights) and against its policy, before
     any cell runs: a grid stops here in one line (``ValueError``), not when it reaches that cell. Returns the
     config."""
-    from rolecall.runtime.manifest import RoleManifest
-    from rolecall.runtime.models import load_config
+    from rolecall.core.manifest import RoleManifest
+    from rolecall.core.models import load_config
 
     config = load_config(args.model, trust_remote_code=args.trust_remote_code)
     manifests = {path: RoleManifest.load(path) for path in {c.manifest for c in cells if c.manifest}}
@@ -711,9 +711,9 @@ def check_cells(cells: list[Cell], args: argparse.Namespace):
 
 
 def run_together(cells: list[Cell], model, tokenizer, settings: EvalSettings, samples, args) -> dict[str, tuple]:
-    """The cells' results and rows from one :func:`rolecall.runtime.eval.evaluate_many` call: on the engine each batch is
+    """The cells' results and rows from one :func:`rolecall.eval.evaluate_many` call: on the engine each batch is
     prefilled once for all of them. Each cell keeps its own checkpoint file, so a stop resumes every one."""
-    from rolecall.runtime.eval import Job, evaluate_many
+    from rolecall.eval import Job, evaluate_many
 
     jobs = [Job(c.policy, c.manifest, c.params, partial_file(Path(args.out), c)) for c in cells]
     results = evaluate_many(model, tokenizer, jobs, settings, samples, measure=args.measure, batch_size=args.batch_size,
@@ -751,7 +751,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if missing is not None:
         parser.error(f"{missing.name}: no manifest file at {missing.manifest}; give the path that calibrate-delta or "
                      "train-heads wrote")
-    args.command = shlex.join(["python", "benchmarks/quality.py", *argv])
+    args.command = shlex.join(["python", "-m", "benchmarks.quality", *argv])
     return args
 
 
@@ -773,7 +773,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = samples = None
     todo = [] if args.summarize else [c for c in cells if c.name not in done]  # a finished grid: the summary only
     if todo:  # what the cells need, checked and built before anything is written or the weights load
-        from rolecall.runtime.models import context_limit, load_tokenizer
+        from rolecall.core.models import context_limit, load_tokenizer
 
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device cuda: no CUDA device here, and {len(todo)} cells are not done; use --device cpu")
@@ -795,8 +795,9 @@ def run(args: argparse.Namespace) -> int:
     if previous.rstrip("\n").rpartition("\n")[2] != args.command:  # the same command again (resumed, re-summarised): once
         atomic.write_text(out / "COMMAND.txt", previous + args.command + "\n")
 
-    from rolecall.runtime.models import load_model
     from tqdm import tqdm
+
+    from rolecall.core.models import load_model
 
     model = None
     if todo:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rolecall.runtime import atomic
+from rolecall.core import atomic
 
 
 def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, **lows: float | tuple[float, str]) -> None:

@@ -1,7 +1,7 @@
 """Serving load through the HTTP API: the same stream of requests sent to ``rolecall serve`` under each policy.
 
-    python benchmarks/serve.py --concurrency 64 --duration 300        # DS-Qwen-7B shaped, random weights, 32K
-    python benchmarks/serve.py --model smollm2-135m --concurrency 64 --duration 300 \\
+    python -m benchmarks.serve --concurrency 64 --duration 300        # DS-Qwen-7B shaped, random weights, 32K
+    python -m benchmarks.serve --model smollm2-135m --concurrency 64 --duration 300 \\
         --prompt-tokens 2048:6144 --output-tokens 256:1024            # the embedded model, its shipped manifests
 
 For each of ``--policies`` (``full`` first, the baseline) it starts ``rolecall serve`` on a free local port with
@@ -58,22 +58,17 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.atomic import write_text  # noqa: E402
-from rolecall.runtime.cli import Parser  # noqa: E402
-from rolecall.runtime.engine import SHAPES, ModelShape  # noqa: E402
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest  # noqa: E402
-
-from benchmarks.decode import (  # noqa: E402
+from benchmarks.decode import (
     RETRIEVAL_HEADS_7B,
     delta_manifest,
     recent_pages,
     scaled_retrieval_heads,
     spread_heads,
 )
-from benchmarks.load import (  # noqa: E402
+from benchmarks.load import (
     Lengths,
     Load,
     Run,
@@ -86,8 +81,14 @@ from benchmarks.load import (  # noqa: E402
     summarise,
     warm_up,
 )
-from benchmarks.report import host_cpu  # noqa: E402
-from benchmarks.timing import gpu_slug  # noqa: E402
+from benchmarks.report import host_cpu
+from benchmarks.timing import gpu_slug
+from rolecall.cli import Parser
+from rolecall.core.atomic import write_text
+from rolecall.core.manifest import ModelIdentity, RoleManifest
+from rolecall.runtime.engine import SHAPES, ModelShape
+
+ROOT = Path(__file__).resolve().parents[1]
 
 POLICIES = ("full", "delta", "lychee")
 HOST = "127.0.0.1"
@@ -139,7 +140,7 @@ class Target:
 def prepare(args: argparse.Namespace, folder: Path) -> Target:
     """The config (written to ``folder`` for ``--shape``) and each policy's manifest (made for the shape, written
     to ``folder``; or given or shipped), checked against the config as the server will check them."""
-    from rolecall.runtime.models import load_config
+    from rolecall.core.models import load_config
     from rolecall.runtime.session import bound_policy
 
     random = random_weights(args)
@@ -193,7 +194,7 @@ def free_port() -> int:
 
 def server_command(args: argparse.Namespace, target: Target, policy: str, port: int) -> list[str]:
     """``rolecall serve`` for ``policy`` on ``port``, run by this interpreter from this checkout."""
-    cmd = [sys.executable, "-c", "import sys; from rolecall.runtime.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from rolecall.cli import main; sys.exit(main())", "serve",
            "--model", target.model, "--policy", policy, "--host", HOST, "--port", str(port), "--slots",
            str(args.slots), "--max-context", str(args.max_context), "--device", args.device, "--dtype", args.dtype]
     if target.random:
@@ -311,9 +312,8 @@ def static_steps(args: argparse.Namespace, target: Target, rows: list[dict]) -> 
     step (CUDA-graph replays, median) of the same policy at the steady window's live batch (its mean, rounded) and
     mean context, on random weights of the shape; ``static_step`` in each row, with the steady TPOT and the
     server's own step time over it."""
-    from rolecall.runtime.engine import Weights
-
     from benchmarks.decode import Bench, make_policy
+    from rolecall.runtime.engine import Weights
 
     weights = Weights.random(target.shape, torch.device(args.device), getattr(torch, args.dtype))
     bench = Bench.with_defaults("cuda", args.bandwidth_tbs * 1e12)
@@ -359,7 +359,7 @@ def print_row(r: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from rolecall.runtime.cli.common import chosen_device
+    from rolecall.cli.common import chosen_device
 
     p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--policies", default="full,delta,lychee", help=f"comma-separated: {', '.join(POLICIES)}")

@@ -1,6 +1,6 @@
 """The scheduler's decode step against the benchmark's static step, without the server around it.
 
-    python benchmarks/serve_step.py            # DS-Qwen-7B shape, random bf16 weights, one CUDA GPU
+    python -m benchmarks.serve_step            # DS-Qwen-7B shape, random bf16 weights, one CUDA GPU
 
 Two questions a serving TPOT raises, answered by CUDA-graph replays (medians of 30, warm-up excluded):
 
@@ -25,18 +25,19 @@ from pathlib import Path
 
 import torch
 
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
+
+from benchmarks.decode import Bench, make_policy
+from benchmarks.report import host_cpu
+from benchmarks.timing import event_times, gpu_slug
+from rolecall.cli import Parser
+from rolecall.core.atomic import write_text
+from rolecall.runtime.engine import SHAPES, StaticDecoder, Weights
+from rolecall.runtime.engine.batcher import RowStopper
+from rolecall.runtime.engine.sampling import RowSampler
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rolecall.runtime.atomic import write_text  # noqa: E402
-from rolecall.runtime.cli import Parser  # noqa: E402
-from rolecall.runtime.engine import SHAPES, StaticDecoder, Weights  # noqa: E402
-from rolecall.runtime.engine.batcher import RowStopper  # noqa: E402
-from rolecall.runtime.engine.sampling import RowSampler  # noqa: E402
-
-from benchmarks.decode import Bench, make_policy  # noqa: E402
-from benchmarks.report import host_cpu  # noqa: E402
-from benchmarks.timing import event_times, gpu_slug  # noqa: E402
 
 POLICIES = ("full", "delta", "lychee")
 BUDGET, RETRIEVAL_HEADS = 2048, 32

@@ -10,7 +10,7 @@ For each prompt length it times, in the same run:
 Medians over ``--repeats`` steps after ``--warmup`` untimed ones; CUDA events; the GPU is named in the
 table and the JSON. Random weights give near-uniform attention, which does not change the work done.
 
-    python benchmarks/train_step.py --lengths 1000 4000 10000 --json train_step.json
+    python -m benchmarks.train_step --lengths 1000 4000 10000 --json train_step.json
 
 Beside each length it projects the published recipe's wall time (``configs/train/llama3-8b-1048k.yaml``: its
 ``steps`` and ``checkpoint_every``): steps × the measured step, plus one checkpoint write (the gates' and the
@@ -28,16 +28,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
+    sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.runtime.cli import Parser  # noqa: E402
-from rolecall.runtime.models import cache_keyword  # noqa: E402
-from rolecall.train.distill import distill_loss, prefill, split_sample  # noqa: E402
-from rolecall.train.gates import GateParameters  # noqa: E402
-from rolecall.train.hybrid import HybridAttention, fast_float32_matmul  # noqa: E402
-
-from benchmarks.report import at_least  # noqa: E402
-from benchmarks.timing import event_times  # noqa: E402
+from benchmarks.report import at_least
+from benchmarks.timing import event_times
+from rolecall.cli import Parser
+from rolecall.core.models import cache_keyword
+from rolecall.train.distill import distill_loss, prefill, split_sample
+from rolecall.train.gates import GateParameters
+from rolecall.train.hybrid import HybridAttention, fast_float32_matmul
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,

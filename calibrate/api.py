@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from rolecall.calibrate.config import CalibrateConfig, dumps, resolve
 from rolecall.calibrate.delta import (
     candidate_recall,
@@ -31,16 +32,16 @@ from rolecall.calibrate.lethe import LetheBudget
 from rolecall.calibrate.recorder import AttentionRecorder, record_traces
 from rolecall.calibrate.totals import CalibrationTotals
 from rolecall.calibrate.traces import traces_sha256
-from rolecall.runtime import distributed
-from rolecall.runtime.atomic import write_text
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest, portable_name
-from rolecall.runtime.models import sliding_layers
+from rolecall.core import distributed
+from rolecall.core.atomic import write_text
+from rolecall.core.manifest import ModelIdentity, RoleManifest, portable_name
+from rolecall.core.models import sliding_layers
 
 _SIDECAR = "_calibrate_config"  # attribute of a manifest from decide(): its config with the paths as given
 
 
 def _text_config(model):
-    """The text config of ``model``, or of ``model`` itself when it is a config (:func:`rolecall.runtime.models.load_config`)."""
+    """The text config of ``model``, or of ``model`` itself when it is a config (:func:`rolecall.core.models.load_config`)."""
     cfg = getattr(model, "config", model)
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
@@ -76,7 +77,7 @@ def candidate_layers(model, config: CalibrateConfig) -> list[int]:
 
 def check_layers(model, config: CalibrateConfig) -> int:
     """Refuse, in one line, a ``warmup`` or a ``num_delta`` the model has no room for. ``model`` may be its config
-    alone (:func:`rolecall.runtime.models.load_config`), so this runs before any weights load. Returns the number of layers
+    alone (:func:`rolecall.core.models.load_config`), so this runs before any weights load. Returns the number of layers
     there are to select Δ-layers from: the candidates from layer ``warmup`` on."""
     candidates = candidate_layers(model, config)
     num_layers = int(_text_config(model).num_hidden_layers)

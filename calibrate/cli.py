@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rolecall.runtime.cli import Parser
+from rolecall.cli import Parser
 
 
 def _real(low: float, high: float | None, example: str, low_closed: bool = False):
@@ -71,7 +71,7 @@ _FLAGS: list[tuple[str, str, Callable[[str], object], str]] = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rolecall.runtime.models import DTYPES
+    from rolecall.core.models import DTYPES
 
     parser.add_argument("--config", help="YAML of settings [configs/calibrate/<model>.yaml when it exists]")
     shown = effective_defaults()
@@ -135,18 +135,19 @@ def _default_output(model: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
     from rolecall.calibrate.api import check_layers, save
     from rolecall.calibrate.api import run as calibrate
     from rolecall.calibrate.traces import read_traces
-    from rolecall.runtime import distributed
-    from rolecall.runtime.atomic import check_writable
-    from rolecall.runtime.cli.common import (
+    from rolecall.cli.common import (
         check_placement,
         check_sampling_flags,
         chosen_device,
         wall_time_line,
     )
-    from rolecall.runtime.models import load_config, load_tokenizer
+    from rolecall.core import distributed
+    from rolecall.core.atomic import check_writable
+    from rolecall.core.models import load_config, load_tokenizer
 
     start = time.perf_counter()
     config, config_path = resolve_config(args)
@@ -228,8 +229,9 @@ def _prompts(config) -> list[str]:
 def _generate(model, tokenizer, prompts: list[str], config, data: dict, args: argparse.Namespace) -> list[list[int]]:
     """Greedy (or sampled) reasoning traces of the model itself; rank 0 generates and caches, the others read."""
     import torch
+
     from rolecall.calibrate.traces import generate_traces
-    from rolecall.runtime import distributed
+    from rolecall.core import distributed
 
     gen = dict(max_new_tokens=config.max_new_tokens, sample=config.sample, temperature=config.temperature,
                top_p=config.top_p, seed=config.seed, cache=not args.no_cache, progress=not args.quiet)
@@ -247,7 +249,8 @@ def _generate(model, tokenizer, prompts: list[str], config, data: dict, args: ar
 def _cost(seconds: float, traces: int, device) -> str:
     """One line of what recording cost: seconds per trace and, on GPUs, the peak memory of the busiest process."""
     import torch
-    from rolecall.runtime import distributed
+
+    from rolecall.core import distributed
 
     world = distributed.world_size()
     gpus = range(torch.cuda.device_count()) if device.type == "cuda" else []  # --device-map spreads over several
@@ -261,8 +264,8 @@ def _cost(seconds: float, traces: int, device) -> str:
 def check_traces(traces: list[list[int]], config, model_config, allow_long: bool = False) -> None:
     """Refuse, in one line and before the model loads, a trace with a token id the model (its ``model_config``)
     has no embedding for or one longer than its context (only a warning with ``allow_long``)."""
-    from rolecall.data.tokens import check_token_ids, vocab_size
-    from rolecall.runtime.models import check_context, context_limit
+    from rolecall.core.models import check_context, context_limit
+    from rolecall.core.tokens import check_token_ids, vocab_size
 
     if not traces:
         return
@@ -304,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rolecall.runtime.cli import run_reporting_errors
+    from rolecall.cli import run_reporting_errors
 
     return run_reporting_errors("calibrate-delta", run, build_parser().parse_args(argv))
 

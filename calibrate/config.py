@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolecall.runtime.configfile import ConfigError, layered, read_config, shipped
+from rolecall.core.configfile import ConfigError, layered, read_config, shipped
 
 
 @dataclass
@@ -82,7 +82,7 @@ class CalibrateConfig:
         need(self.num_delta == "auto" or (isinstance(self.num_delta, int) and self.num_delta >= 1),
              f"num_delta must be an integer ≥ 1 or 'auto', got {self.num_delta!r}")
         from rolecall.calibrate.delta import SELECTORS
-        from rolecall.runtime.models import DTYPES
+        from rolecall.core.models import DTYPES
 
         need(self.select in SELECTORS, f"select must be one of {sorted(SELECTORS)}, got {self.select!r}")
         need(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -105,7 +105,7 @@ RENAMED = {"top_pages": "num_pages"}  # keys of older configs and manifests, rea
 
 
 def resolve(*layers: dict[str, Any] | None) -> CalibrateConfig:
-    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`rolecall.runtime.configfile.layered`).
+    """Merge ``layers`` over the dataclass defaults, later ones winning (:func:`rolecall.core.configfile.layered`).
     A key of an older release (``RENAMED``) is read as its current name."""
     current = [{RENAMED.get(k, k): v for k, v in layer.items()} if layer else layer for layer in layers]
     return layered(CalibrateConfig, *current, what="calibration config")

@@ -1,6 +1,6 @@
 """Δ-layer choice: layer roles from the shift curve, and the simulated recall of any Δ-layer set.
 
-Roles (as in ``rolecall.runtime.manifest``): layers ``[0, warmup)`` are full (warm-up), the Δ-layers run full attention
+Roles (as in ``rolecall.core.manifest``): layers ``[0, warmup)`` are full (warm-up), the Δ-layers run full attention
 and choose pages, every other layer is sparse and reads the pages chosen by the nearest earlier Δ-layer.
 Selectors (strategies that pick the Δ set) are found by name in ``SELECTORS``.
 
@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from rolecall.runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
-from rolecall.runtime.registry import Registry
 from scipy.signal import find_peaks
+
+from rolecall.core.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
+from rolecall.core.registry import Registry
 
 # name -> "module:class"; imported on use so each strategy stays in its own file
 SELECTORS = Registry("Δ-layer selector")

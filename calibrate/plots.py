@@ -11,8 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
-from rolecall.runtime.atomic import write_figure  # noqa: E402
-from rolecall.runtime.manifest import RoleManifest  # noqa: E402
+
+from rolecall.core.atomic import write_figure  # noqa: E402
+from rolecall.core.manifest import RoleManifest  # noqa: E402
 
 ROLE_COLORS = {0: "#7f7f7f", 1: "#d62728", 2: "#1f77b4"}
 ROLE_NAMES = {0: "full (warm-up)", 1: "Δ (selection)", 2: "sparse"}

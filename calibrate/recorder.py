@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
 from rolecall.calibrate.stats import cosine_shift, head_max, hoyer_sparsity, page_sums, pair_recall
 from rolecall.calibrate.totals import CalibrationTotals
+from rolecall.core.distributed import model_device
+from rolecall.core.models import cache_keyword
 from rolecall.runtime.attention import keep_mask, use_attention
-from rolecall.runtime.distributed import model_device
-from rolecall.runtime.models import cache_keyword
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 ATTENTION_NAME = "rolecall-record"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from rolecall.calibrate.delta import choose_delta_layers, mean_sparse_recall
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from rolecall.runtime.kernels.topk_select import topk_mask_with_recent
 
 

@@ -59,7 +59,7 @@ class CalibrationTotals:
 
     def all_reduce(self) -> CalibrationTotals:
         """Sum over the processes of an initialised ``torch.distributed`` group (no-op without one)."""
-        from rolecall.runtime.distributed import all_reduce_sum_
+        from rolecall.core.distributed import all_reduce_sum_
 
         out = {k: v.clone() for k, v in self.tensors().items()}
         all_reduce_sum_(out.values())

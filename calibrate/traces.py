@@ -1,7 +1,7 @@
 """Calibration traces: token ids of a prompt followed by the model's own answer.
 
 Either generated once by the model from reasoning prompts (``rolecall.data.reasoning``) and cached on disk under
-``rolecall.runtime.models.cache_dir() / "traces"``, keyed by the model, the prompts and the generation settings, so a
+``rolecall.core.models.cache_dir() / "traces"``, keyed by the model, the prompts and the generation settings, so a
 second run with the same settings reuses them; or read from a JSONL file (``--traces``) whose lines are
 ``{"text": "..."}``, ``{"ids": [...]}`` (or ``"input_ids"``), or a bare JSON string.
 """
@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rolecall.core.atomic import write_text
+from rolecall.core.tokens import check_token_ids
 from rolecall.data.jsonl import iter_jsonl
-from rolecall.data.tokens import check_token_ids
-from rolecall.runtime.atomic import write_text
 
 
 class TraceError(ValueError):
@@ -78,8 +79,8 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def trace_cache_path(model, prompts: list[str], settings: dict[str, Any]) -> Path:
-    from rolecall.runtime.manifest import config_sha256
-    from rolecall.runtime.models import cache_dir
+    from rolecall.core.manifest import config_sha256
+    from rolecall.core.models import cache_dir
 
     spec = getattr(model, "rolecall_spec", None)
     name = spec.name if spec is not None else str(getattr(model.config, "_name_or_path", "") or "model")
@@ -240,9 +241,10 @@ def _on_engine(model, encoded: list[list[int]], *, max_new_tokens: int, sample: 
                top_p: float, seed: int, eos: set[int], pad: int, progress: bool) -> list[list[int]]:
     """:func:`rolecall.runtime.engine.generate` with full attention, in batches of :func:`engine_rows`; a bar of tokens
     that finishes at the total."""
+    from tqdm.auto import tqdm
+
     from rolecall.runtime.engine import Sampling, generate, shared_weights
     from rolecall.runtime.session import bound_policy
-    from tqdm.auto import tqdm
 
     device = model.get_input_embeddings().weight.device
     policy = bound_policy("full", None, model.config)

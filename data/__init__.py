@@ -9,7 +9,7 @@
 * ``rolecall.data.corpora``: haystack text sources (``pg-essays``, ``booksum[:WHERE]``, ``text:PATH``).
 
 Every builder returns a ``rolecall.data.tokens.TokenDataset`` (a ``torch.utils.data.Dataset`` of dicts with 1-D
-``input_ids`` and ``labels``), cached under ``rolecall.runtime.models.cache_dir() / "data"``. ``build_dataset(name,
+``input_ids`` and ``labels``), cached under ``rolecall.core.models.cache_dir() / "data"``. ``build_dataset(name,
 tokenizer, **options)`` selects a builder by name, for configs.
 """
 

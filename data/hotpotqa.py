@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+
 from rolecall.data.corpora import CorpusError, CorpusNotFoundError, builder_for
 from rolecall.data.tokens import (
     Piece,
@@ -32,7 +34,6 @@ from rolecall.data.tokens import (
     text_piece,
     tokenizer_fingerprint,
 )
-from tqdm.auto import tqdm
 
 HUB_ID = "hotpotqa/hotpot_qa"
 INSTRUCTION = "Answer the question using the passages below. Reply with the answer only."

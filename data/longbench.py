@@ -70,7 +70,7 @@ def check_tasks(tasks) -> tuple[str, ...]:
 
 
 def _hub_zip() -> Path:
-    from rolecall.runtime.models import _hub_reachable, _offline
+    from rolecall.core.models import _hub_reachable, _offline
 
     hint = (f"on a machine with access, fetch {HUB_FILE} of the dataset {HUB_DATASET} from the Hugging Face Hub and "
             f"pass --data PATH (the zip, or the folder of <task>.jsonl files it holds)")

@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
 from rolecall.data import tokens as tk
 from rolecall.data.corpora import Corpus, load_corpus
 from rolecall.data.haystack import POOL_TOKENS, Haystack, load_haystack
 from rolecall.data.tokens import Piece, encode, text_piece
-from tqdm.auto import tqdm
 
 NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo",
         "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor",

@@ -18,6 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
+from rolecall.core.atomic import write_text
+from rolecall.core.registry import Registry
 from rolecall.data.corpora import ASSETS_HINT, CorpusError, CorpusNotFoundError
 from rolecall.data.jsonl import iter_jsonl
 from rolecall.data.tokens import (
@@ -28,9 +32,6 @@ from rolecall.data.tokens import (
     sha256_text,
     tokenizer_fingerprint,
 )
-from rolecall.runtime.atomic import write_text
-from rolecall.runtime.registry import Registry
-from tqdm.auto import tqdm
 
 INSTRUCTION = "Think it through step by step, then give the final answer in \\boxed{}."
 

@@ -43,11 +43,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
 from rolecall.data import tokens as tk
 from rolecall.data.corpora import load_corpus
 from rolecall.data.haystack import POOL_TOKENS, Haystack, load_haystack
 from rolecall.data.tokens import Piece, encode, text_piece
-from tqdm.auto import tqdm
 
 NOISE = "The river runs to the sea. The hills stand still. The day goes by and comes again. "
 ADJECTIVES = ("amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",

@@ -1,8 +1,8 @@
-"""rolecall's runtime: role manifests, model loading and the attention integration that inference uses."""
+"""What inference needs on top of :mod:`rolecall.core`: the attention hook, the decode policies, the GPU kernels,
+the engine, the server and ``attach`` (also ``rolecall.attach``). It imports none of calibration, training, the
+datasets or the evaluation."""
 
-__version__ = "0.1.0"
-
-__all__ = ["__version__", "attach"]
+__all__ = ["attach"]
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 ``rolecall decode`` and ``rolecall eval`` check their tokenized prompts with :func:`check_prompts`, as do
 ``Session.generate`` (:mod:`rolecall.runtime.session`), :func:`rolecall.runtime.engine.generate` and
-:func:`rolecall.runtime.eval.evaluate_many`: a bad input is refused in one line (a ``ValueError``) that names the value,
+:func:`rolecall.eval.evaluate_many`: a bad input is refused in one line (a ``ValueError``) that names the value,
 the limit and the fix, never passed on to fail inside the model as a torch error, or to give a wrong result.
 
 What is checked:
@@ -11,12 +11,12 @@ What is checked:
   ints or a 1-D integer tensor. Refused: a 1-D tensor or a bare list of ints (one prompt without its batch:
   wrap it), text or bytes, a float or bool tensor, an id that is not an int (``2.5``, ``True``);
 * every prompt has at least one token (with an attention mask: at least one the mask keeps);
-* every id in ``[0, vocab_size)`` (:func:`rolecall.data.tokens.check_token_ids`), padding included (an embedding lookup
+* every id in ``[0, vocab_size)`` (:func:`rolecall.core.tokens.check_token_ids`), padding included (an embedding lookup
   reads it too);
 * ``attention_mask``: the shape of the ids (per prompt as many values as tokens), 0s and 1s only;
 * ``max_new_tokens``: a whole number ≥ 1 (not ``True``, not ``2.5``, not 0), or one per prompt where the caller
   takes that (:func:`check_max_new_tokens`);
-* the longest prompt plus ``max_new_tokens`` within the model's context (:func:`rolecall.runtime.models.check_context`),
+* the longest prompt plus ``max_new_tokens`` within the model's context (:func:`rolecall.core.models.check_context`),
   unless the caller opted into a longer one: ``--allow-long-context`` in the commands,
   ``attach(..., allow_long_context=True)`` and ``evaluate(..., allow_long_context=True)`` in the Python API.
 """
@@ -152,8 +152,8 @@ def check_prompts(prompts: Any, *, vocab_size: int | None, max_new_tokens: int |
                   per_row: bool = False, least: int = 1, why: str = "", fix: str | None = None,
                   limit_name: str = "the model's context of {limit} (max_position_embeddings)") -> list[list[int]]:
     """The prompts checked (see the module's docstring) and returned as lists of ints, the ids the attention
-    mask drops left out; else a one-line ``ValueError``: :class:`PromptError`, ``rolecall.data.tokens.TokenIdError`` or
-    ``rolecall.runtime.models.ContextLengthError``.
+    mask drops left out; else a one-line ``ValueError``: :class:`PromptError`, ``rolecall.core.tokens.TokenIdError`` or
+    ``rolecall.core.models.ContextLengthError``.
 
     ``vocab_size``: the model's (None: only negative ids are refused). ``max_new_tokens``: one count, or with
     ``per_row`` one per prompt; each at least ``least`` (``why``: the reason for more than 1). ``context``: the
@@ -163,7 +163,7 @@ def check_prompts(prompts: Any, *, vocab_size: int | None, max_new_tokens: int |
     messages (``input_ids``, ``--prompts FILE``), ``new_name`` that of ``max_new_tokens``, ``row_names`` one name per
     prompt (default ``prompt N of NAME``), ``fix`` the remedy for too long a request, ``limit_name`` what
     ``context`` is (``{limit}``: its value)."""
-    from rolecall.data.tokens import check_token_ids
+    from rolecall.core.tokens import check_token_ids
 
     rows = _rows(prompts, name, row_names)
     if row_names is not None and len(row_names) != len(rows):
@@ -187,7 +187,7 @@ def check_prompts(prompts: Any, *, vocab_size: int | None, max_new_tokens: int |
     else:
         limits = [check_max_new_tokens(max_new_tokens, new_name, least, why)] * len(rows)
     if context is not None and not (allow_long and warn_as is None and opt_in):
-        from rolecall.runtime.models import check_context
+        from rolecall.core.models import check_context
 
         longest = max(range(len(kept)), key=lambda i: len(kept[i]))
         who = row_names[longest] if row_names is not None else (

@@ -7,7 +7,7 @@ path below, transformers' own forward with rolecall's attention function (the CP
 
 Reference path: prefill (more than one query token) stays dense through SDPA; each decode step (one query token) of every
 non-sliding layer goes through the policy's plan and the sparse-attention kernel. Sliding-window layers of
-hybrid models (``rolecall.runtime.models.sliding_layers``) always run their own windowed attention and never call the
+hybrid models (``rolecall.core.models.sliding_layers``) always run their own windowed attention and never call the
 policy, so policies see, and hand selections between, the full-attention layers only. Everything runs inside
 ``rolecall.runtime.attention.use_attention``, so on exit the model is exactly what it was.
 """
@@ -24,14 +24,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from rolecall.core.manifest import RoleManifest
+from rolecall.core.models import cache_keyword, sliding_layers
 from rolecall.runtime.attention import keep_mask, use_attention
 from rolecall.runtime.kernels.page_scores import attention_probs
 from rolecall.runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
-from rolecall.runtime.manifest import RoleManifest
-from rolecall.runtime.models import cache_keyword, sliding_layers
 from rolecall.runtime.policies import Plan, PolicyError, Step, get_policy
-from transformers import DynamicCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 class LayerStats:
@@ -146,8 +147,8 @@ class Session:
         plus ``max_new_tokens`` within the model's context (``max_position_embeddings``) unless the session was
         attached with ``allow_long_context=True``. Returns each row's ids without those the mask drops (None for a
         request by ``inputs_embeds``, whose new tokens alone are checked)."""
-        from rolecall.data.tokens import vocab_size
-        from rolecall.runtime.models import context_limit
+        from rolecall.core.models import context_limit
+        from rolecall.core.tokens import vocab_size
         from rolecall.runtime.prompts import PromptError, check_max_new_tokens, check_prompts
 
         given = kwargs.get("max_new_tokens")
@@ -216,8 +217,9 @@ class Session:
                          rows: list[list[int]] | None = None):
         """The engine's request; ``rows``: each row's ids without those ``attention_mask`` drops (left padding),
         as :meth:`check_request` gives them."""
-        from rolecall.runtime.engine import Decoders, Sampling, Weights, generate
         from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        from rolecall.runtime.engine import Decoders, Sampling, Weights, generate
 
         gc = self.model.generation_config
         ids = rows if rows is not None else self.check_request((), {"input_ids": input_ids,

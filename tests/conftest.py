@@ -42,6 +42,6 @@ def one_thread():
 @pytest.fixture
 def no_frozen_model(monkeypatch):
     """Loading the frozen model of train-heads or calibrate-delta fails the test: a refusal comes before that."""
-    import rolecall.runtime.distributed
+    import rolecall.core.distributed
 
-    monkeypatch.setattr(rolecall.runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(rolecall.core.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import rolecall.runtime.distributed
-import rolecall.runtime.models
 import torch
-from rolecall.calibrate import cli as calibrate_cli
-from rolecall.data.tokens import TokenIdError, check_token_ids
-from rolecall.runtime.cli import main as rolecall_main
-from rolecall.runtime.models import ContextLengthError, check_context, context_limit
-from rolecall.train import cli as train_cli
 
+import rolecall.core.distributed
+import rolecall.core.models
+from rolecall.calibrate import cli as calibrate_cli
+from rolecall.cli import main as rolecall_main
+from rolecall.core.models import ContextLengthError, check_context, context_limit
+from rolecall.core.tokens import TokenIdError, check_token_ids
+from rolecall.train import cli as train_cli
 from tests.tiny import VOCAB_SIZE, tiny_folder, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,8 +38,8 @@ def no_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded for input that should have been refused")
 
-    monkeypatch.setattr(rolecall.runtime.models, "load_model", refuse)
-    monkeypatch.setattr(rolecall.runtime.distributed, "load_frozen_model", refuse)
+    monkeypatch.setattr(rolecall.core.models, "load_model", refuse)
+    monkeypatch.setattr(rolecall.core.distributed, "load_frozen_model", refuse)
 
 
 def one_line(capsys, prog: str) -> str:
@@ -84,7 +84,7 @@ def test_check_context_refuses_or_warns(capsys):
 
 def test_embedded_model_context_is_8192():
     # the alias's declared context, used when a config does not say (the embedded model's config says 8192 too)
-    assert rolecall.runtime.models.resolve_model("smollm2-135m").context == 8192
+    assert rolecall.core.models.resolve_model("smollm2-135m").context == 8192
     assert context_limit(object(), "smollm2-135m") == 8192
 
 
@@ -114,7 +114,7 @@ def test_calibrate_refuses_a_trace_beyond_the_context_unless_allowed(model_dir, 
     out = tmp_path / "m.delta.safetensors"
     argv = ["--model", str(model_dir), "--traces", traces, "--output", str(out), *CALIBRATE]
     with monkeypatch.context() as m:
-        m.setattr(rolecall.runtime.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+        m.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
         assert calibrate_cli.main(argv) == 2
     err = one_line(capsys, "calibrate-delta")
     assert f"trace 2 of {traces} is 80 tokens, more than the model's context of {CONTEXT}" in err
@@ -144,7 +144,7 @@ def sample(n: int, bad: int | None = None) -> dict:
 
 @pytest.mark.parametrize("bad", [VOCAB_SIZE, 50000, -2])
 def test_train_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, capsys, no_model, bad):
-    data = write_jsonl(tmp_path / "rolecall.data.jsonl", [sample(24), sample(24, bad)])
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(24), sample(24, bad)])
     out = tmp_path / "heads.safetensors"
     assert train_cli.main(train_args(model_dir, out, "--dataset", data)) == 2
     err = one_line(capsys, "train-heads")
@@ -160,7 +160,7 @@ def test_train_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, cap
     ("3", "target 3 is more than the 2 gated heads"),
 ])
 def test_train_refuses_an_impossible_target(model_dir, tmp_path, capsys, no_model, target, message):
-    data = write_jsonl(tmp_path / "rolecall.data.jsonl", [sample(24)])
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(24)])
     out = tmp_path / "heads.safetensors"
     assert train_cli.main(train_args(model_dir, out, "--dataset", data, "--target", target)) == 2
     err = one_line(capsys, "train-heads")
@@ -182,10 +182,10 @@ def test_train_refuses_passkey_lengths_beyond_the_context(model_dir, tmp_path, c
 
 
 def test_train_refuses_a_long_sample_unless_allowed(model_dir, tmp_path, capsys, monkeypatch):
-    data = write_jsonl(tmp_path / "rolecall.data.jsonl", [sample(24), sample(CONTEXT + 16)])
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(24), sample(CONTEXT + 16)])
     out = tmp_path / "heads.safetensors"
     with monkeypatch.context() as m:
-        m.setattr(rolecall.runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+        m.setattr(rolecall.core.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
         assert train_cli.main(train_args(model_dir, out, "--dataset", data)) == 2
     err = one_line(capsys, "train-heads")
     assert f"sample 2 of {data} is {CONTEXT + 16} tokens, more than the model's context of {CONTEXT}" in err
@@ -218,7 +218,7 @@ def test_eval_refuses_a_long_prompt_file_unless_allowed(model_dir, tmp_path, cap
     argv = ["eval", "--model", str(model_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
             "--device", "cpu", "--json", str(out)]
     with monkeypatch.context() as m:
-        m.setattr(rolecall.runtime.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+        m.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
         assert rolecall_main(argv) == 2
     err = one_line(capsys, "rolecall eval")
     assert f"the longest prompt of {prompts} (70 tokens) plus --max-new-tokens 3 is 73 tokens" in err
@@ -231,15 +231,14 @@ def test_eval_refuses_a_long_prompt_file_unless_allowed(model_dir, tmp_path, cap
 
 def test_target_counts_only_the_learned_gates_of_a_hybrid_model():
     from rolecall.train.config import TrainConfig, check_settings
-
     from tests.tiny import tiny_config
 
     config = tiny_config("gemma3", layers=6, kv_heads=1)  # sliding 0, 1, 3, 4; layer 2 is the first full one
-    check_settings(TrainConfig(target=1, dataset="rolecall.data.jsonl"), config)  # layer 5 alone is learned
+    check_settings(TrainConfig(target=1, dataset="data.jsonl"), config)  # layer 5 alone is learned
     with pytest.raises(ValueError, match=r"target 2 is more than the 1 gated heads .*less 4 held-open layer\(s\).*"
                                          r"1 <= N <= 1"):
-        check_settings(TrainConfig(target=2, dataset="rolecall.data.jsonl"), config)
-    check_settings(TrainConfig(target=5, dataset="rolecall.data.jsonl", include_sliding=True), config)  # 5 layers × 1
+        check_settings(TrainConfig(target=2, dataset="data.jsonl"), config)
+    check_settings(TrainConfig(target=5, dataset="data.jsonl", include_sliding=True), config)  # 5 layers × 1
 
 
 @pytest.mark.parametrize("command", ["decode", "eval"])
@@ -260,8 +259,7 @@ def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_l
                                                                                      no_model, command):
     """Checked against the model's config, read without its weights: delta without layer roles, lychee without head
     roles, and a manifest of another model."""
-    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
-
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
     from tests.tiny import tiny_config
 
     extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
@@ -383,7 +381,7 @@ def test_decode_refuses_sampling_flags_without_sample(model_dir, capsys, no_mode
 def test_decode_sampling_flags_left_out_take_the_samplers_defaults():
     import argparse
 
-    from rolecall.runtime.cli import decode as decode_cli
+    from rolecall.cli import decode as decode_cli
 
     parser = argparse.ArgumentParser()
     decode_cli.add_arguments(parser)
@@ -409,7 +407,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_
     """eval's --json, the benchmarks' --out and the manifests of calibrate-delta and train-heads are written at the
     end, after minutes or hours of work: a path under a file, or a folder given as the file, is refused first, in
     one line."""
-    from rolecall.runtime.atomic import check_writable
+    from rolecall.core.atomic import check_writable
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -431,7 +429,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_
     assert calibrate_cli.main(["--model", str(model_dir), "--traces", traces, "--output", str(blocker / "m.safetensors"),
                                *CALIBRATE]) == 2
     assert f"--output {blocker}/m.safetensors: {blocker} is a file" in one_line(capsys, "calibrate-delta")
-    data = write_jsonl(tmp_path / "rolecall.data.jsonl", [sample(40)])
+    data = write_jsonl(tmp_path / "data.jsonl", [sample(40)])
     assert train_cli.main(train_args(model_dir, blocker / "h.safetensors", "--dataset", data)) == 2
     assert f"--output {blocker}/h.safetensors: {blocker} is a file" in one_line(capsys, "train-heads")
 

@@ -1,7 +1,7 @@
 """The Python API and the manifest reader keep the commands' promises: bad input is refused before any work, in one
 line (a ``ValueError``) naming the value, the limit and the fix; never a torch error, never a silent wrong result.
 
-Prompts through ``Session.generate``, ``rolecall.runtime.engine.generate`` and ``rolecall.runtime.eval.evaluate`` (one check,
+Prompts through ``Session.generate``, ``rolecall.runtime.engine.generate`` and ``rolecall.eval.evaluate`` (one check,
 ``rolecall.runtime.prompts.check_prompts``, which ``rolecall decode`` and ``rolecall eval`` use too), manifests through
 ``RoleManifest.load`` and ``rolecall merge``/``inspect``, and DELTA's ``recent_pages`` through ``attach``. Decoding
 is patched to fail the test wherever a refusal must come before it.
@@ -17,12 +17,12 @@ import struct
 import tracemalloc
 
 import pytest
-import rolecall.runtime.eval
-import rolecall.runtime.models
 import torch
-from rolecall.runtime import attach
-from rolecall.runtime.cli import main as rolecall_main
-from rolecall.runtime.manifest import (
+
+import rolecall.core.models
+import rolecall.eval
+from rolecall.cli import main as rolecall_main
+from rolecall.core.manifest import (
     ManifestError,
     ModelIdentity,
     RoleManifest,
@@ -30,11 +30,11 @@ from rolecall.runtime.manifest import (
     UnverifiedManifestWarning,
     content_sha256,
 )
-from rolecall.runtime.models import ContextLengthError
+from rolecall.core.models import ContextLengthError
+from rolecall.runtime import attach
 from rolecall.runtime.policies import PolicyError
 from rolecall.runtime.prompts import PromptError, check_prompts
 from rolecall.runtime.session import Session
-
 from tests.tiny import VOCAB_SIZE, tiny_config, tiny_folder, tiny_model, tiny_tokenizer
 
 engine_generate = importlib.import_module("rolecall.runtime.engine.generate")  # the module (the package's name is the function)
@@ -211,9 +211,9 @@ def sample(n: int, bad: int | None = None, **extra) -> dict:
      "allow_long_context=True"),
 ])
 def test_evaluate_refuses_bad_samples_before_any_decoding(model, monkeypatch, samples, error, says):
-    monkeypatch.setattr(rolecall.runtime.eval, "_plan", lambda *a, **k: pytest.fail("the evaluation was planned"))
+    monkeypatch.setattr(rolecall.eval, "_plan", lambda *a, **k: pytest.fail("the evaluation was planned"))
     with pytest.raises(error) as info:
-        rolecall.runtime.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=samples)
+        rolecall.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=samples)
     assert says in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
@@ -221,11 +221,11 @@ def test_evaluate_runs_past_the_context_only_when_allowed(model, monkeypatch):
     def reached(*a, **k):
         raise Reached
 
-    monkeypatch.setattr(rolecall.runtime.eval, "_plan", reached)
+    monkeypatch.setattr(rolecall.eval, "_plan", reached)
     with pytest.raises(ContextLengthError):
-        rolecall.runtime.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=[sample(60)])
+        rolecall.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=[sample(60)])
     with pytest.raises(Reached):
-        rolecall.runtime.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=[sample(60)], allow_long_context=True)
+        rolecall.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=[sample(60)], allow_long_context=True)
 
 
 def test_the_shared_check_returns_the_rows_the_mask_keeps():
@@ -254,7 +254,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    monkeypatch.setattr(rolecall.runtime.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
 def test_decode_refuses_ids_past_the_models_vocabulary_before_it_loads(small_vocab_dir, capsys, no_model):
@@ -268,7 +268,7 @@ def test_decode_refuses_a_prompt_past_the_context_unless_allowed(model_dir, caps
     argv = ["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "a" * 60, "--max-new-tokens", "8",
             "--device", "cpu"]
     with monkeypatch.context() as m:
-        m.setattr(rolecall.runtime.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+        m.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
         assert rolecall_main(argv) == 2
     err = one_line(capsys, "rolecall decode")
     assert err.endswith(f"--prompt (60 tokens) plus --max-new-tokens 8 is 68 tokens, more than the model's context of "

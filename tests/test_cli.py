@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from rolecall.runtime.cli import main
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 
+from rolecall.cli import main
+from rolecall.core.manifest import ModelIdentity, RoleManifest
 from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 
 
@@ -68,7 +68,7 @@ def _without_keys(raw: bytes, keys: tuple[str, ...]) -> bytes:
 def test_verify_needs_a_checked_content_hash(manifest_path, tmp_path, capsys):
     """An edited manifest whose hash and version keys were removed is described (with a note that it was not
     verified), but --verify checked nothing: exit 1. It loads only with strict=False; saved, it has a hash."""
-    from rolecall.runtime.manifest import UnverifiedManifestWarning
+    from rolecall.core.manifest import UnverifiedManifestWarning
 
     edited = tmp_path / "edited.safetensors"
     raw = manifest_path.read_bytes()
@@ -95,7 +95,7 @@ def test_unknown_policy_parameter_is_one_plain_line(capsys):
 
 
 def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path):
-    from rolecall.runtime.cli import run_reporting_errors
+    from rolecall.cli import run_reporting_errors
 
     kept = tmp_path / "cells.partial.jsonl"
 
@@ -123,10 +123,9 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_fixes(capsys, tmp_path
 def test_a_usage_error_is_one_line(capsys, parse, argv, prog, says):
     """A bad argument is refused in one line (argparse's own message, then where the options are listed), with
     no usage block before it, in every command and benchmark script."""
+    from benchmarks import decode as bench
     from rolecall.calibrate.cli import build_parser as calibrate_parser
     from rolecall.train.cli import main as train_main
-
-    from benchmarks import decode as bench
 
     run = {"rolecall": main, "calibrate": lambda a: calibrate_parser().parse_args(a), "train": train_main,
            "decode-benchmark": bench.parse_args}[parse]
@@ -146,7 +145,7 @@ def test_help_loads_no_model_library(argv):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom rolecall.runtime.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom rolecall.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert "usage: rolecall" in done.stdout and done.stderr.strip().splitlines()[-1] == "[]"
@@ -250,7 +249,7 @@ def test_inspect_shows_each_sections_metrics_of_a_merged_manifest(tmp_path, caps
 def test_engine_decode_line_names_speed_reads_and_cache_size():
     from types import SimpleNamespace
 
-    from rolecall.runtime.cli.decode import engine_line
+    from rolecall.cli.decode import engine_line
 
     last = SimpleNamespace(info={"attended_fraction": 0.25, "min_context": 32768, "cache_bytes": 3 * 2**20},
                            tokens=[[1, 2, 3]], prefill_s=0.012, steps=3, decode_s=0.5)
@@ -263,6 +262,7 @@ def test_help_shows_the_defaults_a_run_without_flags_takes(capsys):
     """``--help`` names the value of the default model's shipped config where it overrides the dataclass's (the
     embedded model trains 8 heads on 1000–2000-token prompts at lr 0.02), and no reST markup."""
     import yaml
+
     from rolecall.calibrate.cli import build_parser as calibrate_parser
     from rolecall.train.cli import build_parser as train_parser
 

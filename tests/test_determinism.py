@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rolecall.calibrate import cli as calibrate_cli
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest, read_metadata
+from rolecall.core.manifest import ModelIdentity, RoleManifest, read_metadata
 from rolecall.train import checkpoint as ckpt
 from rolecall.train.cli import main as train_main
-
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def reference(model_dir, tmp_path_factory):
     """One uninterrupted train-heads run: (its folder, its manifest's bytes)."""
     folder = tmp_path_factory.mktemp("reference")
     out = folder / "out" / "heads.safetensors"
-    assert train_main(_args(model_dir, _write_data(folder / "data" / "rolecall.data.jsonl"), out)) == 0
+    assert train_main(_args(model_dir, _write_data(folder / "data" / "data.jsonl"), out)) == 0
     return folder, out.read_bytes()
 
 
@@ -65,7 +65,7 @@ def test_two_train_runs_in_other_folders_write_identical_bytes(model_dir, refere
     first_folder, first = reference
     # another output folder and another copy of the data, deeper, elsewhere: only names and contents matter
     out = tmp_path / "x" / "y" / "heads.safetensors"
-    assert train_main(_args(model_dir, _write_data(tmp_path / "elsewhere" / "rolecall.data.jsonl"), out)) == 0
+    assert train_main(_args(model_dir, _write_data(tmp_path / "elsewhere" / "data.jsonl"), out)) == 0
     assert out.read_bytes() == first
     meta = read_metadata(first)
     assert "created" not in meta
@@ -74,19 +74,18 @@ def test_two_train_runs_in_other_folders_write_identical_bytes(model_dir, refere
         assert str(folder) not in header
     m = RoleManifest.load(out)
     assert m.created is None
-    assert m.config["output"] == "heads.safetensors" and m.config["dataset"] == "rolecall.data.jsonl"
-    assert m.data["path"] == "rolecall.data.jsonl" and len(m.data["sha256"]) == 64
+    assert m.config["output"] == "heads.safetensors" and m.config["dataset"] == "data.jsonl"
+    assert m.data["path"] == "data.jsonl" and len(m.data["sha256"]) == 64
     # the sidecar config is for re-running here: it keeps the paths as given
     assert json.loads((out.parent / "heads.config.json").read_text())["output"] == str(out)
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_bytes(model_dir, reference, tmp_path, capsys):
     _, first = reference
-    out, data = tmp_path / "run" / "heads.safetensors", _write_data(tmp_path / "rolecall.data.jsonl")
+    out, data = tmp_path / "run" / "heads.safetensors", _write_data(tmp_path / "data.jsonl")
     # a real kill -9 right after the checkpoint of step 4 (of 6) is on disk: nothing after it runs
     script = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {str(ROOT)!r})
         from rolecall.train import checkpoint
         save = checkpoint.save_checkpoint
         def save_then_die(path, state):
@@ -114,7 +113,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_bytes(model_dir, re
 
 
 def test_resume_takes_only_a_checkpoint_of_the_same_run(model_dir, tmp_path, capsys):
-    out, data = tmp_path / "heads.safetensors", _write_data(tmp_path / "rolecall.data.jsonl")
+    out, data = tmp_path / "heads.safetensors", _write_data(tmp_path / "data.jsonl")
     assert train_main(_args(model_dir, data, out, "--lr", "0.02")) == 0  # checkpoints at 2 and 4
     old_config = (tmp_path / "heads.config.json").read_bytes()
     # a fresh run into the same output: one line that asks for --overwrite, nothing touched
@@ -141,7 +140,7 @@ def test_resume_takes_only_a_checkpoint_of_the_same_run(model_dir, tmp_path, cap
 
 
 def test_a_failing_run_leaves_the_good_manifest_and_its_sidecars_alone(model_dir, tmp_path, monkeypatch, capsys):
-    out, data = tmp_path / "heads.safetensors", _write_data(tmp_path / "rolecall.data.jsonl")
+    out, data = tmp_path / "heads.safetensors", _write_data(tmp_path / "data.jsonl")
     assert train_main(_args(model_dir, data, out, steps=4, plots=True)) == 0
     names = ["heads.safetensors", "heads.config.json", "heads.log.jsonl", "heads.gates.png", "heads.curves.png"]
     before = {n: (tmp_path / n).read_bytes() for n in names}

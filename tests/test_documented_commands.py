@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SCRIPT = re.compile(r"(rolecall|calibrate-delta|train-heads|python3? (-m rolecall\.(calibrate|train)(\.cli)?|benchmarks/\w+\.py)|accelerate launch|"
+SCRIPT = re.compile(r"(rolecall|calibrate-delta|train-heads|python3? -m (rolecall\.(calibrate|train)(\.cli)?|benchmarks\.\w+)|accelerate launch|"
                     r"torchrun)(\s|$)")
 # argparse's own refusals of the command's shape; a command's later checks (files, a GPU) are not these
 SHAPE_ERRORS = ("unrecognized arguments", "invalid choice", "the following arguments are required",
@@ -39,7 +39,7 @@ def code_lines(text: str) -> list[tuple[int, str]]:
     out, fenced, joined, start, prose = [], False, "", 0, []
 
     def paragraph() -> None:
-        found = re.findall(r"`(python3?\s+benchmarks/\w+\.py [^`]+)`", " ".join(line for _, line in prose))
+        found = re.findall(r"`(python3?\s+-m\s+benchmarks\.\w+ [^`]+)`", " ".join(line for _, line in prose))
         out.extend((prose[0][0], " ".join(span.split())) for span in found)
         prose.clear()
 
@@ -90,7 +90,7 @@ def program(argv: list[str]) -> tuple[str, list[str]]:
         return (name if name in MODULES.values() else rest[0]), rest[1:]
     if argv[0].startswith("python"):
         if argv[1] == "-m":
-            return MODULES[argv[2]], argv[3:]
+            return MODULES.get(argv[2], argv[2]), argv[3:]
         return argv[1], argv[2:]
     return argv[0], argv[1:]
 
@@ -98,7 +98,7 @@ def program(argv: list[str]) -> tuple[str, list[str]]:
 def parse(name: str, args: list[str]) -> None:
     """Parse ``args`` with the program ``name``'s parser (its checks on the flags' values included)."""
     if name == "rolecall":
-        from rolecall.runtime.cli import SUBCOMMANDS, build_parser
+        from rolecall.cli import SUBCOMMANDS, build_parser
 
         chosen = next((a for a in args if not a.startswith("-")), None)
         build_parser(chosen if chosen in SUBCOMMANDS else "").parse_args(args)
@@ -106,7 +106,7 @@ def parse(name: str, args: list[str]) -> None:
         module = importlib.import_module("rolecall.calibrate.cli" if name == "calibrate-delta" else "rolecall.train.cli")
         module.build_parser().parse_args(args)
     else:
-        script = re.fullmatch(r"benchmarks/(\w+)\.py", name)
+        script = re.fullmatch(r"benchmarks\.(\w+)", name)
         assert script, f"{name}: no parser known for this program"
         importlib.import_module(f"benchmarks.{script[1]}").parse_args(args)
 
@@ -135,8 +135,8 @@ SNIPPETS = [(f"{path.relative_to(ROOT)}:{number}", code) for path in DOCUMENTS
 def test_the_documents_show_commands_of_every_kind():
     """The extraction finds what the README shows: each console script, benchmark scripts and launchers."""
     programs = {program(argv)[0] for _, argv in DOCUMENTED}
-    assert {"rolecall", "calibrate-delta", "train-heads", "benchmarks/quality.py", "benchmarks/decode.py",
-            "benchmarks/kernels.py", "benchmarks/memory.py"} <= programs
+    assert {"rolecall", "calibrate-delta", "train-heads", "benchmarks.quality", "benchmarks.decode",
+            "benchmarks.kernels", "benchmarks.memory"} <= programs
     assert any(argv[0] == "accelerate" for _, argv in DOCUMENTED)
     assert len(DOCUMENTED) > 40
 
@@ -144,28 +144,28 @@ def test_the_documents_show_commands_of_every_kind():
 def test_extraction_joins_continuations_and_reads_launchers():
     text = ("Run\n\n```bash\nrolecall eval --model m \\\n    --lengths 1 2  # a comment\nrolecall decode: error: x\n"
             "```\n\n    accelerate launch --config_file c.yaml --num_processes 8 -m rolecall.train --target 32\n\n"
-            "and `python benchmarks/memory.py\n--models 32b` then `rolecall decode --prompts`.\n")
+            "and `python -m benchmarks.memory\n--models 32b` then `rolecall decode --prompts`.\n")
     lines = code_lines(text)
     assert lines == [(4, "rolecall eval --model m --lengths 1 2  # a comment"), (6, "rolecall decode: error: x"),
                      (9, "accelerate launch --config_file c.yaml --num_processes 8 -m rolecall.train --target 32"),
-                     (11, "python benchmarks/memory.py --models 32b")]
+                     (11, "python -m benchmarks.memory --models 32b")]
     argvs = [shlex.split(line, comments=True) for _, line in lines if SCRIPT.match(line) and ": error:" not in line]
     assert [program(a) for a in argvs] == [("rolecall", ["eval", "--model", "m", "--lengths", "1", "2"]),
                                            ("train-heads", ["--target", "32"]),
-                                           ("benchmarks/memory.py", ["--models", "32b"])]
+                                           ("benchmarks.memory", ["--models", "32b"])]
 
 
 def test_a_renamed_flag_is_caught(monkeypatch, capsys):
     """The check can fail: a flag the parser does not know, or a value of the wrong kind, is a shape error, while
     a refusal of what the flags name (a missing GPU, file or manifest) is left to the command."""
-    monkeypatch.setattr("rolecall.runtime.cli.Parser.check_writable", lambda *a, **k: None)
+    monkeypatch.setattr("rolecall.cli.Parser.check_writable", lambda *a, **k: None)
     for args in (["decode", "--prompt", "x", "--max-tokens", "5"], ["eval", "--lengths", "many"]):
         with pytest.raises(SystemExit):
             parse("rolecall", args)
         err = capsys.readouterr().err
         assert any(s in err for s in SHAPE_ERRORS), err
     with pytest.raises(SystemExit):
-        parse("benchmarks/kernels.py", ["--contexts", "100"])  # a value the script checks: not the parser's shape
+        parse("benchmarks.kernels", ["--contexts", "100"])  # a value the script checks: not the parser's shape
     err = capsys.readouterr().err
     assert "--contexts takes" in err and not any(s in err for s in SHAPE_ERRORS)
 
@@ -173,7 +173,7 @@ def test_a_renamed_flag_is_caught(monkeypatch, capsys):
 @pytest.mark.parametrize("where, argv", DOCUMENTED, ids=[w for w, _ in DOCUMENTED])
 def test_each_documented_command_parses(where, argv, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # an output folder a parser makes on its way lands here
-    monkeypatch.setattr("rolecall.runtime.cli.Parser.check_writable", lambda *a, **k: None)
+    monkeypatch.setattr("rolecall.cli.Parser.check_writable", lambda *a, **k: None)
     name, args = program(argv)
     try:
         parse(name, args)

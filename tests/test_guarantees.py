@@ -10,6 +10,7 @@ from statistics import NormalDist
 
 import pytest
 import torch
+
 from rolecall.calibrate.select_recall import RecallSelector
 from rolecall.calibrate.stats import hoyer_sparsity
 from rolecall.runtime.policies.vattention import VAttention
@@ -149,8 +150,7 @@ def test_a_manifest_whose_header_was_reformatted_is_refused():
     import json
     import struct
 
-    from rolecall.runtime.manifest import ManifestError, RoleManifest
-
+    from rolecall.core.manifest import ManifestError, RoleManifest
     from tests.test_bad_input_api import manifest
 
     raw = manifest().to_bytes()
@@ -165,8 +165,7 @@ def test_a_manifest_whose_header_was_reformatted_is_refused():
 
 @pytest.mark.parametrize("value", [2, -1])
 def test_head_roles_outside_zero_and_one_are_refused(value):
-    from rolecall.runtime.manifest import ManifestError, RoleManifest
-
+    from rolecall.core.manifest import ManifestError, RoleManifest
     from tests.test_bad_input_api import manifest, rewritten, set_value
 
     bad = rewritten(manifest().to_bytes(), set_value("heads.role", 3, value))
@@ -222,7 +221,6 @@ def test_a_stop_string_split_across_deliveries_is_found_when_it_is_the_last_one(
     """The stop string's first characters went out in earlier pieces and its last comes now: found at once, at the
     fewest ids that hold it (each id a byte)."""
     from rolecall.runtime.engine.text import TokenText, cut_at_stop
-
     from tests.runtime.test_token_text import Bytes
 
     text = TokenText(Bytes(), [stop])
@@ -280,8 +278,7 @@ def test_a_lethe_budget_of_exactly_one_loads():
     file; the next float32 above 1 is refused."""
     import struct
 
-    from rolecall.runtime.manifest import ManifestError, RoleManifest
-
+    from rolecall.core.manifest import ManifestError, RoleManifest
     from tests.test_bad_input_api import manifest, rewritten, set_value
 
     m = manifest(layer_budget=[1.0, 1.0, 0.5, 1.0])
@@ -346,7 +343,7 @@ def test_vattention_sample_size_uses_the_unbiased_variance_of_the_pilot():
 
 
 def test_a_sliding_layer_past_the_last_layer_is_refused():
-    from rolecall.runtime.manifest import ManifestError, ModelIdentity, RoleManifest
+    from rolecall.core.manifest import ManifestError, ModelIdentity, RoleManifest
 
     with pytest.raises(ManifestError, match="model.sliding_layers holds layer 3, but the model has 3 layers"):
         RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=[3]), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
@@ -365,6 +362,7 @@ def test_the_servers_seed_range_is_every_32_bit_value():
 
 def test_passkey_lengths_take_one_from_each_stratum_up_to_the_top():
     import numpy as np
+
     from rolecall.data.passkey import spread_lengths
 
     for seed in range(5):

@@ -47,7 +47,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     top = subprocess.run([str(py), "-c", "import site, os; print(sorted(os.listdir(site.getsitepackages()[0])))"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert not {"'runtime'", "'data'", "'train'", "'calibrate'", "'configs'"} & set(top.strip("[]\n").split(", "))
-    aliases = run(str(py), "-c", "from rolecall.runtime.models import list_aliases; print(' '.join(list_aliases()))")
+    aliases = run(str(py), "-c", "from rolecall.core.models import list_aliases; print(' '.join(list_aliases()))")
     assert {"qwen-14b", "smollm2-135m", "llama-70b"} <= set(aliases.split())
     assert run(str(py), "-c", "import rolecall.data.longbench as lb; print(len(lb.TASKS))").strip() == "16"  # its table ships
     assert "inspect" in run(str(bin_dir / "rolecall"), "--help")
@@ -56,7 +56,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
 
 
 def test_registry_imports_on_lookup_and_refuses_unknown_names():
-    from rolecall.runtime.registry import Registry
+    from rolecall.core.registry import Registry
 
     reg = Registry("widget", KeyError)
     reg["lazy"] = "json:dumps"  # a "module:attr" entry is imported when looked up
@@ -77,7 +77,7 @@ def test_registry_imports_on_lookup_and_refuses_unknown_names():
 
 def test_config_files_read_the_same_way_everywhere(tmp_path):
     from rolecall.calibrate.config import CalibrateConfig, read_yaml
-    from rolecall.runtime.configfile import ConfigError, layered, read_config
+    from rolecall.core.configfile import ConfigError, layered, read_config
 
     assert read_yaml("smollm2-135m") == read_config("smollm2-135m", "calibration config", "calibrate")  # by name
     bad = tmp_path / "bad.yaml"
@@ -119,7 +119,7 @@ def test_shipped_config_files_are_named_model_or_model_dot_variant():
 
 
 def test_renamed_shipped_configs_point_at_files_and_unknown_names_fail_in_one_line(capsys):
-    from rolecall.runtime.configfile import RENAMED, ConfigError, read_config, shipped
+    from rolecall.core.configfile import RENAMED, ConfigError, read_config, shipped
 
     for folder, names in RENAMED.items():
         for old, new in names.items():

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from rolecall.runtime import distributed
-from rolecall.runtime.manifest import RoleManifest
 
 from rolecall import calibrate, train
+from rolecall.core import distributed
+from rolecall.core.manifest import RoleManifest
 from tests.tiny import tiny_config
 from tests.train.test_train_recipe import _config, _dataset
 

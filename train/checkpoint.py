@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rolecall.runtime.atomic import atomic_write, write_text
+
+from rolecall.core.atomic import atomic_write, write_text
 
 
 class CheckpointError(ValueError):

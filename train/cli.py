@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from rolecall.runtime.cli import Parser
+from rolecall.cli import Parser
 from rolecall.train.config import MIXED_PRECISION, TrainConfig, build_config, read_yaml, shipped_configs
 
 
@@ -75,7 +75,7 @@ def _lengths(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from rolecall.runtime.models import DTYPES
+    from rolecall.core.models import DTYPES
 
     # the effective defaults: the dataclass's, then the default model's shipped config (configs/train/<model>.yaml,
     # which a run without --model and --config reads), without building a config (that checks the gate name
@@ -191,10 +191,11 @@ def load_dataset(config: TrainConfig, tokenizer) -> tuple[Any, dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rolecall.runtime import distributed
-    from rolecall.runtime.atomic import check_writable
-    from rolecall.runtime.cli.common import check_placement, chosen_device, wall_time_line
-    from rolecall.runtime.models import load_config, load_tokenizer
+
+    from rolecall.cli.common import check_placement, chosen_device, wall_time_line
+    from rolecall.core import distributed
+    from rolecall.core.atomic import check_writable
+    from rolecall.core.models import load_config, load_tokenizer
     from rolecall.train.config import check_dataset, check_settings
     from rolecall.train.recipe import run as train_run
 
@@ -272,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rolecall.runtime.cli import run_reporting_errors
+    from rolecall.cli import run_reporting_errors
 
     return run_reporting_errors("train-heads", run, build_parser().parse_args(argv))
 

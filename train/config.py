@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rolecall.runtime.configfile import layered, read_config, shipped
+from rolecall.core.configfile import layered, read_config, shipped
 
 MIXED_PRECISION = ("no", "bf16")  # fp16 would need loss scaling, whose skipped steps the NaN check stops on
 
@@ -127,7 +127,7 @@ class TrainConfig:
             raise ValueError(f"token_budget must be a fraction in (0, 1] (e.g. 0.3) or a token count >= 1, got {b!r}")
         if not (self.low < 0 < 1 < self.high):
             raise ValueError(f"low/high must satisfy low < 0 < 1 < high, got ({self.low}, {self.high})")
-        from rolecall.runtime.models import DTYPES
+        from rolecall.core.models import DTYPES
 
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -183,7 +183,7 @@ def build_config(yaml_config: str | None = None, **overrides: Any) -> TrainConfi
 def check_settings(config: TrainConfig, model_cfg, allow_long: bool = False) -> int | None:
     """Refuse, in one line and before any data is built or weights load, a ``target`` the model has no room for
     and passkey ``lengths`` beyond its context (a warning with ``allow_long``). Returns the context limit."""
-    from rolecall.runtime.models import check_context, context_limit
+    from rolecall.core.models import check_context, context_limit
     from rolecall.train.hybrid import GateLayout
 
     text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
@@ -209,8 +209,9 @@ def check_dataset(dataset, config: TrainConfig, model_cfg, limit: int | None, al
     one whose labels mark no target after a prompt, one longer than its context (a warning with ``allow_long``),
     and a ``token_budget`` that covers every key of every sample (nothing would be sparse)."""
     import torch
-    from rolecall.data.tokens import check_token_ids, vocab_size
-    from rolecall.runtime.models import check_context
+
+    from rolecall.core.models import check_context
+    from rolecall.core.tokens import check_token_ids, vocab_size
 
     what = "passkey sample {n}" if config.dataset == "passkey" else f"sample {{n}} of {config.dataset}"
     ids = [torch.as_tensor(dataset[i]["input_ids"]).reshape(-1) for i in range(len(dataset))]

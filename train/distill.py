@@ -18,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from rolecall.runtime.attention import use_attention
-from rolecall.runtime.distributed import model_device, pad_forwards
-from rolecall.runtime.models import cache_keyword, sliding_layers
-from rolecall.train.hybrid import ATTENTION_NAME, HybridAttention
 from torch import Tensor
 from transformers import DynamicCache
+
+from rolecall.core.distributed import model_device, pad_forwards
+from rolecall.core.models import cache_keyword, sliding_layers
+from rolecall.runtime.attention import use_attention
+from rolecall.train.hybrid import ATTENTION_NAME, HybridAttention
 
 
 class NotFiniteError(FloatingPointError, ValueError):
@@ -65,7 +66,7 @@ def prefill(model, prompt: Tensor, chunk: int, calls: int | None = None) -> Dyna
     """The teacher's KV cache for ``prompt`` [1, P], filled ``chunk`` tokens at a time.
 
     ``calls``: run the model this many times in all, padding with one-token forwards that touch no cache
-    (:func:`rolecall.runtime.distributed.pad_forwards`): under ZeRO-3 processes with shorter prompts pad up to the
+    (:func:`rolecall.core.distributed.pad_forwards`): under ZeRO-3 processes with shorter prompts pad up to the
     longest one's chunk count.
     """
     # A sliding-window cache layer cannot be cropped back (step 3) once past its window: on a hybrid model keep

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from rolecall.runtime.registry import Registry
 from torch import Tensor, nn
+
+from rolecall.core.registry import Registry
 
 GATES = Registry("gate")
 

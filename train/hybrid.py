@@ -28,9 +28,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from rolecall.runtime.attention import keep_mask
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from rolecall.runtime.attention import keep_mask
 
 ATTENTION_NAME = "rolecall-hybrid"
 
@@ -140,7 +141,7 @@ class GateLayout:
 
     @classmethod
     def of(cls, model, include_sliding: bool = False) -> GateLayout:
-        from rolecall.runtime.models import sliding_layers
+        from rolecall.core.models import sliding_layers
 
         config = getattr(model, "config", model)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config

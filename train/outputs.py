@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rolecall.runtime.atomic import write_figure
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest, portable_name
+
+from rolecall.core.atomic import write_figure
+from rolecall.core.manifest import ModelIdentity, RoleManifest, portable_name
 
 UNDECIDED = (0.05, 0.95)  # a gate whose E[z] lies strictly inside is neither retrieval nor sparse yet
 

@@ -5,7 +5,7 @@
 Gates take Adam steps (lr ``config.lr``) on L; λ takes a gradient-ascent step of ``config.lambda_lr`` on
 E[‖z‖₀] − target and is clipped at 0, so it grows while too many heads are retrieval heads and decays once
 the constraint holds. The model is frozen (its ``requires_grad`` flags are restored afterwards) and stays
-where it is: the caller places it (the CLI does, see ``rolecall.runtime.distributed``).
+where it is: the caller places it (the CLI does, see ``rolecall.core.distributed``).
 
 A step reads ``batch_size`` samples (data positions step·B … step·B + B − 1 of a seeded permutation stream)
 with one gate draw z. Under ``torch.distributed`` the samples are split round robin over the processes, the
@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from rolecall.runtime import distributed
-from rolecall.runtime.atomic import write_text
-from rolecall.runtime.manifest import RoleManifest, config_sha256
+from tqdm.auto import tqdm
+
+from rolecall.core import distributed
+from rolecall.core.atomic import write_text
+from rolecall.core.manifest import RoleManifest, config_sha256
 from rolecall.train import checkpoint as ckpt
 from rolecall.train.config import TrainConfig, config_json
 from rolecall.train.distill import NotFiniteError, distill_loss, prefill_calls, split_sample
@@ -44,7 +46,6 @@ from rolecall.train.outputs import (
     plot_gates,
     portable_config,
 )
-from tqdm.auto import tqdm
 
 # config fields that may differ between a checkpoint and the run resuming from it
 # (the model may move to another path or name: its architecture hash is checked instead)
@@ -139,7 +140,7 @@ def _difference(state: dict[str, Any], config: TrainConfig, model, data: dict[st
 def check_resume(resume: str | Path, config: TrainConfig, data: dict[str, Any], model) -> Path:
     """The checkpoint ``resume`` names (``"latest"``: the newest of this output), once it is known to be there,
     readable and of this run; else a one-line :class:`rolecall.train.checkpoint.CheckpointError`. ``model`` may be the
-    model's config alone (:func:`rolecall.runtime.models.load_config`), so the CLI checks before any weights load."""
+    model's config alone (:func:`rolecall.core.models.load_config`), so the CLI checks before any weights load."""
     path = ckpt.latest_checkpoint(config.resolved_output()) if str(resume) == "latest" else Path(resume)
     state = ckpt.load_checkpoint(path)
     ckpt.check_run(state, path, run_id(config, data, model), _difference(state, config, model, data))

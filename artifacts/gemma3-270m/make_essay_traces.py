@@ -6,8 +6,8 @@
 import json
 import sys
 
+from rolecall.core.models import load_tokenizer
 from rolecall.data.corpora import load_corpus
-from rolecall.runtime.models import load_tokenizer
 
 count, length, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 tok = load_tokenizer("gemma3-270m")

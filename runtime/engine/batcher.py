@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import torch
+
 from rolecall.runtime.engine.decoder import StaticDecoder
 from rolecall.runtime.engine.sampling import RowSampler, Sampler
 

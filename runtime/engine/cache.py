@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from rolecall.runtime.engine.shape import ModelShape
 
 

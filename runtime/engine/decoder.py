@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import torch
+
 from rolecall.runtime.engine import layers as L
 from rolecall.runtime.engine.cache import (
     KeySpan,
@@ -151,7 +152,7 @@ class StaticDecoder:
         self._last_block: dict[int, torch.Tensor] = {}  # the new token's block per block size (last_block)
         self._aside: dict[Any, Any] = {}  # per (device, role), a stream beside the step's (_side_stream)
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
-        # A hybrid model's sliding layers keep their own attention (as in rolecall.runtime.models.sliding_layers), over
+        # A hybrid model's sliding layers keep their own attention (as in rolecall.core.models.sliding_layers), over
         # their rings; a window on every layer (Mistral) is part of every layer's mask and the policy still runs.
         # per ring size n: its last readable slot (a device scalar) and the blocks that cover it
         self._ring_reads = {n: (torch.tensor(n - 1, device=device),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from rolecall.runtime.engine.compiling import compiles_on, rows_for
 from rolecall.runtime.engine.decoder import StaticDecoder, pad_left
 from rolecall.runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
@@ -403,7 +404,7 @@ def lockstep(weights: Weights, policy: Any, prompts: list[list[int]],
     """Full attention decodes every prompt greedily; ``policy`` is fed the very same tokens (teacher forcing)
     in a second decoder over the same weights, so each step compares the two next-token distributions on one
     context: ``compare(full_logits, policy_logits)`` (``[B, V]`` each) gives the step's KL ``[B]`` and top-1
-    agreement ``[B]`` (``rolecall.runtime.eval.step_divergence``). A row ends at its first EOS (kept). ``policy``
+    agreement ``[B]`` (``rolecall.eval.step_divergence``). A row ends at its first EOS (kept). ``policy``
     never falls back to the full step here."""
     from rolecall.runtime.policies.full import Full
 

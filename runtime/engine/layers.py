@@ -10,6 +10,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
 from rolecall.runtime.engine.shape import ModelShape
 from rolecall.runtime.engine.weights import LayerWeights, Weights
 from rolecall.runtime.kernels.add_rms_norm import add_rms_norm

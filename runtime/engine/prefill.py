@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from rolecall.runtime.engine import layers as L
 from torch.nn.attention.bias import causal_lower_right
+
+from rolecall.runtime.engine import layers as L
 
 DEFAULT_CHUNK = 4096  # tokens per row of a chunk, at least
 GRAPH_WIDTHS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)  # the prompt widths graphs are made for

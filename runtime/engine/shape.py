@@ -57,7 +57,7 @@ class ModelShape:
     @property
     def sliding_layers(self) -> tuple[int, ...]:
         """The layers with a window in a hybrid model (Gemma 3); none where every layer or none has one (a window
-        on every layer, Mistral's, is part of every layer's mask): :func:`rolecall.runtime.models.sliding_layers` for a
+        on every layer, Mistral's, is part of every layer's mask): :func:`rolecall.core.models.sliding_layers` for a
         shape."""
         windowed = tuple(i for i, w in enumerate(self.windows) if w is not None)
         return windowed if len(windowed) < self.layers else ()

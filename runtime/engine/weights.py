@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
 from rolecall.runtime.engine.shape import ModelShape
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rolecall.runtime.registry import Registry
+
+from rolecall.core.registry import Registry
 
 
 class PolicyError(ValueError):

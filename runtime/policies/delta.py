@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from rolecall.core.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
+from rolecall.core.models import sliding_layers
 from rolecall.runtime.kernels.page_bounds import naive as bounds_naive
 from rolecall.runtime.kernels.page_bounds import page_minmax
 from rolecall.runtime.kernels.page_scores import attention_probs, head_max_probs, pool_pages
 from rolecall.runtime.kernels.topk_select import topk_with_recent
-from rolecall.runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
-from rolecall.runtime.models import sliding_layers
 from rolecall.runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 from rolecall.runtime.policies.quest import PageMeta
 

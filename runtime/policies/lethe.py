@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from rolecall.core.models import sliding_layers
 from rolecall.runtime.engine.cache import KeySpan
 from rolecall.runtime.kernels.page_scores import attention_probs
 from rolecall.runtime.kernels.topk_select import mask_to_indices
-from rolecall.runtime.models import sliding_layers
 from rolecall.runtime.policies import Plan, PolicyError, Step, positive
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 
 class EvictingLayer(DynamicLayer):

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from rolecall.core.manifest import HEAD_ROLE_RETRIEVAL
+from rolecall.core.models import sliding_layers
 from rolecall.runtime.kernels.page_scores import attention_probs, pool_pages
 from rolecall.runtime.kernels.topk_select import mask_to_indices
-from rolecall.runtime.manifest import HEAD_ROLE_RETRIEVAL
-from rolecall.runtime.models import sliding_layers
 from rolecall.runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
 
 DEFAULT_BUDGET = 1024

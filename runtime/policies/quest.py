@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
 from rolecall.runtime.kernels.page_bounds import naive as bounds_naive
 from rolecall.runtime.kernels.page_bounds import page_bounds, page_minmax
 from rolecall.runtime.kernels.page_scores import pool_pages

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from rolecall.core.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from rolecall.runtime.engine.sampling import M32, mix32
-from rolecall.runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from rolecall.runtime.policies import Plan, PolicyError, Step, positive
 
 PILOT, SAMPLE = 0, 1  # the two draws of a step: the pilot and the sample

@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
 from rolecall.runtime.engine.scheduler import Event, RequestError, SchedulerClosed
 from rolecall.runtime.engine.scheduler import Request as EngineRequest
 from rolecall.runtime.server import metrics
@@ -37,7 +39,6 @@ from rolecall.runtime.server.protocol import (
     usage,
     usage_chunk,
 )
-from starlette.exceptions import HTTPException
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting whole-answer request looks whether its client is still there
 ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"

@@ -96,10 +96,9 @@ def test_the_gemma_shape_is_what_the_engine_reads_of_its_config_and_its_roles_sk
     """decode.py's and memory.py's Gemma 3 4B shape is the shape the engine reads from the config memory.py builds
     for it (a hybrid model: 29 of 34 layers slide), and DELTA's roles for it give sliding layers role 0, the first
     full-attention layer full, then Δ and sparse in turn."""
-    from rolecall.runtime.engine import ModelShape
-    from rolecall.runtime.models import sliding_layers
-
     from benchmarks import decode, memory
+    from rolecall.core.models import sliding_layers
+    from rolecall.runtime.engine import ModelShape
 
     shape = decode.GEMMA3_4B
     assert ModelShape.from_config(memory.config_of(shape)) == shape

@@ -4,9 +4,9 @@ On a GPU with ``flashinfer-python`` importable; elsewhere skipped."""
 
 import pytest
 import torch
-from rolecall.runtime.kernels.sparse_attention import naive
 
 from benchmarks import peers
+from rolecall.runtime.kernels.sparse_attention import naive
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not peers.flashinfer_available(), reason="needs flashinfer-python")]
 

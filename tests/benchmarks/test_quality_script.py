@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 
+from rolecall.core.manifest import ModelIdentity, RoleManifest
 from tests.benchmarks import load_benchmark, refusal
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -90,18 +90,18 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     assert table_rows[0].split(" | ")[:2] == ["| full", "–"] and "| 1.000 | 1.000 |" in table_rows[0]
     assert "quest: K = ceil(budget / 16) pages" in table
     assert (out / "quality.png").stat().st_size > 1000
-    assert "benchmarks/quality.py --model" in (out / "COMMAND.txt").read_text()
+    assert "python -m benchmarks.quality --model" in (out / "COMMAND.txt").read_text()
 
     # A rerun resumes every cell; a removed cell is the only one run again. --summarize first leaves it out
     # without loading any model.
     (out / "cells" / "quest-b32.json").unlink()
-    import rolecall.runtime.models
+    import rolecall.core.models
 
     def no_load(*args, **kwargs):
         raise AssertionError("--summarize loaded a model")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rolecall.runtime.models, "load_model", no_load)
+        mp.setattr(rolecall.core.models, "load_model", no_load)
         assert quality.main([*argv, "--summarize"]) == 0
     assert "1 cells not done, left out" in capsys.readouterr().out
     partial = json.loads((out / "summary.json").read_text())["rows"]
@@ -126,16 +126,16 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     shutil.copy(out / "cells.jsonl.xz", record)
     moved = [a if a != str(out) else str(record) for a in argv]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rolecall.runtime.models, "load_model", no_load)
+        mp.setattr(rolecall.core.models, "load_model", no_load)
         assert quality.main([*moved, "--summarize"]) == 0
     assert "0 cells not done, left out, 11 resumed" in capsys.readouterr().out
     assert (record / "TABLE.md").read_text() == (out / "TABLE.md").read_text()
     assert not list(record.glob("cells/*.json"))  # only summarised: nothing unpacked
     with pytest.MonkeyPatch.context() as mp:  # the same command twice in a row (re-summarised): recorded once
-        mp.setattr(rolecall.runtime.models, "load_model", no_load)
+        mp.setattr(rolecall.core.models, "load_model", no_load)
         assert quality.main([*argv, "--summarize"]) == 0 and quality.main([*argv, "--summarize"]) == 0
     assert (out / "COMMAND.txt").read_text().splitlines()[-2:] == [
-        f"python benchmarks/quality.py {shlex.join(argv)}", f"python benchmarks/quality.py {shlex.join([*argv, '--summarize'])}"]
+        f"python -m benchmarks.quality {shlex.join(argv)}", f"python -m benchmarks.quality {shlex.join([*argv, '--summarize'])}"]
 
     # Other prompts into the same folder are refused rather than mixed with the old cells.
     assert "made with other settings" in refusal(capsys, quality, [a if a != "0.8" else "0.5" for a in argv])
@@ -173,12 +173,12 @@ def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path, ca
 def test_a_manifest_its_cell_cannot_use_stops_the_grid_before_the_model_loads(folder, tmp_path, monkeypatch, capsys):
     """Every cell is checked against the model's config and its policy first: a heads manifest given as DELTA's,
     or a manifest of another model, stops the grid in one line before anything is written or loaded."""
-    import rolecall.runtime.models
+    import rolecall.core.models
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded for a grid that should have been refused")
 
-    monkeypatch.setattr(rolecall.runtime.models, "load_model", refuse)
+    monkeypatch.setattr(rolecall.core.models, "load_model", refuse)
     quality = load_script()
     base = ["--model", str(folder / "model"), "--out", str(tmp_path / "o"), "--budgets", "32"]
     assert refusal(capsys, quality, [*base, "--policies", "delta", "--delta", str(folder / "heads.safetensors")]).startswith(
@@ -210,13 +210,13 @@ def test_prompt_flags_are_refused_before_anything_loads_or_is_written(folder, tm
                                                                          says):
     """Lengths, depths, budgets and the prompts' sources (a corpus, LongBench's copy, reasoning prompts): one line,
     exit status 2, before the tokenizer or the weights load and before --out is made."""
-    import rolecall.runtime.models
+    import rolecall.core.models
 
     def refuse(*a, **k):
         raise AssertionError("loaded before the flags were checked")
 
-    monkeypatch.setattr(rolecall.runtime.models, "load_model", refuse)
-    monkeypatch.setattr(rolecall.runtime.models, "load_tokenizer", refuse)
+    monkeypatch.setattr(rolecall.core.models, "load_model", refuse)
+    monkeypatch.setattr(rolecall.core.models, "load_tokenizer", refuse)
     quality = load_script()
     argv = ["--model", str(folder / "model"), "--device", "cpu", "--policies", "full", "quest", "--budgets", "32",
             "--max-new-tokens", "4", *[f.format(tmp=tmp_path) for f in flags], "--out", str(tmp_path / "o")]
@@ -296,7 +296,7 @@ def test_ruler_suite_grid_reports_intervals_per_task(folder, tmp_path, capsys, c
     # each prompt's score is kept, so the table pairs quest with full over the very same prompts
     full, quest = summary["rows"]
     assert len(full["scores"]) == len(quest["scores"]) == 4
-    from rolecall.runtime.eval import paired_difference
+    from rolecall.eval import paired_difference
 
     d = paired_difference(quest["scores"], full["scores"])
     assert "Paired differences over the same prompts" in table
@@ -344,10 +344,10 @@ def test_reasoning_grid_reports_kl_with_bootstrap_intervals(folder, tmp_path, ca
 def test_cells_run_together_prefill_each_batch_once(folder, tmp_path, cache_dir, monkeypatch):
     """What the grid does on a GPU (here the engine on the CPU): the cells still to run decode each batch from
     one prefill, every cell keeps its own checkpoint, and each row gets its own time."""
-    from rolecall.runtime.cli.common import eval_settings
+    from rolecall.cli.common import eval_settings
+    from rolecall.core.models import load_model, load_tokenizer
+    from rolecall.eval import suite_prompts
     from rolecall.runtime.engine import StaticDecoder
-    from rolecall.runtime.eval import suite_prompts
-    from rolecall.runtime.models import load_model, load_tokenizer
 
     quality = load_script()
     out = tmp_path / "out"

@@ -5,6 +5,7 @@ end against the real ``rolecall serve`` on a tiny random-weights model on the CP
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -87,8 +88,9 @@ def test_bad_flags_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch
 
 def test_an_output_under_a_file_is_refused_in_one_line_when_run_as_a_script(tmp_path):
     (tmp_path / "afile").write_text("")
-    done = subprocess.run([sys.executable, str(SCRIPTS / "serve.py"), *BASE, "--out", "afile/sub.json"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent)}  # the scripts run as python -m benchmarks.<name>
+    done = subprocess.run([sys.executable, "-m", "benchmarks.serve", *BASE, "--out", "afile/sub.json"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     err = done.stderr.strip()
     assert done.returncode == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("serve.py: error: --out afile/sub.json: ") and "afile is a file, not a folder" in err
@@ -274,9 +276,9 @@ def test_the_byte_bound_is_the_weights_and_what_each_policy_reads_at_7b(serve, t
     tokens in the others; lychee 32 retrieval heads of 112 and 2,048 tokens in the others."""
     args = serve.parse_args(["--concurrency", "64", "--duration", "300", "--device", "cpu"])
     target = serve.prepare(args, tmp_path)
+    from rolecall.core.manifest import RoleManifest
+    from rolecall.core.models import load_config
     from rolecall.runtime.engine import SHAPES
-    from rolecall.runtime.manifest import RoleManifest
-    from rolecall.runtime.models import load_config
 
     config = load_config(target.model)
     shape = SHAPES["7b"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from rolecall.calibrate import cli
-from rolecall.runtime.manifest import RoleManifest
 
+from rolecall.calibrate import cli
+from rolecall.core.manifest import RoleManifest
 from tests import refused_line
 from tests.tiny import tiny_folder, tiny_tokenizer
 
@@ -60,9 +60,9 @@ def test_an_infinite_temperature_in_the_yaml_isrefused_line(model_dir, tmp_path,
     ("arithmetic:0", "--prompts: arithmetic:0: ask for at least one problem"),
 ])
 def test_a_bad_prompt_source_is_refused_before_the_model_loads(model_dir, capsys, no_frozen_model, monkeypatch, source, says):
-    import rolecall.runtime.models
+    import rolecall.core.models
 
-    monkeypatch.setattr(rolecall.runtime.models, "load_config", lambda *a, **k: pytest.fail("config read"))
+    monkeypatch.setattr(rolecall.core.models, "load_config", lambda *a, **k: pytest.fail("config read"))
     assert cli.main(["--model", str(model_dir), *FLAGS, "--prompts", source]) == 2
     assert refused_line(capsys) == f"calibrate-delta: error: {says}"
 

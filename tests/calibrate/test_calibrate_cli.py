@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
+
+from rolecall import calibrate
 from rolecall.calibrate import cli
 from rolecall.calibrate.config import ConfigError, read_yaml, resolve
 from rolecall.calibrate.traces import read_traces
-from rolecall.runtime.manifest import RoleManifest
-
-from rolecall import calibrate
+from rolecall.core.manifest import RoleManifest
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 
 FLAGS = ["--prompts", "arithmetic:3", "--max-new-tokens", "48", "--stride", "6", "--min-context", "40",
@@ -139,9 +139,9 @@ def _refused(capsys) -> str:
 
 @pytest.fixture
 def no_model(monkeypatch):
-    import rolecall.runtime.distributed
+    import rolecall.core.distributed
 
-    monkeypatch.setattr(rolecall.runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(rolecall.core.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
 
 
 def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, capsys, no_model):
@@ -173,7 +173,7 @@ def test_layer_counts_are_checked_against_the_models_config_before_it_loads(mode
 
 def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model,
                                                                      monkeypatch):
-    from rolecall.runtime.distributed import LAUNCHER_ENVIRONMENT
+    from rolecall.core.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)

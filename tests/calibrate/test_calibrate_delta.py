@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from rolecall.calibrate.delta import (
     choose_delta_layers,
     get_selector,

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from rolecall.calibrate.api import record
 from rolecall.calibrate.config import resolve
-
 from tests.tiny import tiny_model
 
 CONFIG = {"stride": 5, "min_context": 12, "page_size": 4, "num_pages": 2, "recent_pages": 1, "bins": 3,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+
 from rolecall.calibrate import cli
-from rolecall.runtime.manifest import RoleManifest
+from rolecall.core.manifest import RoleManifest
 
 
 @pytest.mark.slow
 def test_embedded_model_calibrates_with_its_shipped_config(tmp_path, cache_dir):
-    from rolecall.runtime.models import load_model
+    from rolecall.core.models import load_model
 
     out = tmp_path / "smollm2.delta.safetensors"
     argv = ["--prompts", "arithmetic:2", "--max-new-tokens", "48", "--min-context", "64", "--num-pages", "2",

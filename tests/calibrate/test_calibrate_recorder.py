@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rolecall.calibrate.recorder import AttentionRecorder, record_traces
 
+from rolecall.calibrate.recorder import AttentionRecorder, record_traces
 from tests.tiny import tiny_model
 
 PAGE, TOP, RECENT, STRIDE, MIN_CTX, BINS = 4, 5, 2, 7, 20, 3  # TOP = K pages in all, RECENT of them

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+
 from rolecall.calibrate.recorder import AttentionRecorder, record_traces
 from rolecall.calibrate.stats import cosine_shift, hoyer_sparsity, page_sums, pair_recall, selected_pages
 from rolecall.calibrate.totals import CalibrationTotals
-
 from tests.tiny import tiny_model
 
 

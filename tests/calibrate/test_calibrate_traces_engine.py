@@ -1,11 +1,11 @@
 """Calibration traces generated on rolecall's engine are the traces transformers generates, and share its cache."""
 
 import pytest
-import rolecall.calibrate.traces as traces_mod
 import torch
+
+import rolecall.calibrate.traces as traces_mod
 from rolecall.calibrate.traces import engine_refusal, generate_traces, trace_cache_path
 from rolecall.data.reasoning import format_prompt
-
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = ["x", "a longer prompt, of several words", "mid size one", "7 + 5 = ?"]  # ragged lengths

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import torch
 import zstandard
+
 from rolecall.data.corpora import BookSum, CorpusError, CorpusNotFoundError, PGEssays, TextFiles, load_corpus
 from rolecall.data.haystack import load_haystack
-
 from tests.tiny import tiny_tokenizer
 
 CHAPTERS = [f"Chapter {i}. " + " ".join(f"line {i}-{j} of the story." for j in range(40)) for i in range(4)]

@@ -4,6 +4,7 @@ import json
 
 import pandas as pd
 import pytest
+
 from rolecall.data.corpora import CorpusError, CorpusNotFoundError
 from rolecall.data.hotpotqa import (
     answered,
@@ -13,7 +14,6 @@ from rolecall.data.hotpotqa import (
     load_hotpotqa,
     normalize_answer,
 )
-
 from tests.tiny import tiny_model, tiny_tokenizer
 
 

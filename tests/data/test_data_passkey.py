@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
+
 from rolecall.data.corpora import CorpusError
 from rolecall.data.passkey import (
     NATO,
@@ -21,7 +22,6 @@ from rolecall.data.passkey import (
     spread_lengths,
 )
 from rolecall.data.tokens import cache_root
-
 from tests.tiny import tiny_tokenizer
 
 WORDS = ("river", "stone", "lantern", "orchard", "meadow", "harbour", "quiet", "morning", "copper", "window")
@@ -167,7 +167,7 @@ def test_passkey_correct_ignores_case_and_punctuation_but_not_words():
 
 @pytest.mark.slow
 def test_embedded_tokenizer_4k_sample_holds_ten_needles_in_order():
-    from rolecall.runtime.models import load_tokenizer
+    from rolecall.core.models import load_tokenizer
 
     tok = load_tokenizer()
     ds = build_passkey_dataset(tok, lengths=(4000, 4000), num_samples=1, cache=False)

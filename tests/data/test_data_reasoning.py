@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+
 from rolecall.data.corpora import CorpusError, CorpusNotFoundError
 from rolecall.data.reasoning import (
     INSTRUCTION,
@@ -13,7 +14,6 @@ from rolecall.data.reasoning import (
     load_problems,
     load_prompts,
 )
-
 from tests.tiny import tiny_tokenizer
 
 

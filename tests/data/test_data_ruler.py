@@ -11,8 +11,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from rolecall.data.ruler import DEPTHS, TASKS, build_ruler_dataset, prompt_ids, score
 
+from rolecall.data.ruler import DEPTHS, TASKS, build_ruler_dataset, prompt_ids, score
 from tests.tiny import tiny_tokenizer
 
 

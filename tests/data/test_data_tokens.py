@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from rolecall.data import tokens as tk
-from rolecall.data.tokens import IGNORE, Piece, encode
 from tokenizers.processors import TemplateProcessing
 
+from rolecall.data import tokens as tk
+from rolecall.data.tokens import IGNORE, Piece, encode
 from tests.tiny import tiny_tokenizer
 
 

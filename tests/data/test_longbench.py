@@ -5,8 +5,8 @@ import json
 import zipfile
 
 import pytest
-from rolecall.data import longbench as lb
 
+from rolecall.data import longbench as lb
 from tests.tiny import tiny_tokenizer
 
 

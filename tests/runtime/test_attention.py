@@ -1,7 +1,7 @@
 import pytest
 import torch
-from rolecall.runtime.attention import keep_mask, passthrough, repeat_kv, use_attention
 
+from rolecall.runtime.attention import keep_mask, passthrough, repeat_kv, use_attention
 from tests.tiny import FAMILIES, tiny_model
 
 CASES = [(family, kv) for family in FAMILIES for kv in (1, 4)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from rolecall.runtime.cli import main
-from rolecall.runtime.cli.decode import chat_hint, transformers_line
 
+from rolecall.cli import main
+from rolecall.cli.decode import chat_hint, transformers_line
 from tests.tiny import tiny_folder, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

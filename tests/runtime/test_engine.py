@@ -8,17 +8,17 @@ import math
 from types import SimpleNamespace
 
 import pytest
-import rolecall.runtime.engine as engine
 import torch
+from transformers import GPT2Config, LlamaConfig, TopKLogitsWarper, TopPLogitsWarper
+
+import rolecall.runtime.engine as engine
+from rolecall.core.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime import attach
 from rolecall.runtime.engine import Generation, Sampling, Weights, default_min_context, unsupported
 from rolecall.runtime.engine.generate import MIN_SLOTS
 from rolecall.runtime.engine.sampling import Sampler, filtered_logits
 from rolecall.runtime.engine.weights import placement_problem
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime.policies import PolicyError, get_policy
-from transformers import GPT2Config, LlamaConfig, TopKLogitsWarper, TopPLogitsWarper
-
 from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -736,7 +736,7 @@ ENGLISH = ["The capital of France is", "Once upon a time, a little fox",
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m"])
 def test_embedded_model_engine_equals_generate(name):
-    from rolecall.runtime.models import ModelNotFoundError, load_model, load_tokenizer
+    from rolecall.core.models import ModelNotFoundError, load_model, load_tokenizer
 
     try:
         model = load_model(name, dtype="float32")
@@ -760,8 +760,8 @@ def test_gemma3_engine_equals_generate_past_its_window():
     """Gemma-3-270M's sliding layers hold rings of 513 slots on the engine: a prompt of 700 tokens of an essay
     wraps them in the prefill, and 64 greedy tokens move them on; the tokens equal ``model.generate``'s (float32),
     as does a ragged batch of that prompt beside a short one."""
+    from rolecall.core.models import ModelNotFoundError, load_model, load_tokenizer
     from rolecall.data.corpora import CorpusNotFoundError, load_corpus
-    from rolecall.runtime.models import ModelNotFoundError, load_model, load_tokenizer
 
     try:
         model = load_model("gemma3-270m", dtype="float32")
@@ -822,9 +822,10 @@ def test_chunked_prefill_stays_causal_and_equals_one_forward(family, monkeypatch
     import types
 
     import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+
     from rolecall.runtime.engine import StaticDecoder
     from rolecall.runtime.engine import prefill as prefill_module
-    from torch.nn.attention.bias import CausalBias
 
     model = model_of(family)
     rows = prompts(lengths=(90, 90), seed=3)
@@ -873,6 +874,7 @@ def test_sliding_layers_prefill_in_blocks_that_read_only_their_window(ragged, mo
     import types
 
     import torch.nn.functional as F
+
     from rolecall.runtime.engine import StaticDecoder, pad_left
     from rolecall.runtime.engine import prefill as prefill_module
 

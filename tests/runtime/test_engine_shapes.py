@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from rolecall.runtime.engine.compiling import COMPILE_LIMIT, ROW_BUCKETS, FallsBackToEager, rows_for
 
+from rolecall.runtime.engine.compiling import COMPILE_LIMIT, ROW_BUCKETS, FallsBackToEager, rows_for
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,8 +83,8 @@ def test_a_session_survives_fifty_random_request_shapes_compiled(monkeypatch):
 def test_the_embedded_model_survives_fifty_random_request_shapes_on_gpu():
     """The embedded SmolLM2 in bf16 on the engine (compiled, CUDA graphs): 50 requests of 1–40 rows and random
     prompt lengths in one session, none fails."""
+    from rolecall.core.models import load_model
     from rolecall.runtime import attach
-    from rolecall.runtime.models import load_model
 
     name = os.environ.get("ROLECALL_TEST_MODEL", "smollm2-135m")
     model = load_model(name, dtype=torch.bfloat16).to("cuda")

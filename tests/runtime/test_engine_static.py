@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+
+from benchmarks import decode as bench
 from rolecall.runtime.engine import (
     NEVER,
     SHAPES,
@@ -16,8 +18,6 @@ from rolecall.runtime.engine import (
     default_min_context,
 )
 from rolecall.runtime.engine.generate import Decoders, generate
-
-from benchmarks import decode as bench
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,7 +125,7 @@ def test_default_min_context_follows_the_measured_crossovers():
 def test_lychee_with_reordered_heads_reads_a_random_cache_as_full():
     """A lychee decoder stores a layer's retrieval heads first: a random cache holds the same model state as a
     full decoder's with the same seed, for the reference kernels and (through the interpreter) the Triton ones."""
-    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
     from rolecall.runtime.policies import get_policy
 
     shape = ModelShape(layers=4, hidden=64, heads=8, kv_heads=2, head_dim=16, intermediate=128, vocab=100)
@@ -168,7 +168,7 @@ def test_triton_calls_in_the_interpreter():
     """The Triton kernels as the decoder calls them (head-prefix views, int8 masks, int32 block ids, windows)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
     from rolecall.runtime.policies import get_policy
 
     for family, layers in (("qwen2", 4), ("gemma3", 6)):
@@ -205,9 +205,9 @@ def test_refine_past_one_program_takes_the_reference_in_the_interpreter(monkeypa
     (as the top-k does over long rows) instead of failing mid-step, and still equals the naive decoder."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
     from rolecall.runtime.kernels.page_bounds import triton as pb_triton
     from rolecall.runtime.kernels.topk_select import triton as topk_triton
-    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
     from rolecall.runtime.policies import get_policy
 
     monkeypatch.setattr(topk_triton, "MAX_N", 2)  # fewer than the 3 candidates below (3 pages of 16 at 42 tokens)
@@ -471,8 +471,8 @@ def test_triton_decoder_matches_the_references_on_gpu(name, batch):
 def test_embedded_model_generates_as_transformers_on_gpu():
     """SmolLM2-135M on the engine (CUDA graphs, Triton): greedy 64 tokens equal model.generate in float32, and
     in bf16 the step logits stay within bf16 tolerance of transformers' on the same tokens."""
+    from rolecall.core.models import load_model, load_tokenizer
     from rolecall.runtime import attach
-    from rolecall.runtime.models import load_model, load_tokenizer
 
     name = os.environ.get("ROLECALL_TEST_MODEL", "smollm2-135m")  # a GGUF path where the package is absent
     tok = load_tokenizer(name)
@@ -574,8 +574,9 @@ def test_a_step_whose_compilation_fails_runs_eagerly_with_one_line(capsys):
     """``StaticDecoder.compiled``: when torch.compile itself fails on a call (inductor's codegen error seen on
     lethe's eviction at 16K slots), that call and every later one run the eager function, with one notice; an
     error of the function itself still reaches the caller."""
-    from rolecall.runtime.engine.compiling import FallsBackToEager as _FallsBackToEager
     from torch._inductor.exc import InductorError
+
+    from rolecall.runtime.engine.compiling import FallsBackToEager as _FallsBackToEager
 
     calls = []
 

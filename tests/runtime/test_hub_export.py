@@ -4,9 +4,9 @@ folder or by a Hub repo id in the local cache."""
 from pathlib import Path
 
 import pytest
-from rolecall.runtime.cli import main as rolecall_main
-from rolecall.runtime.manifest import ManifestError, RoleManifest
 
+from rolecall.cli import main as rolecall_main
+from rolecall.core.manifest import ManifestError, RoleManifest
 from tests.tiny import tiny_folder
 
 ART = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2-135m"

@@ -3,16 +3,16 @@ import json
 import numpy as np
 import pytest
 import torch
-from rolecall.runtime.manifest import ManifestError, ManifestMismatchError, ModelIdentity, RoleManifest
-from rolecall.runtime.manifest.interop import (
+from transformers import LlamaConfig
+
+from rolecall.core.manifest import ManifestError, ManifestMismatchError, ModelIdentity, RoleManifest
+from rolecall.core.manifest.interop import (
     duo_roles,
     export_manifest,
     import_manifest,
     merge_manifests,
     read_duo_gates,
 )
-from transformers import LlamaConfig
-
 from tests.tiny import tiny_config
 
 CONFIG = tiny_config("llama", layers=4, heads=4, kv_heads=2)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from rolecall.runtime.kernels.page_scores import page_scores
 from rolecall.runtime.kernels.sparse_attention import indices_to_mask, sparse_decode_attention
 from rolecall.runtime.kernels.topk_select import mask_to_indices, topk_with_recent

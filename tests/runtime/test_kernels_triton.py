@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rolecall.runtime.kernels.sparse_attention import naive
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -4,7 +4,10 @@ import struct
 
 import pytest
 import torch
-from rolecall.runtime.manifest import (
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rolecall.core.manifest import (
     SCHEMA_VERSION,
     ManifestError,
     ManifestMismatchError,
@@ -12,9 +15,6 @@ from rolecall.runtime.manifest import (
     RoleManifest,
     config_sha256,
 )
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from tests.tiny import tiny_config
 
 
@@ -84,7 +84,7 @@ def _schema_meta(config):
 
 def test_file_from_another_writer_loads_and_keeps_unknown_keys(tmp_path):
     """Without a content hash it loads only with strict=False, which says it was not verified."""
-    from rolecall.runtime.manifest import UnverifiedManifestError, UnverifiedManifestWarning
+    from rolecall.core.manifest import UnverifiedManifestError, UnverifiedManifestWarning
 
     config = tiny_config("qwen2", layers=3, heads=4, kv_heads=1)
     role = torch.tensor([[1], [0], [1]], dtype=torch.int8)

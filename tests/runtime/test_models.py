@@ -5,8 +5,9 @@ import sys
 import pytest
 import torch
 import yaml
-from rolecall.runtime.manifest import ModelIdentity
-from rolecall.runtime.models import (
+
+from rolecall.core.manifest import ModelIdentity
+from rolecall.core.models import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     ModelSpec,
@@ -18,7 +19,6 @@ from rolecall.runtime.models import (
     load_tokenizer,
     resolve_model,
 )
-
 from tests.tiny import tiny_model, tiny_tokenizer
 
 REQUIRED_ALIASES = {"qwen-1.5b", "qwen-7b", "qwen-14b", "qwen-32b", "llama-8b", "llama-70b", "llama3-8b-1048k",
@@ -79,7 +79,7 @@ def test_missing_asset_package_says_how_to_install():
 def test_embedded_model_loads_offline_and_speaks_english():
     # A fresh process proves the import path the README documents; the conversion is cached for later tests.
     code = (
-        "from rolecall.runtime.models import load_model; m = load_model('smollm2-135m'); "
+        "from rolecall.core.models import load_model; m = load_model('smollm2-135m'); "
         "print(m.config.num_hidden_layers, m.config.num_key_value_heads, m.dtype)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={
@@ -101,7 +101,6 @@ def test_a_raised_rope_base_reaches_the_model_and_the_engine(tmp_path):
     """--rope-theta: the loaded model's rotary frequencies are 1 / θ^(2i/D) for the new θ, its logits change, and
     the engine's cos/sin tables (taken from the model's own rotary module) follow."""
     from rolecall.runtime.engine import Weights
-
     from tests.tiny import tiny_folder
 
     folder = tiny_folder(tmp_path / "m", "llama")
@@ -120,8 +119,7 @@ def test_a_raised_rope_base_reaches_the_model_and_the_engine(tmp_path):
 
 
 def test_a_rope_base_is_refused_where_it_cannot_apply():
-    from rolecall.runtime.models import rope_base
-
+    from rolecall.core.models import rope_base
     from tests.tiny import tiny_config
 
     with pytest.raises(ValueError, match="RoPE per layer type"):
@@ -133,7 +131,7 @@ def test_a_rope_base_is_refused_where_it_cannot_apply():
 
 @pytest.mark.slow
 def test_a_gguf_file_by_path_converts_once_and_loads_as_its_alias_does(cache_dir, monkeypatch):
-    import rolecall.runtime.models as models
+    import rolecall.core.models as models
 
     conversions = []  # the tokenizer check runs once per conversion
     check = models._check_tokenizer
@@ -163,7 +161,7 @@ def test_a_gguf_file_by_path_converts_once_and_loads_as_its_alias_does(cache_dir
 def test_cache_keyword_follows_the_forward_signature():
     """``cache`` where a forward declares it (the newest transformers 5), ``past_key_values`` where it declares
     that or cannot be read."""
-    from rolecall.runtime.models import cache_keyword
+    from rolecall.core.models import cache_keyword
 
     class New(torch.nn.Module):
         def forward(self, input_ids, cache=None, use_cache=None):
@@ -189,10 +187,10 @@ def test_the_reference_path_hands_its_cache_over_without_a_deprecation_warning_a
     one the model fills, not refused as a second cache."""
     import warnings
 
-    from rolecall.runtime import attach
-    from rolecall.runtime.models import cache_keyword
     from transformers import DynamicCache
 
+    from rolecall.core.models import cache_keyword
+    from rolecall.runtime import attach
     from tests.tiny import tiny_model
 
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)

@@ -1,4 +1,4 @@
-"""How rolecall.runtime.models refuses bad ``--model`` values: one line naming the value, the limit and the fix.
+"""How rolecall.core.models refuses bad ``--model`` values: one line naming the value, the limit and the fix.
 
 No test touches the network: the Hub probe is replaced (or pointed at 127.0.0.1), and from_pretrained is
 replaced wherever a regression could make it reach for the Hub.
@@ -16,9 +16,9 @@ import time
 import huggingface_hub.constants
 import pytest
 import transformers
-from rolecall.runtime import models
-from rolecall.runtime.models import ModelNotFoundError, load_config, load_model, load_tokenizer
 
+from rolecall.core import models
+from rolecall.core.models import ModelNotFoundError, load_config, load_model, load_tokenizer
 from tests.tiny import tiny_model, tiny_tokenizer
 
 EMPTY_HINT = ("has no config.json; pass a folder saved with save_pretrained (config.json, weights, tokenizer "
@@ -126,7 +126,7 @@ def test_auto_map_in_tokenizer_config_is_refused(tmp_path, folder, monkeypatch):
 def test_auto_map_refusal_in_a_fresh_process_with_stdin_closed(tmp_path, folder):
     """Without the refusal, transformers asks "[y/N]" (and would run configuration_custom.py on "y")."""
     custom = custom_copy(folder, tmp_path / "custom")
-    code = ("import sys\nfrom rolecall.runtime.models import load_config\ntry:\n    load_config(sys.argv[1])\n"
+    code = ("import sys\nfrom rolecall.core.models import load_config\ntry:\n    load_config(sys.argv[1])\n"
             "except OSError as e:\n    print(e)\n    sys.exit(2)\n")
     out = subprocess.run([sys.executable, "-c", code, str(custom)], stdin=subprocess.DEVNULL,
                          capture_output=True, text=True, timeout=300)
@@ -291,7 +291,7 @@ def test_probe_sees_any_http_answer_as_reachable():
 
 @pytest.mark.parametrize("command", ["decode", "eval"])
 def test_commands_refuse_custom_code_unless_asked(tmp_path, folder, monkeypatch, capsys, command):
-    from rolecall.runtime.cli import main
+    from rolecall.cli import main
 
     custom = custom_copy(folder, tmp_path / "custom")
     monkeypatch.setattr("builtins.input", no_prompt)

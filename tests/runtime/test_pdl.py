@@ -3,10 +3,10 @@ as one that does not (a kernel reading its predecessor's output before that one 
 
 import pytest
 import torch
-from rolecall.runtime.engine import ModelShape, StaticDecoder, Weights
-from rolecall.runtime.kernels import pdl
 
 from benchmarks import decode as bench
+from rolecall.runtime.engine import ModelShape, StaticDecoder, Weights
+from rolecall.runtime.kernels import pdl
 
 
 def test_on_only_where_supported_and_not_switched_off(monkeypatch):

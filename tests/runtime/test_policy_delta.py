@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
+
+from rolecall.core.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime.kernels.sparse_attention import sparse_decode_attention
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime.policies import PolicyError, Step, get_policy
 from rolecall.runtime.policies.delta import select_pages
 

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from rolecall.runtime import attach
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
-from rolecall.runtime.models import cache_keyword
-from rolecall.runtime.policies import get_policy
-from rolecall.runtime.policies.lethe import LetheCache
 from transformers import DynamicCache
 
+from rolecall.core.manifest import ModelIdentity, RoleManifest
+from rolecall.core.models import cache_keyword
+from rolecall.runtime import attach
+from rolecall.runtime.policies import get_policy
+from rolecall.runtime.policies.lethe import LetheCache
 from tests.tiny import tiny_model
 
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=259)

@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
+
+from rolecall.core.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime.kernels.sparse_attention import indices_to_mask
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime.policies import Step, get_policy
 
 B, HQ, HKV, T, D = 2, 4, 2, 50, 8

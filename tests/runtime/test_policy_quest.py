@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+
 from rolecall.runtime import attach
 from rolecall.runtime.policies import PolicyError, Step, get_policy
 from rolecall.runtime.policies.quest import page_bounds, page_minmax
-
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from rolecall.runtime.kernels.sparse_attention import sparse_decode_attention
 from rolecall.runtime.policies import Step, get_policy
 
@@ -66,8 +67,8 @@ def test_short_context_is_read_whole_and_exact():
 
 @pytest.mark.slow
 def test_error_bound_holds_on_the_embedded_model():
+    from rolecall.core.models import load_model
     from rolecall.runtime import attach
-    from rolecall.runtime.models import load_model
 
     model = load_model("smollm2-135m", dtype="float32")
     torch.manual_seed(0)
@@ -83,7 +84,7 @@ def test_error_bound_holds_on_the_embedded_model():
 
 
 def test_heavy_hitters_follow_the_nearest_delta_layer():
-    from rolecall.runtime.manifest import ModelIdentity, RoleManifest
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
 
     torch.manual_seed(4)
     b, hkv, g, t, d = 1, 2, 2, 600, 16

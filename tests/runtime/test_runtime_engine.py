@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from rolecall.runtime import attach
-from rolecall.runtime.manifest import ManifestMismatchError, ModelIdentity, RoleManifest
-from rolecall.runtime.policies import PolicyError, UnknownPolicyError
 
+from rolecall.core.manifest import ManifestMismatchError, ModelIdentity, RoleManifest
+from rolecall.runtime import attach
+from rolecall.runtime.policies import PolicyError, UnknownPolicyError
 from tests.tiny import tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]

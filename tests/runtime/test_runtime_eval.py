@@ -4,8 +4,10 @@ import json
 
 import pytest
 import torch
-from rolecall.runtime.cli import main
-from rolecall.runtime.eval import (
+
+from rolecall.cli import main
+from rolecall.core.manifest import ModelIdentity, RoleManifest
+from rolecall.eval import (
     EvalSettings,
     answer_correct,
     evaluate,
@@ -13,8 +15,6 @@ from rolecall.runtime.eval import (
     step_divergence,
     suite_prompts,
 )
-from rolecall.runtime.manifest import ModelIdentity, RoleManifest
-
 from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,7 +74,7 @@ def test_full_policy_has_no_error_and_sparse_delta_has_some(tiny_folder):
 def test_time_split_sums_the_timed_batches_and_leaves_out_the_others():
     """Closed form over hand-made checkpoint entries: the parts are summed over the batches that carry them
     (an entry kept before timings were recorded has none), ``other`` is what the parts leave of the total."""
-    from rolecall.runtime.eval import time_split
+    from rolecall.eval import time_split
 
     def entry(prefill, decode, total):
         seconds = {"setup": 0.5, "prefill": prefill, "capture": 0.25, "decode": decode, "reference": 0.25,
@@ -136,7 +136,7 @@ def test_bad_policy_on_the_command_line_is_one_line(tiny_folder, capsys):
 
 @pytest.mark.slow
 def test_eval_on_the_embedded_model(tmp_path, capsys):
-    from rolecall.runtime.models import load_model
+    from rolecall.core.models import load_model
 
     model = load_model("smollm2-135m")
     roles = [0, 0, 1] + [2] * 7 + [1] + [2] * 19
@@ -155,8 +155,7 @@ def test_eval_on_the_embedded_model(tmp_path, capsys):
 
 
 def test_passkey_prompts_follow_the_alphabet():
-    from rolecall.runtime.eval import EvalSettings, passkey_prompts
-
+    from rolecall.eval import EvalSettings, passkey_prompts
     from tests.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -169,7 +168,7 @@ def test_passkey_prompts_follow_the_alphabet():
 
 
 def test_wilson_interval_closed_form():
-    from rolecall.runtime.eval import wilson_interval
+    from rolecall.eval import wilson_interval
 
     low, high = wilson_interval(99, 100)  # the values the quality reports quote for 99 of 100
     assert (round(low, 3), round(high, 3)) == (0.946, 0.998)
@@ -273,7 +272,7 @@ def test_reasoning_suite_refuses_a_policy_without_an_engine_step(tiny_folder, ca
 
 
 def test_bootstrap_interval_matches_the_normal_approximation():
-    from rolecall.runtime.eval import bootstrap_interval
+    from rolecall.eval import bootstrap_interval
 
     values = torch.randn(400, generator=torch.Generator().manual_seed(1)).tolist()
     low, high = bootstrap_interval(values, [1.0] * 400, reps=4000)
@@ -354,7 +353,7 @@ def test_a_batch_that_cannot_run_is_refused_before_the_prompts_are_built(tiny_fo
     """A batch size on the CPU or with --measure is refused in one line naming the flag, the reason and the fix,
     before any prompt is built or model loaded (the quality script: tests/benchmarks); with ``-p engine=static``
     the CPU runs the engine, and batches."""
-    import rolecall.runtime.eval as ev
+    import rolecall.eval as ev
 
     prompts = str(tiny_folder / "prompts.jsonl")
     out = tiny_folder / "batched.json"
@@ -378,7 +377,7 @@ def test_a_batch_that_cannot_run_is_refused_before_the_prompts_are_built(tiny_fo
 
 
 def test_paired_difference_closed_form():
-    from rolecall.runtime.eval import paired_difference
+    from rolecall.eval import paired_difference
 
     d = paired_difference([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])  # differences 1, 0, 0, 1
     half = 1.959964 * (1 / 3) ** 0.5 / 2  # sample sd √(1/3), n = 4
@@ -406,7 +405,7 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     """The engine path keeps each finished batch; a run killed in its second batch, its file's last line
     torn, resumes at that batch and gives exactly the uninterrupted result, naming the device of each part
     (the first batch's moved to another). Another run's file is refused."""
-    import rolecall.runtime.eval as ev
+    import rolecall.eval as ev
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)  # 4 batches
@@ -446,8 +445,8 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
 def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monkeypatch):
     """evaluate_many on the engine: every batch is prefilled once for all policies (the others load it), and
     each policy's result equals its own evaluation; a measuring job still runs alone."""
+    from rolecall.eval import Job, evaluate_many
     from rolecall.runtime.engine import StaticDecoder
-    from rolecall.runtime.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     jobs = [Job("full", None, {"engine": "static"}), Job("delta", manifest, params),
@@ -477,7 +476,7 @@ def test_policies_evaluated_together_share_each_batch_prefill(tiny_folder, monke
 
 
 def test_row_steps_equal_a_slice_of_the_stacked_batch():
-    from rolecall.runtime.eval import row_steps
+    from rolecall.eval import row_steps
 
     steps = [torch.randn(3, 11, generator=torch.Generator().manual_seed(i)) for i in range(5)]
     stacked = torch.stack(steps, 1)  # [B, N, V]
@@ -496,7 +495,7 @@ def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, mon
     import weakref
 
     import rolecall.runtime.engine as engine
-    from rolecall.runtime.eval import Job, evaluate_many
+    from rolecall.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     made, alive = [], []
@@ -524,8 +523,8 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
     """``output_logits=True`` on the engine: one ``[B, V]`` per step as transformers gives them, but views of the
     generation's one buffer (in the model's dtype), not a second copy of it; the evaluation's per-row steps are
     views of it too (no stack of a row's 128 steps at a 262K vocabulary)."""
+    from rolecall.eval import policy_steps, row_steps
     from rolecall.runtime import attach
-    from rolecall.runtime.eval import policy_steps, row_steps
 
     model = tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=16)
     ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -546,7 +545,7 @@ def test_step_logits_the_session_returns_are_views_of_the_engines_buffer():
 
 
 def test_resume_plan_keeps_the_finished_batches_and_batches_the_rest_afresh():
-    from rolecall.runtime.eval import resume_plan
+    from rolecall.eval import resume_plan
 
     fresh = [[0, 1, 2], [3, 4, 5], [6, 7]]  # batches of 3 of one length each
     assert resume_plan(fresh, [[0, 1], [2, 3]]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -560,8 +559,8 @@ def test_a_run_stopped_midway_resumes_with_another_batch_size(tiny_folder, tmp_p
     """Out of memory at batch 2, rerun at batch 3: the finished batch is kept, only the other prompts decode
     (in batches of 3 of one length), and every prompt's generation and score are those of the whole run; a
     further rerun finds everything done. Decoding together, the batches all policies finished are kept."""
-    import rolecall.runtime.eval as ev
-    from rolecall.runtime.eval import Job, evaluate_many
+    import rolecall.eval as ev
+    from rolecall.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)

@@ -8,10 +8,10 @@ import threading
 
 import pytest
 import torch
+
 from rolecall.runtime.engine import Sampling, Weights, generate
 from rolecall.runtime.engine.scheduler import Request, RequestError, Scheduler, SchedulerClosed
 from rolecall.runtime.session import bound_policy
-
 from tests.runtime.test_engine import PARAMS, manifest_of, model_of
 from tests.tiny import tiny_tokenizer
 
@@ -222,8 +222,8 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
     import os
     from pathlib import Path
 
-    from rolecall.runtime.manifest import RoleManifest
-    from rolecall.runtime.models import load_model
+    from rolecall.core.manifest import RoleManifest
+    from rolecall.core.models import load_model
 
     name = os.environ.get("ROLECALL_TEST_MODEL", "smollm2-135m")
     model = load_model(name, dtype=torch.float32).to("cuda")

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from rolecall.runtime.engine.sampling import Sampling
 from rolecall.runtime.server.metrics import exposition
 from rolecall.runtime.server.protocol import (
@@ -217,6 +218,7 @@ class ScriptedScheduler:
 def scripted():
     """The app on a :class:`ScriptedScheduler` without a tokenizer, served by uvicorn in a thread."""
     import uvicorn
+
     from rolecall.runtime.server import bind, create_app
 
     scheduler = ScriptedScheduler()
@@ -327,7 +329,7 @@ def test_draining_answers_503(scripted):
 def start(folder, *extra: str, model=None) -> tuple[subprocess.Popen, int, str]:
     """``rolecall serve`` on ``model`` (default ``folder``, where its stderr goes) on a free port; returns the
     process, its port and its ready line."""
-    code = "import sys\nfrom rolecall.runtime.cli import main\nsys.exit(main())"
+    code = "import sys\nfrom rolecall.cli import main\nsys.exit(main())"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model decodes fastest on one thread
     argv = [sys.executable, "-c", code, "serve", "--model", str(model or folder), "--policy", "full", "--device", "cpu",
             "--port", "0", "--slots", str(SLOTS), "--max-context", str(CONTEXT), "--served-model-name", "tiny", *extra]
@@ -355,10 +357,9 @@ def stop(proc: subprocess.Popen) -> int:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
     """The tiny model's folder, and the engine's own greedy answer for prompt ids."""
+    from rolecall.core.models import load_model, load_tokenizer
     from rolecall.runtime.engine import Weights, generate
-    from rolecall.runtime.models import load_model, load_tokenizer
     from rolecall.runtime.session import bound_policy
-
     from tests.tiny import tiny_folder
 
     folder = tiny_folder(tmp_path_factory.mktemp("tiny"))
@@ -552,8 +553,9 @@ def test_random_weights_from_a_bare_config_serve_token_ids(tiny, tmp_path):
     import shutil
 
     import torch
+
+    from rolecall.core.models import load_config
     from rolecall.runtime.engine import ModelShape, Weights, generate
-    from rolecall.runtime.models import load_config
     from rolecall.runtime.session import bound_policy
 
     shutil.copy(tiny[0] / "config.json", tmp_path / "config.json")
@@ -590,19 +592,19 @@ def test_random_weights_from_a_bare_config_serve_token_ids(tiny, tmp_path):
     (["--policy", "quest"], "--policy quest: its engine step keeps state that assumes one length for all rows"),
 ])
 def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monkeypatch, capsys):
-    from rolecall.runtime.cli import main
+    from rolecall.cli import main
 
     def load(*_, **__):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr("rolecall.runtime.models.load_model", load)
+    monkeypatch.setattr("rolecall.core.models.load_model", load)
     assert main(["serve", "--model", str(tiny[0]), "--device", "cpu", "--policy", "full", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rolecall serve: error: ") and says in err and err.count("\n") == 1, err
 
 
 def test_a_port_in_use_and_a_missing_server_library_are_one_line(tiny, monkeypatch, capsys):
-    from rolecall.runtime.cli import main
+    from rolecall.cli import main
     from rolecall.runtime.server import bind
 
     taken = bind("127.0.0.1", 0)

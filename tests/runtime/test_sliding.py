@@ -8,16 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from rolecall import calibrate, train
 from rolecall.calibrate.stats import cosine_shift
+from rolecall.core.manifest import ManifestMismatchError, ModelIdentity, RoleManifest
+from rolecall.core.models import sliding_layers
 from rolecall.runtime import attach
-from rolecall.runtime.manifest import ManifestMismatchError, ModelIdentity, RoleManifest
-from rolecall.runtime.models import sliding_layers
 from rolecall.runtime.policies import get_policy
 from rolecall.train.config import TrainConfig
 from rolecall.train.gates import GateParameters
 from rolecall.train.hybrid import GateLayout
-
-from rolecall import calibrate, train
 from tests.tiny import tiny_config, tiny_model, tiny_tokenizer
 
 SLIDING, FULL = [0, 1, 3, 4], [2, 5]
@@ -245,7 +245,7 @@ def test_training_keeps_sliding_gates_at_one_and_does_not_count_them(model, tmp_
 # -- the real hybrid model ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_gemma3_270m_loads_offline_and_knows_paris():
-    from rolecall.runtime.models import load_model, load_tokenizer
+    from rolecall.core.models import load_model, load_tokenizer
 
     model, tok = load_model("gemma3-270m"), load_tokenizer("gemma3-270m")
     assert not hasattr(model.config, "quantization_config")

@@ -4,6 +4,7 @@ grow with the answer."""
 import random
 
 import pytest
+
 from rolecall.runtime.engine.text import TokenText, cut_at_stop
 
 SPECIAL = 256  # an id past the bytes: skipped in the text, as skip_special_tokens does

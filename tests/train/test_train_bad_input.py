@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from rolecall.runtime.manifest import RoleManifest
+
+from rolecall.core.manifest import RoleManifest
 from rolecall.train import checkpoint as ckpt
 from rolecall.train.cli import main
-
 from tests import refused_line
 from tests.tiny import tiny_folder, tiny_model, tiny_tokenizer
 
@@ -36,7 +36,7 @@ def _write_data(path, labelled=(True, True)):
 
 @pytest.fixture
 def data_file(tmp_path):
-    return _write_data(tmp_path / "rolecall.data.jsonl")
+    return _write_data(tmp_path / "data.jsonl")
 
 
 def _args(model_dir, data_file, out, *extra):
@@ -158,9 +158,9 @@ def test_resume_from_another_run_is_refused_before_the_model_loads(model_dir, da
     out = tmp_path / "h.safetensors"
     assert main(_args(model_dir, data_file, out)) == 0  # a checkpoint at step 2
     before = _files(tmp_path)
-    import rolecall.runtime.distributed
+    import rolecall.core.distributed
 
-    monkeypatch.setattr(rolecall.runtime.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(rolecall.core.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
     assert main(_args(model_dir, data_file, out, "--resume", "--lr", "0.02")) == 2
     assert refused_line(capsys) == (f"train-heads: error: checkpoint in {tmp_path / 'h.ckpt'} belongs to another run (lr "
                                 "is 0.01 in the checkpoint but 0.02 now); use a new --output or --overwrite")
@@ -251,7 +251,7 @@ def test_an_overwrite_without_checkpoints_replaces_the_earlier_ones_with_its_man
     assert main(_args(model_dir, data_file, out, "--overwrite", "--steps", "2", "--checkpoint-every", "5")) == 0
     assert not (tmp_path / "h.ckpt").exists()  # the earlier run's: gone with its manifest
     assert RoleManifest.load(out).metrics["steps"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rolecall.data.jsonl", "h.config.json", "h.log.jsonl",
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "h.config.json", "h.log.jsonl",
                                                           "h.safetensors"]
 
 
@@ -298,10 +298,9 @@ def test_the_sidecars_are_in_place_before_the_manifest(model_dir, data_file, tmp
 
 def test_a_nan_model_is_named_as_the_cause(tmp_path):
     """Non-finite teacher logits: the model, not the rates, and no checkpoint: nothing is written."""
+    from rolecall import train
     from rolecall.train.config import TrainConfig
     from rolecall.train.distill import NotFiniteError
-
-    from rolecall import train
 
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
     with torch.no_grad():

@@ -5,10 +5,10 @@ import re
 
 import pytest
 import torch
-from rolecall.runtime.cli import main as rolecall_main
-from rolecall.runtime.manifest import RoleManifest
-from rolecall.train.cli import main
 
+from rolecall.cli import main as rolecall_main
+from rolecall.core.manifest import RoleManifest
+from rolecall.train.cli import main
 from tests import refused_line
 from tests.tiny import tiny_folder
 
@@ -26,7 +26,7 @@ def data_file(tmp_path):
         ids = torch.randint(0, 256, (n,), generator=g).tolist()
         labels = [-100] * (n - 6) + ids[n - 6 :]
         lines.append(json.dumps({"input_ids": ids, "labels": labels}))
-    path = tmp_path / "rolecall.data.jsonl"
+    path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -70,12 +70,11 @@ def test_cli_errors_are_one_line(model_dir, data_file, tmp_path, capsys):
 @pytest.mark.slow
 def test_embedded_model_student_equals_teacher_and_trains(tmp_path):
     """SmolLM2-135M (GQA 9/3): all-retrieval gates reproduce the teacher; two steps write a valid manifest."""
-    from rolecall.runtime.models import load_model, load_tokenizer
+    from rolecall import train
+    from rolecall.core.models import load_model, load_tokenizer
     from rolecall.train.config import TrainConfig
     from rolecall.train.distill import distill_loss
     from rolecall.train.hybrid import HybridAttention
-
-    from rolecall import train
 
     tok, model = load_tokenizer("smollm2-135m"), load_model("smollm2-135m").requires_grad_(False)
     text = "The passkey is lima oscar kilo. " + "The grass is green and the sky is blue. " * 20
@@ -144,7 +143,7 @@ def test_an_unknown_dtype_is_refused_as_a_usage_error(model_dir, data_file, tmp_
 
 def test_zero3_outside_a_launcher_is_refused_before_the_model_loads(model_dir, data_file, tmp_path, capsys, no_frozen_model,
                                                                     monkeypatch):
-    from rolecall.runtime.distributed import LAUNCHER_ENVIRONMENT
+    from rolecall.core.distributed import LAUNCHER_ENVIRONMENT
 
     for name in LAUNCHER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from rolecall.runtime import distributed
-from rolecall.runtime.manifest import RoleManifest
 
 from rolecall import train
+from rolecall.core import distributed
+from rolecall.core.manifest import RoleManifest
 from tests.tiny import tiny_tokenizer
 from tests.train.test_train_recipe import _config, _dataset, _model
 

@@ -3,8 +3,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from rolecall.train.gates import GATES, GateParameters, HardConcrete, HardKuma, Sigmoid, get_gate, log1mexp
 from scipy.special import betainc, betaln
+
+from rolecall.train.gates import GATES, GateParameters, HardConcrete, HardKuma, Sigmoid, get_gate, log1mexp
 
 N = 10**6
 GRID = [(a, b) for a in (0.3, 1.0, 2.5) for b in (0.4, 1.0, 4.0)]

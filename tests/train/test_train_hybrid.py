@@ -2,9 +2,9 @@ import math
 
 import pytest
 import torch
+
 from rolecall.train.distill import distill_loss, prefill, split_sample
 from rolecall.train.hybrid import HybridAttention, budget_tokens, hybrid_layer
-
 from tests.tiny import tiny_model
 
 CASES = [("llama", 4, 1), ("qwen3", 4, 2), ("mistral", 4, 4)]

@@ -3,14 +3,14 @@ import json
 
 import pytest
 import torch
-from rolecall.runtime.manifest import RoleManifest
+
+from rolecall import train
+from rolecall.core.manifest import RoleManifest
 from rolecall.train.checkpoint import CheckpointError, checkpoint_path
 from rolecall.train.config import TrainConfig, build_config, read_yaml, shipped_configs
 from rolecall.train.distill import NotFiniteError
 from rolecall.train.outputs import head_roles
 from rolecall.train.recipe import sample_index
-
-from rolecall import train
 from tests.tiny import tiny_model, tiny_tokenizer
 
 LAYERS, KV = 3, 2

@@ -28,6 +28,7 @@ SmolLM2-135M-shaped prefill of one row on an H100 (two runs, alternating in one 
 from __future__ import annotations
 
 import torch
+
 from rolecall.runtime.kernels import kernel_call, use_triton
 from rolecall.runtime.kernels.add_rms_norm.naive import add_rms_norm as reference
 

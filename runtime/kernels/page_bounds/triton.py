@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from rolecall.runtime.kernels.arrivals import arrival_counters
 from rolecall.runtime.kernels.topk_select.triton import MAX_N, store_ascending, top_w
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
 from rolecall.runtime.kernels import pdl, sm_count
 
 

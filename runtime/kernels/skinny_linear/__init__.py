@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from rolecall.runtime.kernels import kernel_call, max_shared, use_triton
 from rolecall.runtime.kernels.skinny_linear.naive import (
     GATED,

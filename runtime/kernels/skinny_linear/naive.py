@@ -56,7 +56,7 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     ``tl.dot`` tiles of a 4-byte dtype take half the columns, so their pipeline stages fit in shared memory.
 
     A wide projection (N ≥ 8 K: gate/up) at several rows takes ``tl.dot`` over 64 features × 128 columns in three
-    stages, the best of 72 tiles at 2, 8 and 16 rows (``python benchmarks/kernels.py --no-attention
+    stages, the best of 72 tiles at 2, 8 and 16 rows (``python -m benchmarks.kernels --no-attention
     --linear-tiles``, ``benchmarks/results/kernels_tiles_h200.json``): 7B's gate/up 65.2–66.7 µs against cuBLAS's
     71.7–73.1, 1.5B's 15.8–16.2 against 17.4–17.9. Llama-3-8B's (N = 7 K) stays with cuBLAS (57.3 µs at 8 rows,
     the best tile 57.6), as do large q/k/v (7B: 11.4 against 11.5); the tiles above stay best for o and down. A small
@@ -69,7 +69,7 @@ def kernel_config(rows: int, n: int, k: int, itemsize: int = 2, gated: bool = Fa
     over 64 features × 64 columns in four stages, and a small q/k/v or o (N ≤ 2 K and at most 8 MB: the 1.5B's),
     over 16 features × 256 columns in four stages: the best of 36 tiles at 64 rows on the 1.5B's projections
     (``benchmarks/results/kernels_tiles64_h200.json``; q/k/v 5.5 µs against cuBLAS's 6.0, o 5.1 against 5.4).
-    ``python benchmarks/kernels.py --no-attention --linear --rows 32,64`` (``kernels_linear64_h200.json``): the
+    ``python -m benchmarks.kernels --no-attention --linear --rows 32,64`` (``kernels_linear64_h200.json``): the
     gated kernel at 64 rows 1.5B 18.2 µs against cuBLAS then the activation 22.9, 7B 74.0 against 75.8; at 32 rows
     it lost (22.7 / 21.2, 80.2 / 73.9), as did every other plain projection from 17 rows on (7B's by 0.7–10 µs,
     Llama-3-8B's gate/up by 20–48), and the split kernel on the 1.5B's down (13.2 against 12.5). The small q/k/v and

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from rolecall.runtime.kernels import max_shared, pdl
 from rolecall.runtime.kernels.arrivals import arrival_counters
 from rolecall.runtime.kernels.skinny_linear.naive import TILE_ROWS, Config, kernel_config

@@ -25,6 +25,7 @@ the reference. ``ROLECALL_KERNELS=naive`` forces the reference everywhere.
 from __future__ import annotations
 
 import torch
+
 from rolecall.runtime.kernels import use_triton
 from rolecall.runtime.kernels.sparse_attention import naive
 from rolecall.runtime.kernels.sparse_attention.naive import expand_blocks, indices_to_mask

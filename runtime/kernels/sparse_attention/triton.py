@@ -40,6 +40,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from rolecall.runtime.kernels import max_shared, pdl, peak_bandwidth, sm_count
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -237,7 +238,7 @@ def choose_launch(tokens: int, rows: int, sms: int, dense: bool = True, head_dim
 
     The thresholds come from the decode step (``benchmarks/decode.py``), not from calls timed alone: in a graph of
     calls of one kernel, a call of fewer programs than SMs runs beside the next (each lets the next start early),
-    which a step's next kernel, reading its output, does not. So ``python benchmarks/kernels.py --no-attention
+    which a step's next kernel, reading its output, does not. So ``python -m benchmarks.kernels --no-attention
     --many-rows`` (H100, DS-Qwen and Llama-3-8B heads, graph of 16 calls,
     ``benchmarks/results/kernels_rows_h100.json``), one program a row against the split launch and its merge, µs,
     flatters one program a row below the SMs' count

@@ -18,6 +18,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from rolecall.runtime.kernels import pdl, sm_count
 from rolecall.runtime.kernels.arrivals import arrival_counters
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rolecall.runtime.models import DEFAULT_MODEL, DTYPES
+from rolecall.core.models import DEFAULT_MODEL, DTYPES
 
 
 def parse_params(pairs: list[str] | None) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[st
     """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``, checked before the model loads: a bad
     policy name or parameter, or a bad manifest file, fails here in one line; with the model's ``config`` also
     what :func:`check_policy` checks."""
-    from rolecall.runtime.manifest import RoleManifest
+    from rolecall.core.manifest import RoleManifest
 
     params = parse_params(args.param)
     manifest = RoleManifest.load(args.manifest) if args.manifest else None
@@ -43,7 +43,7 @@ def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[st
 
 def check_policy(name: str, params: dict[str, Any], manifest: Any = None, config: Any = None) -> None:
     """What ``attach()`` checks before it decodes, without the weights: the policy ``name`` made from ``params``
-    (the session's own keys left out), and with the model's ``config`` (:func:`rolecall.runtime.models.load_config`) the
+    (the session's own keys left out), and with the model's ``config`` (:func:`rolecall.core.models.load_config`) the
     manifest against the model and the policy against the manifest (a manifest of another model, delta without
     layer roles, lychee without head roles). Raises the error ``attach()`` would."""
     from rolecall.runtime.policies import get_policy
@@ -204,7 +204,8 @@ def load_placed(args: argparse.Namespace):
     """The model in ``--dtype`` (bf16 on a GPU, else fp32), on ``--device`` (default cuda when there is one) or
     where ``--device-map`` puts it; ``--rope-theta`` where the command has it."""
     import torch
-    from rolecall.runtime.models import load_model
+
+    from rolecall.core.models import load_model
 
     device = chosen_device(args)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -214,8 +215,8 @@ def load_placed(args: argparse.Namespace):
 
 
 def eval_settings(args: argparse.Namespace):
-    """The :class:`rolecall.runtime.eval.EvalSettings` the flags of :func:`add_prompt_arguments` ask for."""
-    from rolecall.runtime.eval import EvalSettings
+    """The :class:`rolecall.eval.EvalSettings` the flags of :func:`add_prompt_arguments` ask for."""
+    from rolecall.eval import EvalSettings
 
     return EvalSettings(lengths=tuple(args.lengths), depths=tuple(args.depths), samples_per_cell=args.samples_per_cell,
                         passkey_words=args.passkey_words, alphabet=args.alphabet, source=args.source,
@@ -229,7 +230,8 @@ def check_placement(prog: str, device_map: str | None, deepspeed: str | None) ->
     (``ValueError``; DeepSpeed would look for MPI instead), and ``--device-map`` on a machine without a GPU prints
     a one-line warning."""
     import torch
-    from rolecall.runtime import distributed
+
+    from rolecall.core import distributed
 
     if not distributed.started_by_launcher() and distributed.zero_stage(distributed.deepspeed_config(deepspeed)) >= 3:
         raise ValueError(f"--deepspeed {deepspeed}: ZeRO-3 shards the model over the processes a launcher starts, "

@@ -9,14 +9,14 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rolecall.runtime.manifest import RoleManifest
+    from rolecall.core.manifest import RoleManifest
 
 SLIDING_GLYPH = "w"  # a sliding-window layer: its own windowed attention under every policy, whatever its role
 
 
 def role_map(manifest: RoleManifest) -> str:
     """One line per layer: the layer role, its numbers, and one glyph per KV head (``w`` on sliding layers)."""
-    from rolecall.runtime.manifest import (
+    from rolecall.core.manifest import (
         HEAD_ROLE_RETRIEVAL,
         HEAD_ROLE_SPARSE,
         LAYER_ROLE_FULL,
@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def verify(raw: bytes, path: str) -> tuple[bool, str]:
     """(ok, message) for the bytes ``raw`` of the file at ``path``. Loading checks the content hash; a rolecall
     file must also re-serialise to its own bytes."""
-    from rolecall.runtime.manifest import (
+    from rolecall.core.manifest import (
         CONTENT_HASH_KEY,
         RoleManifest,
         UnverifiedManifestWarning,
@@ -144,7 +144,7 @@ def verify(raw: bytes, path: str) -> tuple[bool, str]:
 def load_described(path: str) -> RoleManifest:
     """The manifest to describe: one without a content hash too (looking at it is harmless), with one line on
     stderr saying it was not verified; a corrupted one is refused as everywhere."""
-    from rolecall.runtime.manifest import RoleManifest, UnverifiedManifestWarning
+    from rolecall.core.manifest import RoleManifest, UnverifiedManifestWarning
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", UnverifiedManifestWarning)
@@ -156,8 +156,8 @@ def load_described(path: str) -> RoleManifest:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rolecall.runtime.atomic import check_writable
-    from rolecall.runtime.manifest import ManifestError, read_manifest_file
+    from rolecall.core.atomic import check_writable
+    from rolecall.core.manifest import ManifestError, read_manifest_file
 
     if args.plot:
         check_writable(args.plot, "--plot")  # refused before anything is printed
@@ -176,11 +176,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(describe(manifest, args.manifest))
     if args.plot:
-        from rolecall.runtime.manifest.plots import plot_manifest
+        from rolecall.core.manifest.plots import plot_manifest
 
         print(f"\nplot: {plot_manifest(manifest, args.plot)}")
     if args.model:
-        from rolecall.runtime.models import load_config
+        from rolecall.core.models import load_config
 
         manifest.validate_for(load_config(args.model))
         print(f"\nfits {args.model}: yes")

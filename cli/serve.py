@@ -13,14 +13,14 @@ import sys
 import threading
 from typing import Any
 
-from rolecall.runtime.cli.common import (
+from rolecall.cli.common import (
     add_common,
     add_long_context,
     chosen_device,
     load_placed,
     policy_inputs,
 )
-from rolecall.runtime.models import pad_token
+from rolecall.core.models import pad_token
 
 SLOTS = {"cuda": 8, "cpu": 4}  # default --slots by device type
 
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """What the flags alone say is wrong, refused in one line (``ValueError``) before anything loads."""
-    from rolecall.runtime.cli.common import parse_params
+    from rolecall.cli.common import parse_params
     from rolecall.runtime.session import SESSION_PARAMS
 
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
@@ -96,7 +96,7 @@ def check_engine(args: argparse.Namespace, config: Any, policy: Any) -> None:
 
 def context_of(args: argparse.Namespace, config: Any) -> int:
     """``--max-context``, else the model's context; past the model's context only with --allow-long-context."""
-    from rolecall.runtime.models import check_context, context_limit
+    from rolecall.core.models import check_context, context_limit
 
     limit = context_limit(config, args.model)
     if args.max_context is None and limit is None:
@@ -111,7 +111,7 @@ def tokenizer_of(args: argparse.Namespace) -> Any:
     """The model's tokenizer; with ``--random-weights`` None where the source has none (prompts are then ids)."""
     from pathlib import Path
 
-    from rolecall.runtime.models import load_tokenizer
+    from rolecall.core.models import load_tokenizer
 
     source = str(Path(args.model).parent) if str(args.model).endswith("config.json") else args.model
     if not args.random_weights:
@@ -156,9 +156,10 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
 
     import torch
+
+    from rolecall.core.models import load_config
     from rolecall.runtime.engine import ModelShape, Weights, shared_weights
     from rolecall.runtime.engine.scheduler import Scheduler
-    from rolecall.runtime.models import load_config
     from rolecall.runtime.server import bind, create_app, serve
     from rolecall.runtime.session import bound_policy
 

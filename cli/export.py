@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rolecall.runtime.atomic import check_writable
-from rolecall.runtime.manifest import RoleManifest
-from rolecall.runtime.manifest.interop import FORMATS, export_manifest
+from rolecall.core.atomic import check_writable
+from rolecall.core.manifest import RoleManifest
+from rolecall.core.manifest.interop import FORMATS, export_manifest
 
 CHOICES = (*FORMATS, "hub")
 
@@ -37,9 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _hub(args: argparse.Namespace) -> int:
-    from rolecall.runtime.manifest import read_manifest_file
-    from rolecall.runtime.manifest.hub import export_hub
-    from rolecall.runtime.models import load_config
+    from rolecall.core.manifest import read_manifest_file
+    from rolecall.core.manifest.hub import export_hub
+    from rolecall.core.models import load_config
 
     raw = read_manifest_file(args.manifest)  # a hub folder again: its manifest.safetensors
     manifest = RoleManifest.from_bytes(raw, source=args.manifest)  # verified before anything is written

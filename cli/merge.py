@@ -28,7 +28,7 @@ def same_file(a: str, b: str) -> bool:
 def load_verified(path: str, which: str):
     """Input ``path`` loaded with its content hash checked: the merged file gets a hash of its own, which must not
     cover content nothing verified, so an input without one is refused (one line naming it and the fix)."""
-    from rolecall.runtime.manifest import RoleManifest, UnverifiedManifestError
+    from rolecall.core.manifest import RoleManifest, UnverifiedManifestError
 
     try:
         return RoleManifest.load(path)
@@ -40,8 +40,8 @@ def load_verified(path: str, which: str):
 def run(args: argparse.Namespace) -> int:
     """Checks the output path (writable, and none of the inputs: the merge would replace an input it read) before
     the inputs are read; then the inputs, each with a verified content hash."""
-    from rolecall.runtime.atomic import check_writable
-    from rolecall.runtime.manifest.interop import merge_manifests
+    from rolecall.core.atomic import check_writable
+    from rolecall.core.manifest.interop import merge_manifests
 
     check_writable(args.output, "--output")  # refused before the inputs are read
     for which, given in (("first", args.first), ("second", args.second)):

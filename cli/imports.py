@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rolecall.runtime.atomic import check_writable
-from rolecall.runtime.manifest.interop import FORMATS, check_source, import_manifest
-from rolecall.runtime.models import load_config
+from rolecall.core.atomic import check_writable
+from rolecall.core.manifest.interop import FORMATS, check_source, import_manifest
+from rolecall.core.models import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -135,7 +135,7 @@ class ModelIdentity:
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None, revision: str | None = None) -> ModelIdentity:
-        from rolecall.runtime.models import sliding_layers
+        from rolecall.core.models import sliding_layers
 
         a = _arch(config)
         cfg = getattr(config, "config", config)
@@ -182,7 +182,7 @@ class RoleManifest:
             setattr(self, attr, value.detach().to("cpu", dtype).contiguous())
         self._check_shapes()
         if self.rolecall_version is None:
-            from rolecall.runtime import __version__
+            from rolecall import __version__
 
             self.rolecall_version = __version__
 
@@ -260,7 +260,7 @@ class RoleManifest:
                     f"but {theirs} in the model; use a manifest made for this model"
                 )
         if self.model.sliding_layers is not None:
-            from rolecall.runtime.models import sliding_layers
+            from rolecall.core.models import sliding_layers
 
             if self.model.sliding_layers != sliding_layers(config):
                 raise ManifestMismatchError(
@@ -322,7 +322,7 @@ class RoleManifest:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically: a temporary file in the same folder, fsync, then rename over ``path``."""
-        from rolecall.runtime.atomic import write_bytes
+        from rolecall.core.atomic import write_bytes
 
         return write_bytes(path, self.to_bytes())
 
@@ -331,7 +331,7 @@ class RoleManifest:
         """The manifest at ``path`` (:func:`read_manifest_file`, then :meth:`from_bytes`); ``strict`` as there.
         ``path`` is a path (str or ``os.PathLike``); anything else is a :class:`ManifestError` naming its type. A
         folder that ``rolecall export --format hub`` wrote, or a Hub repo id in the local cache, reads its
-        ``manifest.safetensors`` (:func:`rolecall.runtime.manifest.hub.resolve_manifest_path`)."""
+        ``manifest.safetensors`` (:func:`rolecall.core.manifest.hub.resolve_manifest_path`)."""
         if not isinstance(path, (str, os.PathLike)):
             fix = "RoleManifest.from_bytes(data)" if isinstance(path, (bytes, bytearray, memoryview)) else "its path"
             raise ManifestError(f"a manifest is given by its path (str or os.PathLike) or as a RoleManifest, not a "
@@ -408,8 +408,8 @@ def read_manifest_file(path: str | os.PathLike) -> bytes:
     then the 8-byte header length against the file's size, the header as a rolecall manifest's, and its tensors'
     extent against the file's size, before more than the length and the header is read (a large file of another
     kind is never read whole). A folder that ``rolecall export --format hub`` wrote, or a Hub repo id in the local
-    cache, gives its ``manifest.safetensors`` (:func:`rolecall.runtime.manifest.hub.resolve_manifest_path`)."""
-    from rolecall.runtime.manifest.hub import resolve_manifest_path
+    cache, gives its ``manifest.safetensors`` (:func:`rolecall.core.manifest.hub.resolve_manifest_path`)."""
+    from rolecall.core.manifest.hub import resolve_manifest_path
 
     path = Path(resolve_manifest_path(path))
     source = str(path)

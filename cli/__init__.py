@@ -17,15 +17,15 @@ from typing import Any, NoReturn
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("rolecall.runtime.cli.inspect", "print a manifest's identity, provenance and role map"),
+    "inspect": ("rolecall.cli.inspect", "print a manifest's identity, provenance and role map"),
     "calibrate": ("rolecall.calibrate.cli", "record attention and choose Δ-layers and Lethe budgets (= calibrate-delta)"),
     "train": ("rolecall.train.cli", "learn retrieval heads with HardKuma gates (= train-heads)"),
-    "decode": ("rolecall.runtime.cli.decode", "generate with a manifest and a sparse-decode policy"),
-    "eval": ("rolecall.runtime.cli.eval", "compare policies on passkey, RULER-style, LongBench or reasoning prompts"),
-    "export": ("rolecall.runtime.cli.export", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
-    "import": ("rolecall.runtime.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
-    "merge": ("rolecall.runtime.cli.merge", "combine a layers manifest and a heads manifest of one model"),
-    "serve": ("rolecall.runtime.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "decode": ("rolecall.cli.decode", "generate with a manifest and a sparse-decode policy"),
+    "eval": ("rolecall.cli.eval", "compare policies on passkey, RULER-style, LongBench or reasoning prompts"),
+    "export": ("rolecall.cli.export", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
+    "import": ("rolecall.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
+    "merge": ("rolecall.cli.merge", "combine a layers manifest and a heads manifest of one model"),
+    "serve": ("rolecall.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
 }
 
 
@@ -67,8 +67,8 @@ class Parser(argparse.ArgumentParser):
 
     def check_writable(self, path: str | None, flag: str, folder: bool = False) -> None:
         """An output ``path`` given to ``flag`` that is written after the work (``folder``: a folder written into),
-        refused now as a usage error (:func:`rolecall.runtime.atomic.check_writable`); nothing when the flag was left out."""
-        from rolecall.runtime.atomic import check_writable
+        refused now as a usage error (:func:`rolecall.core.atomic.check_writable`); nothing when the flag was left out."""
+        from rolecall.core.atomic import check_writable
 
         if path:
             try:

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rolecall.runtime import atomic
-from rolecall.runtime.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
-from rolecall.runtime.models import cache_keyword, pad_token
-from rolecall.runtime.session import attach
 from transformers import DynamicCache
+
+from rolecall.core import atomic
+from rolecall.core.models import cache_keyword, pad_token
+from rolecall.eval.stats import bootstrap_interval, paired_difference, wilson_interval  # noqa: F401 (the package's API)
+from rolecall.runtime.session import attach
 
 
 @dataclass
@@ -515,8 +516,8 @@ def check_samples(samples: list[dict[str, Any]], config: Any, settings: EvalSett
     :func:`rolecall.runtime.prompts.check_prompts` checks prompts (see :func:`evaluate_many`); a sample without
     ``input_ids`` is refused too. ``name``: what to call the samples in a message; ``how``: the rest of
     ``check_prompts``' wording (the commands name their flags: ``new_name``, ``opt_in``, ``warn_as``, ``fix``)."""
-    from rolecall.data.tokens import vocab_size
-    from rolecall.runtime.models import context_limit
+    from rolecall.core.models import context_limit
+    from rolecall.core.tokens import vocab_size
     from rolecall.runtime.prompts import PromptError, check_prompts
 
     if not isinstance(samples, (list, tuple)) or not samples:

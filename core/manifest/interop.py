@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from rolecall.runtime.atomic import write_text
-from rolecall.runtime.configfile import read_mapping
-from rolecall.runtime.manifest import (
+
+from rolecall.core.atomic import write_text
+from rolecall.core.configfile import read_mapping
+from rolecall.core.manifest import (
     LAYER_ROLE_FULL,
     LAYER_ROLE_SELECT,
     LAYER_ROLE_SPARSE,
@@ -34,7 +35,7 @@ from rolecall.runtime.manifest import (
     RoleManifest,
 )
 
-FORMATS = ("duo", "json", "layers")  # and "hub" (rolecall.runtime.manifest.hub), written from the file by rolecall export
+FORMATS = ("duo", "json", "layers")  # and "hub" (rolecall.core.manifest.hub), written from the file by rolecall export
 DUO_TSV = "full_attention_heads.tsv"
 # what import reads in each format
 SOURCES = {"duo": f"a DuoAttention pattern folder or its {DUO_TSV}",

@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-from rolecall.runtime.atomic import write_figure
-from rolecall.runtime.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
+
+from rolecall.core.atomic import write_figure
+from rolecall.core.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, RoleManifest
 
 # panel -> the manifest tensor it draws; a panel appears when its tensor is present
 PANELS = [("layers", "layer_role"), ("shift", "layer_shift"), ("sparsity", "layer_sparsity"),

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rolecall.runtime.configfile import read_config, shipped
+
+from rolecall.core.configfile import read_config, shipped
 
 
 def _dist():
@@ -221,7 +222,7 @@ def load_frozen_model(name: str, dtype: Any = None, device_map: Any = None, rand
     processes; None looks at what ``accelerate launch`` passed. Returns the model to call (for ZeRO-3 the
     engine's module, whose hooks gather each layer's weights when it runs).
     """
-    from rolecall.runtime.models import load_config, load_model
+    from rolecall.core.models import load_config, load_model
 
     ds = deepspeed_config(deepspeed)
     if zero_stage(ds) < 3:

@@ -8,8 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from rolecall.runtime.atomic import check_writable, write_text
-from rolecall.runtime.cli.common import (
+from rolecall.cli.common import (
     add_common,
     add_long_context,
     check_batch_size,
@@ -20,7 +19,8 @@ from rolecall.runtime.cli.common import (
     one_at_a_time,
     policy_inputs,
 )
-from rolecall.runtime.models import pad_token
+from rolecall.core.atomic import check_writable, write_text
+from rolecall.core.models import pad_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +129,8 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rolecall.data.tokens import vocab_size
-    from rolecall.runtime.models import context_limit, load_config, load_tokenizer
+    from rolecall.core.models import context_limit, load_config, load_tokenizer
+    from rolecall.core.tokens import vocab_size
     from rolecall.runtime.prompts import check_prompts
 
     check_flags(args)
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat: {args.model} has no chat template (a base model); leave out --chat")
     if args.prompts:
-        from rolecall.runtime.eval import prompt_rows
+        from rolecall.eval import prompt_rows
 
         rows = prompt_rows(args.prompts)
         texts = [(f"{args.prompts}:{line}: the prompt", row["prompt"]) for line, row in rows]
@@ -196,8 +196,9 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
     import time
 
     import torch
-    from rolecall.runtime.session import attach
     from transformers import TextStreamer
+
+    from rolecall.runtime.session import attach
 
     class TimedStreamer(TextStreamer):
         """Streams the text and notes when each new token arrives (the first ``put`` is the prompt)."""
@@ -251,11 +252,12 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     import time
 
     import torch
+    from tqdm.auto import tqdm
+
+    from rolecall.eval import Checkpoint, resume_plan
     from rolecall.runtime.engine import pad_left, padding_mask
     from rolecall.runtime.engine.generate import answer_end
-    from rolecall.runtime.eval import Checkpoint, resume_plan
     from rolecall.runtime.session import attach
-    from tqdm.auto import tqdm
 
     size = args.batch_size or (1 if one_at_a_time(args) else 16)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together: less padding

@@ -25,15 +25,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rolecall.runtime.atomic import write_bytes, write_text
-from rolecall.runtime.manifest import ManifestError, RoleManifest
+from rolecall.core.atomic import write_bytes, write_text
+from rolecall.core.manifest import ManifestError, RoleManifest
 
 MANIFEST_FILE = "manifest.safetensors"
 
 
 def base_model_id(name: str) -> str:
     """The Hub id a card names for ``name``: an alias's Hugging Face id, else the name as given."""
-    from rolecall.runtime.models import resolve_model
+    from rolecall.core.models import resolve_model
 
     spec = resolve_model(name)
     return spec.hf_id or name
@@ -81,7 +81,7 @@ def model_card(manifest: RoleManifest, base_model: str) -> str:
 def export_hub(manifest: RoleManifest, raw: bytes, out: str | os.PathLike, base_model: str, config: Any) -> Path:
     """Write the hub folder of ``manifest`` (read from the bytes ``raw``, copied as they are) to ``out`` for
     ``base_model`` (its Hub id or an alias), after checking the manifest against ``config``, the base model's."""
-    from rolecall.runtime.manifest.interop import export_manifest
+    from rolecall.core.manifest.interop import export_manifest
 
     try:
         manifest.validate_for(config)

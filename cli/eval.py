@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rolecall.runtime.atomic import check_writable, write_text
-from rolecall.runtime.cli.common import (
+from rolecall.cli.common import (
     add_common,
     add_prompt_arguments,
     check_device_map,
@@ -16,6 +15,7 @@ from rolecall.runtime.cli.common import (
     load_placed,
     policy_inputs,
 )
+from rolecall.core.atomic import check_writable, write_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 def run_reasoning(args: argparse.Namespace) -> int:
-    from rolecall.runtime.eval import fidelity, format_fidelity
+    from rolecall.eval import fidelity, format_fidelity
     from rolecall.runtime.policies import engine_policies
 
     if args.policy not in engine_policies():
@@ -41,7 +41,7 @@ def run_reasoning(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 2 or args.limit < 1:
         raise ValueError(f"--max-new-tokens must be at least 2 and --limit at least 1, got {args.max_new_tokens} "
                          f"and {args.limit}")
-    from rolecall.runtime.models import load_config, load_tokenizer
+    from rolecall.core.models import load_config, load_tokenizer
 
     params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=args.trust_remote_code))
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
@@ -55,8 +55,8 @@ def run_reasoning(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rolecall.runtime.eval import check_samples, evaluate, format_table, suite_new_tokens, suite_prompts
-    from rolecall.runtime.models import check_context, context_limit, load_config, load_tokenizer
+    from rolecall.core.models import check_context, context_limit, load_config, load_tokenizer
+    from rolecall.eval import check_samples, evaluate, format_table, suite_new_tokens, suite_prompts
 
     check_prompt_arguments(args)
     chosen_device(args)  # a device this machine does not have: refused before anything is built or loaded
