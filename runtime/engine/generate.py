@@ -201,44 +201,14 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     start = time.perf_counter()
     prompts, limits, eos = _request(weights, prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     live, device = len(prompts), weights.device
-    if decoders is not None and not (output_logits or reference_logits) and compiles_on(device):
-        # rows rounded up to a bucket (rolecall.runtime.engine.compiling): a bounded number of compilations and captures
-        # for requests of any batch size; the extra rows are one padding token each, finished at the prefill
-        idle = rows_for(live) - live
-        prompts, limits = list(prompts) + [[pad_token_id]] * idle, limits + [1] * idle
-    b = len(prompts)
-    graphs = device.type == "cuda" if graphs is None else graphs
-    # short prompts on the GPU: padded to a width the decoder keeps a prefill graph of (see rolecall.runtime.engine.prefill);
-    # a kept prefill's prompts are padded as they were then
-    longest = max(len(p) for p in prompts)
-    if prefilled is not None:
-        width = max(prefilled.ids.shape[1], longest)
-    else:
-        width = graph_width(longest, b) if graphs else None
-    ids, pads = pad_left(prompts, pad_token_id, device, width)
-    if prefilled is not None and not prefilled.matches(ids, pads):
-        raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
-    slots = ids.shape[1] + max(limits)
-    sampling = sampling or Sampling()
     if decoders is not None and (output_logits or reference_logits):
         decoders.clear()  # its memory goes to this request's decoder, which is not kept
         decoders = None
-    kind = (b, sampling, tuple(eos), pad_token_id, kernels, min_context, graphs)
-    dec = decoders.take(weights, policy, kind, slots) if decoders is not None else None
-    if dec is not None:
-        stopper = dec.stopper
-        stopper.reset(limits)
-        dec.sampler.reset()
-    else:
-        if decoders is not None:  # room for the next requests (see Decoders)
-            slots = Decoders.slots_for(slots, weights.max_positions)
-        stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None,
-                          weights.dtype, width=None if decoders is None else slots - 1)
-        dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
-                            sampler=Sampler(sampling, device), stopper=stopper, prompt_tokens=ids.shape[1])
-        stopper.source = dec.logits
-        if decoders is not None:
-            decoders.keep(weights, policy, kind, dec)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    prompts, limits, ids, pads = _rows(weights, prompts, limits, pad_token_id, graphs, decoders, prefilled)
+    sampling = sampling or Sampling()
+    dec, stopper = _decoder(weights, policy, ids, limits, eos, sampling, pad_token_id, kernels, min_context, graphs,
+                            output_logits, decoders)
     captured = dec.capture_s
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -263,7 +233,75 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     t3 = time.perf_counter()
     deferred = dec.capture_s - before  # a capture that waited for the policy to settle (lethe) ran in the loop
     count = int(stopper.count)
-    out = stopper.out[:, :count].cpu().tolist()
+    tokens, finish = _rows_out(loop, stopper.out[:, :count].cpu().tolist(), live, limits, eos, streamer)
+    # every step's logits, past a row's end too (it reads padding then, as in transformers); left on the device
+    logits = stopper.logits_out[:, :count] if output_logits else None
+    info = {"graphs": bool(dec.graphs), "rows": len(prompts), "cache_slots": dec.max_len,
+            "cache_bytes": dec.cache.nbytes, "setup_s": t0 - start, "capture_s": dec.capture_s - captured,
+            "min_context": dec.min_context, "kernels": "triton" if dec.triton else "naive",
+            "attended_fraction": _fraction(dec, ids.shape[1], steps)}
+    t4 = time.perf_counter()
+    reference = None
+    if reference_logits:  # the tokens the steps after the first read, in the same slots
+        if not keeps_prompt(dec):  # the policy's decoder (its cache, its graphs) goes before a full one is built
+            rows, slots = dec.batch, dec.max_len
+            del dec, loop
+            dec = _full_with_prompt(weights, rows, slots, prefilled)
+        reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
+        sync()
+    info["reference_s"] = time.perf_counter() - t4
+    return Generation(tokens, finish, [len(p) for p in prompts[:live]], t1 - t0, t3 - t2 - deferred, steps, logits,
+                      reference, info, prefilled if keep_prefill else None)
+
+
+def _rows(weights: Weights, prompts: list[list[int]], limits: list[int], pad_token_id: int, graphs: bool,
+          decoders: Decoders | None, prefilled: Any) -> tuple[list[list[int]], list[int], torch.Tensor, torch.Tensor]:
+    """The request's rows, left-padded: ``(prompts, limits, ids, pads)``. A kept decoder's rows are rounded up to
+    a bucket (:mod:`rolecall.runtime.engine.compiling`: a bounded number of compilations and captures for any
+    batch size; the extra rows are one padding token each, finished at the prefill), and short prompts on the
+    GPU are padded to a width the decoder keeps a prefill graph of (:mod:`rolecall.runtime.engine.prefill`); a
+    kept prefill's prompts are padded as they were then."""
+    if decoders is not None and compiles_on(weights.device):
+        idle = rows_for(len(prompts)) - len(prompts)
+        prompts, limits = list(prompts) + [[pad_token_id]] * idle, limits + [1] * idle
+    longest = max(len(p) for p in prompts)
+    if prefilled is not None:
+        width = max(prefilled.ids.shape[1], longest)
+    else:
+        width = graph_width(longest, len(prompts)) if graphs else None
+    ids, pads = pad_left(prompts, pad_token_id, weights.device, width)
+    if prefilled is not None and not prefilled.matches(ids, pads):
+        raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
+    return prompts, limits, ids, pads
+
+
+def _decoder(weights: Weights, policy: Any, ids: torch.Tensor, limits: list[int], eos: list[int],
+             sampling: Sampling, pad_token_id: int, kernels: str, min_context: int | None, graphs: bool,
+             output_logits: bool, decoders: Decoders | None) -> tuple[StaticDecoder, Stopper]:
+    """The decoder for ``ids`` with ``limits`` new tokens a row and its stopper: the one ``decoders`` keeps when
+    the request fits it (reset), else a new one (kept there for the next request, with room to spare)."""
+    b, slots, device = ids.shape[0], ids.shape[1] + max(limits), weights.device
+    kind = (b, sampling, tuple(eos), pad_token_id, kernels, min_context, graphs)
+    dec = decoders.take(weights, policy, kind, slots) if decoders is not None else None
+    if dec is not None:
+        dec.stopper.reset(limits)
+        dec.sampler.reset()
+        return dec, dec.stopper
+    if decoders is not None:  # room for the next requests (see Decoders)
+        slots = Decoders.slots_for(slots, weights.max_positions)
+    stopper = Stopper(b, limits, eos, pad_token_id, device, weights.shape.vocab if output_logits else None,
+                      weights.dtype, width=None if decoders is None else slots - 1)
+    dec = StaticDecoder(weights, policy, b, slots, min_context=min_context, kernels=kernels,
+                        sampler=Sampler(sampling, device), stopper=stopper, prompt_tokens=ids.shape[1])
+    stopper.source = dec.logits
+    if decoders is not None:
+        decoders.keep(weights, policy, kind, dec)
+    return dec, stopper
+
+
+def _rows_out(loop: _Loop, out: list[list[int]], live: int, limits: list[int], eos: list[int],
+              streamer: Any) -> tuple[list[list[int]], list[str]]:
+    """Each live row's tokens up to its end and why it ended; the streamer gets row 0's rest and its end."""
     tokens, finish = [], []
     for r, row in enumerate(out[:live]):
         end, why = loop.row_end(r, row[:limits[r]])
@@ -272,23 +310,7 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     if streamer is not None:
         _stream(streamer, out[0][:limits[0]], loop.sent, loop.cut.get(0), eos)
         streamer.end()
-    logits = None
-    if output_logits:  # every step's logits, past a row's end too (it reads padding then, as in transformers);
-        logits = stopper.logits_out[:, :count]  # left on the device: they are large
-    info = {"graphs": bool(dec.graphs), "rows": b, "cache_slots": dec.max_len, "cache_bytes": dec.cache.nbytes,
-            "setup_s": t0 - start, "capture_s": dec.capture_s - captured, "min_context": dec.min_context,
-            "kernels": "triton" if dec.triton else "naive", "attended_fraction": _fraction(dec, ids.shape[1], steps)}
-    reference = None
-    t4 = time.perf_counter()
-    if reference_logits:  # the tokens the steps after the first read, in the same slots
-        if not keeps_prompt(dec):  # the policy's decoder (its cache, its graphs) goes before a full one is built
-            del dec, loop
-            dec = _full_with_prompt(weights, b, slots, prefilled)
-        reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
-        sync()
-    info["reference_s"] = time.perf_counter() - t4
-    return Generation(tokens, finish, [len(p) for p in prompts[:live]], t1 - t0, t3 - t2 - deferred, steps, logits,
-                      reference, info, prefilled if keep_prefill else None)
+    return tokens, finish
 
 
 def _request(weights: Weights, prompts: Any, max_new_tokens: int | list[int], stop_strings: Any, tokenizer: Any,
