@@ -185,10 +185,9 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
 
     ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
     (transformers' ``TextStreamer`` works), fed row 0's prompt first, as ``model.generate`` does, then its new
-    tokens at every check. The cache holds
-    ``longest prompt + max(max_new_tokens)`` tokens per row. ``keep_prefill``: keep a copy of the prefill in
-    ``Generation.prefilled``; ``prefilled``: such a copy, made for the same prompts on the same model (with any
-    policy), loaded instead of prefilling again. ``decoders``: run on the decoder it keeps when this request
+    tokens at every check. The cache holds ``longest prompt + max(max_new_tokens)`` tokens per row.
+    ``keep_prefill``: keep a copy of the prefill in ``Generation.prefilled``; ``prefilled``: such a copy, made for
+    the same prompts on the same model (with any policy), loaded instead of prefilling again. ``decoders``: run on the decoder it keeps when this request
     fits it, and keep this request's decoder there (see :class:`Decoders`; not with ``output_logits`` or
     ``reference_logits``, whose buffers are sized to the request).
 
@@ -206,52 +205,67 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
         decoders = None
     graphs = device.type == "cuda" if graphs is None else graphs
     prompts, limits, ids, pads = _rows(weights, prompts, limits, pad_token_id, graphs, decoders, prefilled)
-    sampling = sampling or Sampling()
-    dec, stopper = _decoder(weights, policy, ids, limits, eos, sampling, pad_token_id, kernels, min_context, graphs,
-                            output_logits, decoders)
-    captured = dec.capture_s
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dec, stopper = _decoder(weights, policy, ids, limits, eos, sampling or Sampling(), pad_token_id, kernels,
+                            min_context, graphs, output_logits, decoders)
+    captured, sync = dec.capture_s, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
     t0 = time.perf_counter()
-    if prefilled is not None:
-        load_prefill(dec, prefilled)
-    else:
-        dec.prefill(ids, pads, prefill_chunk, graph=graphs and decoders is not None)
-        # a policy that evicts prompt keys leaves no prompt for the reference: keep the prefill's copy for it
-        evicts = reference_logits and not keeps_prompt(dec)
-        prefilled = snapshot(dec, ids, pads) if keep_prefill or evicts else None
+    prefilled = _prefill(dec, ids, pads, prefilled, prefill_chunk, graphs and decoders is not None,
+                         keep_prefill or (reference_logits and not keeps_prompt(dec)))
     sync()
     t1 = time.perf_counter()
     if graphs and max(limits) > 1:
         dec.capture()  # timed by the decoder (capture_s), as is a capture it defers until the policy settles
     if streamer is not None:  # as transformers does: the prompt first (TextStreamer(skip_prompt=True) drops it)
         streamer.put(torch.tensor(prompts[0]))
-    t2 = time.perf_counter()
     loop = _Loop(dec, stopper, limits, eos, stop_strings, tokenizer, streamer)
-    before = dec.capture_s
-    steps = loop.run(check_every)
-    sync()
-    t3 = time.perf_counter()
-    deferred = dec.capture_s - before  # a capture that waited for the policy to settle (lethe) ran in the loop
+    steps, decode_s = _timed_run(loop, check_every, sync)
     count = int(stopper.count)
     tokens, finish = _rows_out(loop, stopper.out[:, :count].cpu().tolist(), live, limits, eos, streamer)
     # every step's logits, past a row's end too (it reads padding then, as in transformers); left on the device
     logits = stopper.logits_out[:, :count] if output_logits else None
-    info = {"graphs": bool(dec.graphs), "rows": len(prompts), "cache_slots": dec.max_len,
-            "cache_bytes": dec.cache.nbytes, "setup_s": t0 - start, "capture_s": dec.capture_s - captured,
-            "min_context": dec.min_context, "kernels": "triton" if dec.triton else "naive",
-            "attended_fraction": _fraction(dec, ids.shape[1], steps)}
+    info = {"graphs": bool(dec.graphs), "rows": len(prompts), "cache_slots": dec.max_len, "cache_bytes":
+            dec.cache.nbytes, "setup_s": t0 - start, "capture_s": dec.capture_s - captured, "min_context":
+            dec.min_context, "kernels": "triton" if dec.triton else "naive", "attended_fraction":
+            _fraction(dec, ids.shape[1], steps)}
+    del dec  # the loop holds it: the reference logits may let it go for a full decoder
     t4 = time.perf_counter()
-    reference = None
-    if reference_logits:  # the tokens the steps after the first read, in the same slots
-        if not keeps_prompt(dec):  # the policy's decoder (its cache, its graphs) goes before a full one is built
-            rows, slots = dec.batch, dec.max_len
-            del dec, loop
-            dec = _full_with_prompt(weights, rows, slots, prefilled)
-        reference = list(dense_logits(dec, stopper.out[:, :count - 1], ids.shape[1]))
-        sync()
+    reference = _reference(weights, loop, stopper.out[:, :count - 1], ids, prefilled) if reference_logits else None
+    sync()
     info["reference_s"] = time.perf_counter() - t4
-    return Generation(tokens, finish, [len(p) for p in prompts[:live]], t1 - t0, t3 - t2 - deferred, steps, logits,
+    return Generation(tokens, finish, [len(p) for p in prompts[:live]], t1 - t0, decode_s, steps, logits,
                       reference, info, prefilled if keep_prefill else None)
+
+
+def _reference(weights: Weights, loop: _Loop, new: torch.Tensor, ids: torch.Tensor, prefilled: Any) -> list:
+    """Full attention's logits at each step after the first, over the tokens ``new`` the policy generated, in the
+    same slots: on the loop's decoder where its policy kept the prompt, else (the policy's decoder, its cache and
+    graphs let go first) on a full decoder loaded with the prefill's copy."""
+    dec = loop.dec
+    if not keeps_prompt(dec):
+        rows, slots = dec.batch, dec.max_len
+        loop.dec = dec = None
+        dec = _full_with_prompt(weights, rows, slots, prefilled)
+    return list(dense_logits(dec, new, ids.shape[1]))
+
+
+def _timed_run(loop: _Loop, check_every: int, sync: Any) -> tuple[int, float]:
+    """``loop.run``'s steps and its seconds, less a graph capture it ran (one the decoder deferred until the policy
+    settled, as lethe's)."""
+    before, start = loop.dec.capture_s, time.perf_counter()
+    steps = loop.run(check_every)
+    sync()
+    return steps, time.perf_counter() - start - (loop.dec.capture_s - before)
+
+
+def _prefill(dec: StaticDecoder, ids: torch.Tensor, pads: torch.Tensor, prefilled: Any, chunk: int | None,
+             graph: bool, keep: bool) -> Any:
+    """Prefill ``dec`` (from ``prefilled``, a kept copy, when given); returns the copy, made when ``keep`` (asked
+    for, or a policy that evicts prompt keys leaves no prompt for the reference logits)."""
+    if prefilled is not None:
+        load_prefill(dec, prefilled)
+        return prefilled
+    dec.prefill(ids, pads, chunk, graph=graph)
+    return snapshot(dec, ids, pads) if keep else None
 
 
 def _rows(weights: Weights, prompts: list[list[int]], limits: list[int], pad_token_id: int, graphs: bool,
