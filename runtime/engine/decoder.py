@@ -110,32 +110,15 @@ class StaticDecoder:
         self.weights, self.shape, self.batch = weights, s, batch
         device, dtype = weights.device, weights.dtype
         self.owns_cache = cache is None  # a policy may resize only a cache of its own
-        if cache is None:  # a policy that keeps some layers compact sizes them to the prompt and its budget
-            sizes = getattr(self.static, "cache_slots", None)
-            cache = StaticCache(s, batch, max_len, device, dtype, head_order,
-                                sizes(max_len, prompt_tokens) if sizes is not None else None, row_lengths)
-        elif cache.batch != batch or cache.slots != max_len:
-            raise ValueError(f"the shared cache has {cache.batch} rows × {cache.slots} slots, this decoder needs "
-                             f"{batch} × {max_len}")
-        elif not same_order(cache.head_order, head_order):
-            raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
-                             "(create it with head_order=policy.static_step(shape).head_order)")
-        self.cache, self.max_len = cache, max_len
+        self.cache = self._cache(cache, batch, max_len, head_order, prompt_tokens, row_lengths)
+        self.max_len = max_len
         # A cache that keeps a layer's KV heads in another order (the policy's head_order) does not reorder the
         # weights: the new token's heads are read in the cache's order (rope_and_store) and every attention call
         # writes its output back in the model's (out_heads), so the decoder shares the session's tensors.
         self.head_maps = [None if o is None or torch.equal(o, torch.arange(s.kv_heads)) else
                           o.to(device=device, dtype=torch.int32) for o in (head_order or [None] * s.layers)]
         self._layer_heads: torch.Tensor | None = None  # the running layer's head map (out_heads' default)
-        sparse = self.static.sparse
-        if not getattr(self.static, "full_fallback", True):  # its state follows every step from the first
-            if min_context:
-                raise ValueError(f"policy {self.policy.name!r} runs its own step from the first token (its "
-                                 f"scores and evictions start there); min_context={min_context} needs 0")
-            min_context = 0
-        if min_context is None:
-            min_context = default_min_context(self.policy, batch) if sparse else 0
-        self.min_context = min_context if sparse else 0
+        self.min_context = self._min_context(min_context, batch)
         self._choose_kernels(kernels, device)
         prepare = getattr(self.static, "prepare", None)  # a policy's own buffers beside the cache (quest's pages)
         if prepare is not None:
@@ -157,7 +140,7 @@ class StaticDecoder:
         # per ring size n: its last readable slot (a device scalar) and the blocks that cover it
         self._ring_reads = {n: (torch.tensor(n - 1, device=device),
                                 torch.arange(-(-n // RING_BLOCK), device=device, dtype=torch.int32)[None, None]
-                                .expand(batch, s.kv_heads, -1)) for n in set(cache.rings.values())}
+                                .expand(batch, s.kv_heads, -1)) for n in set(self.cache.rings.values())}
         self.graphs: dict[tuple[str, Any], Any] = {}  # (kind, the sampler's mode) → its graph
         self.prefill_graphs = PrefillGraphs()  # a short prompt's prefill per width, kept across reset()
         if compile is None:
@@ -166,6 +149,35 @@ class StaticDecoder:
         self._post = L.compiled_finish(s) if compile else L.bound_finish(s)
         self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
         self._dense = dict(self._out, chunk=ROWS_CHUNK) if self.triton and row_lengths and ROWS_CHUNK else self._out
+
+    def _cache(self, cache: StaticCache | None, batch: int, max_len: int, head_order: Any,
+               prompt_tokens: int | None, row_lengths: bool) -> StaticCache:
+        """A new cache of ``batch`` rows × ``max_len`` slots (a policy that keeps some layers compact sizes them
+        to the prompt and its budget), or the shared ``cache``, refused where its size or head order differs."""
+        if cache is None:
+            sizes = getattr(self.static, "cache_slots", None)
+            return StaticCache(self.shape, batch, max_len, self.weights.device, self.weights.dtype, head_order,
+                               sizes(max_len, prompt_tokens) if sizes is not None else None, row_lengths)
+        if cache.batch != batch or cache.slots != max_len:
+            raise ValueError(f"the shared cache has {cache.batch} rows × {cache.slots} slots, this decoder needs "
+                             f"{batch} × {max_len}")
+        if not same_order(cache.head_order, head_order):
+            raise ValueError("the shared cache keeps its KV heads in another order than this decoder reads them "
+                             "(create it with head_order=policy.static_step(shape).head_order)")
+        return cache
+
+    def _min_context(self, min_context: int | None, batch: int) -> int:
+        """Below this many tokens the full step runs: 0 for a dense policy and for one whose state follows every
+        step from the first (``full_fallback`` false: asking for more is refused), else as given or the measured
+        crossover (:func:`default_min_context`)."""
+        if not getattr(self.static, "full_fallback", True):
+            if min_context:
+                raise ValueError(f"policy {self.policy.name!r} runs its own step from the first token (its "
+                                 f"scores and evictions start there); min_context={min_context} needs 0")
+            return 0
+        if not self.static.sparse:
+            return 0
+        return default_min_context(self.policy, batch) if min_context is None else min_context
 
     def _choose_kernels(self, kernels: str, device: torch.device) -> None:
         """Triton (on CUDA by default, or under the interpreter when asked) or the PyTorch references."""
