@@ -368,3 +368,53 @@ def test_passkey_lengths_take_one_from_each_stratum_up_to_the_top():
     for seed in range(5):
         assert sorted(spread_lengths(0, 1, 2, np.random.default_rng(seed))) == [0, 1]
         assert sorted(spread_lengths(5, 9, 5, np.random.default_rng(seed))) == [5, 6, 7, 8, 9]
+
+
+# -- more range ends, worked by hand ----------------------------------------------------------------------------------
+def test_lychee_threshold_keeps_a_block_whose_share_equals_it():
+    """Threshold mode keeps every block whose share of the mass is at least the threshold: shares 0.25, 0.25,
+    0.4, 0.1 at a threshold of 0.25 keep blocks 0, 1 and 2 (the two at exactly 0.25 included)."""
+    from runtime.policies.lychee import Lychee
+
+    policy = Lychee(threshold=0.25, recent=0)
+    chosen = policy._choose(torch.tensor([[[0.25, 0.25, 0.4, 0.1]]]), torch.ones(1, 1, 4, dtype=torch.bool))
+    assert sorted(int(i) for i in chosen.flatten() if i >= 0) == [0, 1, 2]
+
+
+def test_vattention_reads_a_residual_as_large_as_the_pilot_whole():
+    """Equal pilot logits and values: both variances are 0, so the CLT bound asks for no draw (one, the least
+    sample). A residual of exactly ``pilot`` slots is still read whole (the pilot already cost that much); one slot
+    more takes the bound's single draw."""
+    policy = VAttention(pilot=8)
+    logits, values, fixed_out = [-2.0] * 8, [[1.0, 0.5]] * 8, [1.0, 0.5]
+    _, b_d, b_n = clt_sample_size(logits, values, fixed_out, 9, policy.epsilon, policy.delta)
+    assert b_d < 1e-20 and b_n < 1e-20
+    assert sample_size(policy, logits, values, fixed_out, 8) == 8
+    assert sample_size(policy, logits, values, fixed_out, 9) == 1
+
+
+def test_the_row_samplers_top_p_drops_a_token_once_the_mass_before_it_reaches_p():
+    """Four equal logits (probability 1/4 each, exact in binary): the mass before the k-th token is (k − 1)/4. At
+    top_p = 0.5 the third token's prior mass 0.5 already reaches p, so two tokens can be drawn; at 0.75, three.
+    Over 400 steps every allowed token comes up and no other."""
+    from runtime.engine.sampling import RowSampler, Sampling
+
+    rows = RowSampler(2, "cpu")
+    rows.set_row(0, Sampling(do_sample=True, top_p=0.5, seed=1), 0)
+    rows.set_row(1, Sampling(do_sample=True, top_p=0.75, seed=2), 0)
+    logits = torch.zeros(2, 4)
+    drawn = torch.stack([rows(logits) for _ in range(400)])  # [steps, rows]
+    assert [len(set(drawn[:, r].tolist())) for r in (0, 1)] == [2, 3]
+
+
+def test_a_long_stop_string_split_across_deliveries_is_found_beside_a_short_one():
+    """Stops "!" and "END": "EN" went out before and "D" comes now, so the look-back must reach back the longest
+    stop's length less one (two characters), not the shortest's (none). Found at once, at 4 ids (each id a byte)."""
+    from runtime.engine.text import TokenText
+    from tests.runtime.test_token_text import Bytes
+
+    text = TokenText(Bytes(), ["!", "END"])
+    text.add(list(b"xEN"))
+    assert text.stop_cut() is None
+    text.add(list(b"D"))
+    assert text.stop_cut() == 4 and text.stop_text() == "xEND"

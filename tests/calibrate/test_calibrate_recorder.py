@@ -103,3 +103,25 @@ def test_recorder_restores_attention_when_the_forward_raises():
     with pytest.raises(ValueError, match="one trace per forward"), rec.attached(model), torch.no_grad():
         model(torch.zeros(2, 200, dtype=torch.long))
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_k_equal_to_l_reads_only_the_recent_pages_and_k_below_l_is_refused():
+    """K counts the L recent pages, so K = L is the documented lower end: every page read is a recent one. With
+    K = L = 1 each sampled query keeps only its own page, whatever layer selects, so every row of the recall
+    matrix equals the head-mean attention mass on the query's page, summed by hand from eager probabilities.
+    K = L − 1 is refused."""
+    with pytest.raises(ValueError, match="num_pages ≥ recent_pages"):
+        AttentionRecorder(2, 4, num_pages=1, recent_pages=2)
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, seed=7)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    rec = AttentionRecorder(2, 4, stride=6, min_context=10, page_size=4, num_pages=1, recent_pages=1, bins=2)
+    tot = record_traces(model, [ids], rec, chunk_size=1000, progress=False)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        att = model(torch.tensor([ids]), output_attentions=True).attentions
+    model.set_attn_implementation("sdpa")
+    positions = list(range(10, 40, 6))
+    want = [sum(float(att[layer][0, :, t, (t // 4) * 4 : t + 1].mean(0).sum()) for t in positions) for layer in (0, 1)]
+    assert tot.recall_count.item() == len(positions) == 5
+    np.testing.assert_allclose(tot.recall_sum.numpy(), [want, want], atol=1e-5)
+    assert max(want) < len(positions) - 0.1  # the pages left out hold mass: the check is not trivial

@@ -84,3 +84,16 @@ def test_merging_two_halves_equals_one_pass():
 def test_merge_refuses_other_shapes():
     with pytest.raises(ValueError, match="same model"):
         CalibrationTotals.zeros(3, 4, 2).merge(CalibrationTotals.zeros(4, 4, 2))
+
+
+def test_a_bin_without_queries_gets_the_layers_overall_sparsity():
+    """One layer, two heads, three bins. Bin 0: head sums 0.4 and 0.8 over 2 rows → 1.2 / (2 · 2) = 0.3; bin 1:
+    1.0 and 1.4 over 3 rows → 2.4 / (3 · 2) = 0.4; bin 2 saw no query, so it takes the layer's overall mean
+    (1.2 + 2.4) / (5 · 2) = 0.36, not 0."""
+    t = CalibrationTotals.zeros(1, 2, 3)
+    t.hoyer_sum[0, :, 0] = torch.tensor([0.4, 0.8], dtype=torch.float64)
+    t.hoyer_sum[0, :, 1] = torch.tensor([1.0, 1.4], dtype=torch.float64)
+    t.hoyer_count[0] = torch.tensor([2.0, 3.0, 0.0], dtype=torch.float64)
+    means = t.means()
+    assert means["sparsity"][0].tolist() == pytest.approx([0.3, 0.4, 0.36])
+    assert means["layer_sparsity"].tolist() == pytest.approx([0.36])

@@ -257,3 +257,31 @@ def assert_same_up_to_a_tie(tokens: list[int], alone, i: int, rank: int = 2, gap
     logits = alone.logits[0][k].float()
     behind = (logits.max() - logits[tokens[k]]).item()
     assert tokens[k] in logits.topk(rank).indices.tolist()[1:] and behind < gap, (i, k, tokens[k], want[k], behind)
+
+
+def test_a_request_that_ignores_eos_ends_for_length_even_on_an_eos_token():
+    """``ignore_eos`` runs a request to ``max_new_tokens``: when its last token happens to be an EOS id it still
+    ended at its limit, so its finish reason is "length"; the same request heeding EOS stops at that id's first
+    appearance, for "stop". The EOS id is the request's own 6th greedy token."""
+    model, weights, pol = served("full")
+    prompt = list(range(40, 90))
+    alone = generate(weights, pol, [prompt], max_new_tokens=6, min_context=0).tokens[0]
+    eos = alone[5]
+    first = alone.index(eos) + 1
+    got = serve_all(weights, pol, [Request(prompt, 6, ignore_eos=True), Request(prompt, 6)], slots=2,
+                    eos_token_id=eos, min_context=0)[0]
+    assert got.tokens[0] == alone and got.finish[0] == "length"
+    assert got.tokens[1] == alone[:first] and got.finish[1] == "stop"
+
+
+def test_tokens_per_second_counts_the_tokens_made_after_the_first_call_of_the_window():
+    """Engine calls ending at 10 s, 11 s and 12 s with 5, 3 and 4 tokens: the window is 10 s → 12 s, and the
+    5 tokens of the call that ended at its start were made before it, so the rate is (3 + 4) / 2 = 3.5 tokens/s."""
+    from collections import deque
+
+    model, weights, pol = served("full")
+    sched = Scheduler(weights, pol, slots=1)
+    assert sched.stats()["tokens_per_s"] == 0.0  # fewer than two calls: no window
+    sched._rate = deque([(10.0, 5), (11.0, 3), (12.0, 4)])
+    assert sched.stats()["tokens_per_s"] == pytest.approx(3.5)
+    sched.close()

@@ -177,6 +177,20 @@ def test_multiplier_rises_while_over_target_and_stays_at_zero_otherwise(tmp_path
     assert log[-1]["expected_l0"] > log[0]["expected_l0"]  # distillation alone opens gates
 
 
+def test_multiplier_is_projected_onto_zero_while_under_the_goal(tmp_path):
+    """λ ← max(0, λ + lambda_lr · (E[L0] − goal)) from λ = 0: with a target of all 4 heads the goal is
+    4 (1 − 2p) + 4p = 3.96 (p = 0.01) and E[L0] starts at 4 · 11/12 ≈ 3.67 below it, so the first step's
+    ascent 0.5 · (3.67 − 3.96) < 0 is clipped and λ is exactly 0; it never goes below 0."""
+    model, ds = _model(), _dataset(n=1, length=40)
+    train.run(model, tiny_tokenizer(), ds, _config(tmp_path, target=4, steps=2, lr=0.1, lambda_lr=0.5,
+                                                    checkpoint_every=100))
+    log = [json.loads(line) for line in (tmp_path / "heads.log.jsonl").read_text().splitlines()]
+    goal = 4 * (1 - 2 * 0.01) + 4 * 0.01
+    assert log[0]["expected_l0"] == pytest.approx(4 * 11 / 12, rel=1e-5) and log[0]["expected_l0"] < goal - 0.2
+    assert log[0]["lambda"] == 0.0
+    assert all(r["lambda"] >= 0.0 for r in log)
+
+
 def test_non_finite_loss_stops_with_step_and_tensor(tmp_path):
     model = _model()
     with torch.no_grad():
