@@ -374,7 +374,7 @@ def test_passkey_lengths_take_one_from_each_stratum_up_to_the_top():
 def test_lychee_threshold_keeps_a_block_whose_share_equals_it():
     """Threshold mode keeps every block whose share of the mass is at least the threshold: shares 0.25, 0.25,
     0.4, 0.1 at a threshold of 0.25 keep blocks 0, 1 and 2 (the two at exactly 0.25 included)."""
-    from runtime.policies.lychee import Lychee
+    from rolecall.runtime.policies.lychee import Lychee
 
     policy = Lychee(threshold=0.25, recent=0)
     chosen = policy._choose(torch.tensor([[[0.25, 0.25, 0.4, 0.1]]]), torch.ones(1, 1, 4, dtype=torch.bool))
@@ -397,7 +397,7 @@ def test_the_row_samplers_top_p_drops_a_token_once_the_mass_before_it_reaches_p(
     """Four equal logits (probability 1/4 each, exact in binary): the mass before the k-th token is (k − 1)/4. At
     top_p = 0.5 the third token's prior mass 0.5 already reaches p, so two tokens can be drawn; at 0.75, three.
     Over 400 steps every allowed token comes up and no other."""
-    from runtime.engine.sampling import RowSampler, Sampling
+    from rolecall.runtime.engine.sampling import RowSampler, Sampling
 
     rows = RowSampler(2, "cpu")
     rows.set_row(0, Sampling(do_sample=True, top_p=0.5, seed=1), 0)
@@ -410,7 +410,7 @@ def test_the_row_samplers_top_p_drops_a_token_once_the_mass_before_it_reaches_p(
 def test_a_long_stop_string_split_across_deliveries_is_found_beside_a_short_one():
     """Stops "!" and "END": "EN" went out before and "D" comes now, so the look-back must reach back the longest
     stop's length less one (two characters), not the shortest's (none). Found at once, at 4 ids (each id a byte)."""
-    from runtime.engine.text import TokenText
+    from rolecall.runtime.engine.text import TokenText
     from tests.runtime.test_token_text import Bytes
 
     text = TokenText(Bytes(), ["!", "END"])
