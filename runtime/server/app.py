@@ -205,14 +205,10 @@ async def body_of(http: Request) -> Any:
         raise ProtocolError(f"the request body is not JSON: {e}") from None
 
 
-def create_app(scheduler: Any, *, model_name: str, tokenizer: Any = None) -> FastAPI:
-    """The OpenAI-compatible app on ``scheduler`` (a :class:`rolecall.runtime.engine.scheduler.Scheduler`: ``submit``,
-    ``cancel``, ``stats``, ``max_context``), answering to ``model_name``; ``tokenizer`` turns text prompts and chat
-    turns into ids (without one, prompts must be token ids and chat is refused). ``app.state.serving`` is the
-    :class:`Serving`; set its ``draining`` to answer 503 to new requests and to ``/health``."""
-    serving = Serving(scheduler, model_name, tokenizer)
-    app = FastAPI(title="rolecall", description="OpenAI-compatible completions on rolecall's engine")
-    app.state.serving = serving
+def _answer_errors_as_json(app: FastAPI) -> None:
+    """Every refusal and failure as an OpenAI-style JSON error: a request the protocol refuses (400 naming the
+    field, or 503 while draining), a body the schema refuses (400 naming the field), an unknown endpoint or method
+    (404, 405, naming the endpoints there are), and anything else (500; the server goes on serving)."""
 
     @app.exception_handler(ProtocolError)
     async def refused(_: Request, e: ProtocolError) -> JSONResponse:
@@ -237,6 +233,18 @@ def create_app(scheduler: Any, *, model_name: str, tokenizer: Any = None) -> Fas
     async def crashed(_: Request, e: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"the server failed on this request ({type(e).__name__}); it goes on "
                                        "serving", type="server_error"), 500)
+
+
+def create_app(scheduler: Any, *, model_name: str, tokenizer: Any = None) -> FastAPI:
+    """The OpenAI-compatible app on ``scheduler`` (a :class:`rolecall.runtime.engine.scheduler.Scheduler`: ``submit``,
+    ``cancel``, ``stats``, ``max_context``), answering to ``model_name``; ``tokenizer`` turns text prompts and chat
+    turns into ids (without one, prompts must be token ids and chat is refused). ``app.state.serving`` is the
+    :class:`Serving`; set its ``draining`` to answer 503 to new requests and to ``/health``."""
+    serving = Serving(scheduler, model_name, tokenizer)
+    app = FastAPI(title="rolecall", description="OpenAI-compatible completions on rolecall's engine")
+    app.state.serving = serving
+
+    _answer_errors_as_json(app)
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
