@@ -219,6 +219,32 @@ def compacts(dec) -> bool:
     return bool(getattr(dec.static, "owned_layers", None))
 
 
+def _masks(windows: list[int | None], start: int, end: int, q_slots: torch.Tensor, pad_t: torch.Tensor,
+           plain: bool) -> dict[int | None, list[tuple[int, int, int, torch.Tensor]] | None]:
+    """Per attention window of the model (None: none), what a chunk of queries at slots ``start … end − 1`` reads:
+    None where SDPA's causal kernel serves (``plain``, no window), else its blocks of queries as (first and end
+    query in the chunk, first key slot read, mask ``[B, 1, queries, keys]``); ``pad_t [B, 1]`` each row's first
+    real slot."""
+    masks: dict[int | None, list[tuple[int, int, int, torch.Tensor]] | None] = {}
+    for window in set(windows):
+        if plain and window is None:
+            masks[window] = None
+            continue
+        block = end - start if window is None else max(window, WINDOW_BLOCK)
+        masks[window] = []
+        for q0 in range(start, end, block):
+            q1 = min(q0 + block, end)
+            first = 0 if window is None else max(0, q0 - window + 1)  # a window reads no key before this
+            qs, ks = q_slots[q0 - start:q1 - start], torch.arange(first, q1, device=q_slots.device)
+            m = (ks[None, None, :] <= qs[None, :, None]) & (ks[None, None, :] >= pad_t[:, :, None])
+            if window is not None:
+                m = m & (ks[None, None, :] > qs[None, :, None] - window)
+            # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
+            m = m | (ks[None, None, :] == qs[None, :, None])
+            masks[window].append((q0 - start, q1 - start, first, m[:, None]))
+    return masks
+
+
 def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Tensor:
     """The dense pass of ``input_ids [B, C]`` at slots ``start …``: writes their K/V into the cache and returns the
     last layer's normed hidden states ``[B, C, H]``. ``plain`` (no padding): SDPA's causal kernel where no window
@@ -230,25 +256,7 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
     g = s.heads // s.kv_heads
     q_slots = torch.arange(start, end, device=device)  # [C]
     positions = (q_slots[None, :] - pad_t).clamp_min(0)  # [B, C]
-    # window -> None (SDPA's causal kernel) or its blocks of queries: (first and end query in the chunk, first key
-    # slot read, mask [B, 1, queries, keys])
-    masks: dict[int | None, list[tuple[int, int, int, torch.Tensor]] | None] = {}
-    for window in set(s.windows):
-        if plain and window is None:
-            masks[window] = None
-            continue
-        block = end - start if window is None else max(window, WINDOW_BLOCK)
-        masks[window] = []
-        for q0 in range(start, end, block):
-            q1 = min(q0 + block, end)
-            first = 0 if window is None else max(0, q0 - window + 1)  # a window reads no key before this
-            qs, ks = q_slots[q0 - start:q1 - start], torch.arange(first, q1, device=device)
-            m = (ks[None, None, :] <= qs[None, :, None]) & (ks[None, None, :] >= pad_t[:, :, None])
-            if window is not None:
-                m = m & (ks[None, None, :] > qs[None, :, None] - window)
-            # a padding slot reads itself: no query row is empty, so no NaN reaches the cache
-            m = m | (ks[None, None, :] == qs[None, :, None])
-            masks[window].append((q0 - start, q1 - start, first, m[:, None]))
+    masks = _masks(s.windows, start, end, q_slots, pad_t, plain)
     rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in dec._rope.items()}  # [B, C, D]
     x, h = L.first_input(w, input_ids)  # [B, C, H]
     for i, lw in enumerate(w.layers):
