@@ -136,14 +136,13 @@ def _default_output(model: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from rolecall.calibrate.api import check_layers, save
+    from rolecall.calibrate.api import check_layers
     from rolecall.calibrate.api import run as calibrate
     from rolecall.calibrate.traces import read_traces
     from rolecall.cli.common import (
         check_placement,
         check_sampling_flags,
         chosen_device,
-        wall_time_line,
     )
     from rolecall.core import distributed
     from rolecall.core.atomic import check_writable
@@ -156,12 +155,7 @@ def run(args: argparse.Namespace) -> int:
                                              "--seed": args.seed}, "traces are greedy")
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     say(f"calibrate-delta: model {config.model}, config {config_path or 'defaults'}")
-    sharded = distributed.zero_stage(distributed.deepspeed_config(config.deepspeed)) >= 3
-    if (sharded or config.random_weights) and not config.traces:
-        why = ("every process must run the same forwards, and generations differ in length" if sharded
-               else "a model with random weights generates no reasoning")
-        raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only ({why}); "
-                         "pass --traces FILE of token ids")
+    _check_given_traces(config)
     prompts = None if config.traces else _prompts(config)  # a bad --prompts source: refused before anything loads
     output = Path(config.output) if config.output else _default_output(config.model)
     check_writable(output, "--output")  # written at the end: refused now if it cannot be
@@ -195,22 +189,44 @@ def run(args: argparse.Namespace) -> int:
     manifest = calibrate(model, tokenizer, traces, config, data=data, progress=not args.quiet, times=times)
     cost = _cost(time.perf_counter() - began, len(traces), device)
     if distributed.is_main():
-        began = time.perf_counter()
-        for path in save(manifest, output, plots=config.plots):
-            say(f"wrote {path}")
-        times["writing"] = time.perf_counter() - began
-        m = manifest.metrics
-        if config.num_delta == "auto" and 2 * len(m["delta_layers"]) > selectable:
-            print(f"calibrate-delta: warning: --num-delta auto chose {len(m['delta_layers'])} of the {selectable} "
-                  f"selectable layers as Δ-layers to reach --target-recall {config.target_recall}; Δ-layers run full "
-                  "attention, so little of the model stays sparse; pass a lower --target-recall or a fixed --num-delta",
-                  file=sys.stderr)
-        print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
-              f"{m['recall_mean']:.4f} at K={config.num_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
-              f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
-        print(cost)
-        print(wall_time_line("calibrate-delta", time.perf_counter() - start, times))
+        _write_and_report(manifest, output, config, selectable, cost, start, times, say)
     return 0
+
+
+def _check_given_traces(config) -> None:
+    """ZeRO-3 and random weights calibrate given traces only: refused in one line without ``--traces``."""
+    from rolecall.core import distributed
+
+    sharded = distributed.zero_stage(distributed.deepspeed_config(config.deepspeed)) >= 3
+    if (sharded or config.random_weights) and not config.traces:
+        why = ("every process must run the same forwards, and generations differ in length" if sharded
+               else "a model with random weights generates no reasoning")
+        raise ValueError(f"{'ZeRO-3' if sharded else '--random-weights'} calibrates given traces only ({why}); "
+                         "pass --traces FILE of token ids")
+
+
+def _write_and_report(manifest, output: Path, config, selectable: int, cost: str, start: float,
+                      times: dict[str, float], say) -> None:
+    """Write the manifest and its plots, then print what was chosen, what it cost and the wall time by phase (a
+    warning first when ``--num-delta auto`` made most selectable layers Δ-layers)."""
+    from rolecall.calibrate.api import save
+    from rolecall.cli.common import wall_time_line
+
+    began = time.perf_counter()
+    for path in save(manifest, output, plots=config.plots):
+        say(f"wrote {path}")
+    times["writing"] = time.perf_counter() - began
+    m = manifest.metrics
+    if config.num_delta == "auto" and 2 * len(m["delta_layers"]) > selectable:
+        print(f"calibrate-delta: warning: --num-delta auto chose {len(m['delta_layers'])} of the {selectable} "
+              f"selectable layers as Δ-layers to reach --target-recall {config.target_recall}; Δ-layers run full "
+              "attention, so little of the model stays sparse; pass a lower --target-recall or a fixed --num-delta",
+              file=sys.stderr)
+    print(f"Δ-layers {m['delta_layers']} ({config.select}); simulated recall of the sparse layers "
+          f"{m['recall_mean']:.4f} at K={config.num_pages} pages ({config.recent_pages} recent) of {config.page_size}; "
+          f"{manifest.data['traces']} traces, {manifest.data['tokens']} tokens, {m['sampled_queries']} sampled queries")
+    print(cost)
+    print(wall_time_line("calibrate-delta", time.perf_counter() - start, times))
 
 
 def _prompts(config) -> list[str]:

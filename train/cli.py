@@ -74,8 +74,26 @@ def _lengths(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    """Where and in what precision the frozen model runs: one device, a device map or ZeRO-3."""
     from rolecall.core.models import DTYPES
+
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
+    p.add_argument("--no-tf32", dest="tf32", action="store_false", default=None,
+                   help="exact float32 attention scores on GPUs (default: TF32 tensor cores)")
+    p.add_argument("--dtype", choices=DTYPES, help="model weight dtype (default: the alias's)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")
+    p.add_argument("--deepspeed", metavar="CONFIG",
+                   help="shard the frozen model with this DeepSpeed ZeRO-3 JSON (path or name in configs/deepspeed/); "
+                        "under `accelerate launch` the config file's DeepSpeed section is used without this flag")
+    p.add_argument("--random-weights", action="store_true", default=None,
+                   help="the model's architecture with random weights (speed and memory measurements only)")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false", default=None,
+                   help="keep attention scores for backward instead of recomputing them (faster, more memory)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
 
     # the effective defaults: the dataclass's, then the default model's shipped config (configs/train/<model>.yaml,
     # which a run without --model and --config reads), without building a config (that checks the gate name
@@ -112,19 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh over an output that has a manifest or checkpoints (they are replaced when "
                    "this run writes its first checkpoint or its manifest; a run that fails before leaves them)")
-    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="accelerate mixed precision (default no)")
-    p.add_argument("--no-tf32", dest="tf32", action="store_false", default=None,
-                   help="exact float32 attention scores on GPUs (default: TF32 tensor cores)")
-    p.add_argument("--dtype", choices=DTYPES, help="model weight dtype (default: the alias's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--device-map", help="'auto' spreads a model that does not fit one GPU over all visible GPUs")
-    p.add_argument("--deepspeed", metavar="CONFIG",
-                   help="shard the frozen model with this DeepSpeed ZeRO-3 JSON (path or name in configs/deepspeed/); "
-                        "under `accelerate launch` the config file's DeepSpeed section is used without this flag")
-    p.add_argument("--random-weights", action="store_true", default=None,
-                   help="the model's architecture with random weights (speed and memory measurements only)")
-    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false", default=None,
-                   help="keep attention scores for backward instead of recomputing them (faster, more memory)")
+    _add_placement(p)
     p.add_argument("--dataset", help="'passkey' (default) or a .jsonl file of {input_ids, labels} records")
     p.add_argument("--data-source", help=f"haystack corpus of the passkey data (default {d.data_source})")
     p.add_argument("--lengths", type=_lengths, help=f"passkey haystack lengths LOW,HIGH in tokens (default {','.join(map(str, d.lengths))})")
