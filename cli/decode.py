@@ -7,6 +7,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from rolecall.cli.common import (
     add_common,
@@ -243,6 +244,51 @@ def decode_one(args: argparse.Namespace, params: dict, manifest, tokenizer, prom
     return 0
 
 
+def _file_plan(args: argparse.Namespace, params: dict, prompts: list[list[int]], size: int) -> tuple[list, Any]:
+    """``--prompts``' batches (up to ``size`` prompts of similar lengths: less padding) and the checkpoint in
+    ``--out``.partial that keeps the finished ones: a rerun with the same flags resumes there (another
+    ``--batch-size`` keeps the finished batches), one with other flags is refused."""
+    from rolecall.eval import Checkpoint, resume_plan
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    plan = [order[i:i + size] for i in range(0, len(order), size)]
+    digest = hashlib.sha256
+    header = {"model": args.model, "dtype": args.dtype, "policy": args.policy, "params": params,
+              "manifest": digest(Path(args.manifest).read_bytes()).hexdigest() if args.manifest else None,
+              "prompts": digest(json.dumps(prompts).encode()).hexdigest(), "max_new_tokens": args.max_new_tokens,
+              "sample": args.sample, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "seed": args.seed, "stop": args.stop}
+    checkpoint = Checkpoint(f"{args.out}.partial", header, plan)
+    plan = resume_plan(plan, checkpoint.finished())
+    checkpoint.adopt(plan)
+    return plan, checkpoint
+
+
+def _write_file_output(args: argparse.Namespace, rows: list, prompts: list[list[int]], plan: list, todo: int,
+                       checkpoint: Any, tokenizer: Any, where: str, size: int, generated: float, read: float,
+                       wall: float) -> None:
+    """Write ``--out`` (each row's own keys, then its completion and counts, in the file's order), remove the
+    checkpoint, and say in one line where the ``todo`` batches decoded and how fast (with a chat-template hint
+    when completions came back empty)."""
+    finished = {r["prompt"]: r for entry in checkpoint.done.values() for r in entry["rows"]}
+    lines = [json.dumps({**row, **{key: v for key, v in finished[i].items() if key != "prompt"}}, ensure_ascii=False)
+             for i, (_, row) in enumerate(rows)]
+    write_text(args.out, "\n".join(lines) + "\n")
+    checkpoint.path.unlink()
+
+    def batches(n: int) -> str:
+        return f"{n} batch{'' if n == 1 else 'es'}"
+
+    speed = (f", {int(generated):,} generated in {wall:.1f} s: {generated / max(wall, 1e-9):.1f} tokens/s; policy "
+             f"{args.policy} read {read / generated:.3f} of the context") if todo and generated else ""
+    kept = f" ({batches(len(plan) - todo)} kept from {checkpoint.path.name})" if todo < len(plan) else ""
+    print(f"[{where}: {len(prompts)} prompts in {batches(len(plan))} of up to {size}{kept}{speed}; wrote "
+          f"{args.out}]", file=sys.stderr)
+    hint = chat_hint(tokenizer, args.chat, sum(not r["completion"].strip() for r in finished.values()), len(prompts))
+    if hint:
+        print(hint, file=sys.stderr)
+
+
 def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, rows: list, prompts: list[list[int]],
                 device: str) -> int:
     """``--prompts``: batches of similar lengths, each finished batch kept in ``--out``.partial (a rerun with the
@@ -254,23 +300,12 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
     import torch
     from tqdm.auto import tqdm
 
-    from rolecall.eval import Checkpoint, resume_plan
     from rolecall.runtime.engine import pad_left, padding_mask
     from rolecall.runtime.engine.generate import answer_end
     from rolecall.runtime.session import attach
 
     size = args.batch_size or (1 if one_at_a_time(args) else 16)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together: less padding
-    plan = [order[i:i + size] for i in range(0, len(order), size)]
-    digest = hashlib.sha256
-    header = {"model": args.model, "dtype": args.dtype, "policy": args.policy, "params": params,
-              "manifest": digest(Path(args.manifest).read_bytes()).hexdigest() if args.manifest else None,
-              "prompts": digest(json.dumps(prompts).encode()).hexdigest(), "max_new_tokens": args.max_new_tokens,
-              "sample": args.sample, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-              "seed": args.seed, "stop": args.stop}
-    checkpoint = Checkpoint(f"{args.out}.partial", header, plan)  # one of other flags is refused here
-    plan = resume_plan(plan, checkpoint.finished())  # another --batch-size keeps the finished batches
-    checkpoint.adopt(plan)
+    plan, checkpoint = _file_plan(args, params, prompts, size)
     todo = [k for k in range(len(plan)) if k not in checkpoint.done]
     pad = pad_token(tokenizer)
     model = load_placed(args)
@@ -302,23 +337,7 @@ def decode_file(args: argparse.Namespace, params: dict, manifest, tokenizer, row
             bar.update(len(plan[k]))
         if not engine and todo:
             read = generated * (session.summary()["attended_fraction"] or 1.0)
-    wall = time.perf_counter() - start
-    finished = {r["prompt"]: r for entry in checkpoint.done.values() for r in entry["rows"]}
-    lines = [json.dumps({**row, **{key: v for key, v in finished[i].items() if key != "prompt"}}, ensure_ascii=False)
-             for i, (_, row) in enumerate(rows)]
-    write_text(args.out, "\n".join(lines) + "\n")
-    checkpoint.path.unlink()
-    path = "engine" if engine else "transformers path" if todo else "nothing left to decode"
-
-    def batches(n: int) -> str:
-        return f"{n} batch{'' if n == 1 else 'es'}"
-
-    speed = (f", {int(generated):,} generated in {wall:.1f} s: {generated / max(wall, 1e-9):.1f} tokens/s; policy "
-             f"{args.policy} read {read / generated:.3f} of the context") if todo and generated else ""
-    kept = f" ({batches(len(plan) - len(todo))} kept from {checkpoint.path.name})" if len(todo) < len(plan) else ""
-    print(f"[{path} on {device}: {len(prompts)} prompts in {batches(len(plan))} of up to {size}{kept}{speed}; wrote "
-          f"{args.out}]", file=sys.stderr)
-    hint = chat_hint(tokenizer, args.chat, sum(not r["completion"].strip() for r in finished.values()), len(prompts))
-    if hint:
-        print(hint, file=sys.stderr)
+    _write_file_output(args, rows, prompts, plan, len(todo), checkpoint, tokenizer,
+                       f"{'engine' if engine else 'transformers path' if todo else 'nothing left to decode'} on {device}",
+                       size, generated, read, time.perf_counter() - start)
     return 0

@@ -10,7 +10,6 @@ FOLDERS = ("core", "runtime", "eval", "cli", "calibrate", "train", "data", "benc
 STILL_OVER = {  # to split; a function that comes under the limit must leave this list
     "benchmarks/calibrate.py:main", "benchmarks/decode.py:parse_args", "benchmarks/quality.py:run",
     "benchmarks/serve.py:parse_args", "benchmarks/train_step.py:main",
-    "cli/decode.py:decode_file",
 }
 
 
