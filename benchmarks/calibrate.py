@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -184,16 +185,70 @@ def end_to_end(args: argparse.Namespace, device, dtype, gpu: str) -> dict:
     return result
 
 
+def shipped_recorder(cfg, args) -> tuple[Any, AttentionRecorder]:
+    """The shipped calibration settings with the flags' stride, first context and query block, and a recorder
+    made with them for a model of config ``cfg``."""
+    config = resolve({"stride": args.stride, "min_context": args.min_context, "query_block": args.query_block,
+                      "chunk_size": args.length})
+    return config, AttentionRecorder(cfg.num_hidden_layers, cfg.num_attention_heads, stride=config.stride,
+                                     min_context=config.min_context, page_size=config.page_size,
+                                     num_pages=config.num_pages, recent_pages=config.recent_pages,
+                                     bins=config.bins, query_block=config.query_block)
+
+
+def output_attentions_baseline(model, trace: list[int], lengths: list[int], device: torch.device) -> list[dict]:
+    """transformers' own way to read attention: one eager forward with ``output_attentions=True`` over the first
+    ``length`` tokens of ``trace`` for each length: seconds and peak memory, or ``out of memory``."""
+    baseline = []
+    for length in lengths:
+        model.set_attn_implementation("eager")
+        reset_peak(device)
+        entry = {"length": length}
+        try:
+            sync(device)
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                out = model(input_ids=torch.tensor([trace[:length]], device=device), use_cache=False,
+                            logits_to_keep=1, output_attentions=True)
+                probs_gib = sum(a.numel() * a.element_size() for a in out.attentions) / 2**30
+                del out
+            sync(device)
+            entry.update(status="ok", seconds=time.perf_counter() - t1, peak_gib=peak_gib(device), attentions_gib=probs_gib)
+        except torch.OutOfMemoryError:
+            entry.update(status="out of memory", peak_gib=peak_gib(device))
+        finally:
+            model.set_attn_implementation("sdpa")
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        baseline.append(entry)
+    return baseline
+
+
+def print_table(result: dict, baseline: list[dict], args, gpu: str, weights_gib: float) -> None:
+    """Seconds a trace and peak memory: the plain forward, rolecall's recorder and the eager baseline."""
+    rows = [("phase", "median s/trace", "traces timed", f"est. {args.traces} traces s", "peak GiB")]
+    for name in ("plain", "rolecall"):
+        r = result[name]
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        rows.append((name, f"{r['median_s']:.3f}", str(r["measured"]), f"{r['median_s'] * args.traces:.1f}", peak))
+    for b in baseline:
+        secs = f"{b['seconds']:.3f}" if "seconds" in b else b["status"]
+        peak = f"{b['peak_gib']:.1f}" if b.get("peak_gib") is not None else "-"
+        rows.append((f"eager+output_attentions @{b['length']}", secs, "1", "-", peak))
+    width = [max(len(r[i]) for r in rows) for i in range(5)]
+    print(f"{gpu}, {args.shape}, {args.traces} traces × {args.length} tokens, weights {weights_gib:.1f} GiB")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, width)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if args.end_to_end:
-        result = end_to_end(args, device, dtype, gpu)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_text(out / "calibrate_end_to_end.json", json.dumps(result, indent=2) + "\n")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_text(Path(args.out) / "calibrate_end_to_end.json", json.dumps(end_to_end(args, device, dtype, gpu),
+                                                                           indent=2) + "\n")
         return 0
     t0 = time.perf_counter()
     model = build(args.shape, device, dtype)
@@ -216,12 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     times, n = timed_forwards(model, traces, device, plain, args.budget_s / 4)
     result["plain"] = {"median_s": statistics.median(times[1:] or times), "measured": n, "peak_gib": peak_gib(device)}
 
-    config = resolve({"stride": args.stride, "min_context": args.min_context, "query_block": args.query_block,
-                      "chunk_size": args.length})
-    recorder = AttentionRecorder(cfg.num_hidden_layers, cfg.num_attention_heads, stride=config.stride,
-                                 min_context=config.min_context, page_size=config.page_size,
-                                 num_pages=config.num_pages, recent_pages=config.recent_pages, bins=config.bins,
-                                 query_block=config.query_block)
+    config, recorder = shipped_recorder(cfg, args)
 
     def rec(ids):
         record_traces(model, [ids], recorder, chunk_size=config.chunk_size, progress=False)
@@ -238,42 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_vs_plain": med / result["plain"]["median_s"],
     }
 
-    baseline = []
-    for length in args.baseline_lengths:
-        model.set_attn_implementation("eager")
-        reset_peak(device)
-        entry = {"length": length}
-        try:
-            sync(device)
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                out = model(input_ids=torch.tensor([traces[1][:length]], device=device), use_cache=False,
-                            logits_to_keep=1, output_attentions=True)
-                probs_gib = sum(a.numel() * a.element_size() for a in out.attentions) / 2**30
-                del out
-            sync(device)
-            entry.update(status="ok", seconds=time.perf_counter() - t1, peak_gib=peak_gib(device), attentions_gib=probs_gib)
-        except torch.OutOfMemoryError:
-            entry.update(status="out of memory", peak_gib=peak_gib(device))
-        finally:
-            model.set_attn_implementation("sdpa")
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-        baseline.append(entry)
+    baseline = output_attentions_baseline(model, traces[1], args.baseline_lengths, device)
     result["baseline_output_attentions"] = baseline
 
-    rows = [("phase", "median s/trace", "traces timed", f"est. {args.traces} traces s", "peak GiB")]
-    for name in ("plain", "rolecall"):
-        r = result[name]
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        rows.append((name, f"{r['median_s']:.3f}", str(r["measured"]), f"{r['median_s'] * args.traces:.1f}", peak))
-    for b in baseline:
-        secs = f"{b['seconds']:.3f}" if "seconds" in b else b["status"]
-        peak = f"{b['peak_gib']:.1f}" if b.get("peak_gib") is not None else "-"
-        rows.append((f"eager+output_attentions @{b['length']}", secs, "1", "-", peak))
-    width = [max(len(r[i]) for r in rows) for i in range(5)]
-    print(f"{gpu}, {args.shape}, {args.traces} traces × {args.length} tokens, weights {weights_gib:.1f} GiB")
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, width)))
+    print_table(result, baseline, args, gpu, weights_gib)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibrate_benchmark.json").write_text(json.dumps(result, indent=2) + "\n")

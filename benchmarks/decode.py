@@ -548,7 +548,8 @@ def parse_pair(p: Parser, item: str) -> tuple[int, int]:
     return int(context), int(batch)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> Parser:
+    """The script's flags."""
     p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="7b,1.5b",
                    help="comma-separated: 7b, 1.5b, gemma3-4b, llama3-8b (the fixed-context grid)")
@@ -590,6 +591,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generate-new", type=int, default=256, help="tokens each --generate request decodes")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no graphs (checks it runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>.json)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (each refusal one line naming the flag), before anything is timed."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.contexts = p.counts(args.contexts, "--contexts", "context lengths")
     args.batches = p.counts(args.batches, "--batches", "batch sizes")
@@ -610,12 +617,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "full" in args.policies:
         args.policies = ["full"] + [x for x in args.policies if x != "full"]  # the baseline first
     if args.smoke:
-        args.contexts = [c for c in args.contexts if c <= 256] or [64, 160]
-        args.batches = [min(b, 2) for b in args.batches]
-        args.budgets = [min(b, 32) for b in args.budgets]
-        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-        args.delta_batch, args.delta_budget, args.delta_prompt, args.delta_total = 2, 32, 40, 160
-        args.delta_samples, args.min_context = 3, 64
+        _smoke(args)
     if args.min_context is None:  # the fallback the runtime applies at the setting's batch
         args.min_context = default_min_context("delta", args.delta_batch, args.delta_budget)
     if args.smoke and args.timeline:
@@ -623,6 +625,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("out", "profile", "timeline"):  # written after minutes of timing: refused now if they cannot be
         p.check_writable(getattr(args, flag), f"--{flag}")
     return args
+
+
+def _smoke(args: argparse.Namespace) -> None:
+    """``--smoke``: tiny shapes and few steps, so the CPU runs every path in seconds."""
+    args.contexts = [c for c in args.contexts if c <= 256] or [64, 160]
+    args.batches = [min(b, 2) for b in args.batches]
+    args.budgets = [min(b, 32) for b in args.budgets]
+    args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    args.delta_batch, args.delta_budget, args.delta_prompt, args.delta_total = 2, 32, 40, 160
+    args.delta_samples, args.min_context = 3, 64
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -755,6 +755,58 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def prepare(args: argparse.Namespace, todo: list, reasoning: bool, settings: Any) -> tuple[Any, Any]:
+    """The tokenizer and the prompts the cells still to run need, after every check (a device this machine
+    lacks, the haystack source, the cells' settings, lengths past the model's context: one line each, before
+    anything is written or the weights load)."""
+    from rolecall.core.models import context_limit, load_tokenizer
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device here, and {len(todo)} cells are not done; use --device cpu")
+    check_source(args)
+    limit, new = context_limit(check_cells(todo, args)), new_tokens(args)
+    if limit and not (args.prompts or reasoning) and max(args.lengths) + new > limit:
+        too_long = f"--lengths: {max(args.lengths)} + {new} new tokens exceeds the model's {limit} positions"
+        if not args.allow_long_context:
+            raise ValueError(f"{too_long}; use shorter lengths, or --allow-long-context with --rope-theta")
+        print(f"warning: {too_long} (--allow-long-context)", file=sys.stderr)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    # a length too short for a task's question, a corpus too small: one line, no cell run
+    samples = None if reasoning else suite_prompts(tokenizer, settings)
+    return tokenizer, samples
+
+
+def open_grid(out: Path, command: str, running: bool) -> None:
+    """The grid's folder ready for cells: a packed grid's cells unpacked when some are to run (the working copy
+    first), and ``command`` added to ``COMMAND.txt`` unless it is its last line (resumed, re-summarised: once)."""
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    if running and not list((out / "cells").glob("*.json")) and (out / ARCHIVE).exists():
+        for name, record in read_archive(out).items():
+            write_cell(out, name, record)
+    previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
+    if previous.rstrip("\n").rpartition("\n")[2] != command:
+        atomic.write_text(out / "COMMAND.txt", previous + command + "\n")
+
+
+def write_summary(args: argparse.Namespace, out: Path, common: dict, rows: list, cells: int, done: int,
+                  resumed_count: int, here: str) -> None:
+    """``summary.json``, ``TABLE.md`` and the plots from the rows of the ``done`` of ``cells`` cells (a finished
+    grid's cells packed into its archive), and what ran printed."""
+    reasoning = args.suite == "reasoning"
+    packed = done == cells and not args.summarize and pack(out)  # a finished grid
+    names = [name for name in device_names(rows) if name]  # where the cells ran
+    device_name = " and ".join(names) if names else here
+    summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
+    atomic.write_text(out / "summary.json", json.dumps(summary, separators=(",", ":"), default=str) + "\n")  # compact: TABLE.md is the one to read
+    table = format_fidelity_table(summary) if reasoning else format_table(summary)
+    atomic.write_text(out / "TABLE.md", table)
+    plots = plot_fidelity(summary, out) if reasoning else plot(summary, out)
+    print(table)
+    ran = f"{cells - done} cells not done, left out" if args.summarize else f"{done - resumed_count} cells run"
+    print(f"{ran}, {resumed_count} resumed from {out}; "
+          f"wrote summary.json, TABLE.md, {', '.join(plots + [ARCHIVE] * packed)}")
+
+
 def run(args: argparse.Namespace) -> int:
     reasoning, settings, cells, dtype = args.suite == "reasoning", args.settings, args.cells, args.dtype
     out = Path(args.out)
@@ -773,27 +825,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = samples = None
     todo = [] if args.summarize else [c for c in cells if c.name not in done]  # a finished grid: the summary only
     if todo:  # what the cells need, checked and built before anything is written or the weights load
-        from rolecall.core.models import context_limit, load_tokenizer
-
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device cuda: no CUDA device here, and {len(todo)} cells are not done; use --device cpu")
-        check_source(args)
-        limit, new = context_limit(check_cells(todo, args)), new_tokens(args)
-        if limit and not (args.prompts or reasoning) and max(args.lengths) + new > limit:
-            too_long = f"--lengths: {max(args.lengths)} + {new} new tokens exceeds the model's {limit} positions"
-            if not args.allow_long_context:
-                raise ValueError(f"{too_long}; use shorter lengths, or --allow-long-context with --rope-theta")
-            print(f"warning: {too_long} (--allow-long-context)", file=sys.stderr)
-        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-        # a length too short for a task's question, a corpus too small: one line, no cell run
-        samples = None if reasoning else suite_prompts(tokenizer, settings)
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    if todo and not list((out / "cells").glob("*.json")) and (out / ARCHIVE).exists():  # the working copy first
-        for name, record in read_archive(out).items():
-            write_cell(out, name, record)
-    previous = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
-    if previous.rstrip("\n").rpartition("\n")[2] != args.command:  # the same command again (resumed, re-summarised): once
-        atomic.write_text(out / "COMMAND.txt", previous + args.command + "\n")
+        tokenizer, samples = prepare(args, todo, reasoning, settings)
+    open_grid(out, args.command, bool(todo))
 
     from tqdm import tqdm
 
@@ -830,18 +863,7 @@ def run(args: argparse.Namespace) -> int:
         if not terminal:
             print(f"quality grid: cell {number}/{len(cells)} {cell.name} done", file=sys.stderr, flush=True)
     bar.close()
-    packed = len(done) == len(cells) and not args.summarize and pack(out)  # a finished grid
-    names = [name for name in device_names(rows) if name]  # where the cells ran
-    device_name = " and ".join(names) if names else here
-    summary = {**common, "device_name": device_name, "budgets": args.budgets, "mapping": MAPPING, "rows": rows}
-    atomic.write_text(out / "summary.json", json.dumps(summary, separators=(",", ":"), default=str) + "\n")  # compact: TABLE.md is the one to read
-    table = format_fidelity_table(summary) if reasoning else format_table(summary)
-    atomic.write_text(out / "TABLE.md", table)
-    plots = plot_fidelity(summary, out) if reasoning else plot(summary, out)
-    print(table)
-    ran = f"{len(cells) - len(done)} cells not done, left out" if args.summarize else f"{len(done) - resumed_count} cells run"
-    print(f"{ran}, {resumed_count} resumed from {out}; "
-          f"wrote summary.json, TABLE.md, {', '.join(plots + [ARCHIVE] * packed)}")
+    write_summary(args, out, common, rows, len(cells), len(done), resumed_count, here)
     return 0
 
 

@@ -358,9 +358,8 @@ def print_row(r: dict) -> None:
     print(" ".join(f"{v:>9}" for v in vals), flush=True)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from rolecall.cli.common import chosen_device
-
+def build_parser() -> Parser:
+    """The script's flags."""
     p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--policies", default="full,delta,lychee", help=f"comma-separated: {', '.join(POLICIES)}")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES),
@@ -398,9 +397,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a request may wait for a chunk")
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/serve_<model>_<gpu>.json)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (each refusal one line naming the flag); lengths as :class:`Lengths`, the baseline
+    policy first, the server's rows, context and dtype filled in, the manifests of a real model found."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.policies = p.names(args.policies, "--policies", POLICIES)
     args.policies = sorted(args.policies, key=lambda name: name != "full")  # the baseline first
+    _check_load(p, args)
+    _check_model(p, args)
+    p.check_writable(args.out, "--out")
+    return args
+
+
+def _check_load(p: Parser, args: argparse.Namespace) -> None:
+    """One way to send requests and one to end, positive numbers, the length ranges, the server's size."""
+    from rolecall.cli.common import chosen_device
+
     if (args.concurrency is None) == (args.rate is None):
         p.error("give one of --concurrency N (clients) or --rate R (Poisson arrivals per second)"
                 f"{', not both' if args.concurrency is not None else ''}")
@@ -429,6 +445,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-context must hold the longest prompt and output ({longest} tokens), got {args.max_context}")
     args.slots = args.slots or args.concurrency or 64
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+
+
+def _check_model(p: Parser, args: argparse.Namespace) -> None:
+    """A shape (random weights) or a model, and the manifests the model's sparse policies read."""
     if args.model is not None and args.shape is not None:
         p.error(f"--shape {args.shape} and --model {args.model}: give one (a shape is served with random weights)")
     args.shape = args.shape or (None if args.model else "7b")
@@ -451,8 +471,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     p.error(f"--policies {policy} with --model {args.model} needs {flag} FILE (this checkout ships "
                             f"no artifacts/{SHIPPED[policy].format(name=Path(args.model).name)})")
                 setattr(args, f"manifest_{policy}", str(shipped))
-    p.check_writable(args.out, "--out")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

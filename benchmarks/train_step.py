@@ -130,6 +130,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def report(args, gpu: str, rows: list[dict], ckpt_s: float) -> None:
+    """The table (with each length's projected recipe time, checkpoints of ``ckpt_s`` seconds included) and the
+    JSON file ``--json``."""
+    print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
+    print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
+          f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
+    steps, every = recipe_settings()
+    for r in rows:
+        r["recipe_projected_s"] = projected_recipe_s(r["train_step_s"], steps, every, ckpt_s)
+    print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9} {'recipe min':>11}")
+    for r in rows:
+        print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['train_step_s']:>8.3f} "
+              f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f} {r['recipe_projected_s'] / 60:>11.1f}")
+    print(f"recipe: {steps} steps, a checkpoint every {every} ({ckpt_s * 1e3:.1f} ms each), no evaluation between "
+          f"steps ({RECIPE.name})")
+    result = {"gpu": gpu, "torch": torch.__version__, "rows": rows,
+              # the output files by name only: a report holds no machine's paths
+              "args": {k: (Path(v).name if k in ("json", "profile") and v else v) for k, v in vars(args).items()},
+              "recipe": {"file": RECIPE.name, "steps": steps, "checkpoint_every": every, "checkpoint_s": ckpt_s}}
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -185,24 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
         Path(args.profile).write_text(f"one train step, {args.lengths[-1]} prompt tokens, {gpu}\n{table}\n")
-    print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
-    print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
-          f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
-    steps, every = recipe_settings()
-    ckpt_s = checkpoint_seconds(gates, optimizer)
-    for r in rows:
-        r["recipe_projected_s"] = projected_recipe_s(r["train_step_s"], steps, every, ckpt_s)
-    print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9} {'recipe min':>11}")
-    for r in rows:
-        print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['train_step_s']:>8.3f} "
-              f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f} {r['recipe_projected_s'] / 60:>11.1f}")
-    print(f"recipe: {steps} steps, a checkpoint every {every} ({ckpt_s * 1e3:.1f} ms each), no evaluation between "
-          f"steps ({RECIPE.name})")
-    result = {"gpu": gpu, "torch": torch.__version__, "rows": rows,
-              # the output files by name only: a report holds no machine's paths
-              "args": {k: (Path(v).name if k in ("json", "profile") and v else v) for k, v in vars(args).items()},
-              "recipe": {"file": RECIPE.name, "steps": steps, "checkpoint_every": every, "checkpoint_s": ckpt_s}}
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    report(args, gpu, rows, checkpoint_seconds(gates, optimizer))
     return 0
 
 

@@ -1,5 +1,5 @@
 """No function outside the kernels grows past 60 lines (its signature, docstring and body): long units are split
-where they are written. The few still over are listed by name, and the list may only shrink."""
+where they are written. Any still over would be listed by name, and the list may only shrink."""
 
 import ast
 from pathlib import Path
@@ -7,10 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 60
 FOLDERS = ("core", "runtime", "eval", "cli", "calibrate", "train", "data", "benchmarks")
-STILL_OVER = {  # to split; a function that comes under the limit must leave this list
-    "benchmarks/calibrate.py:main", "benchmarks/decode.py:parse_args", "benchmarks/quality.py:run",
-    "benchmarks/serve.py:parse_args", "benchmarks/train_step.py:main",
-}
+STILL_OVER: set[str] = set()  # to split; a function that comes under the limit must leave this list
 
 
 def long_functions() -> dict[str, int]:
