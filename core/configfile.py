@@ -7,8 +7,7 @@ Calibration (``configs/calibrate/``), training (``configs/train/``) and DeepSpee
 go through them, so a config problem reads the same in every command.
 
 A command's folder holds ``<model>.yaml`` (that model's defaults, read for ``--model <model>``) and
-``<model>.<variant>.yaml`` (a named variant, read with ``--config <model>.<variant>``). Shipped configs that
-were renamed to follow that rule are still found by their old names (``RENAMED``), with a notice on stderr.
+``<model>.<variant>.yaml`` (a named variant, read with ``--config <model>.<variant>``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +25,6 @@ class ConfigError(ValueError):
     """A config file or setting that cannot be used; the message says which and how to fix it."""
 
 
-# old name -> current name of the shipped configs that were renamed, by folder
-RENAMED: dict[str, dict[str, str]] = {
-    "train": {"lycheedecode": "llama3-8b-1048k",
-              "ablation-hardconcrete": "llama3-8b-1048k.hardconcrete",
-              "ablation-sigmoid": "llama3-8b-1048k.sigmoid"},
-}
-
-
 def shipped(folder: str) -> dict[str, Path]:
     """The configs that ship in ``configs/<folder>/``, by name (the file name without its suffix)."""
     root = importlib.resources.files("rolecall.configs") / folder
@@ -43,14 +33,9 @@ def shipped(folder: str) -> dict[str, Path]:
 
 
 def shipped_path(name: str, kind: str, folder: str) -> Path:
-    """The file of the config named ``name`` in ``configs/<folder>/``; an old name (``RENAMED``) finds the
-    renamed file and says its new name on stderr."""
+    """The file of the config named ``name`` in ``configs/<folder>/``, or a one-line :class:`ConfigError` listing
+    the names there are."""
     there = shipped(folder)
-    new = RENAMED.get(folder, {}).get(name)
-    if name not in there and new in there:
-        print(f"{kind} {name!r} has been renamed {new!r} (configs/{folder}/{there[new].name}); use the new name",
-              file=sys.stderr)
-        name = new
     if name not in there:
         raise ConfigError(f"{kind} {name!r}: no such file, and not one of configs/{folder}/ "
                           f"({', '.join(sorted(there))})")

@@ -1,4 +1,3 @@
-import argparse
 import json
 
 import pytest
@@ -61,22 +60,6 @@ def test_model_alias_picks_its_default_config_and_no_variant(capsys):
     assert build_config("llama3-8b-1048k.hardconcrete", model="llama3-8b-1048k").gate == "hardconcrete"
     assert build_config(None, model="qwen-7b") == TrainConfig(model="qwen-7b")  # no file: the defaults
     assert capsys.readouterr().err == ""  # current names say nothing
-
-
-@pytest.mark.parametrize("old,new", [("lycheedecode", "llama3-8b-1048k"),
-                                     ("ablation-hardconcrete", "llama3-8b-1048k.hardconcrete"),
-                                     ("ablation-sigmoid", "llama3-8b-1048k.sigmoid")])
-def test_old_recipe_names_read_the_renamed_files_with_a_notice(capsys, old, new):
-    from rolecall.train.cli import add_arguments, config_from_args
-
-    assert old not in shipped_configs() and new in shipped_configs()
-    assert read_yaml(old) == read_yaml(new)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{old!r} has been renamed {new!r}" in err and f"configs/train/{new}.yaml" in err
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert config_from_args(parser.parse_args(["--config", old])) == build_config(new)  # the CLI flag too
-    assert f"renamed {new!r}" in capsys.readouterr().err
 
 
 def test_config_layers_and_errors(tmp_path):
