@@ -86,7 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the PNG plots")
     parser.add_argument("--include-sliding", dest="include_sliding", action="store_const", const=True, default=None,
                         help="hybrid models: let sliding-window layers be recorded and chosen as Δ-layers")
-    parser.add_argument("--top-pages", dest="num_pages", type=int, default=None, help=argparse.SUPPRESS)  # older name
     parser.add_argument("--random-weights", dest="random_weights", action="store_const", const=True, default=None,
                         help="the model's architecture (alias, folder or config.json) with random weights, built "
                         "sharded: for speed and memory measurements only; needs --traces of token ids")

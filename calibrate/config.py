@@ -101,7 +101,8 @@ class CalibrateConfig:
         return resolve(self.to_dict(), changes)
 
 
-RENAMED = {"top_pages": "num_pages"}  # keys of older configs and manifests, read under their current name
+# the key the shipped manifests written before its rename carry in their settings, read under its current name
+RENAMED = {"top_pages": "num_pages"}
 
 
 def resolve(*layers: dict[str, Any] | None) -> CalibrateConfig:

@@ -111,15 +111,16 @@ def test_traces_file_errors_name_the_line(tmp_path):
         read_traces(bad)
 
 
-def test_older_names_of_k_still_read(tmp_path):
-    """``top_pages`` (flag and key) is what older configs and manifests call K; it reads as ``num_pages``."""
+def test_the_key_older_manifests_call_k_still_reads_and_the_flag_is_gone(tmp_path, capsys):
+    """``top_pages`` is what the shipped manifests written before the rename call K in their settings: a config
+    with it reads as ``num_pages``; the flag ``--top-pages`` never shipped in a release and is refused."""
     from rolecall.calibrate.cli import build_parser, resolve_config
 
-    args = build_parser().parse_args(["--top-pages", "12", "--config", str(_yaml(tmp_path, "top_pages: 9\n"))])
-    config, _ = resolve_config(args)
-    assert config.num_pages == 12  # the flag wins over the file
     args = build_parser().parse_args(["--config", str(_yaml(tmp_path, "top_pages: 9\nrecent_pages: 2\n"))])
     assert resolve_config(args)[0].num_pages == 9
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--top-pages", "12"])
+    assert "unrecognized arguments: --top-pages 12" in capsys.readouterr().err
 
 
 def _yaml(folder, text):
