@@ -81,7 +81,7 @@ def describe(manifest: RoleManifest, path: str = "") -> str:
         *([f"sliding      {m.sliding_layers} (their own windowed attention under every policy)"]
           if m.sliding_layers else []),
         f"sections     {', '.join(manifest.sections) or '(none)'}",
-        f"made by      rolecall {manifest.rolecall_version or '?'}" + (f", {manifest.created}" if manifest.created else ""),
+        f"made by      rolecall {manifest.rolecall_version or '?'}",
     ]
     if manifest.layer_role is not None:
         out.append(f"Δ-layers     {manifest.delta_layers}")

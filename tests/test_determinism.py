@@ -73,7 +73,7 @@ def test_two_train_runs_in_other_folders_write_identical_bytes(model_dir, refere
     for folder in (first_folder, tmp_path):
         assert str(folder) not in header
     m = RoleManifest.load(out)
-    assert m.created is None
+    assert "created" not in read_metadata(out.read_bytes())  # no wall-clock time in a manifest
     assert m.config["output"] == "heads.safetensors" and m.config["dataset"] == "data.jsonl"
     assert m.data["path"] == "data.jsonl" and len(m.data["sha256"]) == 64
     # the sidecar config is for re-running here: it keeps the paths as given
@@ -195,12 +195,14 @@ def test_two_calibrations_from_trace_files_elsewhere_write_identical_bytes(tmp_p
     assert saved["traces"] == str(traces_a) and saved["output"] == str(a)  # the sidecar re-runs from here
 
 
-def test_created_of_an_older_file_is_read_and_kept_but_never_added():
+def test_a_key_rolecall_does_not_know_is_kept_and_never_added():
+    """An older file's ``created`` (a wall-clock time rolecall no longer writes) is metadata like any unknown key:
+    kept as it came, so the round trip keeps the bytes; a new manifest has none."""
     model = ModelIdentity(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, name="tiny")
-    old = RoleManifest(model, head_role=torch.ones(2, 2, dtype=torch.int8), created="2024-05-01T12:00:00Z")
+    old = RoleManifest(model, head_role=torch.ones(2, 2, dtype=torch.int8), extra={"created": "2024-05-01T12:00:00Z"})
     buf = old.to_bytes()
     loaded = RoleManifest.from_bytes(buf)
-    assert loaded.created == "2024-05-01T12:00:00Z" and loaded.to_bytes() == buf  # a round trip keeps the bytes
+    assert loaded.extra == {"created": "2024-05-01T12:00:00Z"} and loaded.to_bytes() == buf
     new = RoleManifest(model, head_role=torch.ones(2, 2, dtype=torch.int8))
     assert "created" not in read_metadata(new.to_bytes())
 

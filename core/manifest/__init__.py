@@ -164,9 +164,6 @@ class RoleManifest:
     config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
-    # wall-clock time of older files' runs, read and written back unchanged; rolecall no longer sets it, so that
-    # two identical runs write identical bytes
-    created: str | None = None
     rolecall_version: str | None = None
     extra: dict[str, str] = field(default_factory=dict)  # unknown metadata keys, kept as they came
 
@@ -296,9 +293,8 @@ class RoleManifest:
             value = getattr(self, key)
             if value:
                 meta[key] = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-        for key in ("created", "rolecall_version"):  # created: only an older file's, kept for a byte-exact round trip
-            if getattr(self, key):
-                meta[key] = getattr(self, key)
+        if self.rolecall_version:
+            meta["rolecall_version"] = self.rolecall_version
         return meta
 
     # -- I/O ---------------------------------------------------------------------------------------------------
@@ -365,7 +361,7 @@ class RoleManifest:
         if sorted(listed) != found:
             raise ManifestError(f"{source}: metadata 'sections' lists {listed} but the file holds {found}")
         known = {f"model.{k}" for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "name", "revision",
-                                         "config_sha256", "sliding_layers")} | {"format", "schema_version", "sections", "created",
+                                         "config_sha256", "sliding_layers")} | {"format", "schema_version", "sections",
                                                               CONTENT_HASH_KEY,
                                                               "rolecall_version", *_JSON_KEYS}
         docs = {}
@@ -375,7 +371,7 @@ class RoleManifest:
             except json.JSONDecodeError:
                 raise ManifestError(f"{source}: metadata {key!r} is not valid JSON") from None
         try:  # the values, checked as any manifest's are, named with the file
-            manifest = cls(model=model, **tensors, **docs, created=meta.get("created"),
+            manifest = cls(model=model, **tensors, **docs,
                            rolecall_version=meta.get("rolecall_version", ""),
                            extra={k: v for k, v in meta.items() if k not in known})
         except ManifestError as e:
