@@ -21,6 +21,7 @@ import torch
 
 import rolecall.core.models
 import rolecall.eval
+import rolecall.eval.runner
 from rolecall.cli import main as rolecall_main
 from rolecall.core.manifest import (
     ManifestError,
@@ -211,7 +212,7 @@ def sample(n: int, bad: int | None = None, **extra) -> dict:
      "allow_long_context=True"),
 ])
 def test_evaluate_refuses_bad_samples_before_any_decoding(model, monkeypatch, samples, error, says):
-    monkeypatch.setattr(rolecall.eval, "_plan", lambda *a, **k: pytest.fail("the evaluation was planned"))
+    monkeypatch.setattr(rolecall.eval.runner, "_plan", lambda *a, **k: pytest.fail("the evaluation was planned"))
     with pytest.raises(error) as info:
         rolecall.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=samples)
     assert says in str(info.value) and "\n" not in str(info.value), str(info.value)
@@ -221,7 +222,7 @@ def test_evaluate_runs_past_the_context_only_when_allowed(model, monkeypatch):
     def reached(*a, **k):
         raise Reached
 
-    monkeypatch.setattr(rolecall.eval, "_plan", reached)
+    monkeypatch.setattr(rolecall.eval.runner, "_plan", reached)
     with pytest.raises(ContextLengthError):
         rolecall.eval.evaluate(model, tiny_tokenizer(), None, "full", samples=[sample(60)])
     with pytest.raises(Reached):

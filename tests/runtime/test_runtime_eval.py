@@ -353,7 +353,7 @@ def test_a_batch_that_cannot_run_is_refused_before_the_prompts_are_built(tiny_fo
     """A batch size on the CPU or with --measure is refused in one line naming the flag, the reason and the fix,
     before any prompt is built or model loaded (the quality script: tests/benchmarks); with ``-p engine=static``
     the CPU runs the engine, and batches."""
-    import rolecall.eval as ev
+    import rolecall.eval.runner as ev
 
     prompts = str(tiny_folder / "prompts.jsonl")
     out = tiny_folder / "batched.json"
@@ -405,7 +405,7 @@ def test_an_evaluation_stopped_midway_resumes_from_its_checkpoint_to_the_same_re
     """The engine path keeps each finished batch; a run killed in its second batch, its file's last line
     torn, resumes at that batch and gives exactly the uninterrupted result, naming the device of each part
     (the first batch's moved to another). Another run's file is refused."""
-    import rolecall.eval as ev
+    import rolecall.eval.runner as ev
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     whole = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=2)  # 4 batches
@@ -559,7 +559,7 @@ def test_a_run_stopped_midway_resumes_with_another_batch_size(tiny_folder, tmp_p
     """Out of memory at batch 2, rerun at batch 3: the finished batch is kept, only the other prompts decode
     (in batches of 3 of one length), and every prompt's generation and score are those of the whole run; a
     further rerun finds everything done. Decoding together, the batches all policies finished are kept."""
-    import rolecall.eval as ev
+    import rolecall.eval.runner as ev
     from rolecall.eval import Job, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
