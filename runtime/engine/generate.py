@@ -187,9 +187,9 @@ def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new
     (transformers' ``TextStreamer`` works), fed row 0's prompt first, as ``model.generate`` does, then its new
     tokens at every check. The cache holds ``longest prompt + max(max_new_tokens)`` tokens per row.
     ``keep_prefill``: keep a copy of the prefill in ``Generation.prefilled``; ``prefilled``: such a copy, made for
-    the same prompts on the same model (with any policy), loaded instead of prefilling again. ``decoders``: run on the decoder it keeps when this request
-    fits it, and keep this request's decoder there (see :class:`Decoders`; not with ``output_logits`` or
-    ``reference_logits``, whose buffers are sized to the request).
+    the same prompts on the same model (with any policy), loaded instead of prefilling again. ``decoders``: run on
+    the decoder it keeps when this request fits it, and keep this request's decoder there (see :class:`Decoders`;
+    not with ``output_logits`` or ``reference_logits``, whose buffers are sized to the request).
 
     Checked before any work (:func:`rolecall.runtime.prompts.check_prompts`), each refused in one line (``ValueError``):
     ``prompts`` a list of token id lists (or 1-D integer tensors) or a ``[batch, tokens]`` integer tensor, each
