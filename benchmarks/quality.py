@@ -58,44 +58,13 @@ from rolecall.cli.common import (
 from rolecall.core import atomic
 from rolecall.core.models import DEFAULT_MODEL
 from rolecall.eval import EvalSettings, evaluate, paired_difference, suite_prompts, wilson_interval
+from rolecall.eval.budgets import MAPPING, policy_params
 from rolecall.runtime.policies import PolicyError, engine_policies, get_policy
 
 PROG = Path(__file__).name
 ARCHIVE = "cells.jsonl.xz"  # a finished grid's cells in one file, the record ``artifacts/`` keeps
 POLICIES = ("full", "delta", "lychee", "lethe", "vattention", "quest")
 BUDGETS = (256, 512, 1024, 2048)
-PAGE = 16  # DELTA's and Quest's page size P
-
-MAPPING = {
-    "delta": "K = ceil(budget / 16) pages of 16 tokens, the L = max(1, K / 8) most recent among them (the paper's "
-             "L/K = 8/64); full and Δ-layers read everything",
-    "lychee": "budget tokens (block size 1, the current token included) for each sparse head; retrieval heads "
-              "read everything",
-    "lethe": "budget = mean slots per layer, shared out over layers in proportion to the manifest's layers.budget "
-             "(uniform without --lethe); memory stops growing there",
-    "vattention": "deterministic set of 4 sinks + window budget/4 + heavy hitters budget/2 per KV head, then the "
-                  "CLT sample that ε, δ need on top, at most budget tokens (max_sample: the engine's fixed shape; "
-                  "its reads are the 'read' column)",
-    "quest": "K = ceil(budget / 16) pages per KV head by the min/max key bound, the current page included; layers "
-             "0 and 1 dense",
-}
-
-
-def policy_params(policy: str, budget: int, args: argparse.Namespace) -> dict[str, Any]:
-    """A token budget in ``policy``'s own parameters (see ``MAPPING``)."""
-    if policy == "delta":
-        pages = math.ceil(budget / PAGE)
-        return {"budget": budget, "page_size": PAGE, "recent_pages": max(1, pages // 8)}
-    if policy in ("lychee", "lethe"):
-        return {"budget": budget}
-    if policy == "vattention":
-        return {"epsilon": args.vattention_epsilon, "delta": args.vattention_delta, "sinks": 4, "window": budget // 4,
-                "heavy": budget // 2, "max_sample": budget}
-    if policy == "quest":
-        return {"budget": budget, "page_size": PAGE}
-    return {}
-
-
 @dataclass
 class Cell:
     label: str  # the table row: "delta", "delta-recall", "lychee-hardkuma", ...
@@ -187,7 +156,7 @@ def build_cells(args: argparse.Namespace) -> list[Cell]:
         if policy == "full":
             cells.append(Cell(label, policy, manifest, None))
             continue
-        cells += [Cell(label, policy, manifest, b, {**policy_params(policy, b, args), **extra}) for b in args.budgets]
+        cells += [Cell(label, policy, manifest, b, {**policy_params(policy, b, args.vattention_epsilon, args.vattention_delta), **extra}) for b in args.budgets]
     for cell in cells:
         try:
             get_policy(cell.policy, **cell.params)  # bad values fail here, before the model loads

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import": ("rolecall.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
     "merge": ("rolecall.cli.merge", "combine a layers manifest and a heads manifest of one model"),
     "serve": ("rolecall.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "tune": ("rolecall.cli.tune", "choose the cheapest setting within a stated drop of full attention, into the manifest"),
 }
 
 

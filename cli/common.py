@@ -30,13 +30,18 @@ def parse_params(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def policy_inputs(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], Any]:
-    """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``, checked before the model loads: a bad
-    policy name or parameter, or a bad manifest file, fails here in one line; with the model's ``config`` also
-    what :func:`check_policy` checks."""
+    """``-p`` parameters and the ``--manifest`` of ``decode``/``eval``/``serve``, checked before the model loads: a
+    bad policy name or parameter, or a bad manifest file, fails here in one line; with the model's ``config`` also
+    what :func:`check_policy` checks. Without ``--policy``, ``args.policy`` becomes the manifest's recommended
+    setting's (its parameters under the ``-p`` ones, said in one line on stderr) or delta."""
     from rolecall.core.manifest import RoleManifest
+    from rolecall.runtime.session import chosen_setting
 
     params = parse_params(args.param)
     manifest = RoleManifest.load(args.manifest) if args.manifest else None
+    args.policy, params, line = chosen_setting(args.policy, manifest, params)
+    if line:
+        print(line, file=sys.stderr)
     check_policy(args.policy, params, manifest, config)
     return params, manifest
 
@@ -62,7 +67,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="run the model folder's own Python code (auto_map in config.json); off by default")
     parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
                         "lethe layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
-    parser.add_argument("--policy", default="delta", help="full, delta, lychee, lethe, vattention or quest (default delta)")
+    parser.add_argument("--policy", default=None, help="full, delta, lychee, lethe, vattention or quest (default: the "
+                        "manifest's recommended setting from rolecall tune when it has one, else delta)")
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
                         help="policy parameter, repeatable (e.g. -p budget=1024, -p ratio=0.1, -p epsilon=0.05)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one); on cuda "

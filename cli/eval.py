@@ -32,18 +32,17 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 def run_reasoning(args: argparse.Namespace) -> int:
+    from rolecall.core.models import load_config, load_tokenizer
     from rolecall.eval import fidelity, format_fidelity
     from rolecall.runtime.policies import engine_policies
 
-    if args.policy not in engine_policies():
-        raise ValueError(f"--suite reasoning runs on the engine: --policy {args.policy!r} has no engine step yet; "
-                         f"use one of {', '.join(engine_policies())}")
     if args.max_new_tokens < 2 or args.limit < 1:
         raise ValueError(f"--max-new-tokens must be at least 2 and --limit at least 1, got {args.max_new_tokens} "
                          f"and {args.limit}")
-    from rolecall.core.models import load_config, load_tokenizer
-
     params, manifest = policy_inputs(args, load_config(args.model, trust_remote_code=args.trust_remote_code))
+    if args.policy not in engine_policies():
+        raise ValueError(f"--suite reasoning runs on the engine: --policy {args.policy!r} has no engine step yet; "
+                         f"use one of {', '.join(engine_policies())}")
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_placed(args)
     result = fidelity(model, tokenizer, manifest, args.policy, params, source=args.reasoning_source, limit=args.limit,

@@ -101,6 +101,12 @@ def describe(manifest: RoleManifest, path: str = "") -> str:
         out.append(f"metrics      {json.dumps(scalars, sort_keys=True)}")
     elif has_values(manifest.metrics):
         out.append("metrics      (arrays only; --json shows them)")
+    if manifest.recommended:
+        from rolecall.core.manifest.recommended import evidence_text, setting_text
+
+        r = manifest.recommended
+        why = evidence_text(r.get("evidence", {}))
+        out.append(f"recommended  {setting_text(r['policy'], r.get('params', {}))}" + (f" ({why})" if why else ""))
     for key, value in sorted(manifest.extra.items()):
         out.append(f"{key:<12} {value}")
     if manifest.sections:

@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rolecall.core.manifest import RoleManifest
+from rolecall.core.manifest.recommended import evidence_text, setting_text
 from rolecall.core.models import cache_keyword, sliding_layers
 from rolecall.runtime.attention import keep_mask, use_attention
 from rolecall.runtime.kernels.page_scores import attention_probs
@@ -357,6 +358,30 @@ def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleMan
     return RoleManifest.load(manifest)
 
 
+DEFAULT_POLICY = "delta"  # what a session decodes with when neither the caller nor the manifest names a policy
+
+
+def chosen_setting(policy: str | Any | None, manifest: RoleManifest | None,
+                   params: dict[str, Any]) -> tuple[str | Any, dict[str, Any], str | None]:
+    """The policy and parameters a session decodes with, and the one line that says where they came from.
+
+    A ``policy`` given (a name or an object) is used as given with ``params``. Without one (None), the manifest's
+    recommended setting (``RoleManifest.recommended``, written by ``rolecall tune``) is used, the caller's
+    ``params`` over its own, and the line names it and its evidence; without a recommendation, ``delta`` with
+    ``params`` and no line."""
+    if policy is not None:
+        return policy, params, None
+    recommended = getattr(manifest, "recommended", None) or {}
+    if not recommended:
+        return DEFAULT_POLICY, params, None
+    merged = {**recommended.get("params", {}), **params}
+    why = evidence_text(recommended.get("evidence", {}))
+    why = f" ({why})" if why else ""
+    line = (f"rolecall: decoding with {setting_text(recommended['policy'], merged)}, the manifest's recommended "
+            f"setting{why}; name a policy to override it")
+    return recommended["policy"], merged, line
+
+
 def bound_policy(policy: str | Any, manifest: RoleManifest | None, config: Any, **params: Any) -> Any:
     """``policy`` (a name or a policy object) made from ``params``, with ``manifest`` checked against the model's
     ``config`` and bound to it: what :func:`attach` does before it decodes, which needs no weights (the commands
@@ -370,9 +395,11 @@ def bound_policy(policy: str | Any, manifest: RoleManifest | None, config: Any, 
 
 @contextmanager
 def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | None = None,
-           policy: str | Any = "delta", **params: Any) -> Iterator[Session]:
+           policy: str | Any | None = None, **params: Any) -> Iterator[Session]:
     """Decode ``model`` with ``policy`` (a name from ``rolecall.runtime.policies.POLICIES`` or a policy object) and
-    ``manifest`` (a RoleManifest or a path) inside the ``with`` block; yields a :class:`Session`.
+    ``manifest`` (a RoleManifest or a path) inside the ``with`` block; yields a :class:`Session`. Without a
+    ``policy``, the manifest's recommended setting (``rolecall tune``) when it has one, said in one line on
+    stderr, else ``delta`` (:func:`chosen_setting`).
 
     ``params`` go to the policy, except ``record_recall`` / ``record_error`` (bool, default False): also
     measure per layer the true attention mass inside the read set and the relative error of each head's
@@ -391,6 +418,9 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
     min_context = params.pop("min_context", None)
     allow_long_context = params.pop("allow_long_context", False)
     manifest = _load_manifest(manifest)
+    policy, params, line = chosen_setting(policy, manifest, params)
+    if line:
+        print(line, file=sys.stderr)
     pol = bound_policy(policy, manifest, model.config, **params)
     current = model.config._attn_implementation or ""
     if current.startswith("rolecall"):
@@ -403,4 +433,4 @@ def attach(model: torch.nn.Module, manifest: RoleManifest | str | os.PathLike | 
             session.close()
 
 
-__all__ = ["LayerStats", "Session", "attach", "bound_policy"]
+__all__ = ["DEFAULT_POLICY", "LayerStats", "Session", "attach", "bound_policy", "chosen_setting"]

@@ -65,7 +65,7 @@ _TENSORS: dict[str, tuple[str, torch.dtype, str, str]] = {
 _ST_DTYPES = {torch.int8: "I8", torch.float32: "F32"}
 _ST_DTYPES_BACK = {v: k for k, v in _ST_DTYPES.items()}
 _NP_DTYPES = {torch.int8: np.dtype("i1"), torch.float32: np.dtype("<f4")}
-_JSON_KEYS = ("config", "data", "metrics")  # metadata values that hold JSON documents
+_JSON_KEYS = ("config", "data", "metrics", "recommended")  # metadata values that hold JSON documents
 _MAX_HEADER = 64 * 1024 * 1024
 _MADE_BY = "give a manifest that calibrate-delta, train-heads, rolecall merge or rolecall import wrote"
 CONTENT_HASH_KEY = "content_sha256"  # metadata key; checked on load when present
@@ -164,6 +164,8 @@ class RoleManifest:
     config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    # the decode setting ``rolecall tune`` chose for this model and workload: {"policy", "params", "evidence"}
+    recommended: dict[str, Any] = field(default_factory=dict)
     rolecall_version: str | None = None
     extra: dict[str, str] = field(default_factory=dict)  # unknown metadata keys, kept as they came
 
@@ -178,6 +180,7 @@ class RoleManifest:
                 raise ManifestError(f"{name} must be {dtype} but is {value.dtype}; convert it before building the manifest")
             setattr(self, attr, value.detach().to("cpu", dtype).contiguous())
         self._check_shapes()
+        _check_recommended(self.recommended)
         if self.rolecall_version is None:
             from rolecall import __version__
 
@@ -507,6 +510,17 @@ def _check_hash(buf: bytes, header: dict, data: bytes, meta: dict, source: str) 
             "(changed after it was written); restore or re-create the manifest"
         )
     return None
+
+
+def _check_recommended(recommended: Any) -> None:
+    """A recommended setting is empty or ``{"policy": name, "params": {...}, "evidence": {...}}``."""
+    if not recommended:
+        return
+    ok = (isinstance(recommended, dict) and isinstance(recommended.get("policy"), str) and recommended["policy"]
+          and isinstance(recommended.get("params", {}), dict) and isinstance(recommended.get("evidence", {}), dict))
+    if not ok:
+        raise ManifestError(f"recommended must be {{'policy': name, 'params': {{...}}, 'evidence': {{...}}}}, got "
+                            f"{recommended!r:.80}; re-run rolecall tune to write it")
 
 
 def _check_values(name: str, t: torch.Tensor | None, ok, what: str, fix: str) -> None:

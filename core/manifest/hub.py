@@ -27,6 +27,7 @@ from typing import Any
 
 from rolecall.core.atomic import write_bytes, write_text
 from rolecall.core.manifest import ManifestError, RoleManifest
+from rolecall.core.manifest.recommended import evidence_text, setting_text
 
 MANIFEST_FILE = "manifest.safetensors"
 
@@ -66,16 +67,33 @@ def model_card(manifest: RoleManifest, base_model: str) -> str:
         keep = {k: v for k, v in sorted(manifest.metrics.items()) if isinstance(v, (int, float, str))}
         if keep:
             lines += ["", "Its metrics:", "", "```json", json.dumps(keep, sort_keys=True), "```"]
-    policy = "delta" if "layers" in sections else "lychee"
+    lines += recommended_lines(manifest)
+    policy = "" if manifest.recommended else " --policy delta" if "layers" in sections else " --policy lychee"
+    given = "" if manifest.recommended else ", \"delta\"" if "layers" in sections else ", \"lychee\""
     lines += ["", "## Use", "", "```bash", "pip install rolecall",
-              f"rolecall decode --model {base_model} --manifest <this folder or repo id> --policy {policy} "
-              "--prompt \"...\"", "```", "", "```python", "from runtime import attach", "",
-              f"with attach(model, \"<this folder>\", \"{policy}\") as session:",
+              f"rolecall decode --model {base_model} --manifest <this folder or repo id>{policy} "
+              "--prompt \"...\"", "```", "", "```python", "from rolecall.runtime import attach", "",
+              f"with attach(model, \"<this folder>\"{given}) as session:",
               "    out = session.generate(**inputs, max_new_tokens=256)", "```", "",
               "Files: `manifest.safetensors` (the manifest; `rolecall inspect --verify` checks its content hash)"
               + (", `layers.json` (the layer list)" if "layers" in sections else "")
               + (", `duo/` (a DuoAttention pattern)" if "heads" in sections else "") + "."]
     return "\n".join(lines) + "\n"
+
+
+def recommended_lines(manifest: RoleManifest) -> list[str]:
+    """The card's section on the recommended setting (``rolecall tune``), empty without one."""
+    r = manifest.recommended
+    if not r:
+        return []
+    evidence = r.get("evidence", {})
+    lines = ["", "## Recommended setting", "", f"`{setting_text(r['policy'], r.get('params', {}))}`, chosen by "
+             f"`rolecall tune` as the cheapest setting within {evidence.get('max_drop', '?')} points of full attention "
+             f"({evidence_text(evidence) or 'no evidence recorded'}). Decoding with this manifest and no policy named "
+             "uses it."]
+    if evidence.get("command"):
+        lines += ["", "Made with:", "", "```bash", evidence["command"], "```"]
+    return lines
 
 
 def export_hub(manifest: RoleManifest, raw: bytes, out: str | os.PathLike, base_model: str, config: Any) -> Path:
