@@ -418,3 +418,58 @@ def test_a_long_stop_string_split_across_deliveries_is_found_beside_a_short_one(
     assert text.stop_cut() is None
     text.add(list(b"D"))
     assert text.stop_cut() == 4 and text.stop_text() == "xEND"
+
+
+
+# -- a third planted set: range ends and refusals, worked by hand -----------------------------------------------------
+def test_a_top_p_of_zero_is_refused_and_the_least_positive_one_taken():
+    """top_p lies in (0, 1]: 0 keeps no token and is refused naming the field; any positive value is taken."""
+    from rolecall.runtime.engine.sampling import Sampling
+
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0"):
+        Sampling(do_sample=True, top_p=0.0)
+    assert Sampling(do_sample=True, top_p=1e-9).top_p == 1e-9
+
+
+def test_a_lethe_budget_of_zero_is_refused_and_the_least_positive_one_loads():
+    """(0, 1] is open at 0: a layer that keeps nothing is refused naming the field and its place; the smallest
+    positive float32 loads."""
+    from rolecall.core.manifest import ManifestError, RoleManifest
+    from tests.test_bad_input_api import manifest, rewritten, set_value
+
+    m = manifest(layer_budget=[1.0, 1.0, 0.5, 1.0])
+    with pytest.raises(ManifestError, match=r"layers\.budget\[2\] is 0\.0, not a fraction in \(0, 1\]"):
+        RoleManifest.from_bytes(rewritten(m.to_bytes(), set_value("layers.budget", 2, 0.0)))
+    tiny = float(torch.finfo(torch.float32).smallest_normal)
+    assert RoleManifest.from_bytes(rewritten(m.to_bytes(), set_value("layers.budget", 2, tiny))).layer_budget[2] > 0
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_heads", "head_dim"])
+def test_a_model_count_of_zero_is_refused_naming_it(field):
+    """The identity's counts are positive integers: 0 is refused in one line naming the field; 1 is taken."""
+    from rolecall.core.manifest import ManifestError, ModelIdentity, RoleManifest
+
+    counts = {"num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 1}
+    RoleManifest(ModelIdentity(**counts))
+    with pytest.raises(ManifestError, match=rf"model\.{field} must be a positive integer, got 0"):
+        RoleManifest(ModelIdentity(**{**counts, field: 0}))
+
+
+def test_auto_peaks_make_every_layer_a_delta_layer_when_no_smaller_set_meets_the_target():
+    """Sparse layers recall 0.5 of the mass and the target is 1: only a set with no sparse layer (recall 1 by
+    definition) reaches it, so all three layers after a warm-up of 0 are Δ-layers."""
+    from rolecall.calibrate.select_peaks import PeaksSelector
+
+    chosen = PeaksSelector(warmup=0, min_gap=1, target_recall=1.0)(torch.tensor([0.0, 0.3, 0.1]),
+                                                                  torch.full((3, 3), 0.5), "auto")
+    assert chosen == [0, 1, 2]
+
+
+def test_the_servers_top_k_takes_minus_one_as_off_and_refuses_below_it():
+    """top_k ≥ 0, with 0 and -1 both meaning off: -1 is taken as 0, -2 refused naming the field."""
+    from rolecall.runtime.server.protocol import ProtocolError, parse_completion
+
+    assert parse_completion({"prompt": "x", "top_k": -1}).top_k == 0
+    with pytest.raises(ProtocolError) as info:
+        parse_completion({"prompt": "x", "top_k": -2})
+    assert info.value.param == "top_k" and info.value.status == 400

@@ -288,3 +288,27 @@ def test_a_finished_lethe_decoder_frees_its_buffers_without_the_garbage_collecto
         assert all(r() is None for r in buffers + steps)
     finally:
         gc.enable()
+
+
+def test_a_budget_below_the_sinks_still_keeps_one_token_chosen_by_score():
+    """budget=1 with two sinks: a layer holds at least the sinks, the current token and one more, which its
+    scores choose. Ten slots, slot 5 the best other token, no recent share: kept 0, 1 (sinks), 5 and 9 (current)."""
+    policy = get_policy("lethe", budget=1, sinks=2, recent_ratio=0.0, segments=1)
+    policy.bind(None, type("Config", (), {"num_hidden_layers": 1})())
+    scores = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.1, 0.9, 0.2, 0.1, 0.3, 0.0]])
+    kept = policy._keep(scores, torch.ones(1, 10, dtype=torch.bool), policy.capacity(0, 10))
+    assert kept.tolist() == [[0, 1, 5, 9]]
+
+
+def test_the_current_token_is_kept_whatever_its_score():
+    """Five slots, one sink, no recent share, room for three: the sink, the current token (slot 4, score 0) and the
+    best candidate (slot 1), on the reference and on the device alike."""
+    from rolecall.runtime.policies.lethe import keep_on_device
+
+    policy = get_policy("lethe", budget=3, sinks=1, recent_ratio=0.0, segments=1)
+    scores = torch.tensor([[0.0, 5.0, 4.0, 3.0, 0.0]])
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    assert policy.recent_slots(3) == 0
+    assert policy._keep(scores, valid, 3).tolist() == [[0, 1, 4]]
+    got = keep_on_device(scores, valid, valid.clone(), 3, 1, 0, 1, policy.tau)
+    assert got.tolist() == [[True, True, False, False, True]]

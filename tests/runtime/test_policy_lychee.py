@@ -105,3 +105,18 @@ def test_only_choices_a_later_layer_reads_are_made():
     assert step.n_choosing == [2, 0, 2, 0, 0] and step.n_retrieval == [3, 1, 2, 0, 2]
     # per layer: the heads that choose, then the other retrieval heads, then the sparse ones
     assert [o.tolist() for o in step.head_order] == [[0, 2, 1], [1, 0, 2], [0, 1, 2], [0, 1, 2], [0, 2, 1]]
+
+
+def test_the_recent_blocks_are_kept_when_they_outnumber_the_budget():
+    """budget=2 with recent=4 (block size 1): the four last tokens are always kept, so the set holds those four
+    and nothing else, however high another token scores; the engine's step reads sets of four blocks too."""
+    from types import SimpleNamespace
+
+    policy = get_policy("lychee", budget=2, recent=4)
+    scores = torch.tensor([[[9.0, 8.0, 7.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    chosen = policy._choose(scores, torch.ones(1, 1, 8, dtype=torch.bool))
+    assert sorted(int(i) for i in chosen.flatten() if i >= 0) == [4, 5, 6, 7]
+    policy.bind(RoleManifest(ModelIdentity(3, HQ, HKV, D), head_role=torch.tensor([[1, 1], [0, 1], [0, 0]],
+                                                                                   dtype=torch.int8)), None)
+    step = policy.static_step(SimpleNamespace(layers=3, kv_heads=HKV))
+    assert (step.num_blocks, step.recent_blocks) == (4, 4)
