@@ -35,6 +35,7 @@ MIXED_MAX_BATCH = 8  # from this batch size a mixed layer takes two launches (se
 # chunks of 1,024 / 2,048 / 4,096 / 8,192; delta's dense layers 1.099 against 1.075 at 2,048.
 ROWS_CHUNK: int | None = 2048
 
+
 class DecodeAttention:
     """The attention calls of one decoder's step over ``cache`` (``batch`` rows of a model of ``shape`` whose
     weights are ``dtype``). ``kernels``: ``"auto"`` (Triton on CUDA), ``"naive"`` (the PyTorch references) or
@@ -51,7 +52,8 @@ class DecodeAttention:
         self._aside: dict[Any, Any] = {}  # per (device, role), a stream beside the step's (_side_stream)
         self._joins: set[Any] = set()  # the streams this step put work on, waited for at its end
         self._out = {"out_dtype": dtype} if self.triton else {}  # the GPU kernels write the model's dtype
-        self._dense = dict(self._out, chunk=ROWS_CHUNK) if self.triton and row_lengths and ROWS_CHUNK else self._out
+        chunked = self.triton and row_lengths and ROWS_CHUNK
+        self._dense = dict(self._out, chunk=ROWS_CHUNK) if chunked else self._out
 
     def _choose_kernels(self, kernels: str, device: torch.device, block_sizes: Any, policy: str) -> None:
         """Triton (on CUDA by default, or under the interpreter when asked) or the PyTorch references."""
