@@ -492,12 +492,11 @@ def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, mon
     import gc
     import weakref
 
-    import rolecall.runtime.engine as engine
-    from rolecall.eval import Job, evaluate_many
+    from rolecall.eval import Job, decoding, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     made, alive = [], []
-    real = engine.generate
+    real = decoding.traced_generate
 
     def watched(*args, **kwargs):
         alive.append(sum(ref() is not None for ref in made))
@@ -505,7 +504,7 @@ def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, mon
         made.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(engine, "generate", watched)
+    monkeypatch.setattr(decoding, "traced_generate", watched)
     gc.collect()
     gc.disable()
     try:
