@@ -64,15 +64,9 @@ from benchmarks.timing import copy_bandwidth, event_times, gpu_slug, step_timeli
 from rolecall.cli import Parser
 from rolecall.core.atomic import write_text
 from rolecall.core.manifest import ModelIdentity, RoleManifest
-from rolecall.runtime.engine import (
-    SHAPES,
-    ModelShape,
-    StaticCache,
-    StaticDecoder,
-    Weights,
-    default_min_context,
-)
+from rolecall.runtime.engine import SHAPES, ModelShape, StaticCache, StaticDecoder, Weights
 from rolecall.runtime.engine.cache import head_order_of
+from rolecall.runtime.engine.crossovers import default_min_context
 from rolecall.runtime.kernels import pdl
 from rolecall.runtime.policies import get_policy
 

@@ -18,6 +18,7 @@ Prompts come from ``rolecall.data.passkey.build_niah_dataset``, ``rolecall.data.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -234,16 +235,17 @@ def _decode_batch(model, tokenizer, session, batch: list[dict[str, Any]], settin
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(budgets),
                   do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
     if on_engine:  # full attention's logits along the trace, from the prompt's K/V the engine already holds
-        kwargs["reference_logits"] = True
-        if share:
-            kwargs["prefilled"] = share["prefilled"]
-        elif share is not None:
-            kwargs["keep_prefill"] = True
+        from rolecall.eval.decoding import traced_generate
+
+        run = functools.partial(traced_generate, reference_logits=True,
+                                prefilled=share["prefilled"] if share else None,
+                                keep_prefill=share is not None and not share)
+        out = session.generate_on_engine(run, **kwargs)
     else:
         # A plain cache: Lethe then masks instead of freeing (same outputs, tested), so recall still counts the
         # attention mass that fell on evicted tokens.
         kwargs[cache_keyword(model)] = DynamicCache(config=model.config)
-    out = session.generate(**kwargs)
+        out = session.generate(**kwargs)
     if share is not None and not share and session.last is not None:
         share["prefilled"] = session.last.prefilled
     info = session.last.info if session.last is not None else None
@@ -473,11 +475,12 @@ def evaluate_many(model, tokenizer, jobs: list[Job], settings: EvalSettings | No
 
     The jobs that decode on the engine without measuring go through the batches together: each batch is
     prefilled once, by the first of them that still needs it, and the others load that prefill
-    (``Session.generate(prefilled=...)``) instead of reading the prompts again, which is most of the time at
-    long contexts. Every policy then starts from the very same dense pass (up to rounding, it is the one
-    each would compute: the order of KV heads in a policy's cache changes the order of some sums).
-    ``Job.seconds``: each job's own time; a shared prefill counts to the job that ran it. ``share_prefill=False``
-    runs each job on its own, one after the other, as the others (measuring, off the engine) always do.
+    (:func:`rolecall.eval.decoding.traced_generate`'s ``prefilled``) instead of reading the prompts again,
+    which is most of the time at long contexts. Every policy then starts from the very same dense pass (up to
+    rounding, it is the one each would compute: the order of KV heads in a policy's cache changes the order of
+    some sums). ``Job.seconds``: each job's own time; a shared prefill counts to the job that ran it.
+    ``share_prefill=False`` runs each job on its own, one after the other, as the others (measuring, off the
+    engine) always do.
 
     Before any decoding the samples' prompts are checked (:func:`check_samples`): each a 1-D integer tensor of
     at least one id in the model's vocabulary, each budget (``max_new_tokens``, the sample's own or the
@@ -634,7 +637,8 @@ def fidelity(model, tokenizer, manifest=None, policy: str = "delta", params: dic
     divergence point, the first generated token the policy would have chosen otherwise (from there on its
     own greedy generation would part from full's)."""
     from rolecall.data.reasoning import build_reasoning_dataset
-    from rolecall.runtime.engine import lockstep, shared_weights, static_step_of
+    from rolecall.eval.decoding import lockstep
+    from rolecall.runtime.engine import shared_weights, static_step_of
 
     prompts = [s["input_ids"].tolist() for s in build_reasoning_dataset(tokenizer, source, limit)]
     with attach(model, manifest, policy, engine="static", **dict(params or {})) as session:

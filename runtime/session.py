@@ -19,7 +19,7 @@ import functools
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -112,14 +112,13 @@ class Session:
 
     def generate(self, *args: Any, **kwargs: Any):
         """``model.generate``'s arguments and outputs; the engine when :meth:`engine_reason` allows (then also
-        ``seed=`` for sampling, ``reference_logits=True`` for full attention's logits along the generated
-        tokens in ``self.last.reference_logits``, and ``keep_prefill=True`` / ``prefilled=`` to share one prefill
-        between sessions, see :func:`rolecall.runtime.engine.generate`), else ``model.generate`` on the reference path with a cache from
-        :meth:`cache`. On the engine, ``output_logits=True`` gives one ``[B, V]`` per step as transformers does, but
-        as views of one buffer in the model's dtype (transformers makes float32 copies; bf16 values are the same).
-        The previous request's generation is freed when this one starts; its decoder is kept for the next request
-        of the same kind that fits it (``rolecall.runtime.engine.Decoders``: the CUDA graphs replay instead of being captured
-        again) and freed at the end of the session.
+        ``seed=`` for sampling; the request's :class:`rolecall.runtime.engine.Generation` is ``self.last``),
+        else ``model.generate`` on the reference path with a cache from :meth:`cache`. On the engine,
+        ``output_logits=True`` gives one ``[B, V]`` per step as transformers does, but as views of one buffer
+        in the model's dtype (transformers makes float32 copies; bf16 values are the same). The previous
+        request's generation is freed when this one starts; its decoder is kept for the next request of the
+        same kind that fits it (``rolecall.runtime.engine.Decoders``: the CUDA graphs replay instead of being
+        captured again) and freed at the end of the session.
 
         Before anything runs, the request is checked (:meth:`check_request`); a bad one is refused in one line
         (``ValueError``) naming the value, the limit and the fix."""
@@ -139,6 +138,19 @@ class Session:
         if "cache" not in kwargs and "past_key_values" not in kwargs:  # a cache the caller gave, by either name
             kwargs[cache_keyword(self.model)] = self.cache()
         return self.model.generate(*args, **kwargs)
+
+    def generate_on_engine(self, run: Callable[..., Any], **kwargs: Any):
+        """:meth:`generate` (keyword arguments only) on the engine, with ``run`` in place of
+        :func:`rolecall.runtime.engine.generate`: a function of its arguments that returns a
+        :class:`~rolecall.runtime.engine.Generation` (the evaluation's
+        :func:`rolecall.eval.decoding.traced_generate` keeps more of a request). A request the engine cannot
+        run is refused in one line (``PolicyError``)."""
+        rows = self.check_request((), kwargs)
+        why = self.engine_reason(kwargs)
+        if why is not None:
+            raise PolicyError(f"this request needs the engine, which cannot run it: {why}")
+        self.last = None
+        return self._generate_static(rows=rows, run=run, **kwargs)
 
     def check_request(self, args: tuple, kwargs: dict[str, Any]) -> list[list[int]] | None:
         """``generate(*args, **kwargs)``'s prompts checked as :func:`rolecall.runtime.prompts.check_prompts` checks them:
@@ -214,10 +226,10 @@ class Session:
                          eos_token_id: Any = None, pad_token_id: int | None = None, stop_strings: Any = None,
                          tokenizer: Any = None, streamer: Any = None, output_logits: bool = False,
                          return_dict_in_generate: bool = False, num_beams: int = 1, use_cache: bool = True,
-                         reference_logits: bool = False, prefilled: Any = None, keep_prefill: bool = False,
-                         rows: list[list[int]] | None = None):
-        """The engine's request; ``rows``: each row's ids without those ``attention_mask`` drops (left padding),
-        as :meth:`check_request` gives them."""
+                         rows: list[list[int]] | None = None, run: Callable[..., Any] | None = None):
+        """The engine's request; ``rows``: each row's ids without those ``attention_mask`` drops (left
+        padding), as :meth:`check_request` gives them; ``run``: what runs it
+        (:func:`rolecall.runtime.engine.generate` when None, see :meth:`generate_on_engine`)."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         from rolecall.runtime.engine import Decoders, Sampling, Weights, generate
@@ -248,10 +260,10 @@ class Session:
             self._weights = self._weights.with_positions(self.model, positions)
         self._decoders = self._decoders or Decoders()
         stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
-        out = generate(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling, eos_token_id=eos,
-                       pad_token_id=int(pad), stop_strings=stops, tokenizer=tokenizer, streamer=streamer,
-                       output_logits=output_logits, min_context=self.min_context, reference_logits=reference_logits,
-                       prefilled=prefilled, keep_prefill=keep_prefill, decoders=self._decoders)
+        out = (run or generate)(self._weights, self.policy, ids, max_new_tokens=new, sampling=sampling,
+                                eos_token_id=eos, pad_token_id=int(pad), stop_strings=stops,
+                                tokenizer=tokenizer, streamer=streamer, output_logits=output_logits,
+                                min_context=self.min_context, decoders=self._decoders)
         self.last = out
         width = max(len(t) for t in out.tokens)
         rows = [t + [int(pad)] * (width - len(t)) for t in out.tokens]
@@ -349,7 +361,7 @@ SESSION_PARAMS = ("record_recall", "record_error", "engine", "min_context", "all
 # model.generate arguments the engine honours (the rest send a request to the reference path)
 ENGINE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                  "seed", "eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "streamer", "output_logits",
-                 "return_dict_in_generate", "num_beams", "use_cache", "reference_logits", "prefilled", "keep_prefill"}
+                 "return_dict_in_generate", "num_beams", "use_cache"}
 
 
 def _load_manifest(manifest: RoleManifest | str | os.PathLike | None) -> RoleManifest | None:

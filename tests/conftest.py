@@ -39,6 +39,27 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def short_context_dir(tmp_path_factory):
+    """A tiny model folder whose context is 64 tokens (:func:`tests.tiny.short_context_folder`)."""
+    from tests.tiny import short_context_folder
+
+    return short_context_folder(tmp_path_factory.mktemp("tiny-64"))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading weights fails the test: refused input must be refused before that."""
+    import rolecall.core.distributed
+    import rolecall.core.models
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded for input that should have been refused")
+
+    monkeypatch.setattr(rolecall.core.models, "load_model", refuse)
+    monkeypatch.setattr(rolecall.core.distributed, "load_frozen_model", refuse)
+
+
 @pytest.fixture
 def no_frozen_model(monkeypatch):
     """Loading the frozen model of train-heads or calibrate-delta fails the test: a refusal comes before that."""

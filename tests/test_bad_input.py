@@ -20,26 +20,10 @@ from rolecall.cli import main as rolecall_main
 from rolecall.core.models import ContextLengthError, check_context, context_limit
 from rolecall.core.tokens import TokenIdError, check_token_ids
 from rolecall.train import cli as train_cli
-from tests.tiny import VOCAB_SIZE, tiny_folder, tiny_model
+from tests.tiny import SHORT_CONTEXT, VOCAB_SIZE, short_context_folder, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-CONTEXT = 64
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_folder(tmp_path_factory.mktemp("tiny-64"), "llama", layers=2, heads=4, kv_heads=2,
-                       max_position_embeddings=CONTEXT)
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading weights fails the test: refused input must be refused before that."""
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded for input that should have been refused")
-
-    monkeypatch.setattr(rolecall.core.models, "load_model", refuse)
-    monkeypatch.setattr(rolecall.core.distributed, "load_frozen_model", refuse)
+CONTEXT = SHORT_CONTEXT
 
 
 def one_line(capsys, prog: str) -> str:
@@ -99,20 +83,20 @@ CALIBRATE = ["--stride", "4", "--min-context", "8", "--page-size", "4", "--num-p
     (VOCAB_SIZE + 40, f"token id {VOCAB_SIZE + 40}, the model's vocabulary has {VOCAB_SIZE} ids (0-{VOCAB_SIZE - 1})"),
     (-3, "token id -3, but token ids are never negative"),
 ])
-def test_calibrate_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, capsys, no_model, bad, message):
+def test_calibrate_refuses_token_ids_outside_the_vocabulary(short_context_dir, tmp_path, capsys, no_model, bad, message):
     traces = write_jsonl(tmp_path / "traces.jsonl", [{"ids": list(range(30))}, {"ids": [1, 2, bad, 4]}])
     out = tmp_path / "m.delta.safetensors"
-    assert calibrate_cli.main(["--model", str(model_dir), "--traces", traces, "--output", str(out), *CALIBRATE]) == 2
+    assert calibrate_cli.main(["--model", str(short_context_dir), "--traces", traces, "--output", str(out), *CALIBRATE]) == 2
     err = one_line(capsys, "calibrate-delta")
     assert f"trace 2 of {traces}" in err and message in err and "re-tokenize" in err
     assert not out.exists()
 
 
-def test_calibrate_refuses_a_trace_beyond_the_context_unless_allowed(model_dir, tmp_path, capsys, monkeypatch,
+def test_calibrate_refuses_a_trace_beyond_the_context_unless_allowed(short_context_dir, tmp_path, capsys, monkeypatch,
                                                                      cache_dir):
     traces = write_jsonl(tmp_path / "traces.jsonl", [{"ids": list(range(40))}, {"ids": [i % 200 for i in range(80)]}])
     out = tmp_path / "m.delta.safetensors"
-    argv = ["--model", str(model_dir), "--traces", traces, "--output", str(out), *CALIBRATE]
+    argv = ["--model", str(short_context_dir), "--traces", traces, "--output", str(out), *CALIBRATE]
     with monkeypatch.context() as m:
         m.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
         assert calibrate_cli.main(argv) == 2
@@ -130,8 +114,8 @@ def test_calibrate_refuses_a_trace_beyond_the_context_unless_allowed(model_dir, 
 
 # ---- train-heads ----------------------------------------------------------------------------------------------
 
-def train_args(model_dir, out, *extra):
-    return ["--model", str(model_dir), "--output", str(out), "--target", "1", "--steps", "1", "--prefill-chunk",
+def train_args(short_context_dir, out, *extra):
+    return ["--model", str(short_context_dir), "--output", str(out), "--target", "1", "--steps", "1", "--prefill-chunk",
             "16", "--device", "cpu", "--no-plots", *extra]
 
 
@@ -143,10 +127,10 @@ def sample(n: int, bad: int | None = None) -> dict:
 
 
 @pytest.mark.parametrize("bad", [VOCAB_SIZE, 50000, -2])
-def test_train_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, capsys, no_model, bad):
+def test_train_refuses_token_ids_outside_the_vocabulary(short_context_dir, tmp_path, capsys, no_model, bad):
     data = write_jsonl(tmp_path / "data.jsonl", [sample(24), sample(24, bad)])
     out = tmp_path / "heads.safetensors"
-    assert train_cli.main(train_args(model_dir, out, "--dataset", data)) == 2
+    assert train_cli.main(train_args(short_context_dir, out, "--dataset", data)) == 2
     err = one_line(capsys, "train-heads")
     assert f"sample 2 of {data} has token id {bad}, the model's vocabulary has {VOCAB_SIZE} ids " \
            f"(0-{VOCAB_SIZE - 1}); re-tokenize it with this model's tokenizer" in err
@@ -159,38 +143,38 @@ def test_train_refuses_token_ids_outside_the_vocabulary(model_dir, tmp_path, cap
     # 2 layers × 2 KV heads: layer 0 is always retrieval, so 1 × 2 = 2 gates are learned
     ("3", "target 3 is more than the 2 gated heads"),
 ])
-def test_train_refuses_an_impossible_target(model_dir, tmp_path, capsys, no_model, target, message):
+def test_train_refuses_an_impossible_target(short_context_dir, tmp_path, capsys, no_model, target, message):
     data = write_jsonl(tmp_path / "data.jsonl", [sample(24)])
     out = tmp_path / "heads.safetensors"
-    assert train_cli.main(train_args(model_dir, out, "--dataset", data, "--target", target)) == 2
+    assert train_cli.main(train_args(short_context_dir, out, "--dataset", data, "--target", target)) == 2
     err = one_line(capsys, "train-heads")
     assert message in err and "--target N" in err and not out.exists()
     if target == "3":
         assert "1 <= N <= 2" in err
 
 
-def test_train_refuses_passkey_lengths_beyond_the_context(model_dir, tmp_path, capsys, no_model, monkeypatch):
+def test_train_refuses_passkey_lengths_beyond_the_context(short_context_dir, tmp_path, capsys, no_model, monkeypatch):
     import rolecall.data.passkey
 
     monkeypatch.setattr(rolecall.data.passkey, "build_passkey_dataset", lambda *a, **k: pytest.fail("data was built"))
     out = tmp_path / "heads.safetensors"
-    assert train_cli.main(train_args(model_dir, out, "--lengths", "20000,30000")) == 2
+    assert train_cli.main(train_args(short_context_dir, out, "--lengths", "20000,30000")) == 2
     err = one_line(capsys, "train-heads")
     assert (f"the longest haystack of --lengths 20000,30000 is 30000 tokens, more than the model's context of "
             f"{CONTEXT}" in err) and f"pass --lengths within {CONTEXT}" in err and "--allow-long-context" in err
     assert not out.exists()
 
 
-def test_train_refuses_a_long_sample_unless_allowed(model_dir, tmp_path, capsys, monkeypatch):
+def test_train_refuses_a_long_sample_unless_allowed(short_context_dir, tmp_path, capsys, monkeypatch):
     data = write_jsonl(tmp_path / "data.jsonl", [sample(24), sample(CONTEXT + 16)])
     out = tmp_path / "heads.safetensors"
     with monkeypatch.context() as m:
         m.setattr(rolecall.core.distributed, "load_frozen_model", lambda *a, **k: pytest.fail("model loaded"))
-        assert train_cli.main(train_args(model_dir, out, "--dataset", data)) == 2
+        assert train_cli.main(train_args(short_context_dir, out, "--dataset", data)) == 2
     err = one_line(capsys, "train-heads")
     assert f"sample 2 of {data} is {CONTEXT + 16} tokens, more than the model's context of {CONTEXT}" in err
     assert not out.exists()
-    assert train_cli.main(train_args(model_dir, out, "--dataset", data, "--allow-long-context")) == 0
+    assert train_cli.main(train_args(short_context_dir, out, "--dataset", data, "--allow-long-context")) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and warnings[0].startswith("train-heads: warning: sample 2 of")
     assert out.is_file()
@@ -198,12 +182,12 @@ def test_train_refuses_a_long_sample_unless_allowed(model_dir, tmp_path, capsys,
 
 # ---- rolecall eval --------------------------------------------------------------------------------------------
 
-def test_eval_refuses_lengths_beyond_the_context(model_dir, tmp_path, capsys, no_model, monkeypatch):
+def test_eval_refuses_lengths_beyond_the_context(short_context_dir, tmp_path, capsys, no_model, monkeypatch):
     import rolecall.data.passkey
 
     monkeypatch.setattr(rolecall.data.passkey, "build_niah_dataset", lambda *a, **k: pytest.fail("prompts were built"))
     out = tmp_path / "eval.json"
-    code = rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", "--lengths", "32", "20000",
+    code = rolecall_main(["eval", "--model", str(short_context_dir), "--policy", "full", "--lengths", "32", "20000",
                           "--max-new-tokens", "4", "--json", str(out)])
     assert code == 2
     err = one_line(capsys, "rolecall eval")
@@ -212,10 +196,10 @@ def test_eval_refuses_lengths_beyond_the_context(model_dir, tmp_path, capsys, no
     assert not out.exists()
 
 
-def test_eval_refuses_a_long_prompt_file_unless_allowed(model_dir, tmp_path, capsys, monkeypatch):
+def test_eval_refuses_a_long_prompt_file_unless_allowed(short_context_dir, tmp_path, capsys, monkeypatch):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a" * 20, "answer": "b"}, {"prompt": "c" * 70}])
     out = tmp_path / "eval.json"
-    argv = ["eval", "--model", str(model_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
+    argv = ["eval", "--model", str(short_context_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
             "--device", "cpu", "--json", str(out)]
     with monkeypatch.context() as m:
         m.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
@@ -242,20 +226,20 @@ def test_target_counts_only_the_learned_gates_of_a_hybrid_model():
 
 
 @pytest.mark.parametrize("command", ["decode", "eval"])
-def test_a_bad_manifest_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model, command):
+def test_a_bad_manifest_is_refused_before_the_model_loads(short_context_dir, tmp_path, capsys, no_model, command):
     extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
     missing = tmp_path / "nope.safetensors"
-    assert rolecall_main([command, "--model", str(model_dir), "--policy", "delta", "--manifest", str(missing),
+    assert rolecall_main([command, "--model", str(short_context_dir), "--policy", "delta", "--manifest", str(missing),
                           *extra]) == 2
     assert one_line(capsys, f"rolecall {command}").endswith(f"{missing}: no such manifest file")
-    assert rolecall_main([command, "--model", str(model_dir), "--policy", "delta", "--manifest", str(tmp_path),
+    assert rolecall_main([command, "--model", str(short_context_dir), "--policy", "delta", "--manifest", str(tmp_path),
                           *extra]) == 2  # a folder: said so, not "no such manifest file"
     assert one_line(capsys, f"rolecall {command}").endswith(f"{tmp_path}: a folder, not a manifest file; give the path "
                                                             "of a manifest file (.safetensors)")
 
 
 @pytest.mark.parametrize("command", ["decode", "eval"])
-def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_loads(model_dir, tmp_path, capsys,
+def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_loads(short_context_dir, tmp_path, capsys,
                                                                                      no_model, command):
     """Checked against the model's config, read without its weights: delta without layer roles, lychee without head
     roles, and a manifest of another model."""
@@ -263,7 +247,7 @@ def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_l
     from tests.tiny import tiny_config
 
     extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
-    run = [command, "--model", str(model_dir), *extra]
+    run = [command, "--model", str(short_context_dir), *extra]
     assert rolecall_main([*run, "--policy", "delta"]) == 2
     assert "policy 'delta' needs a manifest with a layers section" in one_line(capsys, f"rolecall {command}")
     config = tiny_config("llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=CONTEXT)
@@ -277,9 +261,9 @@ def test_a_manifest_the_policy_or_model_cannot_use_is_refused_before_the_model_l
 
 
 @pytest.mark.parametrize("command", ["decode", "eval"])
-def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir, capsys, no_model, command):
+def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(short_context_dir, capsys, no_model, command):
     extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
-    run = [command, "--model", str(model_dir), "--policy", "full", *extra]
+    run = [command, "--model", str(short_context_dir), "--policy", "full", *extra]
     assert rolecall_main([*run, "--device", "tpu"]) == 2
     assert one_line(capsys, f"rolecall {command}").endswith("--device 'tpu': use cpu, cuda or cuda:N")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -288,17 +272,17 @@ def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(model_dir
 
 
 @pytest.mark.parametrize("command", ["decode", "eval"])
-def test_a_device_map_beside_a_device_is_refused_before_the_model_loads(model_dir, capsys, no_model, command):
+def test_a_device_map_beside_a_device_is_refused_before_the_model_loads(short_context_dir, capsys, no_model, command):
     extra = ["--prompt", "hi"] if command == "decode" else ["--lengths", "32"]
-    assert rolecall_main([command, *extra, "--model", str(model_dir), "--policy", "full", "--device-map", "auto",
+    assert rolecall_main([command, *extra, "--model", str(short_context_dir), "--policy", "full", "--device-map", "auto",
                           "--device", "cpu"]) == 2
     assert one_line(capsys, f"rolecall {command}").endswith("--device-map auto places the model itself; leave "
                                                             "--device cpu out")
 
 
-def test_decode_with_a_device_map_runs_the_transformers_path(model_dir, capsys):
+def test_decode_with_a_device_map_runs_the_transformers_path(short_context_dir, capsys):
     """A model placed by --device-map (here all of it on the CPU) decodes on the transformers path."""
-    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "hi", "--device-map",
+    assert rolecall_main(["decode", "--model", str(short_context_dir), "--policy", "full", "--prompt", "hi", "--device-map",
                           "cpu", "--max-new-tokens", "3"]) == 0
     err = capsys.readouterr().err
     assert "[transformers path on --device-map cpu: " in err and ", 3 generated" in err
@@ -318,24 +302,24 @@ def test_decode_with_a_device_map_runs_the_transformers_path(model_dir, capsys):
     (["--prompts", "bad.jsonl", "--out", "o.jsonl"], "bad.jsonl:2: each line must be a JSON object with a 'prompt' "
                                                      "string"),
 ])
-def test_decode_refuses_a_prompt_file_it_cannot_run_before_the_model_loads(model_dir, tmp_path, capsys, no_model,
+def test_decode_refuses_a_prompt_file_it_cannot_run_before_the_model_loads(short_context_dir, tmp_path, capsys, no_model,
                                                                            monkeypatch, extra, says):
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi"}, {"text": "no prompt key"}])
-    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", *extra]) == 2
+    assert rolecall_main(["decode", "--model", str(short_context_dir), "--policy", "full", *extra]) == 2
     assert says in one_line(capsys, "rolecall decode")
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.partial").exists()
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])
-def test_decode_refuses_an_empty_prompt_before_the_model_loads(model_dir, capsys, no_model, prompt):
-    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", prompt]) == 2
+def test_decode_refuses_an_empty_prompt_before_the_model_loads(short_context_dir, capsys, no_model, prompt):
+    assert rolecall_main(["decode", "--model", str(short_context_dir), "--policy", "full", "--prompt", prompt]) == 2
     assert "--prompt is empty" in one_line(capsys, "rolecall decode")
 
 
 def test_decode_refuses_chat_without_a_template_before_the_model_loads(tmp_path, capsys, no_model):
-    folder = tiny_folder(tmp_path / "base", "llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=CONTEXT)
+    folder = short_context_folder(tmp_path / "base")
     config = folder / "tokenizer_config.json"
     settings = json.loads(config.read_text())
     settings.pop("chat_template", None)
@@ -349,8 +333,8 @@ def test_decode_refuses_chat_without_a_template_before_the_model_loads(tmp_path,
 
 
 @pytest.mark.parametrize("flag", ["--samples-per-cell", "--passkey-words"])
-def test_eval_refuses_zero_counts_in_the_flags_words(model_dir, capsys, no_model, flag):
-    assert rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", flag, "0"]) == 2
+def test_eval_refuses_zero_counts_in_the_flags_words(short_context_dir, capsys, no_model, flag):
+    assert rolecall_main(["eval", "--model", str(short_context_dir), "--policy", "full", flag, "0"]) == 2
     assert f"{flag} must be at least 1, got 0" in one_line(capsys, "rolecall eval")
 
 
@@ -359,10 +343,10 @@ def test_eval_refuses_zero_counts_in_the_flags_words(model_dir, capsys, no_model
     (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
     (["--top-k", "-3"], "--top-k must be an integer ≥ 0 (0 = off), got -3"),
 ])
-def test_decode_refuses_bad_sampling_flags_before_the_model_loads(model_dir, capsys, no_model, flags, says):
+def test_decode_refuses_bad_sampling_flags_before_the_model_loads(short_context_dir, capsys, no_model, flags, says):
     """Checked as the engine's sampler checks them, so the transformers path (which let --top-p 2 through) refuses
     the same values."""
-    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "hi", *flags]) == 2
+    assert rolecall_main(["decode", "--model", str(short_context_dir), "--policy", "full", "--prompt", "hi", *flags]) == 2
     assert one_line(capsys, "rolecall decode").endswith(says)
 
 
@@ -372,9 +356,9 @@ def test_decode_refuses_bad_sampling_flags_before_the_model_loads(model_dir, cap
     (["--top-p", "0.9", "--seed", "3"], "--top-p 0.9, --seed 3 apply only when sampling, and decoding is greedy "
      "without --sample; add --sample, or leave them out"),
 ])
-def test_decode_refuses_sampling_flags_without_sample(model_dir, capsys, no_model, flags, says):
+def test_decode_refuses_sampling_flags_without_sample(short_context_dir, capsys, no_model, flags, says):
     """Greedy decoding would ignore them: the text would come out as if they had not been given."""
-    assert rolecall_main(["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "hi", *flags]) == 2
+    assert rolecall_main(["decode", "--model", str(short_context_dir), "--policy", "full", "--prompt", "hi", *flags]) == 2
     assert one_line(capsys, "rolecall decode").endswith(says)
 
 
@@ -393,9 +377,9 @@ def test_decode_sampling_flags_left_out_take_the_samplers_defaults():
     assert (greedy.sample, greedy.temperature, greedy.top_k, greedy.top_p, greedy.seed) == (False, 1.0, 0, 1.0, 0)
 
 
-def test_calibrate_refuses_sampling_flags_for_greedy_traces(model_dir, tmp_path, capsys, no_model):
+def test_calibrate_refuses_sampling_flags_for_greedy_traces(short_context_dir, tmp_path, capsys, no_model):
     out = tmp_path / "m.delta.safetensors"
-    assert calibrate_cli.main(["--model", str(model_dir), "--output", str(out), "--temperature", "0.9",
+    assert calibrate_cli.main(["--model", str(short_context_dir), "--output", str(out), "--temperature", "0.9",
                                *CALIBRATE]) == 2
     assert one_line(capsys, "calibrate-delta").endswith(
         "--temperature 0.9 applies only when sampling, and traces are greedy without --sample; add --sample, or "
@@ -403,7 +387,7 @@ def test_calibrate_refuses_sampling_flags_for_greedy_traces(model_dir, tmp_path,
     assert not out.exists()
 
 
-def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_dir, tmp_path, capsys, no_model):
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(short_context_dir, tmp_path, capsys, no_model):
     """eval's --json, the benchmarks' --out and the manifests of calibrate-delta and train-heads are written at the
     end, after minutes or hours of work: a path under a file, or a folder given as the file, is refused first, in
     one line."""
@@ -417,7 +401,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_
         check_writable(tmp_path, "--out")
     check_writable(tmp_path / "new" / "deeper" / "out.json", "--out")  # its folders are made, nothing else stays
     assert (tmp_path / "new" / "deeper").is_dir() and not any((tmp_path / "new" / "deeper").iterdir())
-    assert rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", "--lengths", "32", "--json",
+    assert rolecall_main(["eval", "--model", str(short_context_dir), "--policy", "full", "--lengths", "32", "--json",
                           str(blocker / "out.json")]) == 2
     assert f"{blocker} is a file" in one_line(capsys, "rolecall eval")
     from benchmarks import decode as bench
@@ -426,27 +410,27 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(model_
         bench.parse_args(["--smoke", "--out", str(blocker / "decode.json")])
     assert f"--out {blocker}/decode.json: {blocker} is a file" in capsys.readouterr().err
     traces = write_jsonl(tmp_path / "traces.jsonl", [{"ids": list(range(30))}])
-    assert calibrate_cli.main(["--model", str(model_dir), "--traces", traces, "--output", str(blocker / "m.safetensors"),
+    assert calibrate_cli.main(["--model", str(short_context_dir), "--traces", traces, "--output", str(blocker / "m.safetensors"),
                                *CALIBRATE]) == 2
     assert f"--output {blocker}/m.safetensors: {blocker} is a file" in one_line(capsys, "calibrate-delta")
     data = write_jsonl(tmp_path / "data.jsonl", [sample(40)])
-    assert train_cli.main(train_args(model_dir, blocker / "h.safetensors", "--dataset", data)) == 2
+    assert train_cli.main(train_args(short_context_dir, blocker / "h.safetensors", "--dataset", data)) == 2
     assert f"--output {blocker}/h.safetensors: {blocker} is a file" in one_line(capsys, "train-heads")
 
 
-def test_a_missing_prompt_file_is_refused_before_anything_loads(model_dir, tmp_path, capsys, no_model):
+def test_a_missing_prompt_file_is_refused_before_anything_loads(short_context_dir, tmp_path, capsys, no_model):
     missing = tmp_path / "prompts.jsonl"
-    assert rolecall_main(["eval", "--model", str(model_dir), "--policy", "full", "--prompts", str(missing)]) == 2
+    assert rolecall_main(["eval", "--model", str(short_context_dir), "--policy", "full", "--prompts", str(missing)]) == 2
     assert one_line(capsys, "rolecall eval").endswith(f'--prompts {missing}: no such file; give a JSONL file of '
                                                       '{"prompt": ..., "answer": ...} lines')
 
 
-def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(model_dir, tmp_path, capsys):
+def test_eval_sizes_a_prompt_file_by_its_own_budget_whatever_the_suite(short_context_dir, tmp_path, capsys):
     """A prompt file's rows carry no RULER task, so --max-new-tokens (not the suite's largest task budget,
     128 tokens) decides whether they fit the model's context."""
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a" * 20, "answer": "b"}])
     out = tmp_path / "eval.json"
-    argv = ["eval", "--model", str(model_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
+    argv = ["eval", "--model", str(short_context_dir), "--policy", "full", "--prompts", prompts, "--max-new-tokens", "3",
             "--suite", "ruler", "--device", "cpu", "--json", str(out)]
     assert rolecall_main(argv) == 0
     assert "warning" not in capsys.readouterr().err and out.is_file()

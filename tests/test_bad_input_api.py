@@ -36,11 +36,18 @@ from rolecall.runtime import attach
 from rolecall.runtime.policies import PolicyError
 from rolecall.runtime.prompts import PromptError, check_prompts
 from rolecall.runtime.session import Session
-from tests.tiny import VOCAB_SIZE, tiny_config, tiny_folder, tiny_model, tiny_tokenizer
+from tests.tiny import (
+    SHORT_CONTEXT,
+    VOCAB_SIZE,
+    short_context_folder,
+    tiny_config,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 engine_generate = importlib.import_module("rolecall.runtime.engine.generate")  # the module (the package's name is the function)
 pytestmark = pytest.mark.usefixtures("one_thread")
-CONTEXT = 64  # the tiny model's max_position_embeddings
+CONTEXT = SHORT_CONTEXT  # the tiny model's max_position_embeddings
 TOP = VOCAB_SIZE - 1
 
 
@@ -243,19 +250,8 @@ def test_the_shared_check_returns_the_rows_the_mask_keeps():
 @pytest.fixture(scope="module")
 def small_vocab_dir(tmp_path_factory):
     """A model of 200 token ids beside the byte tokenizer's 260: its specials are past the model's vocabulary."""
-    return tiny_folder(tmp_path_factory.mktemp("tiny-200"), "llama", layers=2, heads=4, kv_heads=2,
-                       max_position_embeddings=CONTEXT, vocab_size=200, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_folder(tmp_path_factory.mktemp("tiny-64"), "llama", layers=2, heads=4, kv_heads=2,
-                       max_position_embeddings=CONTEXT)
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    monkeypatch.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    return short_context_folder(tmp_path_factory.mktemp("tiny-200"), vocab_size=200, bos_token_id=0, eos_token_id=1,
+                                pad_token_id=2)
 
 
 def test_decode_refuses_ids_past_the_models_vocabulary_before_it_loads(small_vocab_dir, capsys, no_model):
@@ -265,8 +261,8 @@ def test_decode_refuses_ids_past_the_models_vocabulary_before_it_loads(small_voc
                         "this model's tokenizer")
 
 
-def test_decode_refuses_a_prompt_past_the_context_unless_allowed(model_dir, capsys, monkeypatch):
-    argv = ["decode", "--model", str(model_dir), "--policy", "full", "--prompt", "a" * 60, "--max-new-tokens", "8",
+def test_decode_refuses_a_prompt_past_the_context_unless_allowed(short_context_dir, capsys, monkeypatch):
+    argv = ["decode", "--model", str(short_context_dir), "--policy", "full", "--prompt", "a" * 60, "--max-new-tokens", "8",
             "--device", "cpu"]
     with monkeypatch.context() as m:
         m.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))

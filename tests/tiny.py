@@ -75,3 +75,12 @@ def tiny_folder(folder, family: str = "llama", **kw):
     tiny_model(family, **kw).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+SHORT_CONTEXT = 64  # max_position_embeddings of short_context_folder's model
+
+
+def short_context_folder(folder, **kw):
+    """A 2-layer GQA Llama folder whose context is :data:`SHORT_CONTEXT` tokens (``kw``: more config values):
+    what the bad-input tests go past."""
+    return tiny_folder(folder, "llama", layers=2, heads=4, kv_heads=2, max_position_embeddings=SHORT_CONTEXT, **kw)

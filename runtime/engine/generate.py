@@ -9,7 +9,6 @@ to look for stop strings (a row whose text contains one is finished there and cu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +16,7 @@ import torch
 
 from rolecall.runtime.engine.compiling import compiles_on, rows_for
 from rolecall.runtime.engine.decoder import StaticDecoder, pad_left
-from rolecall.runtime.engine.prefill import dense_logits, graph_width, keeps_prompt, snapshot
-from rolecall.runtime.engine.prefill import load as load_prefill
+from rolecall.runtime.engine.prefill import graph_width
 from rolecall.runtime.engine.sampling import Sampler, Sampling
 from rolecall.runtime.engine.text import TokenText, cut_at_stop
 from rolecall.runtime.engine.weights import Weights
@@ -78,11 +76,7 @@ class Generation:
     decode_s: float
     steps: int
     step_logits: torch.Tensor | None = None  # [B, steps + 1, V] in the model's dtype on the device, when asked for
-    # per row [steps, V]: full attention's logits along the generated tokens (the reference of logits[1:]), when
-    # asked for (a policy that evicted prompt keys: from a copy of the prefill, in a full-attention cache)
-    reference_logits: list[torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    prefilled: Any = None  # the prefill it ran or loaded (rolecall.runtime.engine.prefill.Prefilled), when kept
 
     @property
     def logits(self) -> list[torch.Tensor] | None:
@@ -163,89 +157,132 @@ class Decoders:
         return max(slots, min(max(MIN_SLOTS, -(-slots // step) * step), most))
 
 
-def _full_with_prompt(weights: Weights, batch: int, slots: int, prefilled: Any) -> StaticDecoder:
-    """A full-attention decoder over ``weights`` (the model's) with the prefill loaded, for the dense pass only:
-    the reference of a policy that evicted prompt keys (it reads them all)."""
-    from rolecall.runtime.policies.full import Full
-
-    full = StaticDecoder(weights, Full(), batch, slots, kernels="naive", compile=False)  # no step runs
-    load_prefill(full, prefilled)
-    return full
-
-
 @torch.no_grad()
 def generate(weights: Weights, policy: Any, prompts: list[list[int]], *, max_new_tokens: int | list[int] = 64,
              sampling: Sampling | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
              stop_strings: list[str] | tuple[str, ...] = (), tokenizer: Any = None, streamer: Any = None,
              check_every: int = 8, kernels: str = "auto", min_context: int | None = None,
-             graphs: bool | None = None, prefill_chunk: int | None = None,
-             output_logits: bool = False, reference_logits: bool = False, prefilled: Any = None,
-             keep_prefill: bool = False, decoders: Decoders | None = None) -> Generation:
+             graphs: bool | None = None, prefill_chunk: int | None = None, output_logits: bool = False,
+             decoders: Decoders | None = None) -> Generation:
     """Generate for every prompt (token id lists of any lengths: a ragged batch is left-padded).
 
     ``policy``: a bound policy with a static step. ``streamer``: an object with ``put(ids)`` / ``end()``
     (transformers' ``TextStreamer`` works), fed row 0's prompt first, as ``model.generate`` does, then its new
     tokens at every check. The cache holds ``longest prompt + max(max_new_tokens)`` tokens per row.
-    ``keep_prefill``: keep a copy of the prefill in ``Generation.prefilled``; ``prefilled``: such a copy, made for
-    the same prompts on the same model (with any policy), loaded instead of prefilling again. ``decoders``: run on
-    the decoder it keeps when this request fits it, and keep this request's decoder there (see :class:`Decoders`;
-    not with ``output_logits`` or ``reference_logits``, whose buffers are sized to the request).
+    ``decoders``: run on the decoder it keeps when this request fits it, and keep this request's decoder there
+    (see :class:`Decoders`; not with ``output_logits``, whose buffer is sized to the request).
 
     Checked before any work (:func:`rolecall.runtime.prompts.check_prompts`), each refused in one line (``ValueError``):
     ``prompts`` a list of token id lists (or 1-D integer tensors) or a ``[batch, tokens]`` integer tensor, each
     prompt at least one id in the model's vocabulary; ``max_new_tokens`` whole numbers ≥ 1; the longest prompt
     plus ``max_new_tokens`` within the positions of the weights' RoPE tables (``Weights.from_model``'s
     ``positions``, by default the model's ``max_position_embeddings``).
+
+    :func:`generate` is :func:`prepare`, :meth:`Request.prefill` and :meth:`Request.decode` in a row; a caller
+    that needs more of a request (the evaluation: full attention's logits along the tokens, a prefill shared
+    between policies) runs the three itself.
     """
+    request = prepare(weights, policy, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                      eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings,
+                      tokenizer=tokenizer, kernels=kernels, min_context=min_context, graphs=graphs,
+                      output_logits=output_logits, decoders=decoders)
+    request.prefill(prefill_chunk)
+    return request.decode(streamer, check_every)
+
+
+@torch.no_grad()
+def prepare(weights: Weights, policy: Any, prompts: list[list[int]], *,
+            max_new_tokens: int | list[int] = 64, sampling: Sampling | None = None,
+            eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
+            stop_strings: list[str] | tuple[str, ...] = (), tokenizer: Any = None, kernels: str = "auto",
+            min_context: int | None = None, graphs: bool | None = None, output_logits: bool = False,
+            decoders: Decoders | None = None, width: int | None = None) -> Request:
+    """A request checked and made ready on the engine, nothing run yet: its rows left-padded (to ``width``
+    when given and at least the longest prompt) and the decoder that runs them (``decoders``' when it fits).
+    The arguments are :func:`generate`'s, checked as there."""
     start = time.perf_counter()
     prompts, limits, eos = _request(weights, prompts, max_new_tokens, stop_strings, tokenizer, eos_token_id)
     live, device = len(prompts), weights.device
-    if decoders is not None and (output_logits or reference_logits):
+    if decoders is not None and output_logits:
         decoders.clear()  # its memory goes to this request's decoder, which is not kept
         decoders = None
     graphs = device.type == "cuda" if graphs is None else graphs
-    prompts, limits, ids, pads = _rows(weights, prompts, limits, pad_token_id, graphs, decoders, prefilled)
+    prompts, limits, ids, pads = _rows(weights, prompts, limits, pad_token_id, graphs, decoders, width)
     dec, stopper = _decoder(weights, policy, ids, limits, eos, sampling or Sampling(), pad_token_id, kernels,
                             min_context, graphs, output_logits, decoders)
-    captured, sync = dec.capture_s, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
-    t0 = time.perf_counter()
-    prefilled = _prefill(dec, ids, pads, prefilled, prefill_chunk, graphs and decoders is not None,
-                         keep_prefill or (reference_logits and not keeps_prompt(dec)))
-    sync()
-    t1 = time.perf_counter()
-    if graphs and max(limits) > 1:
-        dec.capture()  # timed by the decoder (capture_s), as is a capture it defers until the policy settles
-    if streamer is not None:  # as transformers does: the prompt first (TextStreamer(skip_prompt=True) drops it)
-        streamer.put(torch.tensor(prompts[0]))
-    loop = _Loop(dec, stopper, limits, eos, stop_strings, tokenizer, streamer)
-    steps, decode_s = _timed_run(loop, check_every, sync)
-    count = int(stopper.count)
-    tokens, finish = _rows_out(loop, stopper.out[:, :count].cpu().tolist(), live, limits, eos, streamer)
-    # every step's logits, past a row's end too (it reads padding then, as in transformers); left on the device
-    logits = stopper.logits_out[:, :count] if output_logits else None
-    info = {"graphs": bool(dec.graphs), "rows": len(prompts), "cache_slots": dec.max_len, "cache_bytes":
-            dec.cache.nbytes, "setup_s": t0 - start, "capture_s": dec.capture_s - captured, "min_context":
-            dec.min_context, "kernels": "triton" if dec.triton else "naive", "attended_fraction":
-            _fraction(dec, ids.shape[1], steps)}
-    del dec  # the loop holds it: the reference logits may let it go for a full decoder
-    t4 = time.perf_counter()
-    reference = _reference(weights, loop, stopper.out[:, :count - 1], ids, prefilled) if reference_logits else None
-    sync()
-    info["reference_s"] = time.perf_counter() - t4
-    return Generation(tokens, finish, [len(p) for p in prompts[:live]], t1 - t0, decode_s, steps, logits,
-                      reference, info, prefilled if keep_prefill else None)
+    return Request(dec, stopper, prompts, limits, eos, ids, pads, live, list(stop_strings), tokenizer, graphs,
+                   decoders is not None, output_logits, start, dec.capture_s)
 
 
-def _reference(weights: Weights, loop: _Loop, new: torch.Tensor, ids: torch.Tensor, prefilled: Any) -> list:
-    """Full attention's logits at each step after the first, over the tokens ``new`` the policy generated, in the
-    same slots: on the loop's decoder where its policy kept the prompt, else (the policy's decoder, its cache and
-    graphs let go first) on a full decoder loaded with the prefill's copy."""
-    dec = loop.dec
-    if not keeps_prompt(dec):
-        rows, slots = dec.batch, dec.max_len
-        loop.dec = dec = None
-        dec = _full_with_prompt(weights, rows, slots, prefilled)
-    return list(dense_logits(dec, new, ids.shape[1]))
+@dataclass
+class Request:
+    """A request made ready by :func:`prepare`: its rows (``ids [B, P]`` left-padded by ``pads``; ``live`` of
+    them the caller's, the rest idle padding rows), their token limits and EOS ids, and the decoder and
+    stopper that run them. :meth:`prefill` fills the decoder's cache, :meth:`decode` then decodes; afterwards
+    ``dec`` still holds the cache (a caller may read it, or set ``dec`` to None to free it)."""
+
+    dec: StaticDecoder | None
+    stopper: Stopper
+    prompts: list[list[int]]
+    limits: list[int]
+    eos: list[int]
+    ids: torch.Tensor
+    pads: list[int]
+    live: int
+    stop_strings: list[str]
+    tokenizer: Any
+    graphs: bool
+    kept: bool  # the decoder is kept for the next request (Decoders): a short prefill replays a graph
+    output_logits: bool
+    start: float  # perf_counter() when the request came
+    captured: float  # the decoder's capture_s before this request
+    filled: float = 0.0  # perf_counter() when the prefill began
+    prefill_s: float = 0.0
+
+    def sync(self) -> None:
+        """Wait for the device (on CUDA), so that the host's clock times its work."""
+        if self.ids.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def fill(self, chunk: int | None = None) -> None:
+        """Prefill the prompts into the decoder's empty cache, in chunks of ``chunk`` tokens (default: the
+        prefill's); a short prompt's prefill replays a CUDA graph where the decoder is kept."""
+        self.dec.prefill(self.ids, self.pads, chunk, graph=self.graphs and self.kept)
+
+    @torch.no_grad()
+    def prefill(self, chunk: int | None = None, fill: Any = None) -> Any:
+        """:meth:`fill` (or ``fill()``, another way to fill the cache: loading a kept prefill), timed as
+        ``prefill_s`` up to the device's end; returns what ``fill`` returned (None for :meth:`fill`)."""
+        self.filled = time.perf_counter()
+        made = self.fill(chunk) if fill is None else fill()
+        self.sync()
+        self.prefill_s = time.perf_counter() - self.filled
+        return made
+
+    @torch.no_grad()
+    def decode(self, streamer: Any = None, check_every: int = 8) -> Generation:
+        """The steps after the prefill (graph-captured on the GPU): stopping per row, the host looking every
+        ``check_every`` steps, row 0 streamed to ``streamer`` (its prompt first)."""
+        dec, stopper, limits = self.dec, self.stopper, self.limits
+        if self.graphs and max(limits) > 1:
+            dec.capture()  # timed by the decoder (capture_s), as is one it defers until the policy settles
+        # as transformers does: the prompt first (TextStreamer(skip_prompt=True) drops it)
+        if streamer is not None:
+            streamer.put(torch.tensor(self.prompts[0]))
+        loop = _Loop(dec, stopper, limits, self.eos, self.stop_strings, self.tokenizer, streamer)
+        steps, decode_s = _timed_run(loop, check_every, self.sync)
+        count = int(stopper.count)
+        tokens, finish = _rows_out(loop, stopper.out[:, :count].cpu().tolist(), self.live, limits, self.eos,
+                                   streamer)
+        # every step's logits, past a row's end too (it reads padding then, as in transformers), on the device
+        logits = stopper.logits_out[:, :count] if self.output_logits else None
+        info = {"graphs": bool(dec.graphs), "rows": len(self.prompts), "cache_slots": dec.max_len,
+                "cache_bytes": dec.cache.nbytes, "setup_s": self.filled - self.start,
+                "capture_s": dec.capture_s - self.captured, "min_context": dec.min_context,
+                "kernels": "triton" if dec.triton else "naive",
+                "attended_fraction": _fraction(dec, self.ids.shape[1], steps)}
+        lengths = [len(p) for p in self.prompts[:self.live]]
+        return Generation(tokens, finish, lengths, self.prefill_s, decode_s, steps, logits, info)
 
 
 def _timed_run(loop: _Loop, check_every: int, sync: Any) -> tuple[int, float]:
@@ -257,35 +294,24 @@ def _timed_run(loop: _Loop, check_every: int, sync: Any) -> tuple[int, float]:
     return steps, time.perf_counter() - start - (loop.dec.capture_s - before)
 
 
-def _prefill(dec: StaticDecoder, ids: torch.Tensor, pads: torch.Tensor, prefilled: Any, chunk: int | None,
-             graph: bool, keep: bool) -> Any:
-    """Prefill ``dec`` (from ``prefilled``, a kept copy, when given); returns the copy, made when ``keep`` (asked
-    for, or a policy that evicts prompt keys leaves no prompt for the reference logits)."""
-    if prefilled is not None:
-        load_prefill(dec, prefilled)
-        return prefilled
-    dec.prefill(ids, pads, chunk, graph=graph)
-    return snapshot(dec, ids, pads) if keep else None
-
-
 def _rows(weights: Weights, prompts: list[list[int]], limits: list[int], pad_token_id: int, graphs: bool,
-          decoders: Decoders | None, prefilled: Any) -> tuple[list[list[int]], list[int], torch.Tensor, torch.Tensor]:
-    """The request's rows, left-padded: ``(prompts, limits, ids, pads)``. A kept decoder's rows are rounded up to
-    a bucket (:mod:`rolecall.runtime.engine.compiling`: a bounded number of compilations and captures for any
-    batch size; the extra rows are one padding token each, finished at the prefill), and short prompts on the
-    GPU are padded to a width the decoder keeps a prefill graph of (:mod:`rolecall.runtime.engine.prefill`); a
-    kept prefill's prompts are padded as they were then."""
+          decoders: Decoders | None,
+          width: int | None) -> tuple[list[list[int]], list[int], torch.Tensor, list[int]]:
+    """The request's rows, left-padded: ``(prompts, limits, ids, pads)``. A kept decoder's rows are rounded up
+    to a bucket (:mod:`rolecall.runtime.engine.compiling`: a bounded number of compilations and captures for
+    any batch size; the extra rows are one padding token each, finished at the prefill), and short prompts on
+    the GPU are padded to a width the decoder keeps a prefill graph of
+    (:mod:`rolecall.runtime.engine.prefill`), or to ``width`` where it is given and at least the longest
+    prompt (a kept prefill's prompts, padded as they were then)."""
     if decoders is not None and compiles_on(weights.device):
         idle = rows_for(len(prompts)) - len(prompts)
         prompts, limits = list(prompts) + [[pad_token_id]] * idle, limits + [1] * idle
     longest = max(len(p) for p in prompts)
-    if prefilled is not None:
-        width = max(prefilled.ids.shape[1], longest)
+    if width is not None:
+        width = max(width, longest)
     else:
         width = graph_width(longest, len(prompts)) if graphs else None
     ids, pads = pad_left(prompts, pad_token_id, weights.device, width)
-    if prefilled is not None and not prefilled.matches(ids, pads):
-        raise ValueError("prefilled holds the prefill of other prompts (ids or padding differ)")
     return prompts, limits, ids, pads
 
 
@@ -414,61 +440,3 @@ def _fraction(dec: StaticDecoder, prompt: int, steps: int) -> float | None:
         read += use.reads(shape, t + 1)
         total += t + 1
     return read / total
-
-
-@dataclass
-class Lockstep:
-    """Per row of :func:`lockstep`: the reference's greedy tokens, and per step after the first the KL
-    divergence ``KL(p_ref ‖ p_policy)`` and whether the policy's top token is the reference's."""
-
-    tokens: list[list[int]]
-    kl: list[torch.Tensor]  # [steps] float32
-    agree: list[torch.Tensor]  # [steps] bool
-
-    def divergence(self, row: int) -> int | None:
-        """The first generated position (1-based, the prefill's token being 1) whose token the policy would
-        choose otherwise, or None when it agrees all along."""
-        miss = (~self.agree[row]).nonzero()
-        return int(miss[0]) + 2 if len(miss) else None
-
-
-@torch.no_grad()
-def lockstep(weights: Weights, policy: Any, prompts: list[list[int]],
-             compare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], *,
-             max_new_tokens: int, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
-             kernels: str = "auto", graphs: bool | None = None) -> Lockstep:
-    """Full attention decodes every prompt greedily; ``policy`` is fed the very same tokens (teacher forcing)
-    in a second decoder over the same weights, so each step compares the two next-token distributions on one
-    context: ``compare(full_logits, policy_logits)`` (``[B, V]`` each) gives the step's KL ``[B]`` and top-1
-    agreement ``[B]`` (``rolecall.eval.step_divergence``). A row ends at its first EOS (kept). ``policy``
-    never falls back to the full step here."""
-    from rolecall.runtime.policies.full import Full
-
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-    ids, pads = pad_left(prompts, pad_token_id, weights.device)
-    slots = ids.shape[1] + max_new_tokens
-    decoders = [StaticDecoder(weights, p, len(prompts), slots, min_context=0, kernels=kernels,
-                              prompt_tokens=ids.shape[1]) for p in (Full(), policy)]
-    for dec in decoders:
-        dec.prefill(ids, pads)
-        if (weights.device.type == "cuda" if graphs is None else graphs) and max_new_tokens > 1:
-            dec.capture()
-    ref, pol = decoders
-    trace = [ref.tokens.clone()]
-    kl, agree = [], []
-    for _ in range(max_new_tokens - 1):
-        token = trace[-1]
-        step_kl, step_agree = compare(ref.step(token), pol.step(token))
-        kl.append(step_kl)
-        agree.append(step_agree)
-        trace.append(ref.tokens.clone())  # the reference's greedy choice
-    tokens = torch.stack(trace, 1).cpu().tolist()
-    kl_all = torch.stack(kl, 1).cpu() if kl else torch.zeros(len(prompts), 0)
-    agree_all = torch.stack(agree, 1).cpu() if agree else torch.zeros(len(prompts), 0, dtype=torch.bool)
-    out = Lockstep([], [], [])
-    for r, row in enumerate(tokens):
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        out.tokens.append(row[:end])
-        out.kl.append(kl_all[r, :end - 1])
-        out.agree.append(agree_all[r, :end - 1])
-    return out

@@ -188,7 +188,7 @@ class DeltaStep:
         if role == LAYER_ROLE_SELECT:
             chosen = self.num_pages * self.refine  # candidates when refining
             # the choice is made beside the rest of this layer and the next one's projections (a second stream)
-            out, state["delta.pages"] = dec.attend_and_choose(q, k, v, span, self.page_size, self.per_head, chosen,
+            out, state["delta.pages"] = dec.attn.attend_and_choose(q, k, v, span, self.page_size, self.per_head, chosen,
                                                               self.recent_pages)
             return out
         if role == LAYER_ROLE_SPARSE:
@@ -198,9 +198,9 @@ class DeltaStep:
             if self.meta is not None:  # the new token's page metadata, then the choice: one launch on the GPU
                 # the Triton program holds a row of candidates as the top-k kernel holds one of scores: the
                 # decoder's one rule on row sizes says whether it runs, else the reference does
-                impl = self.meta.impl(dec) if dec.triton_topk(pages.shape[-1]) is not None else bounds_naive
+                impl = self.meta.impl(dec) if dec.attn.triton_topk(pages.shape[-1]) is not None else bounds_naive
                 pages = impl.refine_candidates(q, self.meta.kmin[layer], self.meta.kmax[layer], pages,
                                                dec.shape.attention_scale, self.num_pages, self.recent_pages,
                                                new_page=self.meta.new_page(k, span))
-            return dec.attend(q, k, v, span, pages, self.page_size)
-        return dec.attend(q, k, v, span)
+            return dec.attn.attend(q, k, v, span, pages, self.page_size)
+        return dec.attn.attend(q, k, v, span)

@@ -36,4 +36,4 @@ class FullStep:
         return mean_tokens_read(shape, context, context, [1.0] * shape.layers)
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
-        return dec.attend(q, k, v, span)
+        return dec.attn.attend(q, k, v, span)

@@ -495,7 +495,7 @@ class LetheStep:
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer not in self.caps:
-            return dec.attend(q, k, v, span)
+            return dec.attn.attend(q, k, v, span)
         held, scores, pos, count = self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
         slot = torch.arange(held.shape[1], device=held.device)
         new = slot == count  # the new token's slot (written there by the engine)
@@ -503,7 +503,7 @@ class LetheStep:
         pos.copy_(torch.where(new, span.last, pos))
         keep = (pos >= span.first[:, None]) & (pos <= span.last)  # [B, S]: what the query may read
         mask = keep & held
-        out = dec.attend(q, k, v, KeySpan(torch.zeros_like(span.first), count), key_mask=mask)
+        out = dec.attn.attend(q, k, v, KeySpan(torch.zeros_like(span.first), count), key_mask=mask)
         self._evictor(dec)(self.policy, q, k, v, held, scores, pos, count, keep, mask, self.caps[layer],
                            dec.shape.attention_scale)
         return out

@@ -140,16 +140,17 @@ class Lychee:
 
 @dataclass
 class LycheeStep:
-    """The engine's step. A layer's retrieval heads are stored first (``head_order``: the cache keeps that order;
-    the decoder reads the new token's heads in it and writes the attention's output back in the model's, so the
-    weights stay the session's), so they are a head prefix that reads the whole cache, while the
-    sparse heads read what they inherit (one launch below 8 rows, two from there;
-    :meth:`~rolecall.runtime.engine.decoder.StaticDecoder.attend_mixed_and_choose`). Within that prefix the heads whose
-    choice a later layer reads (``choosing``, :func:`passes_on`) come first: only they keep their logits, and
-    their block scores and top-k run beside the step; ``state["lychee.sets"]`` is that choice, pending until the
-    next layer reads it. The sets ``[B, Hkv, N]`` hold the blocks per *original* head index, as the next layer's
-    same head index inherits them. Nothing is copied between the two orders: the sparse heads read their rows
-    through a head map (``index_rows``), and a choice is written into its heads' rows in place (``out_rows``)."""
+    """The engine's step. A layer's retrieval heads are stored first (``head_order``: the cache keeps that
+    order; the decoder reads the new token's heads in it and writes the attention's output back in the
+    model's, so the weights stay the session's), so they are a head prefix that reads the whole cache, while
+    the sparse heads read what they inherit (one launch below 8 rows, two from there;
+    :meth:`~rolecall.runtime.engine.attention.DecodeAttention.attend_mixed_and_choose`). Within that prefix
+    the heads whose choice a later layer reads (``choosing``, :func:`passes_on`) come first: only they keep
+    their logits, and their block scores and top-k run beside the step; ``state["lychee.sets"]`` is that
+    choice, pending until the next layer reads it. The sets ``[B, Hkv, N]`` hold the blocks per *original*
+    head index, as the next layer's same head index inherits them. Nothing is copied between the two orders:
+    the sparse heads read their rows through a head map (``index_rows``), and a choice is written into its
+    heads' rows in place (``out_rows``)."""
 
     retrieval: torch.Tensor  # [L, Hkv] bool
     block_size: int
@@ -205,12 +206,12 @@ class LycheeStep:
         if r == hkv or sets is None:  # every head reads everything (the first layer): one dense launch
             if sets is None and c:  # the first choice: rows no choice writes are never read (passes_on)
                 sets = torch.empty(b, hkv, min(n, math.ceil(k.shape[2] / bs)), device=k.device, dtype=torch.int32)
-            out, chosen = dec.attend_and_choose(q, k, v, span, bs, True, n, self.recent_blocks, out=sets,
+            out, chosen = dec.attn.attend_and_choose(q, k, v, span, bs, True, n, self.recent_blocks, out=sets,
                                                 out_rows=out_rows, choosing=c)
         elif r == 0:  # every head reads what it inherits
-            return dec.attend(q, k, v, span, sets, bs, index_rows=order)
+            return dec.attn.attend(q, k, v, span, sets, bs, index_rows=order)
         else:  # retrieval heads (stored first) read all, the first c of them choose; sparse heads read their sets
-            out, chosen = dec.attend_mixed_and_choose(q, k, v, span, sets, bs, r, n, self.recent_blocks,
+            out, chosen = dec.attn.attend_mixed_and_choose(q, k, v, span, sets, bs, r, n, self.recent_blocks,
                                                       index_rows=order, out=sets, out_rows=out_rows, choosing=c)
         if chosen is not None:  # written into sets' rows of this layer's choosing heads
             state["lychee.sets"] = chosen

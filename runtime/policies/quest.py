@@ -136,7 +136,7 @@ class QuestStep:
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer < self.dense_layers or layer not in self.meta.kmin:
-            return dec.attend(q, k, v, span)
+            return dec.attn.attend(q, k, v, span)
         p = self.page_size
         kmin, kmax = self.meta.update(dec, layer, k, span)
         scores = self.meta.impl(dec).page_scores(q, kmin, kmax, dec.shape.attention_scale, self.group)
@@ -144,8 +144,8 @@ class QuestStep:
             starts = torch.arange(scores.shape[-1], device=q.device) * p
             readable = (starts + p - 1 >= span.first[:, None]) & (starts <= span.last)  # [B, n]: overlaps the span
             scores = scores.masked_fill(~readable[:, None, :], -math.inf)
-        pages = dec.select(scores, p, self.num_pages, 1)
-        return dec.attend(q, k, v, span, pages, p)
+        pages = dec.attn.select(scores, p, self.num_pages, 1)
+        return dec.attn.attend(q, k, v, span, pages, p)
 
 
 class PageMeta:

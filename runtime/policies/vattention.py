@@ -253,13 +253,13 @@ class VAttentionStep:
         p = self.policy
         role = p.role(layer)
         if role == LAYER_ROLE_FULL:
-            return dec.attend(q, k, v, span)
+            return dec.attn.attend(q, k, v, span)
         b, hkv = k.shape[:2]
         first, last = span.first, span.last
         if role == LAYER_ROLE_SPARSE:  # the deterministic set the nearest Δ-layer chose, the same for every head
             fixed, free = (x.expand(b, hkv, -1) for x in state["vattention.fixed"])
         else:
-            _, own = dec.attend_and_score(q, k, v, span, 1, per_kv_head=True)  # [B, Hkv, T]: max over the group
+            _, own = dec.attn.attend_and_score(q, k, v, span, 1, per_kv_head=True)  # [B, Hkv, T]: max over the group
             fixed = fixed_slots(first, last, p.sinks, p.window, heavy_hitters(own, first, last, p.sinks, p.window,
                                                                               p.heavy))
             free = free_before(fixed, first)
@@ -267,13 +267,13 @@ class VAttentionStep:
                 shared = fixed_slots(first, last, p.sinks, p.window, heavy_hitters(own.amax(1, keepdim=True), first,
                                                                                    last, p.sinks, p.window, p.heavy))
                 state["vattention.fixed"] = (shared, free_before(shared, first))
-        out, lse = dec.attend(q, k, v, span, fixed, 1, with_lse=True)  # [B, Hq, D], [B, Hq]
+        out, lse = dec.attn.attend(q, k, v, span, fixed, 1, with_lse=True)  # [B, Hq, D], [B, Hq]
         if k.device not in self._layer_ids:  # once, in the eager warm-up before any graph capture
             self._layer_ids[k.device] = torch.arange(dec.shape.layers, device=k.device)
         sample = self._sample(dec)
         indices, log_weights = sample(q, k, v, fixed, free, first, last, out, lse, self._layer_ids[k.device][layer],
                                       dec.shape.attention_scale)
-        return dec.attend(q, k, v, span, indices, 1, log_weights=log_weights)
+        return dec.attn.attend(q, k, v, span, indices, 1, log_weights=log_weights)
 
     def _sample(self, dec: Any) -> Any:
         """:meth:`draw_sample`, as the decoder compiles it (:meth:`StaticDecoder.compiled`: its small ops fuse

@@ -13,6 +13,7 @@ from transformers import GPT2Config, LlamaConfig, TopKLogitsWarper, TopPLogitsWa
 
 import rolecall.runtime.engine as engine
 from rolecall.core.manifest import ModelIdentity, RoleManifest
+from rolecall.eval.decoding import traced_generate
 from rolecall.runtime import attach
 from rolecall.runtime.engine import Generation, Sampling, Weights, default_min_context, unsupported
 from rolecall.runtime.engine.generate import MIN_SLOTS
@@ -304,8 +305,8 @@ def test_reference_logits_are_full_attention_along_the_generated_tokens(family):
     for policy in ("full", "delta", "lethe"):
         pol = get_policy(policy.split("-")[0], **PARAMS[policy])
         pol.bind(manifest_of(model, policy), model.config)
-        out = engine.generate(w, pol, rows, max_new_tokens=NEW, pad_token_id=PAD, kernels="naive", output_logits=True,
-                              reference_logits=True, min_context=0)
+        out = traced_generate(w, pol, rows, max_new_tokens=NEW, pad_token_id=PAD, kernels="naive",
+                              output_logits=True, reference_logits=True, min_context=0)
         assert out.prefilled is None  # the copy Lethe's reference read is not kept unless asked for
         for r, prompt in enumerate(rows):
             ref = out.reference_logits[r]
@@ -340,7 +341,7 @@ def test_an_evicting_policys_decoder_is_freed_before_its_reference_decoder_is_bu
     gc.collect()
     gc.disable()
     try:
-        out = engine.generate(w, pol, prompts(), max_new_tokens=NEW, pad_token_id=PAD, kernels="naive",
+        out = traced_generate(w, pol, prompts(), max_new_tokens=NEW, pad_token_id=PAD, kernels="naive",
                               reference_logits=True, min_context=0)
     finally:
         gc.enable()
@@ -931,18 +932,18 @@ def test_a_kept_prefill_serves_every_policy(family):
         pol.bind(manifest_of(model, policy), model.config)
         bound[policy] = pol
     common = dict(max_new_tokens=NEW, pad_token_id=PAD, kernels="naive", output_logits=True, min_context=0)
-    kept = engine.generate(w, bound["full"], rows, keep_prefill=True, **common).prefilled
+    kept = traced_generate(w, bound["full"], rows, keep_prefill=True, **common).prefilled
     dense = w.shape.windows.index(None)  # a layer without a window holds the prompt; a sliding one its ring
     assert kept is not None and kept.k[dense].shape[2] == max(LENGTHS)
     for policy, pol in bound.items():
         own = engine.generate(w, pol, rows, **common)
-        shared = engine.generate(w, pol, rows, prefilled=kept, **common)
+        shared = traced_generate(w, pol, rows, prefilled=kept, **common)
         assert shared.tokens == own.tokens, (family, policy)
         gap = max(float((a - b).abs().max()) for a, b in zip(shared.logits, own.logits))
         assert gap < 1e-4, (family, policy, gap)
         assert shared.prefilled is None  # kept only when asked
     with pytest.raises(ValueError, match="other prompts"):
-        engine.generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
+        traced_generate(w, bound["delta"], [r[1:] for r in rows], prefilled=kept, **common)
 
 
 def test_a_ring_shorter_than_the_window_holds_a_short_request_and_a_kept_prefill_fits_any_ring():
@@ -953,13 +954,14 @@ def test_a_ring_shorter_than_the_window_holds_a_short_request_and_a_kept_prefill
     w = Weights.from_model(model, positions=256)
     rows = prompts(lengths=(30, 22, 36), seed=4)
     common = dict(pad_token_id=PAD, kernels="naive", output_logits=True, min_context=0)
-    short = engine.generate(w, get_policy("full"), rows, max_new_tokens=6, keep_prefill=True, **common)
+    short = traced_generate(w, get_policy("full"), rows, max_new_tokens=6, keep_prefill=True, **common)
     sliding = model.config.layer_types.count("sliding_attention")
     assert short.info["cache_slots"] == 42 and 0 < sliding < 6
     # K and V in float32, 3 rows × 2 KV heads × 16: every layer 42 slots, a ring its 42 tokens and the padding's slot
     assert short.info["cache_bytes"] == 2 * 4 * 3 * 2 * 16 * (42 * 6 + sliding)
     long_ = engine.generate(w, get_policy("full"), rows, max_new_tokens=40, **common)  # 76 slots: rings of 48
-    loaded = engine.generate(w, get_policy("full"), rows, max_new_tokens=40, prefilled=short.prefilled, **common)
+    loaded = traced_generate(w, get_policy("full"), rows, max_new_tokens=40, prefilled=short.prefilled,
+                             **common)
     assert loaded.tokens == long_.tokens
     assert max(float((a - b).abs().max()) for a, b in zip(loaded.logits, long_.logits)) < 1e-5
     with torch.no_grad():  # and both equal transformers past the window (76 > 48 positions for the longest row)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import decode as bench
+from rolecall.eval.decoding import traced_generate
 from rolecall.runtime.engine import (
     NEVER,
     SHAPES,
@@ -405,12 +406,13 @@ def test_a_kept_decoder_replays_its_prefill_graph_for_short_prompts_on_gpu(name)
 
     kept = Decoders()
     for k, rows in enumerate(batches):
-        got = generate(weights, pol, rows, decoders=kept, max_new_tokens=16, keep_prefill=True)
+        got = traced_generate(weights, pol, rows, decoders=kept, max_new_tokens=16, keep_prefill=True)
         want = generate(weights, pol, rows, decoders=Decoders(), max_new_tokens=16)  # a new decoder: eager prefill
         assert got.tokens == want.tokens and got.info["cache_slots"] == 256  # 48 + 16 slots → the smallest cache
         assert set(kept.kept.prefill_graphs.graphs) == (set() if k == 0 else {48})
     # a kept prefill (padded to its width) serves another policy's request on the same prompts
-    again = generate(weights, policy("full", GPU_SHAPE), batches[-1], max_new_tokens=16, prefilled=got.prefilled)
+    again = traced_generate(weights, policy("full", GPU_SHAPE), batches[-1], max_new_tokens=16,
+                            prefilled=got.prefilled)
     fresh = generate(weights, policy("full", GPU_SHAPE), batches[-1], max_new_tokens=16)
     assert got.prefilled.ids.shape[1] == 48 and again.tokens == fresh.tokens
 

@@ -234,11 +234,11 @@ def test_after_its_first_step_lethe_settles_into_capacity_plus_one_slots():
             dec.static.settle = lambda dec: False
         widths: list[int] = []
 
-        def attend(q, k, v, *a, _attend=dec.attend, _widths=widths, **kw):
+        def attend(q, k, v, *a, _attend=dec.attn.attend, _widths=widths, **kw):
             _widths.append(k.shape[2])
             return _attend(q, k, v, *a, **kw)
 
-        dec.attend = attend
+        dec.attn.attend = attend
         dec.prefill(ids)
         prompt_sized = [weakref.ref(t) for t in dec.cache.k + dec.cache.v]
         logits = []

@@ -314,14 +314,12 @@ def test_the_engine_reference_of_a_trace_equals_one_transformers_forward(tiny_fo
     on the prompt's cached K/V; per prompt its KL and top-1 agreement equal those of the path a policy that
     evicted prompt keys takes (the same pass over a copy of the prefill, in a full-attention cache), and those
     against one transformers forward over prompt and trace (the path off the engine)."""
-    import importlib
-
-    engine_generate = importlib.import_module("rolecall.runtime.engine.generate")  # the module, not the function
+    from rolecall.eval import decoding
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     cached = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
-    monkeypatch.setattr(engine_generate, "keeps_prompt", lambda dec: False)
+    monkeypatch.setattr(decoding, "keeps_prompt", lambda dec: False)
     copied = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
-    monkeypatch.setattr(engine_generate, "Generation", _without_reference(engine_generate.Generation))
+    monkeypatch.setattr(decoding, "Traced", _without_reference(decoding.Traced))
     forward = evaluate(model, tok, manifest, "delta", params, settings, measure=False, batch_size=3)
     assert cached["kl_mean"] > 1e-5
     # one transformers forward sums in another order: KLs of about 5e-4 then differ by float32 rounding (1.3e-7 on
@@ -334,7 +332,7 @@ def test_the_engine_reference_of_a_trace_equals_one_transformers_forward(tiny_fo
 
 
 def _without_reference(cls):
-    """``Generation`` that drops its reference logits, so an evaluation falls back to one transformers forward."""
+    """``Traced`` that drops its reference logits, so an evaluation falls back to one transformers forward."""
     def make(*args, **kwargs):
         out = cls(*args, **kwargs)
         out.reference_logits = None
@@ -494,12 +492,11 @@ def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, mon
     import gc
     import weakref
 
-    import rolecall.runtime.engine as engine
-    from rolecall.eval import Job, evaluate_many
+    from rolecall.eval import Job, decoding, evaluate_many
 
     model, tok, settings, manifest, params = _delta_on_the_engine(tiny_folder)
     made, alive = [], []
-    real = engine.generate
+    real = decoding.traced_generate
 
     def watched(*args, **kwargs):
         alive.append(sum(ref() is not None for ref in made))
@@ -507,7 +504,7 @@ def test_a_batch_generation_is_freed_before_the_next_one_starts(tiny_folder, mon
         made.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(engine, "generate", watched)
+    monkeypatch.setattr(decoding, "traced_generate", watched)
     gc.collect()
     gc.disable()
     try:

@@ -196,17 +196,17 @@ def test_rows_of_their_own_lengths_in_the_triton_kernels(policy, monkeypatch):
     interleaved requests through them give the tokens the reference kernels give each request alone."""
     import os
 
-    import rolecall.runtime.engine.decoder as decoder
+    import rolecall.runtime.engine.attention as attention
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
-    monkeypatch.setattr(decoder, "ROWS_CHUNK", 64)
+    monkeypatch.setattr(attention, "ROWS_CHUNK", 64)
     model, weights, pol = served(policy)
     requests = random_requests(5, 4)
     lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
     assert min(lengths) < 64 < max(lengths)  # one row spans two programs, another leaves its second empty
     got, sched = serve_all(weights, pol, requests, slots=2, check_every=2, kernels="triton", min_context=0)
-    assert sched.engine.dec._dense["chunk"] == 64
+    assert sched.engine.dec.attn._dense["chunk"] == 64
     for i, r in enumerate(requests):
         alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0,
                          kernels="naive").tokens[0]
