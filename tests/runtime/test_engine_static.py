@@ -338,7 +338,7 @@ def test_fallback_graphs_on_gpu():
     """Below min_context the full graph runs, above it the policy's; both over the same buffers."""
     eager, graphed = gpu_decoders("delta", min_context=2503)
     graphed.capture()
-    assert set(graphed.graphs) == {"policy", "full"}
+    assert set(graphed.graphs) == {("policy", None), ("full", None)}  # (kind of step, sampler mode; None: no sampler)
     full, _ = gpu_decoders("full")
     for i in range(6):
         t = torch.full((3,), i, device="cuda")
@@ -371,7 +371,7 @@ def test_a_kept_decoder_replays_its_graphs_for_the_next_requests_on_gpu(name):
     assert held[0] is held[1] is held[2]
     sparse = name != "full"
     assert captured[0] > 0 and (captured[1] > 0) == sparse and captured[2] == 0
-    assert set(held[0].graphs) == ({"policy", "full"} if sparse else {"policy"})
+    assert {kind for kind, _ in held[0].graphs} == ({"policy", "full"} if sparse else {"policy"})
 
 
 @pytest.mark.gpu
