@@ -61,10 +61,15 @@ def check_policy(name: str, params: dict[str, Any], manifest: Any = None, config
         bound_policy(name, manifest, config, **own)
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+def add_model(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--trust-remote-code``."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default {DEFAULT_MODEL})")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model folder's own Python code (auto_map in config.json); off by default")
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    add_model(parser)
     parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
                         "lethe layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
     parser.add_argument("--policy", default=None, help="full, delta, lychee, lethe, vattention or quest (default: the "

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rolecall.cli.common import (
+    add_model,
     add_prompt_arguments,
     check_device_map,
     check_policy,
@@ -29,12 +30,9 @@ DEFAULT_OUT = "out/tune"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rolecall.core.models import DEFAULT_MODEL, DTYPES
+    from rolecall.core.models import DTYPES
 
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face id or local folder (default "
-                        f"{DEFAULT_MODEL})")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the model folder's own Python code (auto_map in config.json); off by default")
+    add_model(parser)
     parser.add_argument("--manifest", required=True, help="the manifest the recommendation is written for (a "
                         "layers manifest from calibrate-delta, a heads one from train-heads, or both merged)")
     parser.add_argument("--heads", default=None, help="a heads manifest (train-heads) to merge in, so lychee is "
