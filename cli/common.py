@@ -68,6 +68,13 @@ def add_model(parser: argparse.ArgumentParser) -> None:
                         help="run the model folder's own Python code (auto_map in config.json); off by default")
 
 
+def add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--device`` (``note`` added to its help) and ``--dtype``: what :func:`load_placed` reads."""
+    parser.add_argument("--device", default=None, help=f"cuda or cpu (default: cuda when there is one){note}")
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
+                        help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+
+
 def add_common(parser: argparse.ArgumentParser) -> None:
     add_model(parser)
     parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
@@ -76,11 +83,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         "manifest's recommended setting from rolecall tune when it has one, else delta)")
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
                         help="policy parameter, repeatable (e.g. -p budget=1024, -p ratio=0.1, -p epsilon=0.05)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one); on cuda "
-                        "full, delta, lychee, quest, lethe (with -p budget=) and vattention (with -p max_sample=) "
-                        "run on the engine (static cache, CUDA graphs)")
-    parser.add_argument("--dtype", default=None, choices=DTYPES,
-                        help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+    add_device(parser, "; on cuda full, delta, lychee, quest, lethe (with -p budget=) and vattention (with -p "
+               "max_sample=) run on the engine (static cache, CUDA graphs)")
     parser.add_argument("--device-map", default=None, metavar="MAP",
                         help="'auto' spreads a model too large for one GPU over every visible GPU (from_pretrained's "
                         "device_map; also balanced, sequential or a device); a model spread over several decodes on "

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rolecall.cli.common import (
+    add_device,
     add_model,
     add_prompt_arguments,
     check_device_map,
@@ -30,8 +31,6 @@ DEFAULT_OUT = "out/tune"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rolecall.core.models import DTYPES
-
     add_model(parser)
     parser.add_argument("--manifest", required=True, help="the manifest the recommendation is written for (a "
                         "layers manifest from calibrate-delta, a heads one from train-heads, or both merged)")
@@ -56,9 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"the run folder: checkpoints, tune.json, frontier.png "
                         f"(default {DEFAULT_OUT}); a rerun with it resumes")
     parser.add_argument("--output", "-o", default=None, help="the manifest to write (default: OUT/manifest.safetensors)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
-    parser.add_argument("--dtype", default=None, choices=DTYPES, help="weights dtype (default: bfloat16 on cuda, "
-                        "float32 on cpu)")
+    add_device(parser)
     # every candidate decodes on the engine (also on the CPU), in batches; one model on one device
     parser.set_defaults(param=["engine=static"], measure=False, device_map=None)
 
@@ -114,9 +111,17 @@ def run_record(args: argparse.Namespace, settings) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolecall.core.atomic import write_text
     from rolecall.core.models import load_config, load_tokenizer
     from rolecall.eval import check_samples, suite_prompts
-    from rolecall.eval.tune import candidates, format_table, plot_frontier, recommendation, tune
+    from rolecall.eval.tune import (
+        candidates,
+        check_answers,
+        format_table,
+        plot_frontier,
+        recommendation,
+        tune,
+    )
 
     tuning = check_arguments(args)
     config = load_config(args.model, trust_remote_code=args.trust_remote_code)
@@ -131,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     check_samples(samples, config, settings, args.allow_long_context, name=args.prompts or f"the {args.suite} prompts",
                   new_name="--max-new-tokens", opt_in="--allow-long-context", fix="shorten the prompts or lower "
                   "--max-new-tokens")
+    check_answers(samples)
     model = load_placed(args)
     header = {"model": args.model, "manifest_sha256": hashlib.sha256(manifest.to_bytes()).hexdigest(),
               "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("prompts", "data")}}
@@ -140,8 +146,6 @@ def run(args: argparse.Namespace) -> int:
     tuned = dataclasses.replace(manifest, recommended=recommendation(result, run_record(args, settings)))
     tuned.save(args.output)
     plot = plot_frontier(result, Path(args.out) / "frontier.png")
-    from rolecall.core.atomic import write_text
-
     write_text(Path(args.out) / "result.json", json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.output} (recommended: {result['chosen']['name']}), {plot} and {Path(args.out) / 'result.json'}",
           file=sys.stderr)

@@ -33,6 +33,7 @@ import torch
 
 from rolecall.core import atomic
 from rolecall.eval.budgets import policy_params
+from rolecall.eval.runner import device_label
 from rolecall.eval.stats import paired_difference
 
 COSTS = ("tpot", "keys")
@@ -147,6 +148,15 @@ class Record:
                                                 sort_keys=True) + "\n")
 
 
+def check_answers(samples: list[dict[str, Any]]) -> None:
+    """Every prompt has an ``answer`` or ``answers`` to score against; the first that has none is refused in one
+    line (``ValueError``) before any decoding."""
+    missing = next((i for i, s in enumerate(samples) if not (s.get("answer") or s.get("answers"))), None)
+    if missing is not None:
+        raise ValueError(f"prompt {missing + 1} has no answer to score: rolecall tune compares scores, so every "
+                         "prompt needs an 'answer' or 'answers'")
+
+
 def score(model, tokenizer, manifest, todo: list[Candidate], record: Record, samples: list[dict[str, Any]],
           settings: Any, eval_batch: int | None, folder: Path) -> None:
     """Decode ``samples`` with every candidate of ``todo`` on the engine (one prefill a batch, shared) and put
@@ -159,9 +169,6 @@ def score(model, tokenizer, manifest, todo: list[Candidate], record: Record, sam
     results = evaluate_many(model, tokenizer, jobs, settings, samples, measure=False, batch_size=eval_batch)
     for c, result in zip(todo, results):
         scores = [s["score"] for s in result["samples"]]
-        if any(s is None for s in scores):
-            raise ValueError("a prompt has no answer to score: rolecall tune compares scores, so every prompt needs "
-                             "an 'answer' or 'answers'")
         record.put(c.name, {"policy": c.policy, "params": c.params, "scores": scores,
                             "score": sum(scores) / len(scores), "attended_fraction": result["attended_fraction"]})
 
@@ -219,6 +226,7 @@ def tune(model, tokenizer, manifest, found: list[Candidate], samples: list[dict[
          tuning: TuneSettings, folder: str | Path, header: dict[str, Any], progress=print) -> dict[str, Any]:
     """Score and time every candidate of ``found`` (resuming ``folder``'s record; ``header`` names the run) and
     choose among them (see the module docstring). Returns ``{"rows", "chosen", "closest", "context", ...}``."""
+    check_answers(samples)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     context = tuning.context or max(int(torch.as_tensor(s["input_ids"]).numel()) for s in samples)
@@ -232,18 +240,11 @@ def tune(model, tokenizer, manifest, found: list[Candidate], samples: list[dict[
         if "tpot_ms" not in record.done[c.name]:
             progress(f"timing {c.name} at batch {tuning.batch}, {context:,} tokens")
             ms = time_candidate(model, manifest, c, tuning.batch, context, tuning.time_tokens)
-            record.put(c.name, {"tpot_ms": ms, "device": device_name(model)})
+            record.put(c.name, {"tpot_ms": ms, "device": device_label(model)})
     rows = evidence_rows(found, record)
     chosen, closest = choose(rows, tuning.max_drop, tuning.cost)
     return {"rows": rows, "chosen": chosen, "closest": closest, "context": context, "batch": tuning.batch,
             "max_drop": tuning.max_drop, "cost": tuning.cost, "device": record.done["full"].get("device")}
-
-
-def device_name(model) -> str:
-    """The GPU's name, or ``cpu``."""
-    if model.device.type == "cuda":
-        return torch.cuda.get_device_name(model.device)
-    return "cpu"
 
 
 def recommendation(result: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:

@@ -310,3 +310,17 @@ def test_the_hub_card_names_the_recommended_setting_and_the_folder_loads_it(tmp_
     assert "## Recommended setting" in card and "`quest -p budget=64 -p page_size=16`" in card
     assert "rolecall tune --model tiny --suite passkey" in card and "from rolecall.runtime import attach" in card
     assert RoleManifest.load(out).recommended == manifest.recommended
+
+
+def test_a_prompt_without_an_answer_is_refused_before_the_model_loads(tiny, tmp_path, monkeypatch, capsys):
+    import rolecall.core.models
+
+    monkeypatch.setattr(rolecall.core.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    rows = [{"prompt": "one", "answer": "a"}, {"prompt": "two"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = tune_args(tiny, tmp_path / "run")
+    args[args.index("--prompts") + 1] = str(tmp_path / "p.jsonl")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "prompt 2 has no answer to score" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()
