@@ -5,7 +5,10 @@ For each prompt length it times, in the same run:
 - ``baseline``: what any distillation step must do anyway: the teacher's chunked prefill of the prompt and
   its forward over the target span (no gradients);
 - ``train step``: one full step of the recipe: the baseline plus the student's hybrid forward, the backward
-  pass into the gates and the optimizer and λ updates (``rolecall.train.recipe`` does the same per step).
+  pass into the gates and the optimizer and λ updates (``rolecall.train.recipe`` does the same per step), with
+  the fused hybrid-attention kernels the recipe runs on a GPU (``rolecall.train.hybrid_kernel``);
+- ``reference step``: the same step with the PyTorch reference ``hybrid_layer`` (float32 scores, recomputed
+  under checkpointing unless ``--no-checkpointing``), the attention before the kernels.
 
 Medians over ``--repeats`` steps after ``--warmup`` untimed ones; CUDA events; the GPU is named in the
 table and the JSON. Random weights give near-uniform attention, which does not change the work done.
@@ -135,14 +138,16 @@ def report(args, gpu: str, rows: list[dict], ckpt_s: float) -> None:
     JSON file ``--json``."""
     print(f"\nGPU: {gpu}; Llama-3-8B architecture ({args.layers} layers), bf16 random weights, torch {torch.__version__}")
     print(f"span {args.span} tokens, {args.answers} targets, budget {args.budget}, prefill chunk {args.prefill_chunk}, "
-          f"attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
+          f"reference's attention checkpointing {'off' if args.no_checkpointing else 'on'}, TF32 {'off' if args.no_tf32 else 'on'}, median of {args.repeats} after {args.warmup} warm-up")
     steps, every = recipe_settings()
     for r in rows:
         r["recipe_projected_s"] = projected_recipe_s(r["train_step_s"], steps, every, ckpt_s)
-    print(f"{'prompt':>8} {'baseline s':>11} {'step s':>8} {'baseline GiB':>13} {'step GiB':>9} {'recipe min':>11}")
+    print(f"{'prompt':>8} {'baseline s':>11} {'reference s':>12} {'step s':>8} {'baseline GiB':>13} "
+          f"{'reference GiB':>14} {'step GiB':>9} {'recipe min':>11}")
     for r in rows:
-        print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['train_step_s']:>8.3f} "
-              f"{r['baseline_peak_gib']:>13.1f} {r['train_step_peak_gib']:>9.1f} {r['recipe_projected_s'] / 60:>11.1f}")
+        print(f"{r['prompt_tokens']:>8} {r['baseline_s']:>11.3f} {r['reference_step_s']:>12.3f} "
+              f"{r['train_step_s']:>8.3f} {r['baseline_peak_gib']:>13.1f} {r['reference_step_peak_gib']:>14.1f} "
+              f"{r['train_step_peak_gib']:>9.1f} {r['recipe_projected_s'] / 60:>11.1f}")
     print(f"recipe: {steps} steps, a checkpoint every {every} ({ckpt_s * 1e3:.1f} ms each), no evaluation between "
           f"steps ({RECIPE.name})")
     result = {"gpu": gpu, "torch": torch.__version__, "rows": rows,
@@ -162,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     num_kv = model.config.num_key_value_heads
     gates = GateParameters("hardkuma", (args.layers - 1, num_kv)).cuda()
     optimizer = torch.optim.Adam(gates.parameters(), lr=0.01)
-    hybrid = HybridAttention(args.layers, args.budget, checkpoint=not args.no_checkpointing)
+    hybrids = {"reference_step": HybridAttention(args.layers, args.budget, checkpoint=not args.no_checkpointing,
+                                                 fused=False),
+               "train_step": HybridAttention(args.layers, args.budget)}
     generator = torch.Generator().manual_seed(0)
     rows = []
     for n in args.lengths:
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
         lam = 0.0
 
-        def step(ids=ids, labels=labels):
+        def step(ids=ids, labels=labels, hybrid=hybrids["train_step"]):
             nonlocal lam
             dist = gates.distribution()
             z = dist.rsample(generator=generator)
@@ -190,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             lam = max(0.0, lam + 0.01 * (float(l0.detach()) - 32))
 
         row = {"prompt_tokens": n, "span_tokens": args.span}
-        for name, fn in (("baseline", baseline), ("train_step", step)):
+        def reference_step(ids=ids, labels=labels):
+            step(ids, labels, hybrids["reference_step"])
+
+        for name, fn in (("baseline", baseline), ("reference_step", reference_step), ("train_step", step)):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             with fast_float32_matmul(not args.no_tf32):
@@ -199,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_times_s"] = times
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         rows.append(row)
-        print(f"{n}: baseline {row['baseline_s']:.3f} s, step {row['train_step_s']:.3f} s", flush=True)
+        print(f"{n}: baseline {row['baseline_s']:.3f} s, reference step {row['reference_step_s']:.3f} s, "
+              f"step {row['train_step_s']:.3f} s", flush=True)
     if args.profile:
         with fast_float32_matmul(not args.no_tf32), torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rolecall.runtime.attention import keep_mask
+from rolecall.runtime.kernels.dispatch import use_triton
 
 ATTENTION_NAME = "rolecall-hybrid"
 
@@ -59,15 +60,31 @@ def fast_float32_matmul(enabled: bool = True) -> Iterator[None]:
 _MIN_MASS = 1e-20  # below this share of a query's probability, the selected keys are renormalised exactly
 
 
+def top_keys(mean_probs: Tensor, keep: Tensor, k: int) -> Tensor:
+    """The top-``k`` keys of each query by its group's mean probability ``mean_probs`` [B, Hkv, S, T] (GQA: the
+    query heads of a KV head choose together), within ``keep`` [B|1, 1, S, T]: [B, Hkv, S, T] bool."""
+    with torch.no_grad():
+        top = mean_probs.topk(k, dim=-1, sorted=False).indices  # order irrelevant
+        return torch.zeros(mean_probs.shape, dtype=torch.bool, device=mean_probs.device).scatter_(-1, top, True) & keep
+
+
+def sparse_keys(inherited: Tensor, keep: Tensor) -> Tensor:
+    """The keys a sparse head reads, [B, Hkv, S, T] bool: the inherited set within ``keep`` [B|1, 1, S, T].
+
+    A window (a sliding layer, with include_sliding) can hide every inherited key: such a query reads its own
+    position, as the runtime's sparse heads always read the current token.
+    """
+    sparse_keep = inherited & keep
+    own = keep & (keep.cumsum(-1) == keep.sum(-1, keepdim=True))
+    return torch.where(sparse_keep.any(-1, keepdim=True), sparse_keep, own)
+
+
 def _selection(probs: Tensor, keep: Tensor, k: int, memo: dict[str, Tensor] | None) -> Tensor:
-    """The top-``k`` keys of each query by its group's mean probability ``[B, Hkv, S, T]`` bool (from ``memo``
-    when a checkpointed layer recomputes)."""
+    """:func:`top_keys` of the probabilities ``[B, Hkv, G, S, T]`` (from ``memo`` when a checkpointed layer
+    recomputes)."""
     if memo is not None and "selected" in memo:
         return memo["selected"]
-    with torch.no_grad():
-        top = probs.mean(2).topk(k, dim=-1, sorted=False).indices  # GQA: the group's mean; order irrelevant
-        b, hkv, _, s, t = probs.shape
-        selected = torch.zeros((b, hkv, s, t), dtype=torch.bool, device=probs.device).scatter_(-1, top, True) & keep
+    selected = top_keys(probs.detach().mean(2), keep, k)
     if memo is not None:
         memo["selected"] = selected
     return selected
@@ -106,11 +123,7 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
     v = value.float()
     out = torch.matmul(probs.view(b, hkv, groups * s, t), v)  # [B, Hkv, G·S, D]
     if inherited is not None and z is not None:
-        sparse_keep = inherited & keep  # [B, Hkv, S, T]
-        # A window (a sliding layer, with include_sliding) can hide every inherited key: such a query reads its
-        # own position, as the runtime's sparse heads always read the current token.
-        own = keep & (keep.cumsum(-1) == keep.sum(-1, keepdim=True))
-        sparse_keep = torch.where(sparse_keep.any(-1, keepdim=True), sparse_keep, own)[:, :, None]
+        sparse_keep = sparse_keys(inherited, keep)[:, :, None]
         # one product gives the selected keys' weighted values and, from a column of ones, their mass;
         # the columns are padded to a multiple of 8 for the tensor-core kernels
         ones = torch.zeros(*v.shape[:-1], 8, dtype=v.dtype, device=v.device)
@@ -127,6 +140,24 @@ def hybrid_layer(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scalin
         out = zg * out + (1 - zg) * sparse
     out = out.view(b, hq, s, d)
     return out.to(query.dtype).transpose(1, 2).contiguous(), selected
+
+
+def hybrid_layer_fused(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float,
+                       inherited: Tensor | None, z: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`hybrid_layer` through the fused kernels of :mod:`rolecall.train.hybrid_kernel`: the same inputs,
+    outputs and selection, without the float32 ``[B, Hq, S, T]`` tensors (so without checkpointing)."""
+    from rolecall.train.hybrid_kernel import hybrid_attention
+
+    b, hq, s, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, (hq // hkv) * s, d)
+    sparse_keep = sparse_keys(inherited, keep) if inherited is not None and z is not None else None
+    full, sparse, mean = hybrid_attention(q, key, value, keep[:, 0], sparse_keep, scaling)
+    out = full
+    if sparse is not None:
+        zg = z.float().view(1, hkv, 1, 1)
+        out = zg * full + (1 - zg) * sparse
+    return out.view(b, hq, s, d).to(query.dtype).transpose(1, 2).contiguous(), top_keys(mean, keep, k)
 
 
 @dataclass(frozen=True)
@@ -192,12 +223,16 @@ class HybridAttention:
     ``checkpoint``: recompute each layer's scores in the backward pass instead of keeping them
     ([B, Hq, S, T] float32 twice per layer), which is what bounds memory at long prompts.
     ``sliding``: layers that run their own attention unmixed and pass their inherited selection on.
+    ``fused``: on a GPU, run :func:`hybrid_layer_fused` (the same result from kernels that never write the
+    scores; ``checkpoint`` is then moot); off, or on a CPU, or with ``ROLECALL_KERNELS=naive``,
+    :func:`hybrid_layer`.
     """
 
     num_layers: int
     budget: float | int = 0.3
     checkpoint: bool = False
     sliding: tuple[int, ...] = ()
+    fused: bool = True
     gates: Tensor | None = None
     _selected: Tensor | None = field(default=None, repr=False)
     _last_layer: int = field(default=-1, repr=False)
@@ -230,7 +265,9 @@ class HybridAttention:
             z = None  # its own (windowed) attention, as the teacher runs it
         inherited = _align(self._selected, t) if z is not None and self._selected is not None else None
         args = (query, key, value, keep, scaling, inherited, z, budget_tokens(self.budget, t))
-        if self.checkpoint and torch.is_grad_enabled():
+        if self.fused and use_triton(query):
+            out, self._selected = hybrid_layer_fused(*args)
+        elif self.checkpoint and torch.is_grad_enabled():
             out, self._selected = checkpoint(hybrid_layer, *args, {}, use_reentrant=False)
         else:
             out, self._selected = hybrid_layer(*args)

@@ -184,21 +184,145 @@ def test_hybrid_layer_gradients_match_the_float64_reference():
     inherited[..., -1] = True
     z = torch.rand(hkv, dtype=torch.float64)
 
-    def reference(q, k, v, z):
-        g = hq // hkv
-        kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        sc = q @ kr.transpose(-1, -2) * d**-0.5
-        full = torch.softmax(sc.masked_fill(~keep, float("-inf")), -1) @ vr
-        sk = inherited.repeat_interleave(g, 1) & keep
-        sparse = torch.softmax(sc.masked_fill(~sk, float("-inf")), -1) @ vr
-        zq = z.repeat_interleave(g)[None, :, None, None]
-        return (zq * full + (1 - zq) * sparse).transpose(1, 2)
-
-    grads = []
-    for fn in (lambda *a: hybrid_layer(*a[:3], keep, d**-0.5, inherited, a[3], 3)[0], reference):
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, z)]
-        out = fn(*leaves)
-        (out.double() * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
-        grads.append([x.grad for x in leaves])
+    grads = _gradients([lambda *a: hybrid_layer(*a[:3], keep, d**-0.5, inherited, a[3], 3)[0],
+                        lambda *a: _two_softmax(*a, keep, inherited, d**-0.5)], (q, k, v, z))
     for mine, ref in zip(*grads):
         torch.testing.assert_close(mine.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def _two_softmax(q, k, v, z, keep, inherited, scaling):
+    """The definition, two softmaxes in float64: z · softmax over ``keep`` + (1 − z) · softmax over the inherited
+    keys within it (every row reads at least one); [B, S, Hq, D]."""
+    g = q.shape[1] // k.shape[1]
+    kr, vr = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    sc = q.double() @ kr.transpose(-1, -2) * scaling
+    full = torch.softmax(sc.masked_fill(~keep, float("-inf")), -1) @ vr
+    sparse = torch.softmax(sc.masked_fill(~(inherited.repeat_interleave(g, 1) & keep), float("-inf")), -1) @ vr
+    zq = z.double().repeat_interleave(g)[None, :, None, None]
+    return (zq * full + (1 - zq) * sparse).transpose(1, 2)
+
+
+def _gradients(functions, inputs):
+    """For each function of ``inputs``: the gradients of a fixed weighted sum of its output."""
+    grads = []
+    for fn in functions:
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        out = fn(*leaves)
+        (out.double() * torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device=out.device).view_as(out)).sum().backward()
+        grads.append([x.grad for x in leaves])
+    return grads
+
+
+# The fused kernels (rolecall.train.hybrid_kernel) run here in Triton's CPU interpreter (tests/conftest.py sets
+# TRITON_INTERPRET=1 without a GPU), against the same references as the PyTorch layer.
+
+def _interpreted():
+    import os
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests cover the kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")
+    from rolecall.train.hybrid import hybrid_layer_fused
+
+    return hybrid_layer_fused
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 1), (4, 2), (3, 3)])
+def test_fused_layer_matches_the_loop_reference(hq, hkv):
+    """Outputs against the loop over heads and queries; the next layer's set against the group-averaged
+    probabilities' top keys, one query at a time."""
+    fused = _interpreted()
+    torch.manual_seed(3)
+    s, t, d, top = 5, 11, 8, 4
+    q1, q2 = torch.randn(1, hq, s, d) * 2, torch.randn(1, hq, s, d) * 2
+    k1, k2, v2 = torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)
+    keep = (torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None])[None, None]
+    _, selected = fused(q1, k1, k1, keep, d**-0.5, None, None, top)
+    assert torch.equal(selected[0], _naive_selection(q1[0], k1[0], d**-0.5, top))
+    z = torch.rand(hkv)
+    out, _ = fused(q2, k2, v2, keep, d**-0.5, selected, z, top)
+    torch.testing.assert_close(out[0].double(), _naive_layer(q2[0], k2[0], v2[0], selected[0], z.double(), d**-0.5),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_fused_gradients_match_the_float64_definition():
+    """∂/∂(q, k, v, z) from the kernels' backward pass (a batch of two, a head size that is not a power of two,
+    GQA groups of three) against autograd through the two-softmax definition in float64."""
+    fused = _interpreted()
+    torch.manual_seed(6)
+    b, hq, hkv, s, t, d = 2, 6, 2, 7, 19, 12
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    keep = (torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None])[None, None]
+    inherited = torch.rand(b, hkv, s, t) < 0.4
+    inherited[..., 0] = True
+    z = torch.rand(hkv)
+    grads = _gradients([lambda *a: fused(*a[:3], keep, d**-0.5, inherited, a[3], 5)[0],
+                        lambda *a: _two_softmax(*a, keep, inherited, d**-0.5)], (q, k, v, z))
+    for mine, ref in zip(*grads):
+        torch.testing.assert_close(mine.double(), ref.double(), atol=1e-5, rtol=1e-4)
+
+
+def test_fused_layer_agrees_with_the_layer_under_a_window_and_an_underflowing_set():
+    """A sliding window that hides every inherited key of some queries (they read their own position), and
+    selected keys 200 below the best one (the sparse softmax exact, not 0/0): outputs, sets and gradients equal
+    the PyTorch layer's."""
+    fused = _interpreted()
+    torch.manual_seed(7)
+    hq, hkv, s, t, d = 4, 2, 9, 24, 16
+    q, k, v = torch.randn(1, hq, s, d), torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)
+    k[0, 0, 0] = q[0, 0, 0] * 60  # key 0 dominates the first group's queries
+    pos = torch.arange(t - s, t)[:, None]
+    keep = ((torch.arange(t)[None, :] <= pos) & (torch.arange(t)[None, :] > pos - 6))[None, None]
+    inherited = torch.zeros(1, hkv, s, t, dtype=torch.bool)
+    inherited[..., 1:12] = True  # hidden by the window from the later queries
+    z = torch.tensor([0.3, 0.8])
+    outs = [fn(q, k, v, keep, d**-0.5, inherited, z, 3) for fn in (hybrid_layer, fused)]
+    assert bool(torch.isfinite(outs[1][0]).all())
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-4)
+    assert torch.equal(outs[1][1], outs[0][1])
+    grads = _gradients([lambda *a, fn=fn: fn(*a[:3], keep, d**-0.5, inherited, a[3], 3)[0] for fn in (hybrid_layer, fused)],
+                       (q, k, v, z))
+    for mine, ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_fused_layer_in_bf16_on_gpu_matches_the_float32_layer():
+    """An 8B-shaped layer (32 query heads over 8, head size 128) at 200 queries over 3,000 keys in bf16: outputs
+    and gradients within bf16's precision of the float32 PyTorch layer's, most of the next layer's set equal
+    (bf16 scores may swap keys of near-equal probability)."""
+    from rolecall.train.hybrid import hybrid_layer_fused
+
+    torch.manual_seed(8)
+    hq, hkv, s, t, d = 32, 8, 200, 3000, 128
+    q, k, v = (torch.randn(1, h, n, d, device="cuda") for h, n in ((hq, s), (hkv, t), (hkv, t)))
+    keep = (torch.arange(t, device="cuda")[None, :] <= torch.arange(t - s, t, device="cuda")[:, None])[None, None]
+    inherited = torch.rand(1, hkv, s, t, device="cuda") < 0.3
+    z = torch.rand(hkv, device="cuda")
+    outs = [fn(*(x.bfloat16() for x in (q, k, v)), keep, d**-0.5, inherited, z, 900)
+            for fn in (hybrid_layer, hybrid_layer_fused)]
+    torch.testing.assert_close(outs[1][0].float(), outs[0][0].float(), atol=2e-2, rtol=2e-2)
+    assert (outs[1][1] == outs[0][1]).float().mean() > 0.99
+    grads = _gradients([lambda *a, fn=fn: fn(*(x.bfloat16() for x in a[:3]), keep, d**-0.5, inherited, a[3], 900)[0]
+                        for fn in (hybrid_layer, hybrid_layer_fused)], (q, k, v, z))
+    for mine, ref in zip(grads[1], grads[0]):
+        scale = ref.abs().max()
+        assert float((mine - ref).abs().max() / scale) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, heads, kv", CASES)
+def test_fused_distillation_loss_and_gate_gradients_equal_the_reference_on_gpu(family, heads, kv):
+    """A whole student forward and backward on a tiny model: the loss and ∂loss/∂z through the kernels equal
+    those through the PyTorch layer (float32 weights; the kernels' products take TF32)."""
+    model = _frozen(family, heads, kv).cuda()
+    ids, labels = _sample(seed=2)
+    results = []
+    for fused in (False, True):
+        z = torch.full((2, kv), 0.4, device="cuda").requires_grad_(True)
+        loss, _ = distill_loss(model, HybridAttention(3, 0.3, fused=fused), z, ids, labels, prefill_chunk=20)
+        loss.backward()
+        results.append((float(loss.detach()), z.grad.clone()))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-2)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-3, rtol=2e-2)
