@@ -26,6 +26,8 @@ are padded inside the kernel. Under ``TRITON_INTERPRET=1`` the kernels run on th
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -308,5 +310,7 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, sparse_keep:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     keep8 = keep.contiguous().view(torch.uint8)
     sel8 = sparse_keep.contiguous().view(torch.uint8) if sparse_keep is not None else None
-    o_f, o_s, mean = _Hybrid.apply(q, k, v, keep8, sel8, scale, q.shape[2] // keep.shape[1])
+    # Triton launches on the current device: a layer on another GPU (a device map) makes that one current
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        o_f, o_s, mean = _Hybrid.apply(q, k, v, keep8, sel8, scale, q.shape[2] // keep.shape[1])
     return o_f, (o_s if sparse_keep is not None else None), mean
