@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -23,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import": ("rolecall.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
     "merge": ("rolecall.cli.merge", "combine a layers manifest and a heads manifest of one model"),
     "serve": ("rolecall.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "grid": ("rolecall.cli.grid", "every policy at a grid of token budgets on one suite: tables, plots, resumable cells"),
     "tune": ("rolecall.cli.tune", "choose the cheapest setting within a stated drop of full attention, into the manifest"),
 }
 
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in SUBCOMMANDS else "").parse_args(argv)
+    args.command_line = shlex.join(["rolecall", *argv])  # as given, for a command that records it (grid)
     return run_reporting_errors(f"rolecall {args.command}", args._run, args)
 
 

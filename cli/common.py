@@ -1,5 +1,6 @@
-"""What ``rolecall decode`` and ``rolecall eval`` share: the model, manifest and policy flags and their checks; and
-the device, dtype and placement checks that ``calibrate-delta`` and ``train-heads`` share with them."""
+"""What ``rolecall decode`` and ``rolecall eval`` share: the model, manifest and policy flags and their checks; the
+device, dtype and placement checks that ``calibrate-delta`` and ``train-heads`` share with them; and the check of
+numeric flags that ``rolecall grid`` and the benchmark scripts share."""
 
 from __future__ import annotations
 
@@ -263,3 +264,16 @@ def wall_time_line(command: str, total: float, times: dict[str, float]) -> str:
     parts = [f"{name} {seconds:.1f} s" for name, seconds in times.items()]
     other = total - sum(times.values())
     return f"{command}: wall time {total:.1f} s: {', '.join(parts)}, other {max(other, 0.0):.1f} s"
+
+
+def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, **lows: float | tuple[float, str]) -> None:
+    """Each named flag's number (every item of a list; None is left alone) at least its low, given as ``steps=1``
+    or with the reason as ``steps=(2, "why")``; else a usage error in one line naming the flag, the low, the
+    reason and the value given."""
+    for dest, low in lows.items():
+        low, why = low if isinstance(low, tuple) else (low, "")
+        value = getattr(args, dest)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v < low for v in values):
+            parser.error(f"--{dest.replace('_', '-')} must be at least {low}{' each' if values is value else ''}"
+                         f"{f' ({why})' if why else ''}, got {' '.join(map(str, values))}")
