@@ -19,7 +19,7 @@ from pathlib import Path
 if not __package__:  # run as a file: its sibling modules are importable only as the package benchmarks
     sys.exit(f"{Path(__file__).name}: run it from the repository root as python -m benchmarks.{Path(__file__).stem}")
 
-from rolecall.cli import Parser, run_reporting_errors
+from rolecall.cli import run_reporting_errors, script_parser
 from rolecall.cli.grid import add_arguments, check_arguments, run_checked
 
 PROG = Path(__file__).name
@@ -29,8 +29,7 @@ def parse_args(argv: list[str]):
     """The flags, checked as ``rolecall grid`` checks them (one line, exit status 2, before anything is read or
     loaded); sets ``grid`` (the :class:`rolecall.eval.grid.Grid`) and ``command_line`` (what ``COMMAND.txt``
     records)."""
-    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    parser = script_parser(PROG, __doc__.split("\n\n")[0], add_arguments)
     args = parser.parse_args(argv)
     check_arguments(args, parser)
     args.command_line = shlex.join(["python", "-m", "benchmarks.quality", *argv])

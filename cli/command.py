@@ -77,6 +77,15 @@ class Parser(argparse.ArgumentParser):
                 self.error(str(e))
 
 
+def script_parser(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None]) -> Parser:
+    """The parser of a command run under a name of its own (``calibrate-delta``, ``train-heads``,
+    ``benchmarks/quality.py``): a :class:`Parser` named ``prog`` with the arguments ``add_arguments`` gives it (the
+    function that gives the ``rolecall`` subcommand the same ones)."""
+    parser = Parser(prog=prog, description=description)
+    add_arguments(parser)
+    return parser
+
+
 def available() -> dict[str, tuple[str, str]]:
     """The subcommands whose module exists (found without importing it, so ``--help`` stays fast)."""
     return {name: entry for name, entry in SUBCOMMANDS.items() if importlib.util.find_spec(entry[0]) is not None}
