@@ -69,6 +69,11 @@ def add_model(parser: argparse.ArgumentParser) -> None:
                         help="run the model folder's own Python code (auto_map in config.json); off by default")
 
 
+def add_manifest(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
+    """``--manifest``, a role manifest file (.safetensors); ``help`` says what the command reads from it."""
+    parser.add_argument("--manifest", required=required, default=None, help=help)
+
+
 def add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
     """``--device`` (``note`` added to its help) and ``--dtype``: what :func:`load_placed` reads."""
     parser.add_argument("--device", default=None, help=f"cuda or cpu (default: cuda when there is one){note}")
@@ -78,8 +83,8 @@ def add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
 
 def add_common(parser: argparse.ArgumentParser) -> None:
     add_model(parser)
-    parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
-                        "lethe layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
+    add_manifest(parser, "role manifest (.safetensors): delta needs layers.role, lychee heads.role, lethe "
+                 "layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
     parser.add_argument("--policy", default=None, help="full, delta, lychee, lethe, vattention or quest (default: the "
                         "manifest's recommended setting from rolecall tune when it has one, else delta)")
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
