@@ -1,28 +1,19 @@
 """What the benchmark scripts share: their checks of numeric flags, the reports they read (a quality grid's
 ``summary.json``, a ``decode.py`` JSON), the rows they can pair, and what they write last (their JSON, their
-table as Markdown, the table printed, their figures)."""
+table as Markdown, the table printed, their figures). The numeric-flag check, a grid row's paired scores and the
+figure writer are the package's (``rolecall.cli.common``, ``rolecall.eval.grid_tables``, ``rolecall.eval.grid_plots``),
+named here for the scripts."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
+from rolecall.cli.common import at_least as at_least
 from rolecall.core import atomic
-
-
-def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, **lows: float | tuple[float, str]) -> None:
-    """Each named flag's number (every item of a list; None is left alone) at least its low, given as ``steps=1``
-    or with the reason as ``steps=(2, "why")``; else a usage error in one line naming the flag, the low, the
-    reason and the value given."""
-    for dest, low in lows.items():
-        low, why = low if isinstance(low, tuple) else (low, "")
-        value = getattr(args, dest)
-        values = value if isinstance(value, list) else [value]
-        if any(v is not None and v < low for v in values):
-            parser.error(f"--{dest.replace('_', '-')} must be at least {low}{' each' if values is value else ''}"
-                         f"{f' ({why})' if why else ''}, got {' '.join(map(str, values))}")
+from rolecall.eval.grid_plots import save_figure as save_figure
+from rolecall.eval.grid_tables import pairable_scores as pairable_scores
 
 
 def read_report(path: Path, flag: str, fix: str) -> dict[str, Any]:
@@ -43,15 +34,10 @@ def read_report(path: Path, flag: str, fix: str) -> dict[str, Any]:
 
 
 def grid_summary(folder: str, flag: str) -> dict[str, Any]:
-    """The ``summary.json`` that ``benchmarks/quality.py`` wrote into ``folder`` (:func:`read_report`)."""
+    """The ``summary.json`` that ``rolecall grid`` (``benchmarks/quality.py``) wrote into ``folder``
+    (:func:`read_report`)."""
     return read_report(Path(folder) / "summary.json", flag,
                        "give a folder that benchmarks/quality.py wrote (its --out), or run it into this one first")
-
-
-def pairable_scores(row: dict[str, Any] | None) -> list[float] | None:
-    """A grid row's per-prompt scores when every prompt has one (what a paired comparison needs), else None."""
-    scores = (row or {}).get("scores")
-    return scores if scores and None not in scores else None
 
 
 def host_cpu() -> str:
@@ -75,10 +61,3 @@ def write_report(out: Path, stem: str, data: dict[str, Any], table: str) -> None
     atomic.write_text(out / f"{stem.upper()}.md", table)
     print(table, end="")
     print(f"wrote {out / f'{stem}.png'}, {stem}.json, {stem.upper()}.md")
-
-
-def save_figure(fig: Any, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
-    """A matplotlib figure laid out inside ``rect`` (figure fractions: left, bottom, right, top; the rest is kept
-    for a figure legend) and written to ``path`` atomically (PNG, 120 dpi), then closed."""
-    fig.tight_layout(rect=rect)
-    atomic.write_figure(fig, path, dpi=120)

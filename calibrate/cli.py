@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rolecall.cli import Parser
+from rolecall.cli import script_parser
 
 
 def _real(low: float, high: float | None, example: str, low_closed: bool = False):
@@ -316,9 +316,7 @@ def check_min_context(config, most: int, what: str, longer: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="calibrate-delta", description=__doc__.split("\n\n")[0].replace("``", ""))
-    add_arguments(parser)
-    return parser
+    return script_parser("calibrate-delta", __doc__.split("\n\n")[0].replace("``", ""), add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:

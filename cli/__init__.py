@@ -13,7 +13,8 @@ from rolecall.cli.command import (
     memory_line,
     out_of_memory,
     run_reporting_errors,
+    script_parser,
 )
 
 __all__ = ["SUBCOMMANDS", "Parser", "available", "build_parser", "main", "memory_line", "out_of_memory",
-           "run_reporting_errors"]
+           "run_reporting_errors", "script_parser"]

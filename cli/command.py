@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -23,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import": ("rolecall.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
     "merge": ("rolecall.cli.merge", "combine a layers manifest and a heads manifest of one model"),
     "serve": ("rolecall.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "grid": ("rolecall.cli.grid", "every policy at a grid of token budgets on one suite: tables, plots, resumable cells"),
     "tune": ("rolecall.cli.tune", "choose the cheapest setting within a stated drop of full attention, into the manifest"),
 }
 
@@ -73,6 +75,15 @@ class Parser(argparse.ArgumentParser):
                 check_writable(path, flag, folder=folder)
             except ValueError as e:
                 self.error(str(e))
+
+
+def script_parser(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None]) -> Parser:
+    """The parser of a command run under a name of its own (``calibrate-delta``, ``train-heads``,
+    ``benchmarks/quality.py``): a :class:`Parser` named ``prog`` with the arguments ``add_arguments`` gives it (the
+    function that gives the ``rolecall`` subcommand the same ones)."""
+    parser = Parser(prog=prog, description=description)
+    add_arguments(parser)
+    return parser
 
 
 def available() -> dict[str, tuple[str, str]]:
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in SUBCOMMANDS else "").parse_args(argv)
+    args.command_line = shlex.join(["rolecall", *argv])  # as given, for a command that records it (grid)
     return run_reporting_errors(f"rolecall {args.command}", args._run, args)
 
 

@@ -1,5 +1,6 @@
-"""What ``rolecall decode`` and ``rolecall eval`` share: the model, manifest and policy flags and their checks; and
-the device, dtype and placement checks that ``calibrate-delta`` and ``train-heads`` share with them."""
+"""What ``rolecall decode`` and ``rolecall eval`` share: the model, manifest and policy flags and their checks; the
+device, dtype and placement checks that ``calibrate-delta`` and ``train-heads`` share with them; and the check of
+numeric flags that ``rolecall grid`` and the benchmark scripts share."""
 
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ def add_model(parser: argparse.ArgumentParser) -> None:
                         help="run the model folder's own Python code (auto_map in config.json); off by default")
 
 
+def add_manifest(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
+    """``--manifest``, a role manifest file (.safetensors); ``help`` says what the command reads from it."""
+    parser.add_argument("--manifest", required=required, default=None, help=help)
+
+
 def add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
     """``--device`` (``note`` added to its help) and ``--dtype``: what :func:`load_placed` reads."""
     parser.add_argument("--device", default=None, help=f"cuda or cpu (default: cuda when there is one){note}")
@@ -77,8 +83,8 @@ def add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
 
 def add_common(parser: argparse.ArgumentParser) -> None:
     add_model(parser)
-    parser.add_argument("--manifest", default=None, help="role manifest (.safetensors): delta needs layers.role, lychee heads.role, "
-                        "lethe layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
+    add_manifest(parser, "role manifest (.safetensors): delta needs layers.role, lychee heads.role, lethe "
+                 "layers.budget unless -p budget=N or -p sparse_ratio=F; full and vattention run without")
     parser.add_argument("--policy", default=None, help="full, delta, lychee, lethe, vattention or quest (default: the "
                         "manifest's recommended setting from rolecall tune when it has one, else delta)")
     parser.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
@@ -263,3 +269,16 @@ def wall_time_line(command: str, total: float, times: dict[str, float]) -> str:
     parts = [f"{name} {seconds:.1f} s" for name, seconds in times.items()]
     other = total - sum(times.values())
     return f"{command}: wall time {total:.1f} s: {', '.join(parts)}, other {max(other, 0.0):.1f} s"
+
+
+def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, **lows: float | tuple[float, str]) -> None:
+    """Each named flag's number (every item of a list; None is left alone) at least its low, given as ``steps=1``
+    or with the reason as ``steps=(2, "why")``; else a usage error in one line naming the flag, the low, the
+    reason and the value given."""
+    for dest, low in lows.items():
+        low, why = low if isinstance(low, tuple) else (low, "")
+        value = getattr(args, dest)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v < low for v in values):
+            parser.error(f"--{dest.replace('_', '-')} must be at least {low}{' each' if values is value else ''}"
+                         f"{f' ({why})' if why else ''}, got {' '.join(map(str, values))}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rolecall.cli.common import (
     add_device,
+    add_manifest,
     add_model,
     add_prompt_arguments,
     check_device_map,
@@ -32,8 +33,8 @@ DEFAULT_OUT = "out/tune"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model(parser)
-    parser.add_argument("--manifest", required=True, help="the manifest the recommendation is written for (a "
-                        "layers manifest from calibrate-delta, a heads one from train-heads, or both merged)")
+    add_manifest(parser, "the manifest the recommendation is written for (a layers manifest from calibrate-delta, "
+                 "a heads one from train-heads, or both merged)", required=True)
     parser.add_argument("--heads", default=None, help="a heads manifest (train-heads) to merge in, so lychee is "
                         "tried too; the written manifest then holds both sections")
     add_prompt_arguments(parser, passkey_words=2, alphabet="nato", limit=8)

@@ -4,6 +4,7 @@ policies over the same prompts, a percentile bootstrap for a weighted mean over 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -43,3 +44,12 @@ def bootstrap_interval(values: list[float], weights: list[float], reps: int = 20
     means = (v[picks] * w[picks]).sum(1) / w[picks].sum(1).clamp_min(1e-300)
     low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
     return float(low), float(high)
+
+
+def pooled(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Cells ``{"score", "n"}`` pooled into one score with its count and Wilson 95 % interval (None: no prompts)."""
+    n = sum(c["n"] for c in cells)
+    if not n:
+        return None
+    total = sum(c["score"] * c["n"] for c in cells)
+    return {"score": total / n, "n": n, "interval": list(wilson_interval(total, n))}

@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from rolecall.cli import Parser
+from rolecall.cli import script_parser
 from rolecall.train.config import MIXED_PRECISION, TrainConfig, build_config, read_yaml, shipped_configs
 
 
@@ -273,9 +273,7 @@ def convergence(metrics: dict) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="train-heads", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return parser
+    return script_parser("train-heads", __doc__.split("\n")[0], add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:

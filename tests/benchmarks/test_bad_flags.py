@@ -6,16 +6,23 @@ import pytest
 
 from tests.benchmarks import load_benchmark, refusal
 
+
+def too_low(script: str, flag: str, value: str, low: int, why: str = "") -> tuple[str, list[str], str]:
+    """The case of ``script``'s ``flag`` given ``value``, below its ``low``: the refusal names the flag, the low,
+    why where there is a reason, and the value."""
+    return script, [flag, value], f"{flag} must be at least {low}{f' ({why})' if why else ''}, got {value}"
+
+
 WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_step": ("build_model",),
         "memory": ("measure",)}
 
 
 @pytest.mark.parametrize("script, flags, says", [
-    ("calibrate", ["--traces", "0"], "--traces must be at least 1, got 0"),
-    ("calibrate", ["--length", "-8"], "--length must be at least 1, got -8"),
-    ("calibrate", ["--stride", "0"], "--stride must be at least 1, got 0"),
-    ("calibrate", ["--query-block", "0"], "--query-block must be at least 1, got 0"),
-    ("calibrate", ["--min-context", "-1"], "--min-context must be at least 0, got -1"),
+    too_low("calibrate", "--traces", "0", 1),
+    too_low("calibrate", "--length", "-8", 1),
+    too_low("calibrate", "--stride", "0", 1),
+    too_low("calibrate", "--query-block", "0", 1),
+    too_low("calibrate", "--min-context", "-1", 0),
     ("calibrate", ["--length", "512"], "--min-context must be below --length (512): queries are recorded from that "
                                        "position on, got 1024"),
     ("calibrate", ["--budget-s", "0"], "--budget-s must be a positive number of seconds, got 0.0"),
@@ -27,28 +34,26 @@ WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_
      "--baseline-lengths takes lengths of at most --length (8192) each, got '16384'"),
     ("multi_gpu", ["--parts", "calibrate,foo"], "--parts: unknown foo; known: calibrate, ddp, zero3, large"),
     ("multi_gpu", ["--parts", ","], "--parts: none given; known: calibrate, ddp, zero3, large"),
-    ("multi_gpu", ["--traces", "0"], "--traces must be at least 1, got 0"),
-    ("multi_gpu", ["--trace-tokens", "256"],
-     "--trace-tokens must be at least 257 (calibrate-delta records from position 256 on), got 256"),
-    ("multi_gpu", ["--steps", "1"], "--steps must be at least 2 (a 1-GPU run resumes the half-way checkpoint), got 1"),
+    too_low("multi_gpu", "--traces", "0", 1),
+    too_low("multi_gpu", "--trace-tokens", "256", 257, "calibrate-delta records from position 256 on"),
+    too_low("multi_gpu", "--steps", "1", 2, "a 1-GPU run resumes the half-way checkpoint"),
     ("multi_gpu", ["--warmup", "30"], "--warmup must be below --steps (30): the steps after it are timed, got 30"),
-    ("multi_gpu", ["--zero3-steps", "2"], "--zero3-steps must be at least 3 (the resumed runs continue from the "
-                                          "step-2 checkpoint), got 2"),
+    too_low("multi_gpu", "--zero3-steps", "2", 3, "the resumed runs continue from the step-2 checkpoint"),
     ("multi_gpu", ["--prompt-lengths", "16384", "0"], "--prompt-lengths must be at least 1 each, got 16384 0"),
-    ("multi_gpu", ["--large-steps", "0"], "--large-steps must be at least 1, got 0"),
-    ("multi_gpu", ["--limit", "0"], "--limit must be at least 1, got 0"),
+    too_low("multi_gpu", "--large-steps", "0", 1),
+    too_low("multi_gpu", "--limit", "0", 1),
     ("train_step", ["--lengths", "1000", "0"], "--lengths must be at least 1 each, got 1000 0"),
-    ("train_step", ["--span", "1"], "--span must be at least 2 (the labelled tokens follow its first), got 1"),
+    too_low("train_step", "--span", "1", 2, "the labelled tokens follow its first"),
     ("train_step", ["--answers", "730"], "--answers must be below --span (730): each labels one of the span's tokens "
                                          "after its first, got 730"),
-    ("train_step", ["--layers", "1"], "--layers must be at least 2 (layer 0 stays full, the others get gates), got 1"),
+    too_low("train_step", "--layers", "1", 2, "layer 0 stays full, the others get gates"),
     ("train_step", ["--budget", "1.5"],
      "--budget must be the fraction of the context a sparse head reads, in (0, 1], got 1.5"),
-    ("train_step", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
-    ("train_step", ["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
+    too_low("train_step", "--repeats", "0", 1),
+    too_low("train_step", "--prefill-chunk", "0", 1),
     ("memory", ["--models", "7b,9b"], "--models: unknown 9b; known: 7b, 1.5b, 32b"),
-    ("memory", ["--prompt", "0"], "--prompt must be at least 1, got 0"),
-    ("memory", ["--new", "-1"], "--new must be at least 1, got -1"),
+    too_low("memory", "--prompt", "0", 1),
+    too_low("memory", "--new", "-1", 1),
 ])
 def test_bad_numbers_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, capsys, script, flags, says):
     module = load_benchmark(script)

@@ -1,24 +1,25 @@
 """benchmarks/kernels.py and benchmarks/decode.py refuse bad shapes and counts in one line before anything is timed (or
 a GPU is looked for)."""
 
+import shlex
 import sys
 
 import pytest
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--contexts", "32k"], "--contexts takes comma-separated context lengths, got '32k'"),
-    (["--batches", "1,0"], "--batches takes comma-separated batch sizes of at least 1 each, got '1,0'"),
-    (["--rows", "8,x"], "--rows takes comma-separated row counts, got '8,x'"),
-    (["--contexts", "4096,100"], "--contexts takes multiples of the 64-token blocks the sparse calls read, got "
-                                 "'4096,100'"),
-    (["--contexts", ","], "--contexts takes comma-separated context lengths of at least 64 each, got ','"),
-    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("--contexts 32k", "--contexts takes comma-separated context lengths, got '32k'"),
+    ("--batches 1,0", "--batches takes comma-separated batch sizes of at least 1 each, got '1,0'"),
+    ("--rows 8,x", "--rows takes comma-separated row counts, got '8,x'"),
+    ("--contexts 4096,100", "--contexts takes multiples of the 64-token blocks the sparse calls read, got "
+                            "'4096,100'"),
+    ("--contexts ,", "--contexts takes comma-separated context lengths of at least 64 each, got ','"),
+    ("--rounds 0", "--rounds must be at least 1, got 0"),
 ])
 def test_bad_shape_lists_are_refused_in_one_line(monkeypatch, capsys, flags, says):
     from benchmarks import kernels
 
-    monkeypatch.setattr(sys, "argv", ["kernels.py", *flags])
+    monkeypatch.setattr(sys, "argv", ["kernels.py", *shlex.split(flags)])
     monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: pytest.fail("looked for a GPU first"))
     with pytest.raises(SystemExit) as done:
         kernels.main()
@@ -61,26 +62,26 @@ def test_rounds_merge_by_median_and_ratios_follow_the_medians():
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--contexts", "a,b"], "--contexts takes comma-separated context lengths, got 'a,b'"),
-    (["--batches", "0"], "--batches takes comma-separated batch sizes of at least 1 each, got '0'"),
-    (["--budgets", "0,2048"], "--budgets takes comma-separated token budgets of at least 1 each, got '0,2048'"),
-    (["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--delta-batch", "0"], "--delta-batch must be at least 1, got 0"),
-    (["--retrieval-heads", "-2"], "--retrieval-heads must be at least 0, got -2"),
-    (["--delta-total", "512"], "--delta-total must be past --delta-prompt (512), got 512"),
-    (["--policies", ","], "--policies: none given; known: full, delta, delta-refine, lychee, quest, vattention, lethe"),
-    (["--models", ""], "--models: none given; known: 7b, 1.5b"),
-    (["--models", "", "--real", "x", "--policies", "quick"], "--policies: unknown quick; known: full, delta"),
-    (["--generate", "32768"], "--generate: '32768' is not CONTEXTxBATCH (e.g. 32768x8)"),
-    (["--generate", "32768x0"], "--generate: '32768x0' is not CONTEXTxBATCH (e.g. 32768x8)"),
-    (["--generate", "64x1", "--smoke"], "--generate times the engine on a GPU; --smoke runs on the CPU"),
-    (["--generate-new", "1"], "--generate-new must be at least 2, got 1"),
+    ("--contexts a,b", "--contexts takes comma-separated context lengths, got 'a,b'"),
+    ("--batches 0", "--batches takes comma-separated batch sizes of at least 1 each, got '0'"),
+    ("--budgets 0,2048", "--budgets takes comma-separated token budgets of at least 1 each, got '0,2048'"),
+    ("--steps 0", "--steps must be at least 1, got 0"),
+    ("--delta-batch 0", "--delta-batch must be at least 1, got 0"),
+    ("--retrieval-heads -2", "--retrieval-heads must be at least 0, got -2"),
+    ("--delta-total 512", "--delta-total must be past --delta-prompt (512), got 512"),
+    ("--policies ,", "--policies: none given; known: full, delta, delta-refine, lychee, quest, vattention, lethe"),
+    ("--models ''", "--models: none given; known: 7b, 1.5b"),
+    ("--models '' --real x --policies quick", "--policies: unknown quick; known: full, delta"),
+    ("--generate 32768", "--generate: '32768' is not CONTEXTxBATCH (e.g. 32768x8)"),
+    ("--generate 32768x0", "--generate: '32768x0' is not CONTEXTxBATCH (e.g. 32768x8)"),
+    ("--generate 64x1 --smoke", "--generate times the engine on a GPU; --smoke runs on the CPU"),
+    ("--generate-new 1", "--generate-new must be at least 2, got 1"),
 ])
 def test_decode_benchmark_refuses_bad_counts_in_one_line(capsys, flags, says):
     from benchmarks import decode
 
     with pytest.raises(SystemExit) as done:
-        decode.parse_args(flags)
+        decode.parse_args(shlex.split(flags))
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and says in err and "\n" not in err
 

@@ -1,5 +1,7 @@
-"""benchmarks/quality.py end to end on a tiny model: every policy at two budgets, consistent outputs, resuming."""
+"""The quality grid (``rolecall grid``, ``benchmarks/quality.py`` under its own name) end to end on a tiny model:
+every policy at two budgets, consistent outputs, resuming; and its parts (:mod:`rolecall.eval.grid`, the tables)."""
 
+import argparse
 import json
 import re
 import shlex
@@ -10,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from rolecall.cli import main as rolecall_main
+from rolecall.cli.grid import add_arguments, build_cells
 from rolecall.core.manifest import ModelIdentity, RoleManifest
+from rolecall.eval import grid, grid_tables, wilson_interval
 from tests.benchmarks import load_benchmark, refusal
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -119,8 +124,8 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     # The finished grid is packed into one file, which alone is the record: a folder holding it and no cells/
     # summarises to the same table and resumes every cell.
     packed = (out / "cells.jsonl.xz").read_bytes()
-    assert quality.read_archive(out) == {p.stem: json.loads(p.read_text()) for p in (out / "cells").glob("*.json")}
-    assert not quality.pack(out) and (out / "cells.jsonl.xz").read_bytes() == packed  # nothing new: left as it is
+    assert grid.read_archive(out) == {p.stem: json.loads(p.read_text()) for p in (out / "cells").glob("*.json")}
+    assert not grid.pack(out) and (out / "cells.jsonl.xz").read_bytes() == packed  # nothing new: left as it is
     record = tmp_path / "record"
     record.mkdir()
     shutil.copy(out / "cells.jsonl.xz", record)
@@ -140,6 +145,14 @@ def test_grid_outputs_are_consistent_and_a_rerun_resumes(folder, tmp_path, capsy
     # Other prompts into the same folder are refused rather than mixed with the old cells.
     assert "made with other settings" in refusal(capsys, quality, [a if a != "0.8" else "0.5" for a in argv])
     assert len((out / "COMMAND.txt").read_text().splitlines()) == 4  # refused before anything was written
+
+    # rolecall grid runs the same code: the same table from the same cells, its command line recorded as given
+    table = (out / "TABLE.md").read_text()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rolecall.core.models, "load_model", no_load)
+        assert rolecall_main(["grid", *argv, "--summarize"]) == 0
+    assert (out / "TABLE.md").read_text() == table
+    assert (out / "COMMAND.txt").read_text().splitlines()[-1] == f"rolecall grid {shlex.join([*argv, '--summarize'])}"
 
     # A cell written before a setting existed (absent from its file, unset now) is the same cell; one that
     # holds another value for it is not.
@@ -166,6 +179,11 @@ def test_missing_manifest_and_bad_heads_are_one_line_errors(folder, tmp_path, ca
         "quality.py: error: --batch-size 2: the CPU runs the transformers path, which decodes one prompt at a time; "
         "leave --batch-size out or pass 1 (`quality.py --help` lists the options)")
     assert not (tmp_path / "o").exists()  # refused before anything was written
+    with pytest.raises(SystemExit) as stop:  # rolecall grid: the same checks, as its own usage errors
+        rolecall_main(["grid", *base, "--policies", "delta"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        "rolecall grid: error: policy delta needs --delta (or --delta-recall); give the manifest or leave delta out "
+        "of --policies (`rolecall grid --help` lists the options)\n")
     assert "per_head must be true or false" in refusal(capsys, quality, [
         *base, "--policies", "delta", "--delta", str(folder / "delta.safetensors"), "--variant", "delta:per_head=maybe"])
 
@@ -225,14 +243,11 @@ def test_prompt_flags_are_refused_before_anything_loads_or_is_written(folder, tm
 
 
 def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
-    import argparse
-
-    quality = load_script()
     parser = argparse.ArgumentParser()
-    quality.add_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(["--out", "o", "--policies", "full", "delta", "--delta", "a.safetensors", "--delta-recall",
                               "b.safetensors", "--budgets", "256", "1024", "--variant", "delta:per_head=true,num_pages=9"])
-    cells = quality.build_cells(args)
+    cells = build_cells(args)
     names = [c.name for c in cells]
     assert names == ["full", "delta-b256", "delta-b1024", "delta-per_head-num_pages9-b256",
                      "delta-per_head-num_pages9-b1024", "delta-recall-b256", "delta-recall-b1024",
@@ -240,11 +255,11 @@ def test_variants_add_rows_with_their_parameters_on_top_of_the_budgets(folder):
     plain, variant = cells[2], cells[4]
     args = parser.parse_args(["--out", "o", "--policies", "vattention", "--delta", "a.safetensors", "--budgets", "256",
                               "--combined"])
-    combined = quality.build_cells(args)
+    combined = build_cells(args)
     assert [(c.name, c.policy, c.manifest) for c in combined] == [
         ("vattention-b256", "vattention", None), ("vattention-delta-b256", "vattention", "a.safetensors")]
     with pytest.raises(ValueError, match="--combined runs vAttention on a DELTA manifest"):
-        quality.build_cells(parser.parse_args(["--out", "o", "--policies", "vattention", "--combined"]))
+        build_cells(parser.parse_args(["--out", "o", "--policies", "vattention", "--combined"]))
     assert plain.params == {"budget": 1024, "page_size": 16, "recent_pages": 8}
     assert variant.params == {**plain.params, "per_head": True, "num_pages": 9} and variant.manifest == "a.safetensors"
 
@@ -349,77 +364,74 @@ def test_cells_run_together_prefill_each_batch_once(folder, tmp_path, cache_dir,
     from rolecall.eval import suite_prompts
     from rolecall.runtime.engine import StaticDecoder
 
-    quality = load_script()
     out = tmp_path / "out"
     (out / "cells").mkdir(parents=True)
-    parser = quality.argparse.ArgumentParser()
-    quality.add_arguments(parser)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
     args = parser.parse_args(["--model", str(folder / "model"), "--source", f"text:{folder / 'books'}", "--lengths",
                               "400", "--depths", "0.2", "0.8", "--budgets", "32", "--max-new-tokens", "4", "--device",
                               "cpu", "--delta", str(folder / "delta.safetensors"), "--policies", "full", "delta",
                               "quest", "--batch-size", "2", "--out", str(out)])
-    settings, cells = eval_settings(args), quality.build_cells(args)
+    settings, cells = eval_settings(args), build_cells(args)
     for cell in cells:
         cell.params["engine"] = "static"
     model, tok = load_model(str(folder / "model")), load_tokenizer(str(folder / "model"))
     samples = suite_prompts(tok, settings)
     prefill, calls = StaticDecoder.prefill, []
     monkeypatch.setattr(StaticDecoder, "prefill", lambda self, *a, **k: (calls.append(1), prefill(self, *a, **k))[1])
-    done = quality.run_together(cells, model, tok, settings, samples, args)
+    done = grid.run_together(grid.Grid(args.model, out, cells, args.budgets, settings, batch_size=2), cells, model,
+                             tok, samples)
     assert len(samples) == 2 and len(calls) == 1  # one batch, prefilled once for three cells
     assert sorted(done) == ["delta-b32", "full", "quest-b32"]
     for cell in cells:
         result, row = done[cell.name]
         assert row["prompts"] == 2 and row["wall_s"] > 0 and row["label"] == cell.label
-        assert quality.partial_file(out, cell).exists()
+        assert grid.partial_file(out, cell).exists()
 
 
 def test_cells_record_manifest_paths_relative_to_the_working_directory(tmp_path, monkeypatch):
     """A grid run with absolute manifest paths records them relative to where it runs, so its files name no
     machine's folders; paths outside the working directory and relative ones stay as given."""
-    q = load_script()
     monkeypatch.chdir(tmp_path)
-    assert q.shown_path(str(tmp_path / "artifacts" / "m.safetensors")) == str(Path("artifacts") / "m.safetensors")
-    assert q.shown_path("artifacts/m.safetensors") == "artifacts/m.safetensors"
+    assert grid.shown_path(str(tmp_path / "artifacts" / "m.safetensors")) == str(Path("artifacts") / "m.safetensors")
+    assert grid.shown_path("artifacts/m.safetensors") == "artifacts/m.safetensors"
     outside = str(tmp_path.parent / "elsewhere.safetensors")
-    assert q.shown_path(outside) == outside
-    assert q.shown_path(None) is None
+    assert grid.shown_path(outside) == outside
+    assert grid.shown_path(None) is None
 
 
 def test_a_grid_resumed_on_another_gpu_names_each_cells_gpu():
     """Cells that ran on different GPUs: the table names each cell's GPU beside its wall time (a cell resumed on
     another GPU, both); one GPU: no mark."""
-    q = load_script()
-    assert q.short_gpu("NVIDIA H100 80GB HBM3") == "H100" and q.short_gpu("NVIDIA H200") == "H200"
-    assert q.short_gpu("NVIDIA A100-SXM4-80GB") == "A100" and q.short_gpu(None) == "?"
+    assert grid_tables.short_gpu("NVIDIA H100 80GB HBM3") == "H100" and grid_tables.short_gpu("NVIDIA H200") == "H200"
+    assert grid_tables.short_gpu("NVIDIA A100-SXM4-80GB") == "A100" and grid_tables.short_gpu(None) == "?"
     row = {"label": "full", "policy": "full", "budget": None, "score": None, "recall_sparse_layers": None,
            "kl_mean": None, "top1_agreement": None, "attended_fraction": 1.0, "wall_s": 2.0, "prompts": 1,
            "manifest": None, "tasks": {}, "device_name": "NVIDIA H200"}
     summary = {"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
                "device_name": "NVIDIA H200", "rows": [row, {**row, "label": "quest", "budget": 256}]}
-    assert "2.0 |" in q.format_table(summary) and "(H100)" not in q.format_table(summary)
+    assert "2.0 |" in grid_tables.format_table(summary) and "(H100)" not in grid_tables.format_table(summary)
     summary["rows"][1]["device_name"] = "NVIDIA H100 80GB HBM3"
-    table = q.format_table(summary)
+    table = grid_tables.format_table(summary)
     assert "| 2.0 (H200) |" in table and "| 2.0 (H100) |" in table and "beside it" in table
-    assert q.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    assert grid_tables.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
     del summary["rows"][1]["device_name"]  # a cell that recorded none: "?" beside it, not taken for the other GPU
-    assert q.device_names(summary["rows"]) == ["NVIDIA H200", None] and "| 2.0 (?) |" in q.format_table(summary)
+    assert grid_tables.device_names(summary["rows"]) == ["NVIDIA H200", None] and "| 2.0 (?) |" in grid_tables.format_table(summary)
     summary["rows"][1]["device_name"] = "NVIDIA H100 80GB HBM3 and NVIDIA H200"  # one cell resumed on another GPU
-    assert "| 2.0 (H100 + H200) |" in q.format_table(summary)
-    assert q.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    assert "| 2.0 (H100 + H200) |" in grid_tables.format_table(summary)
+    assert grid_tables.device_names(summary["rows"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
 
 
 def test_a_resumed_cells_wall_time_counts_every_run():
     """A cell resumed over two runs: ``wall_s`` is the last run's; its batches' recorded seconds hold both runs,
     and the table's wall column and the grid's total give those (a cell without them: its ``wall_s``)."""
-    q = load_script()
     row = {"label": "delta", "policy": "delta", "budget": 1024, "score": None, "recall_sparse_layers": None,
            "kl_mean": None, "top1_agreement": None, "attended_fraction": 0.2, "wall_s": 15.0, "prompts": 10,
            "manifest": None, "tasks": {}, "seconds": {"batches": 4, "setup": 1.0, "prefill": 60.0, "capture": 5.0,
                                                        "decode": 10.0, "reference": 2.0, "other": 2.0, "total": 80.0}}
     old = {**row, "label": "full", "policy": "full", "budget": None, "seconds": None, "wall_s": 20.0}
-    assert q.wall_of(row) == 80.0 and q.wall_of(old) == 20.0
-    table = q.format_table({"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
+    assert grid_tables.wall_of(row) == 80.0 and grid_tables.wall_of(old) == 20.0
+    table = grid_tables.format_table({"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
                             "device_name": "CPU", "rows": [old, row]})
     assert "| 80.0 |" in table and "| 20.0 |" in table and "| 15.0 |" not in table
     assert "20 prompts, 100 s of evaluation in all (0.20 prompts/s)" in table
@@ -428,7 +440,6 @@ def test_a_resumed_cells_wall_time_counts_every_run():
 def test_table_gives_each_rows_score_per_length_and_the_kv_it_held():
     """Per length: each row's score over every task of that length, pooled with its Wilson interval (the full
     row: the ceiling per length); the KV column: MB per prompt where the engine recorded it."""
-    q = load_script()
     cell = lambda score, n: {"score": score, "n": n}  # noqa: E731
     row = {"label": "full", "policy": "full", "budget": None, "score": None, "recall_sparse_layers": None,
            "kl_mean": None, "top1_agreement": None, "attended_fraction": 1.0, "wall_s": 2.0, "prompts": 40,
@@ -437,10 +448,10 @@ def test_table_gives_each_rows_score_per_length_and_the_kv_it_held():
                             "b": {"1024": cell(0.0, 10), "2048": cell(0.5, 10)}}}
     summary = {"model": "m", "settings": {"suite": "prompts", "prompts": "p.jsonl"}, "dtype": "bfloat16",
                "device_name": "CPU", "rows": [row]}
-    table = q.format_table(summary)
-    lo, hi = q.wilson_interval(10, 20)
+    table = grid_tables.format_table(summary)
+    lo, hi = wilson_interval(10, 20)
     assert f"| full | – | 0.500 [{lo:.3f}, {hi:.3f}] | 0.500 [{lo:.3f}, {hi:.3f}] |" in table
     assert "| 12.5 | 2.0 |" in table
     one_length = {**row, "task_lengths": {"a": {"1024": cell(1.0, 10)}}, "kv_bytes_per_prompt": None}
-    table = q.format_table({**summary, "rows": [one_length]})
+    table = grid_tables.format_table({**summary, "rows": [one_length]})
     assert "Per length" not in table and "| – | 2.0 |" in table
