@@ -35,6 +35,18 @@ from torch import Tensor
 
 
 @triton.jit
+def _tile(ptr, base, idx, idx_ok, d, d_ok, D):
+    """Rows ``idx`` of a [N, D] matrix at ``ptr + base`` as a [len(idx), DP] tile (zeros past either end)."""
+    return tl.load(ptr + base + idx[:, None] * D + d[None, :], mask=idx_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _flags(ptr, base, srow, cols, rows_ok, n_ok, T):
+    """A [rows, keys] tile of a bool [S, T] mask at ``ptr + base`` (False past either end)."""
+    return tl.load(ptr + base + srow[:, None] * T + cols[None, :], mask=rows_ok[:, None] & n_ok[None, :], other=0) != 0
+
+
+@triton.jit
 def _online(m, total, acc, s, v):
     """One step of an online softmax: the running max, sum and weighted values after the tile ``s``."""
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -58,8 +70,7 @@ def _fwd(Q, K, V, KEEP, SEL, OF, OS, LF, LS,
     srow = rows % S
     d = tl.arange(0, DP)
     d_ok = d < D
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * D + d[None, :], mask=rows_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    q = _tile(Q, b * sq_b + h * sq_h, rows, rows_ok, d, d_ok, D)
     m_f = tl.full([BM], float("-inf"), tl.float32)
     l_f = tl.zeros([BM], tl.float32)
     acc_f = tl.zeros([BM, DP], tl.float32)
@@ -69,16 +80,13 @@ def _fwd(Q, K, V, KEEP, SEL, OF, OS, LF, LS,
     for n0 in range(0, T, BN):
         cols = n0 + tl.arange(0, BN)
         n_ok = cols < T
-        kv = b * sk_b + h * sk_h + cols[:, None] * D + d[None, :]
-        k = tl.load(K + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        keep = tl.load(KEEP + b * skeep_b + srow[:, None] * T + cols[None, :], mask=rows_ok[:, None] & n_ok[None, :],
-                       other=0) != 0
+        k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+        v = _tile(V, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+        keep = _flags(KEEP, b * skeep_b, srow, cols, rows_ok, n_ok, T)
         s = tl.where(keep, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
         m_f, l_f, acc_f = _online(m_f, l_f, acc_f, s, v)
         if SPARSE:
-            sel = tl.load(SEL + b * ssel_b + h * ssel_h + srow[:, None] * T + cols[None, :],
-                          mask=rows_ok[:, None] & n_ok[None, :], other=0) != 0
+            sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
             m_s, l_s, acc_s = _online(m_s, l_s, acc_s, tl.where(sel, s, float("-inf")), v)
     out = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
     stat = bh * R + rows
@@ -104,18 +112,30 @@ def _mean_probs(Q, K, KEEP, LF, PM, sq_b, sq_h, sk_b, sk_h, skeep_b,
     n_ok = cols < T
     d = tl.arange(0, DP)
     d_ok = d < D
-    k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0)
-    keep = tl.load(KEEP + b * skeep_b + srow[:, None] * T + cols[None, :], mask=s_ok[:, None] & n_ok[None, :],
-                   other=0) != 0
+    k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+    keep = _flags(KEEP, b * skeep_b, srow, cols, s_ok, n_ok, T)
     acc = tl.zeros([BM, BN], tl.float32)
     for g in range(0, G):
-        rows = g * S + srow
-        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        lse = tl.load(LF + bh * R + rows, mask=s_ok, other=0.0)
+        q = _tile(Q, b * sq_b + h * sq_h, g * S + srow, s_ok, d, d_ok, D)
+        lse = tl.load(LF + bh * R + g * S + srow, mask=s_ok, other=0.0)
         acc += tl.exp(tl.where(keep, tl.dot(q, tl.trans(k)) * scale - lse[:, None], float("-inf")))
     tl.store(PM + bh * S * T + srow[:, None] * T + cols[None, :], acc / G, mask=s_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _row_block(Q, DOF, DOS, LF, LS, DF, DS, base, bh, rows, rows_ok, d, d_ok, D, R, SPARSE: tl.constexpr):
+    """What the backward pass needs of a block of query rows: q, ∂O_full, ∂O_sparse (in q's dtype), and the two
+    softmaxes' log-sum-exps and ⟨∂O, O⟩ terms (the sparse ones are the full ones' without a sparse part)."""
+    q = _tile(Q, base, rows, rows_ok, d, d_ok, D)
+    do_f = _tile(DOF, base, rows, rows_ok, d, d_ok, D).to(q.dtype)
+    lf = tl.load(LF + bh * R + rows, mask=rows_ok, other=0.0)
+    df = tl.load(DF + bh * R + rows, mask=rows_ok, other=0.0)
+    do_s, ls, ds = do_f, lf, df
+    if SPARSE:
+        do_s = _tile(DOS, base, rows, rows_ok, d, d_ok, D).to(q.dtype)
+        ls = tl.load(LS + bh * R + rows, mask=rows_ok, other=0.0)
+        ds = tl.load(DS + bh * R + rows, mask=rows_ok, other=0.0)
+    return q, do_f, do_s, lf, ls, df, ds
 
 
 @triton.jit
@@ -142,36 +162,26 @@ def _bwd_kv(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DK, DV,
     n_ok = cols < T
     d = tl.arange(0, DP)
     d_ok = d < D
-    kv = b * sk_b + h * sk_h + cols[:, None] * D + d[None, :]
-    k = tl.load(K + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+    v = _tile(V, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
     dk = tl.zeros([BN, DP], tl.float32)
     dv = tl.zeros([BN, DP], tl.float32)
     for m0 in range(0, R, BM):
         rows = m0 + tl.arange(0, BM)
         rows_ok = rows < R
         srow = rows % S
-        at = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
-        ok = rows_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + at, mask=ok, other=0.0)
-        do_f = tl.load(DOF + at, mask=ok, other=0.0).to(q.dtype)
-        stat = bh * R + rows
-        tile = rows_ok[:, None] & n_ok[None, :]
-        keep = tl.load(KEEP + b * skeep_b + srow[:, None] * T + cols[None, :], mask=tile, other=0) != 0
-        lf = tl.load(LF + stat, mask=rows_ok, other=0.0)
-        df = tl.load(DF + stat, mask=rows_ok, other=0.0)
+        q, do_f, do_s, lf, ls, df, ds = _row_block(Q, DOF, DOS, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows,
+                                                   rows_ok, d, d_ok, D, R, SPARSE)
+        keep = _flags(KEEP, b * skeep_b, srow, cols, rows_ok, n_ok, T)
+        sel = keep
         if SPARSE:
-            do_s = tl.load(DOS + at, mask=ok, other=0.0).to(q.dtype)
-            sel = tl.load(SEL + b * ssel_b + h * ssel_h + srow[:, None] * T + cols[None, :], mask=tile, other=0) != 0
-            ls = tl.load(LS + stat, mask=rows_ok, other=0.0)
-            ds = tl.load(DS + stat, mask=rows_ok, other=0.0)
-        else:
-            do_s, sel, ls, ds = do_f, keep, lf, df
+            sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
         p, p_s, dsc = _probs(q, k, v, do_f, do_s, lf, ls, df, ds, keep, sel, scale, SPARSE)
         dv += tl.dot(tl.trans(p.to(q.dtype)), do_f)
         if SPARSE:
             dv += tl.dot(tl.trans(p_s.to(q.dtype)), do_s)
         dk += tl.dot(tl.trans(dsc.to(q.dtype)), q)
+    kv = b * sk_b + h * sk_h + cols[:, None] * D + d[None, :]
     tl.store(DK + kv, dk * scale, mask=n_ok[:, None] & d_ok[None, :])
     tl.store(DV + kv, dv, mask=n_ok[:, None] & d_ok[None, :])
 
@@ -188,33 +198,22 @@ def _bwd_q(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DQ,
     srow = rows % S
     d = tl.arange(0, DP)
     d_ok = d < D
-    at = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
-    ok = rows_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + at, mask=ok, other=0.0)
-    do_f = tl.load(DOF + at, mask=ok, other=0.0).to(q.dtype)
-    stat = bh * R + rows
-    lf = tl.load(LF + stat, mask=rows_ok, other=0.0)
-    df = tl.load(DF + stat, mask=rows_ok, other=0.0)
-    do_s, ls, ds = do_f, lf, df
-    if SPARSE:
-        do_s = tl.load(DOS + at, mask=ok, other=0.0).to(q.dtype)
-        ls = tl.load(LS + stat, mask=rows_ok, other=0.0)
-        ds = tl.load(DS + stat, mask=rows_ok, other=0.0)
+    q, do_f, do_s, lf, ls, df, ds = _row_block(Q, DOF, DOS, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows, rows_ok,
+                                               d, d_ok, D, R, SPARSE)
     dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, T, BN):
         cols = n0 + tl.arange(0, BN)
         n_ok = cols < T
-        kv = b * sk_b + h * sk_h + cols[:, None] * D + d[None, :]
-        k = tl.load(K + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        tile = rows_ok[:, None] & n_ok[None, :]
-        keep = tl.load(KEEP + b * skeep_b + srow[:, None] * T + cols[None, :], mask=tile, other=0) != 0
+        k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+        v = _tile(V, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+        keep = _flags(KEEP, b * skeep_b, srow, cols, rows_ok, n_ok, T)
         sel = keep
         if SPARSE:
-            sel = tl.load(SEL + b * ssel_b + h * ssel_h + srow[:, None] * T + cols[None, :], mask=tile, other=0) != 0
+            sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
         _, _, dsc = _probs(q, k, v, do_f, do_s, lf, ls, df, ds, keep, sel, scale, SPARSE)
         dq += tl.dot(dsc.to(q.dtype), k)
-    tl.store(DQ + at, dq * scale, mask=ok)
+    at = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
+    tl.store(DQ + at, dq * scale, mask=rows_ok[:, None] & d_ok[None, :])
 
 
 # Tiles (query rows, keys, warps, pipeline stages) a program of each kernel takes, fastest first: the first ones
