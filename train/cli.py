@@ -90,7 +90,8 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", action="store_true", default=None,
                    help="the model's architecture with random weights (speed and memory measurements only)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false", default=None,
-                   help="keep attention scores for backward instead of recomputing them (faster, more memory)")
+                   help="keep attention scores for backward instead of recomputing them (faster, more memory); the "
+                        "reference attention only: on a GPU the fused kernels keep no scores either way")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -81,9 +81,11 @@ class TrainConfig:
     # True gates them like any other layer
     include_sliding: bool = False
     seed: int = 0
-    gradient_checkpointing: bool = True  # recompute attention scores in backward instead of keeping them
+    # recompute attention scores in backward instead of keeping them (the reference layer, rolecall.train.hybrid;
+    # on a GPU the fused kernels of rolecall.train.hybrid_kernel keep none either way)
+    gradient_checkpointing: bool = True
     mixed_precision: str = "no"  # accelerate autocast: no | bf16
-    tf32: bool = True  # TF32 tensor cores for the float32 attention scores on GPUs (rolecall.train.hybrid)
+    tf32: bool = True  # TF32 tensor cores for the reference layer's float32 attention scores on GPUs
     dtype: str | None = None  # model weights when the CLI loads it (None: the alias's default)
     device_map: str | None = None  # "auto" spreads a model over the visible GPUs
     deepspeed: str | None = None  # a DeepSpeed JSON (path or configs/deepspeed/ name) whose ZeRO-3 shards the model
