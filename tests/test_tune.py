@@ -30,6 +30,16 @@ FRONTIER = [row("full", "full", 0.0, 0.0, 10.0, 1.0),
             row("quest budget=32", "quest", -0.5, -0.9, 6.0, 0.15)]
 
 
+def test_a_budget_in_deltas_parameters_counts_a_partial_page():
+    from rolecall.eval.budgets import policy_params
+    from rolecall.runtime.policies import get_policy
+
+    # 1020 tokens are 63.75 pages: K = 64 (the partial page counts), L = 64 // 8 = 8 (the paper's L/K = 8/64)
+    params = policy_params("delta", 1020)
+    assert params == {"budget": 1020, "page_size": 16, "recent_pages": 8}
+    assert get_policy("delta", **params).num_pages == 64
+
+
 @pytest.mark.parametrize(("max_drop", "cost", "expected"), [
     (1.0, "tpot", "delta budget=128"),  # delta 64 is faster but may lose 29.6 points
     (1.0, "keys", "quest budget=32"),  # its lower end, -0.9, is inside a drop of 1

@@ -90,6 +90,15 @@ def test_auto_takes_the_smallest_set_reaching_the_target(name):
         assert mean_sparse_recall(recall, smaller, 2) < target
 
 
+@pytest.mark.parametrize("name", ["peaks", "recall"])
+def test_auto_stops_at_a_set_whose_recall_equals_the_target(name):
+    # Warm-up 1 of 4 layers, every pair recalls 0.5 (exact in binary): Δ = [1] alone leaves layers 2 and 3
+    # sparse, each reading layer 1's pages, mean (0.5 + 0.5) / 2 = 0.5; the target is "reaches", so 0.5 is enough.
+    recall = torch.full((4, 4), 0.5, dtype=torch.float64)
+    chosen = get_selector(name, warmup=1, min_gap=1, target_recall=0.5)(torch.zeros(4), recall, "auto")
+    assert chosen == [1]
+
+
 def test_unknown_selector_is_a_clear_error():
     with pytest.raises(ValueError, match="choose one of peaks, recall"):
         get_selector("best")

@@ -53,6 +53,7 @@ def test_cosine_shift_closed_forms():
 def test_pages_and_recall_by_hand():
     x = torch.arange(10.0)
     assert page_sums(x, 4).tolist() == [6.0, 22.0, 17.0]  # 0..3, 4..7, 8..9
+    assert page_sums(x[:8], 4).tolist() == [6.0, 22.0]  # a length that fills its last page: ceil(8 / 4) = 2 pages
     score = torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0, 9.0, 0.0]])  # query in page 5; page 6 does not exist yet
     keep = selected_pages(score, torch.tensor([5]), num_pages=4, recent_pages=2)
     assert keep.tolist() == [[True, False, True, False, True, True, False]]  # recent 4, 5; top-2 older 0, 2

@@ -12,6 +12,7 @@ from rolecall.core.manifest.interop import (
     import_manifest,
     merge_manifests,
     read_duo_gates,
+    to_duo_gates,
 )
 from tests.tiny import tiny_config
 
@@ -73,6 +74,18 @@ def test_duo_rules_match_brute_force():
     assert duo_roles(gates, sparsity=0.5).tolist() == [[0, 1, 0], [1, 0, 1]]
     with pytest.raises(ValueError, match="sparsity must be in"):
         duo_roles(gates, sparsity=1.5)
+
+
+def test_duo_sparsity_rounds_the_retrieval_count_to_the_nearest_head():
+    # 1 − 0.48 of 5 heads is 2.6 heads: the 3 largest gates (0.9, 0.7, 0.5), not 2
+    gates = np.array([[0.1, 0.9, 0.3, 0.7, 0.5]])
+    assert duo_roles(gates, sparsity=0.48).tolist() == [[0, 1, 0, 1, 1]]
+
+
+def test_duo_export_keeps_gates_of_exactly_one_half_on_the_sparse_side():
+    # heads.role is "gate > 0.5", so a gate of 0.5 is sparse and the gates themselves reproduce the roles
+    gates = torch.tensor([[0.5, 0.8], [0.2, 0.9], [0.5, 0.1], [0.6, 0.4]])
+    assert to_duo_gates(heads_manifest(gates)).tolist() == gates.tolist()
 
 
 def test_bad_tsv_is_refused(tmp_path):

@@ -114,6 +114,14 @@ def test_validate_for_names_the_field_and_both_values():
     m.validate_for(tiny_config("llama", layers=4, heads=4, kv_heads=2))
 
 
+def test_head_dim_of_a_config_without_one_is_the_hidden_size_over_the_query_heads():
+    from types import SimpleNamespace
+
+    # 64 hidden over 4 query heads: 16 per head, whatever the 2 KV heads are
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert ModelIdentity.from_config(config).head_dim == 16
+
+
 def test_config_hash_ignores_runtime_settings():
     a = tiny_config("llama")
     b = tiny_config("llama", rope_theta=400000.0)

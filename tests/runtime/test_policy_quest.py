@@ -99,6 +99,23 @@ def test_incremental_metadata_equals_recomputing_over_steps():
     assert held_min.shape[2] == 32
 
 
+def test_pages_held_for_a_longer_sequence_are_dropped_when_a_shorter_one_reuses_the_scratch():
+    """A scratch that holds 20 full pages of an 80-token sequence, reused by a 41-token one (10 full pages,
+    other keys): every bound comes from the new keys, so the choice is the brute-force one of those keys."""
+    policy = get_policy("quest", budget=16, page_size=4)
+    scratch = {}
+    q, k, v, keep = random_step(2, t=80, seed=1)
+    policy.plan(Step(2, q, k, v, keep, 0.25, scratch))
+    assert scratch["quest.pages.2"][2] == 20
+    q, k, v, keep = random_step(2, t=41, seed=2)
+    plan = policy.plan(Step(2, q, k, v, keep, 0.25, scratch))
+    assert scratch["quest.pages.2"][2] == 10
+    for row in range(2):
+        want = brute_pages(q[row], k[row], keep[row], 0.25, 4, 4, "max")
+        for h in range(2):
+            assert [u for u in plan.indices[row, h].tolist() if u >= 0] == want[h]
+
+
 def test_first_layers_stay_dense():
     q, k, v, keep = random_step(0)
     policy = get_policy("quest", budget=16)

@@ -39,6 +39,20 @@ def test_all_retrieval_or_whole_budget_equals_the_teacher(family, heads, kv):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_loss_is_the_squared_logit_error_summed_over_the_vocabulary_and_averaged_over_targets():
+    model = _frozen("llama", 4, 1)
+    ids, labels = _sample()  # targets at 50..54 and 60..63: 9 of them, predicted by the logits at 49..53, 59..62
+    loss, seen = distill_loss(model, HybridAttention(3, 0.1), torch.zeros(2, 1), ids, labels, prefill_chunk=16)
+    with torch.no_grad():
+        plain = model(input_ids=ids[None]).logits[0].float()  # the teacher is the model itself, one plain pass
+    at = [49, 50, 51, 52, 53, 59, 60, 61, 62]
+    torch.testing.assert_close(seen["teacher logits"][[p - 49 for p in at]], plain[at], atol=1e-4, rtol=1e-4)
+    student = seen["student logits"][[p - 49 for p in at]]  # [9, V]
+    want = sum(float(((student[i] - plain[p]) ** 2).sum()) for i, p in enumerate(at)) / 9
+    assert want > 1e-3  # sparse heads at a small budget change the logits
+    assert float(loss) == pytest.approx(want, rel=1e-4)
+
+
 def _naive_layer(q, k, v, inherited, z, scaling):
     """Loop reference: q [Hq, S, D], k/v [Hkv, T, D] with queries at the last S positions; inherited [Hkv, S, T]."""
     hq, s, _ = q.shape

@@ -92,6 +92,12 @@ def test_exact_target_roles():
     assert int(head_roles(ez, 3, exact=True).sum()) == 3
 
 
+def test_a_gate_at_exactly_one_half_is_not_retrieval():
+    # "E[z] > 0.5": a Sigmoid gate at its initial logit 0 has z = −0.1 + 1.2 · σ(0) = 0.5 exactly, undecided
+    ez = torch.tensor([[0.5, 0.5000001], [0.4999999, 1.0]])
+    assert head_roles(ez, 2, exact=False).tolist() == [[0, 1], [0, 1]]
+
+
 def test_run_writes_a_manifest_and_resume_reproduces_it_exactly(tmp_path):
     model, ds = _model(), _dataset()
     flags = [p.requires_grad for p in model.parameters()]
