@@ -151,12 +151,9 @@ def hybrid_layer_fused(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, 
     b, hq, s, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, (hq // hkv) * s, d)
-    sparse_keep = sparse_keys(inherited, keep) if inherited is not None and z is not None else None
-    full, sparse, mean = hybrid_attention(q, key, value, keep[:, 0], sparse_keep, scaling)
-    out = full
-    if sparse is not None:
-        zg = z.float().view(1, hkv, 1, 1)
-        out = zg * full + (1 - zg) * sparse
+    mixed = inherited is not None and z is not None
+    sparse_keep = sparse_keys(inherited, keep) if mixed else None
+    out, mean = hybrid_attention(q, key, value, z if mixed else None, keep[:, 0], sparse_keep, scaling)
     return out.view(b, hq, s, d).to(query.dtype).transpose(1, 2).contiguous(), top_keys(mean, keep, k)
 
 

@@ -14,10 +14,11 @@ attention, exact however small the set's share of the probability). What a layer
   same top-k as the reference's.
 
 The backward pass recomputes the scores tile by tile: one kernel a key block (∂K, ∂V), one a query block (∂Q).
-With ``P`` the full and ``Q`` the sparse probabilities and ``g = ∂O · Vᵀ``::
+The output is ``O = z·O_full + (1 − z)·O_sparse`` a KV head; with ``P`` the full and ``Q`` the sparse
+probabilities and ``g = ∂O · Vᵀ`` (one product serves both)::
 
-    ∂S = P ∘ (g_full − ⟨∂O_full, O_full⟩) + Q ∘ (g_sparse − ⟨∂O_sparse, O_sparse⟩)
-    ∂V = Pᵀ ∂O_full + Qᵀ ∂O_sparse,   ∂K = scale · ∂Sᵀ q,   ∂Q = scale · ∂S k
+    ∂S = z·P ∘ (g − ⟨∂O, O_full⟩) + (1 − z)·Q ∘ (g − ⟨∂O, O_sparse⟩)
+    ∂V = (z·P + (1 − z)·Q)ᵀ ∂O,   ∂K = scale · ∂Sᵀ q,   ∂Q = scale · ∂S k,   ∂z = Σ ⟨∂O, O_full − O_sparse⟩
 
 Products run in the inputs' dtype with float32 accumulation (bf16 probabilities times values, as flash
 attention does); scores, softmax statistics and outputs are float32. Head sizes that are not a power of two
@@ -123,36 +124,38 @@ def _mean_probs(Q, K, KEEP, LF, PM, sq_b, sq_h, sk_b, sk_h, skeep_b,
 
 
 @triton.jit
-def _row_block(Q, DOF, DOS, LF, LS, DF, DS, base, bh, rows, rows_ok, d, d_ok, D, R, SPARSE: tl.constexpr):
-    """What the backward pass needs of a block of query rows: q, ∂O_full, ∂O_sparse (in q's dtype), and the two
-    softmaxes' log-sum-exps and ⟨∂O, O⟩ terms (the sparse ones are the full ones' without a sparse part)."""
+def _row_block(Q, DO, LF, LS, DF, DS, base, bh, rows, rows_ok, d, d_ok, D, R, SPARSE: tl.constexpr):
+    """What the backward pass needs of a block of query rows: q, ∂O (in q's dtype), and the two softmaxes'
+    log-sum-exps and ⟨∂O, O⟩ terms (the sparse ones are the full ones' without a sparse part)."""
     q = _tile(Q, base, rows, rows_ok, d, d_ok, D)
-    do_f = _tile(DOF, base, rows, rows_ok, d, d_ok, D).to(q.dtype)
+    do = _tile(DO, base, rows, rows_ok, d, d_ok, D).to(q.dtype)
     lf = tl.load(LF + bh * R + rows, mask=rows_ok, other=0.0)
     df = tl.load(DF + bh * R + rows, mask=rows_ok, other=0.0)
-    do_s, ls, ds = do_f, lf, df
+    ls, ds = lf, df
     if SPARSE:
-        do_s = _tile(DOS, base, rows, rows_ok, d, d_ok, D).to(q.dtype)
         ls = tl.load(LS + bh * R + rows, mask=rows_ok, other=0.0)
         ds = tl.load(DS + bh * R + rows, mask=rows_ok, other=0.0)
-    return q, do_f, do_s, lf, ls, df, ds
+    return q, do, lf, ls, df, ds
 
 
 @triton.jit
-def _probs(q, k, v, do_f, do_s, lf, ls, df, ds, keep, sel, scale, SPARSE: tl.constexpr):
-    """A tile's full and sparse probabilities and the score gradient ∂S (float32)."""
+def _probs(q, k, v, do, z, lf, ls, df, ds, keep, sel, scale, SPARSE: tl.constexpr):
+    """A tile's mixed probabilities ``z·P + (1 − z)·Q`` (what multiplies V) and the score gradient ∂S (float32)."""
     s = tl.dot(q, tl.trans(k)) * scale
     p = tl.exp(tl.where(keep, s - lf[:, None], float("-inf")))  # masked before exp: no overflow to hide
-    dsc = p * (tl.dot(do_f, tl.trans(v)) - df[:, None])
-    p_s = p
+    g = tl.dot(do, tl.trans(v))
     if SPARSE:
         p_s = tl.exp(tl.where(sel, s - ls[:, None], float("-inf")))
-        dsc += p_s * (tl.dot(do_s, tl.trans(v)) - ds[:, None])
-    return p, p_s, dsc
+        mixed = z * p + (1 - z) * p_s
+        dsc = z * p * (g - df[:, None]) + (1 - z) * p_s * (g - ds[:, None])
+    else:
+        mixed = p
+        dsc = p * (g - df[:, None])
+    return mixed, dsc
 
 
 @triton.jit
-def _bwd_kv(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DK, DV,
+def _bwd_kv(Q, K, V, KEEP, SEL, DO, Z, LF, LS, DF, DS, DK, DV,
             sq_b, sq_h, sk_b, sk_h, skeep_b, ssel_b, ssel_h,
             H, R, S, T, D, scale,
             DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPARSE: tl.constexpr):
@@ -164,22 +167,21 @@ def _bwd_kv(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DK, DV,
     d_ok = d < D
     k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
     v = _tile(V, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
+    z = tl.load(Z + h)
     dk = tl.zeros([BN, DP], tl.float32)
     dv = tl.zeros([BN, DP], tl.float32)
     for m0 in range(0, R, BM):
         rows = m0 + tl.arange(0, BM)
         rows_ok = rows < R
         srow = rows % S
-        q, do_f, do_s, lf, ls, df, ds = _row_block(Q, DOF, DOS, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows,
-                                                   rows_ok, d, d_ok, D, R, SPARSE)
+        q, do, lf, ls, df, ds = _row_block(Q, DO, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows, rows_ok, d, d_ok,
+                                           D, R, SPARSE)
         keep = _flags(KEEP, b * skeep_b, srow, cols, rows_ok, n_ok, T)
         sel = keep
         if SPARSE:
             sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
-        p, p_s, dsc = _probs(q, k, v, do_f, do_s, lf, ls, df, ds, keep, sel, scale, SPARSE)
-        dv += tl.dot(tl.trans(p.to(q.dtype)), do_f)
-        if SPARSE:
-            dv += tl.dot(tl.trans(p_s.to(q.dtype)), do_s)
+        mixed, dsc = _probs(q, k, v, do, z, lf, ls, df, ds, keep, sel, scale, SPARSE)
+        dv += tl.dot(tl.trans(mixed.to(q.dtype)), do)
         dk += tl.dot(tl.trans(dsc.to(q.dtype)), q)
     kv = b * sk_b + h * sk_h + cols[:, None] * D + d[None, :]
     tl.store(DK + kv, dk * scale, mask=n_ok[:, None] & d_ok[None, :])
@@ -187,7 +189,7 @@ def _bwd_kv(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DK, DV,
 
 
 @triton.jit
-def _bwd_q(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DQ,
+def _bwd_q(Q, K, V, KEEP, SEL, DO, Z, LF, LS, DF, DS, DQ,
            sq_b, sq_h, sk_b, sk_h, skeep_b, ssel_b, ssel_h,
            H, R, S, T, D, scale,
            DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPARSE: tl.constexpr):
@@ -198,8 +200,9 @@ def _bwd_q(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DQ,
     srow = rows % S
     d = tl.arange(0, DP)
     d_ok = d < D
-    q, do_f, do_s, lf, ls, df, ds = _row_block(Q, DOF, DOS, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows, rows_ok,
-                                               d, d_ok, D, R, SPARSE)
+    q, do, lf, ls, df, ds = _row_block(Q, DO, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows, rows_ok, d, d_ok, D, R,
+                                       SPARSE)
+    z = tl.load(Z + h)
     dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, T, BN):
         cols = n0 + tl.arange(0, BN)
@@ -210,16 +213,18 @@ def _bwd_q(Q, K, V, KEEP, SEL, DOF, DOS, LF, LS, DF, DS, DQ,
         sel = keep
         if SPARSE:
             sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
-        _, _, dsc = _probs(q, k, v, do_f, do_s, lf, ls, df, ds, keep, sel, scale, SPARSE)
+        _, dsc = _probs(q, k, v, do, z, lf, ls, df, ds, keep, sel, scale, SPARSE)
         dq += tl.dot(dsc.to(q.dtype), k)
     at = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
     tl.store(DQ + at, dq * scale, mask=rows_ok[:, None] & d_ok[None, :])
 
 
 # Tiles (query rows, keys, warps, pipeline stages) a program of each kernel takes, fastest first: the first ones
-# are the best of a sweep on an H200 at head size 128 (8B shape, 730 queries over 10,730 keys: forward 2.5 ms,
-# ∂K∂V 4.3 ms, ∂Q 2.1 ms a layer, against 7.9, 5.9 and 3.8 ms at 64 × 64, 4 warps, 2 stages); a GPU with less
-# shared memory takes the first that fits. The interpreter runs 16 × 16.
+# are the best of a sweep on an H200 at head size 128 (8B shape, 730 queries over 10,730 keys), where they took
+# the forward from 7.9 to 2.5 ms a layer, ∂K∂V from 5.9 to 4.3 and ∂Q from 3.8 to 2.1 against 64 × 64, 4 warps,
+# 2 stages (∂K∂V and ∂Q then 3.0 and 1.9 ms once one product ∂O·Vᵀ served both softmaxes:
+# benchmarks/results/train_step_profile_h200.txt); a GPU with less shared memory takes the first that fits. The
+# interpreter runs 16 × 16.
 _TILES = {
     "forward": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 32, 4, 1)],
     "dkdv": [(64, 32, 4, 2), (32, 32, 4, 1)],
@@ -254,10 +259,11 @@ def _strides(q: Tensor, k: Tensor, keep: Tensor, sel: Tensor | None) -> tuple[in
 
 
 class _Hybrid(torch.autograd.Function):
-    """(q, k, v, keep, sel, scale, groups) → (full output, sparse output, the group's mean probability)."""
+    """(q, k, v, z, keep, sel, scale, groups) → (``z·O_full + (1 − z)·O_sparse``, the group's mean probability);
+    with ``sel`` None the output is the full attention's and z is not read."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, sel, scale, groups):
+    def forward(ctx, q, k, v, z, keep, sel, scale, groups):
         b, hkv, r, d = q.shape
         s, t = keep.shape[1], k.shape[2]
         o_f = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -271,45 +277,51 @@ class _Hybrid(torch.autograd.Function):
         mean = torch.empty((b, hkv, s, t), dtype=torch.float32, device=q.device)
         _launch("mean", _mean_probs, lambda bm, bn: (triton.cdiv(s, bm), triton.cdiv(t, bn), b * hkv), q,
                 q, k, keep, l_f, mean, *_strides(q, k, keep, None)[:5], hkv, groups, r, s, t, d, scale, DP=dp)
-        ctx.save_for_backward(q, k, v, keep, sel, o_f, o_s, l_f, l_s)
+        zg = z.float().view(1, hkv, 1, 1) if sel is not None else None
+        out = zg * o_f + (1 - zg) * o_s if sel is not None else o_f
+        ctx.save_for_backward(q, k, v, z, keep, sel, o_f, o_s, l_f, l_s)
         ctx.scale = scale
         ctx.mark_non_differentiable(mean)
         ctx.set_materialize_grads(False)
-        return o_f, o_s, mean
+        return out, mean
 
     @staticmethod
-    def backward(ctx, do_f, do_s, _mean):
-        q, k, v, keep, sel, o_f, o_s, l_f, l_s = ctx.saved_tensors
-        sparse = sel is not None and do_s is not None
-        do_f = torch.zeros_like(o_f) if do_f is None else do_f.contiguous()
-        do_s = do_s.contiguous() if sparse else do_f
-        d_f = (do_f * o_f).sum(-1)  # ⟨∂O, O⟩ a row: the softmax's backward term
-        d_s = (do_s * o_s).sum(-1) if sparse else d_f
+    def backward(ctx, do, _mean):
+        q, k, v, z, keep, sel, o_f, o_s, l_f, l_s = ctx.saved_tensors
+        if do is None:
+            return None, None, None, None, None, None, None, None
+        sparse = sel is not None
+        do = do.contiguous()
+        d_f = (do * o_f).sum(-1)  # ⟨∂O, O⟩ a row, for each softmax: its backward term
+        d_s = (do * o_s).sum(-1) if sparse else d_f
+        dz = (do * (o_f - o_s)).sum((0, 2, 3)).to(z.dtype) if sparse and ctx.needs_input_grad[3] else None
         b, hkv, r, d = q.shape
         s, t = keep.shape[1], k.shape[2]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        mask = sel if sparse else keep
-        args = (q, k, v, keep, mask, do_f, do_s, l_f, l_s, d_f, d_s)
-        common = (*_strides(q, k, keep, sel if sparse else None), hkv, r, s, t, d, ctx.scale)
+        gate = z.float().contiguous() if sparse else torch.ones(hkv, dtype=torch.float32, device=q.device)
+        args = (q, k, v, keep, sel if sparse else keep, do, gate, l_f, l_s, d_f, d_s)
+        common = (*_strides(q, k, keep, sel), hkv, r, s, t, d, ctx.scale)
         meta = dict(DP=triton.next_power_of_2(d), SPARSE=sparse)
         _launch("dkdv", _bwd_kv, lambda bm, bn: (triton.cdiv(t, bn), b * hkv), q, *args, dk, dv, *common, **meta)
         _launch("dq", _bwd_q, lambda bm, bn: (triton.cdiv(r, bm), b * hkv), q, *args, dq, *common, **meta)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, dz, None, None, None, None
 
 
-def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, sparse_keep: Tensor | None,
-                     scale: float) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Full and sparse attention outputs (float32 ``[B, Hkv, G·S, D]``, differentiable in q, k and v) and the
-    group's mean probability ``[B, Hkv, S, T]`` float32 (no gradient).
+def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, keep: Tensor, sparse_keep: Tensor | None,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """The hybrid output ``z·full + (1 − z)·sparse`` (float32 ``[B, Hkv, G·S, D]``, differentiable in q, k, v and
+    z) and the group's mean probability ``[B, Hkv, S, T]`` float32 (no gradient).
 
     q [B, Hkv, G·S, D]: the query heads of a KV head stacked, query position fastest; k, v [B, Hkv, T, D];
-    keep [B|1, S, T] bool, True where a query may read a key; sparse_keep [B, Hkv, S, T] bool, the keys sparse
-    attention reads (within ``keep``, at least one a row), or None for full attention only (no sparse output).
+    z [Hkv], the gates; keep [B|1, S, T] bool, True where a query may read a key; sparse_keep [B, Hkv, S, T] bool,
+    the keys sparse attention reads (within ``keep``, at least one a row), or None for full attention only (z is
+    then not read).
     """
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     keep8 = keep.contiguous().view(torch.uint8)
     sel8 = sparse_keep.contiguous().view(torch.uint8) if sparse_keep is not None else None
+    if z is None:
+        z = torch.ones(k.shape[1], dtype=torch.float32, device=q.device)
     # Triton launches on the current device: a layer on another GPU (a device map) makes that one current
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        o_f, o_s, mean = _Hybrid.apply(q, k, v, keep8, sel8, scale, q.shape[2] // keep.shape[1])
-    return o_f, (o_s if sparse_keep is not None else None), mean
+        return _Hybrid.apply(q, k, v, z, keep8, sel8, scale, q.shape[2] // keep.shape[1])
