@@ -196,30 +196,41 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             lam = max(0.0, lam + 0.01 * (float(l0.detach()) - 32))
 
-        row = {"prompt_tokens": n, "span_tokens": args.span}
         def reference_step(ids=ids, labels=labels):
             step(ids, labels, hybrids["reference_step"])
 
-        for name, fn in (("baseline", baseline), ("reference_step", reference_step), ("train_step", step)):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            with fast_float32_matmul(not args.no_tf32):
-                median, times = time_cuda(fn, args.warmup, args.repeats)
-            row[f"{name}_s"] = median
-            row[f"{name}_times_s"] = times
-            row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row = time_row(args, n, {"baseline": baseline, "reference_step": reference_step, "train_step": step})
         rows.append(row)
         print(f"{n}: baseline {row['baseline_s']:.3f} s, reference step {row['reference_step_s']:.3f} s, "
               f"step {row['train_step_s']:.3f} s", flush=True)
     if args.profile:
-        with fast_float32_matmul(not args.no_tf32), torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
-        Path(args.profile).write_text(f"one train step, {args.lengths[-1]} prompt tokens, {gpu}\n{table}\n")
+        write_profile(args, step, gpu)
     report(args, gpu, rows, checkpoint_seconds(gates, optimizer))
     return 0
+
+
+def time_row(args: argparse.Namespace, n: int, calls: dict) -> dict:
+    """One row of the table: each call's (name → function) median and all seconds and its peak GiB."""
+    row = {"prompt_tokens": n, "span_tokens": args.span}
+    for name, fn in calls.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with fast_float32_matmul(not args.no_tf32):
+            median, times = time_cuda(fn, args.warmup, args.repeats)
+        row[f"{name}_s"] = median
+        row[f"{name}_times_s"] = times
+        row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def write_profile(args: argparse.Namespace, step, gpu: str) -> None:
+    """The kernels of one ``step`` at the longest prompt by GPU time, into ``--profile``."""
+    with fast_float32_matmul(not args.no_tf32), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+    Path(args.profile).write_text(f"one train step, {args.lengths[-1]} prompt tokens, {gpu}\n{table}\n")
 
 
 if __name__ == "__main__":
