@@ -12,6 +12,7 @@ from rolecall.runtime.server.protocol import parse_chat, parse_completion
 
 @pytest.mark.parametrize("context, prompt, limit, want", [
     (100, 10, None, 90),  # prompt + answer = the context, to the token
+    (100, 98, None, 2),
     (100, 99, None, 1),
     (100, 100, None, 1),  # a full prompt still gets its one token (the prefill's)
     (2, 1, None, 1),
