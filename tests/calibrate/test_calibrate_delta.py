@@ -116,3 +116,23 @@ def test_lethe_budgets_follow_density_and_meet_the_total():
     assert torch.equal(clipped.argsort(), density.argsort())
     with pytest.raises(ValueError, match="budget"):
         LetheBudget(budget=1.5)
+
+
+@pytest.mark.parametrize("sparsity, budget, floor, expected", [
+    # c = 4/3: the dense layer clips at 1 and the other three share the rest, (1 + 3 · c/2) / 4 = 0.75
+    ([0.0, 0.5, 0.5, 0.5], 0.75, 0.02, [1.0, 2 / 3, 2 / 3, 2 / 3]),
+    # c = 1.2: one layer clips at 1, (1 + 1.2 · (0.5 + 0.5 + 0.2)) / 4 = 0.61
+    ([0.0, 0.5, 0.5, 0.8], 0.61, 0.02, [1.0, 0.6, 0.6, 0.24]),
+    # the floor: 0.01 · c < 0.1, so (0.1 + 3 c) / 4 = 0.5 gives c = 1.9 / 3
+    ([0.99, 0.0, 0.0, 0.0], 0.5, 0.1, [0.1, 1.9 / 3, 1.9 / 3, 1.9 / 3]),
+    # a budget of 1 keeps everything, whatever the densities
+    ([0.9, 0.5, 0.0, 0.3], 1.0, 0.02, [1.0, 1.0, 1.0, 1.0]),
+    # equal densities: every layer gets the budget
+    ([0.4, 0.4, 0.4], 0.3, 0.02, [0.3, 0.3, 0.3]),
+])
+def test_lethe_budgets_at_the_clip_ends_by_hand(sparsity, budget, floor, expected):
+    """b_l = clip(c · (1 − s̄_l), min_budget, 1) with the c that makes the mean equal the budget, worked by hand
+    where layers sit at the ceiling of 1 (c above 1 / the largest density) or at the floor."""
+    got = LetheBudget(budget=budget, min_budget=floor)(torch.tensor(sparsity))
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=0)
+    assert got.mean().item() == pytest.approx(budget, abs=1e-5)

@@ -98,3 +98,22 @@ def test_a_bin_without_queries_gets_the_layers_overall_sparsity():
     means = t.means()
     assert means["sparsity"][0].tolist() == pytest.approx([0.3, 0.4, 0.36])
     assert means["layer_sparsity"].tolist() == pytest.approx([0.36])
+
+
+@pytest.mark.parametrize("length, min_context, bins, positions, expected", [
+    # span 64 in 8 bins of 8 positions: position 128 + 8k opens bin k, 128 + 8k − 1 closes bin k − 1
+    (192, 128, 8, [128, 135, 136, 143, 144, 183, 184, 191], [0, 0, 1, 1, 2, 6, 7, 7]),
+    # span 10 in 4 bins: floor(4 (p − 0) / 10): 0..2 → 0, 3..4 → 1, 5..7 → 2, 8..9 → 3
+    (10, 0, 4, [0, 2, 3, 4, 5, 7, 8, 9], [0, 0, 1, 1, 2, 2, 3, 3]),
+    # positions before min_context fall in bin 0; one bin takes everything
+    (100, 50, 1, [0, 49, 50, 99], [0, 0, 0, 0]),
+    # span 3 in 3 bins: one position each
+    (8, 5, 3, [5, 6, 7], [0, 1, 2]),
+])
+def test_decode_time_bins_split_the_sampled_span_at_exact_fractions(length, min_context, bins, positions, expected):
+    """A query at position p of a trace of ``length`` tokens falls in bin floor(bins · (p − min_context) / (length −
+    min_context)): the bins are equal fractions of the sampled span, so a position exactly at a fraction opens the
+    next bin."""
+    rec = AttentionRecorder(1, 1, stride=1, min_context=min_context, bins=bins)
+    rec.begin_trace(length)
+    assert rec._bin(torch.tensor(positions)).tolist() == expected

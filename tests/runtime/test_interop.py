@@ -159,3 +159,23 @@ def test_merge_combines_and_refuses():
                          head_role=torch.ones(4, 1, dtype=torch.int8))
     with pytest.raises(ManifestMismatchError, match="num_kv_heads is 2 and 1"):
         merge_manifests(layers_manifest(), other)
+
+
+@pytest.mark.parametrize("gates, rule, roles", [
+    # gate > threshold, strictly: a gate exactly at the threshold is not retrieval
+    ([[0.5, 0.6], [0.4, 0.5]], {}, [[0, 1], [0, 0]]),
+    ([[0.25, 0.2500001], [0.2499999, 1.0]], {"threshold": 0.25}, [[0, 1], [0, 1]]),
+    ([[0.0, 1.0], [1.0, 0.0]], {"threshold": 1.0}, [[0, 0], [0, 0]]),
+    ([[0.0, 1.0], [1.0, 0.0]], {"threshold": 0.0}, [[0, 1], [1, 0]]),
+    # top-k: ties go to the earlier head; none and all at the ends
+    ([[0.5, 0.5], [0.5, 0.5]], {"num_retrieval": 3}, [[1, 1], [1, 0]]),
+    ([[0.3, 0.7], [0.7, 0.1]], {"num_retrieval": 1}, [[0, 1], [0, 0]]),
+    ([[0.3, 0.7], [0.7, 0.1]], {"num_retrieval": 0}, [[0, 0], [0, 0]]),
+    ([[0.3, 0.7], [0.7, 0.1]], {"num_retrieval": 4}, [[1, 1], [1, 1]]),
+    # the 1 − sparsity share of the heads, at sparsity 0, 1 and a share that is a whole number of heads
+    ([[0.3, 0.7], [0.7, 0.1]], {"sparsity": 0.0}, [[1, 1], [1, 1]]),
+    ([[0.3, 0.7], [0.7, 0.1]], {"sparsity": 1.0}, [[0, 0], [0, 0]]),
+    ([[0.3, 0.7], [0.7, 0.1]], {"sparsity": 0.75}, [[0, 1], [0, 0]]),
+])
+def test_duo_rules_at_their_ends(gates, rule, roles):
+    assert duo_roles(np.array(gates), **rule).tolist() == roles

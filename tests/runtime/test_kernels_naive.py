@@ -144,3 +144,36 @@ def test_topk_with_recent_over_positions_ranks_what_the_entries_stand_for():
     assert got.tolist() == [[7, 10]]
     assert topk_with_recent(scores, 2, 1, positions >= 0, last=7, positions=positions).tolist() == [[4, 7]]
     assert topk_with_recent(scores, 4, 0, positions >= 0, positions=positions).tolist() == [[4, 7, 10, -1]]
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+@pytest.mark.parametrize("t,page", [(37, 16), (32, 16), (5, 1), (9, 4)])
+def test_decode_and_score_pages_are_sums_of_the_head_max_by_brute_force(per_kv_head, t, page):
+    """``decode_and_score``'s page scores: ``Σ_{t in page} max_h p_h[t]`` with the max over every query head, or
+    over each KV head's group (``per_kv_head``), from softmax rows written out per head; the output is dense
+    attention."""
+    from rolecall.runtime.kernels.page_scores.naive import decode_and_score
+
+    torch.manual_seed(t + page)
+    b, hkv, g, d = 2, 2, 3, 8
+    q, k, v = torch.randn(b, hkv * g, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[1, : t // 3] = False
+    out, lse, scores = decode_and_score(q, k, v, 0.5, page, key_mask, per_kv_head=per_kv_head)
+    pages = math.ceil(t / page)
+    assert scores.shape == ((b, hkv, pages) if per_kv_head else (b, pages))
+    sets = [[[i for i in range(t) if key_mask[r, i]] for _ in range(hkv)] for r in range(b)]
+    want_out, want_lse = brute_attention(q, k, v, sets, 0.5, [[{}] * hkv] * b)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    for r in range(b):
+        rows = []
+        for h in range(hkv * g):
+            logits = [0.5 * float(q[r, h] @ k[r, h // g, i]) if key_mask[r, i] else -math.inf for i in range(t)]
+            rows.append(torch.tensor(logits, dtype=torch.float64).softmax(-1))
+        groups = [rows[j * g:(j + 1) * g] for j in range(hkv)] if per_kv_head else [rows]
+        for j, group in enumerate(groups):
+            best = [max(float(p[i]) for p in group) for i in range(t)]
+            for u in range(pages):
+                got = scores[r, j, u] if per_kv_head else scores[r, u]
+                assert abs(float(got) - sum(best[u * page:(u + 1) * page])) < 1e-5
