@@ -48,6 +48,32 @@ def _flags(ptr, base, srow, cols, rows_ok, n_ok, T):
 
 
 @triton.jit
+def _query_block(H, R, S, D, BM: tl.constexpr, DP: tl.constexpr):
+    """A program's (batch, KV head) and block of query rows: which rows exist, each row's query position, and
+    the head-size lanes with which of them exist."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    d = tl.arange(0, DP)
+    return bh // H, bh % H, bh, rows, rows < R, rows % S, d, d < D
+
+
+@triton.jit
+def _keys(K, V, KEEP, SEL, kv_base, keep_base, sel_base, n0, srow, rows_ok, d, d_ok, D, T,
+          BN: tl.constexpr, SPARSE: tl.constexpr):
+    """The keys and values of the block from ``n0`` and the two masks over it (``sel`` is ``keep`` without a
+    sparse part)."""
+    cols = n0 + tl.arange(0, BN)
+    n_ok = cols < T
+    k = _tile(K, kv_base, cols, n_ok, d, d_ok, D)
+    v = _tile(V, kv_base, cols, n_ok, d, d_ok, D)
+    keep = _flags(KEEP, keep_base, srow, cols, rows_ok, n_ok, T)
+    sel = keep
+    if SPARSE:
+        sel = _flags(SEL, sel_base, srow, cols, rows_ok, n_ok, T)
+    return k, v, keep, sel
+
+
+@triton.jit
 def _online(m, total, acc, s, v):
     """One step of an online softmax: the running max, sum and weighted values after the tile ``s``."""
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -64,13 +90,7 @@ def _fwd(Q, K, V, KEEP, SEL, OF, OS, LF, LS,
          sq_b, sq_h, sk_b, sk_h, skeep_b, ssel_b, ssel_h,
          H, R, S, T, D, scale,
          DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPARSE: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows = pid_m * BM + tl.arange(0, BM)
-    rows_ok = rows < R
-    srow = rows % S
-    d = tl.arange(0, DP)
-    d_ok = d < D
+    b, h, bh, rows, rows_ok, srow, d, d_ok = _query_block(H, R, S, D, BM, DP)
     q = _tile(Q, b * sq_b + h * sq_h, rows, rows_ok, d, d_ok, D)
     m_f = tl.full([BM], float("-inf"), tl.float32)
     l_f = tl.zeros([BM], tl.float32)
@@ -79,15 +99,11 @@ def _fwd(Q, K, V, KEEP, SEL, OF, OS, LF, LS,
     l_s = tl.zeros([BM], tl.float32)
     acc_s = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, T, BN):
-        cols = n0 + tl.arange(0, BN)
-        n_ok = cols < T
-        k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
-        v = _tile(V, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
-        keep = _flags(KEEP, b * skeep_b, srow, cols, rows_ok, n_ok, T)
+        k, v, keep, sel = _keys(K, V, KEEP, SEL, b * sk_b + h * sk_h, b * skeep_b, b * ssel_b + h * ssel_h, n0, srow,
+                                rows_ok, d, d_ok, D, T, BN, SPARSE)
         s = tl.where(keep, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
         m_f, l_f, acc_f = _online(m_f, l_f, acc_f, s, v)
         if SPARSE:
-            sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
             m_s, l_s, acc_s = _online(m_s, l_s, acc_s, tl.where(sel, s, float("-inf")), v)
     out = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
     stat = bh * R + rows
@@ -193,26 +209,14 @@ def _bwd_q(Q, K, V, KEEP, SEL, DO, Z, LF, LS, DF, DS, DQ,
            sq_b, sq_h, sk_b, sk_h, skeep_b, ssel_b, ssel_h,
            H, R, S, T, D, scale,
            DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPARSE: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows = pid_m * BM + tl.arange(0, BM)
-    rows_ok = rows < R
-    srow = rows % S
-    d = tl.arange(0, DP)
-    d_ok = d < D
+    b, h, bh, rows, rows_ok, srow, d, d_ok = _query_block(H, R, S, D, BM, DP)
     q, do, lf, ls, df, ds = _row_block(Q, DO, LF, LS, DF, DS, b * sq_b + h * sq_h, bh, rows, rows_ok, d, d_ok, D, R,
                                        SPARSE)
     z = tl.load(Z + h)
     dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, T, BN):
-        cols = n0 + tl.arange(0, BN)
-        n_ok = cols < T
-        k = _tile(K, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
-        v = _tile(V, b * sk_b + h * sk_h, cols, n_ok, d, d_ok, D)
-        keep = _flags(KEEP, b * skeep_b, srow, cols, rows_ok, n_ok, T)
-        sel = keep
-        if SPARSE:
-            sel = _flags(SEL, b * ssel_b + h * ssel_h, srow, cols, rows_ok, n_ok, T)
+        k, v, keep, sel = _keys(K, V, KEEP, SEL, b * sk_b + h * sk_h, b * skeep_b, b * ssel_b + h * ssel_h, n0, srow,
+                                rows_ok, d, d_ok, D, T, BN, SPARSE)
         _, dsc = _probs(q, k, v, do, z, lf, ls, df, ds, keep, sel, scale, SPARSE)
         dq += tl.dot(dsc.to(q.dtype), k)
     at = b * sq_b + h * sq_h + rows[:, None] * D + d[None, :]
