@@ -264,7 +264,7 @@ def _strides(q: Tensor, k: Tensor, keep: Tensor, sel: Tensor | None) -> tuple[in
 
 class _Hybrid(torch.autograd.Function):
     """(q, k, v, z, keep, sel, scale, groups) → (``z·O_full + (1 − z)·O_sparse``, the group's mean probability);
-    with ``sel`` None the output is the full attention's and z is not read."""
+    z is a tensor either way; with ``sel`` None the output is the full attention's and the kernels ignore z."""
 
     @staticmethod
     def forward(ctx, q, k, v, z, keep, sel, scale, groups):
@@ -281,8 +281,10 @@ class _Hybrid(torch.autograd.Function):
         mean = torch.empty((b, hkv, s, t), dtype=torch.float32, device=q.device)
         _launch("mean", _mean_probs, lambda bm, bn: (triton.cdiv(s, bm), triton.cdiv(t, bn), b * hkv), q,
                 q, k, keep, l_f, mean, *_strides(q, k, keep, None)[:5], hkv, groups, r, s, t, d, scale, DP=dp)
-        zg = z.float().view(1, hkv, 1, 1) if sel is not None else None
-        out = zg * o_f + (1 - zg) * o_s if sel is not None else o_f
+        out = o_f
+        if sel is not None:
+            zg = z.float().view(1, hkv, 1, 1)
+            out = zg * o_f + (1 - zg) * o_s
         ctx.save_for_backward(q, k, v, z, keep, sel, o_f, o_s, l_f, l_s)
         ctx.scale = scale
         ctx.mark_non_differentiable(mean)
@@ -302,8 +304,7 @@ class _Hybrid(torch.autograd.Function):
         b, hkv, r, d = q.shape
         s, t = keep.shape[1], k.shape[2]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        gate = z.float().contiguous() if sparse else torch.ones(hkv, dtype=torch.float32, device=q.device)
-        args = (q, k, v, keep, sel if sparse else keep, do, gate, l_f, l_s, d_f, d_s)
+        args = (q, k, v, keep, sel if sparse else keep, do, z.float().contiguous(), l_f, l_s, d_f, d_s)
         common = (*_strides(q, k, keep, sel), hkv, r, s, t, d, ctx.scale)
         meta = dict(DP=triton.next_power_of_2(d), SPARSE=sparse)
         _launch("dkdv", _bwd_kv, lambda bm, bn: (triton.cdiv(t, bn), b * hkv), q, *args, dk, dv, *common, **meta)
