@@ -43,8 +43,9 @@ POLICIES = ("full", "delta", "lychee")
 BUDGET, RETRIEVAL_HEADS = 2048, 32
 
 
-def rows_step_ms(weights: Weights, policy, lengths: torch.Tensor, slots: int) -> float:
-    """Median ms of the scheduler's step over rows at ``lengths`` in ``slots``-slot rows (every row decoding)."""
+def rows_decoder(weights: Weights, policy, lengths: torch.Tensor, slots: int) -> StaticDecoder:
+    """The scheduler's decoder over rows at ``lengths`` in ``slots``-slot rows (random K/V, every row decoding,
+    no limit), captured."""
     b = len(lengths)
     stopper, sampler = RowStopper(b, 1, 0, weights.device), RowSampler(b, weights.device)
     dec = StaticDecoder(weights, policy, b, slots, min_context=0, sampler=sampler, stopper=stopper, row_lengths=True)
@@ -54,7 +55,12 @@ def rows_step_ms(weights: Weights, policy, lengths: torch.Tensor, slots: int) ->
         stopper.set_row(row, 1 << 30, [], 1)
     dec.position = int(lengths.max())
     dec.capture()
-    return statistics.median(event_times(dec.step, reps=30, warmup=5))
+    return dec
+
+
+def rows_step_ms(weights: Weights, policy, lengths: torch.Tensor, slots: int) -> float:
+    """Median ms of the scheduler's step over rows at ``lengths`` in ``slots``-slot rows (every row decoding)."""
+    return statistics.median(event_times(rows_decoder(weights, policy, lengths, slots).step, reps=30, warmup=5))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
-"""benchmarks/calibrate.py, multi_gpu.py, train_step.py and memory.py refuse bad counts, lengths and parts in one
-line (exit status 2, the flag, its limit and the value given) before any model is built, command launched or file
-written."""
+"""benchmarks/calibrate.py, multi_gpu.py, train_step.py, memory.py and serve_overlap.py refuse bad counts, lengths
+and parts in one line (exit status 2, the flag, its limit and the value given) before any model is built, command
+launched or file written."""
 
 import pytest
 
@@ -14,7 +14,7 @@ def too_low(script: str, flag: str, value: str, low: int, why: str = "") -> tupl
 
 
 WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_step": ("build_model",),
-        "memory": ("measure",)}
+        "memory": ("measure",), "serve_overlap": ("measure",)}
 
 
 @pytest.mark.parametrize("script, flags, says", [
@@ -54,6 +54,12 @@ WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_
     ("memory", ["--models", "7b,9b"], "--models: unknown 9b; known: 7b, 1.5b, 32b"),
     too_low("memory", "--prompt", "0", 1),
     too_low("memory", "--new", "-1", 1),
+    ("serve_overlap", ["--policies", "delta,quest"], "--policies takes comma-separated names of full, delta, lychee, "
+                                                     "got 'delta,quest'"),
+    ("serve_overlap", ["--policies", ","], "--policies takes comma-separated names of full, delta, lychee, got ','"),
+    ("serve_overlap", ["--prompt", "0"], "--prompt must be 1 to 32767 (the prefill's decoder holds 32768 slots), got 0"),
+    ("serve_overlap", ["--prompt", "32768"],
+     "--prompt must be 1 to 32767 (the prefill's decoder holds 32768 slots), got 32768"),
 ])
 def test_bad_numbers_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, capsys, script, flags, says):
     module = load_benchmark(script)
