@@ -76,6 +76,7 @@ class Workload:
     output: Lengths
     vocab: int
     seed: int = 0
+    staggered: int = 0  # the first requests that start part-way into their traces (see request)
 
     def token_range(self) -> tuple[int, int]:
         """Prompt ids come from ``[low, high)``: clear of the ends of the vocabulary, where special tokens sit."""
@@ -84,9 +85,18 @@ class Workload:
 
     def request(self, index: int, warm_up: bool = False) -> tuple[list[int], int]:
         """Request ``index`` (of the load, or of the warm-up before it): its prompt (random token ids) and its output
-        length."""
+        length.
+
+        The first ``staggered`` requests of the load start part-way into their traces: ``a`` of a request's ``out``
+        tokens, drawn uniformly from ``0..out - 1``, move into its prompt (a prompt of ``n + a`` ids, ``out - a`` to
+        decode). A closed load's first requests would otherwise all hold contexts of their prompts' length at once
+        and end together; staggered, the rows hold the spread of contexts a steady load holds from the start, and
+        request ``i``'s context at its end (``n + out``) is unchanged."""
         rng = np.random.default_rng([self.seed, int(warm_up), index])
         n, out = self.prompt.draw(rng), self.output.draw(rng)
+        if index < self.staggered and not warm_up:
+            age = int(np.random.default_rng([self.seed, 2, index]).integers(0, out))
+            n, out = n + age, out - age
         low, high = self.token_range()
         return rng.integers(low, high, n).tolist(), out
 

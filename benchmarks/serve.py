@@ -381,6 +381,10 @@ def build_parser() -> Parser:
     p.add_argument("--prompt-tokens", default="31744", help="N, or LOW:HIGH drawn uniformly (default 31744)")
     p.add_argument("--output-tokens", default="1024", help="N, or LOW:HIGH drawn uniformly (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="of the lengths, the prompts and the arrivals")
+    p.add_argument("--staggered-start", action="store_true",
+                   help="--concurrency: the first N requests start part-way into their traces (a uniform share of "
+                        "each output moved into its prompt), so the rows hold a steady load's spread of contexts once "
+                        "they are prefilled")
     p.add_argument("--slots", type=int, default=None, help="the server's rows (default --concurrency, or 64)")
     p.add_argument("--max-context", type=int, default=None,
                    help="the server's tokens per row (default: the longest prompt and output)")
@@ -420,6 +424,8 @@ def _check_load(p: Parser, args: argparse.Namespace) -> None:
     if (args.concurrency is None) == (args.rate is None):
         p.error("give one of --concurrency N (clients) or --rate R (Poisson arrivals per second)"
                 f"{', not both' if args.concurrency is not None else ''}")
+    if args.staggered_start and args.concurrency is None:
+        p.error("--staggered-start staggers the first --concurrency requests; it needs --concurrency N, not --rate")
     if (args.duration is None) == (args.requests is None):
         p.error(f"give one of --duration S or --requests N{', not both' if args.duration is not None else ''}")
     for flag in ("concurrency", "requests", "slots", "budget"):
@@ -484,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
         out = Path(args.out or ROOT / "benchmarks" / "results" / f"serve_{target.name}_{gpu_slug(gpu)}.json")
-        workload = Workload(args.prompt_tokens, args.output_tokens, target.shape.vocab, args.seed)
+        workload = Workload(args.prompt_tokens, args.output_tokens, target.shape.vocab, args.seed,
+                            staggered=args.concurrency if args.staggered_start else 0)
         load = f"{args.concurrency} clients" if args.concurrency else f"Poisson arrivals at {args.rate:g}/s"
         span = f"{args.duration:g} s" if args.duration else f"{args.requests} requests"
         print(f"{gpu}; byte bound over {args.bandwidth_tbs:.2f} TB/s; {target.name} "

@@ -44,6 +44,8 @@ def tiny(tmp_path):
     (["--concurrency", "4", "--duration", "60", "--requests", "8"], "give one of --duration S or --requests N, not both"),
     (["--requests", "8"], "give one of --concurrency N (clients) or --rate R (Poisson arrivals per second)"),
     (["--concurrency", "4", "--rate", "2", "--requests", "8"], "or --rate R (Poisson arrivals per second), not both"),
+    (["--rate", "2", "--requests", "8", "--staggered-start"],
+     "--staggered-start staggers the first --concurrency requests; it needs --concurrency N, not --rate"),
     (["--rate", "-1", "--requests", "8"], "--rate must be a positive number, got -1.0"),
     (["--rate", "0", "--duration", "10"], "--rate must be a positive number, got 0.0"),
     (["--concurrency", "0", "--requests", "8"], "--concurrency must be at least 1, got 0"),
@@ -130,6 +132,24 @@ def test_request_i_is_the_same_in_every_run_and_avoids_the_ends_of_the_vocabular
         assert 16 <= len(prompt) <= 48 and 4 <= out <= 12 and 65 <= min(prompt) <= max(prompt) < 195
     assert w.request(0) != w.request(1) and w.request(0) != w.request(0, warm_up=True)
     assert w.request(0) != load.Workload(w.prompt, w.output, vocab=260, seed=4).request(0)
+
+
+def test_a_staggered_start_moves_a_uniform_share_of_each_first_output_into_its_prompt(load):
+    """The first ``staggered`` requests keep their context at the end (n + out) and decode at least one token; their
+    moved share ``a`` is uniform on 0..out − 1 (out fixed at 10: every value shows, mean 4.5); the later requests and
+    the warm-up are the unstaggered ones, id for id."""
+    plain = load.Workload(load.Lengths(16, 48), load.Lengths(10, 10), vocab=260, seed=3)
+    staggered = load.Workload(plain.prompt, plain.output, vocab=260, seed=3, staggered=4000)
+    ages = []
+    for i in range(4000):
+        (p0, o0), (p1, o1) = plain.request(i), staggered.request(i)
+        assert len(p1) + o1 == len(p0) + o0 and 1 <= o1 <= o0 == 10 and p1[:len(p0)] == p0
+        ages.append(o0 - o1)
+    assert set(ages) == set(range(10))
+    # a uniform draw on 0..9: standard deviation sqrt(99/12) = 2.87, so the mean of 4000 is within 4 SE = 0.18
+    assert abs(statistics.fmean(ages) - 4.5) < 4 * math.sqrt(99 / 12) / math.sqrt(4000)
+    assert staggered.request(4000) == plain.request(4000) and staggered.request(0, warm_up=True) == \
+        plain.request(0, warm_up=True)
 
 
 def test_poisson_gaps_have_the_mean_of_the_rate_and_an_exponential_tail(load):
