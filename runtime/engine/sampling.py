@@ -146,10 +146,12 @@ class RowSampler:
         x = logits.float() / self.temperature[:, None]
         ordered, order = x.sort(dim=-1, descending=True)
         k = torch.where(self.top_k > 0, self.top_k.clamp_max(v), v)  # [B]
-        ranks = torch.arange(v, device=x.device)[None, :]
-        ordered = ordered.masked_fill(ranks >= k[:, None], float("-inf"))  # top-k: the order is unchanged
+        # top-k as filtered_logits (and transformers) apply it: every token below the k-th value goes, so a tie
+        # with the k-th stays; the order is unchanged
+        cut = ordered < ordered.gather(-1, (k - 1)[:, None])
+        ordered = ordered.masked_fill(cut, float("-inf"))
         p = ordered.softmax(-1)
-        drop = (ranks >= k[:, None]) | ((p.cumsum(-1) - p) >= self.top_p[:, None])  # as filtered_logits
+        drop = cut | ((p.cumsum(-1) - p) >= self.top_p[:, None])  # as filtered_logits
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
         h = mix32((self.step * 0x2545F491 + self.seed) & M32)  # [B], as uniform() for row 0
         h = mix32(mix32(h)[:, None] ^ torch.arange(v, device=x.device, dtype=torch.long)[None, :])
