@@ -7,6 +7,7 @@ sinks, window and heavy hitters at their first and last slot and its residual re
 from __future__ import annotations
 
 import math
+import re
 from statistics import NormalDist
 from types import SimpleNamespace
 
@@ -419,3 +420,30 @@ def test_vattention_step_reads(roles, context, reads):
     p = get_policy("vattention", sinks=4, window=8, heavy=8, pilot=4, max_sample=8)
     p.roles = roles
     assert VAttentionStep(p).reads(SimpleNamespace(layers=3), context) == pytest.approx(reads)
+
+
+@pytest.mark.parametrize("roles, layer_types, early", [
+    # a sparse layer before the first Δ-layer has no pages to read: refused, naming it
+    ([2, 1, 2], None, [0]),
+    ([0, 2, 2, 1, 2], None, [1, 2]),
+    ([2, 2, 2], None, [0, 1, 2]),  # no Δ-layer at all
+    # a Δ-layer first, or full layers before it, binds; a sliding layer never reads pages, whatever its role
+    ([1, 2, 2], None, []),
+    ([0, 0, 1, 2], None, []),
+    ([2, 1, 2], ["sliding_attention", "full_attention", "full_attention"], []),
+    # a Δ-layer that is sliding chooses no pages: the sparse layer after it still has none
+    ([0, 1, 2], ["full_attention", "sliding_attention", "full_attention"], [2]),
+])
+def test_delta_refuses_sparse_layers_before_any_delta_layer(roles, layer_types, early):
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
+    from rolecall.runtime.policies import PolicyError, get_policy
+
+    manifest = RoleManifest(ModelIdentity(len(roles), 2, 1, 8), layer_role=torch.tensor(roles, dtype=torch.int8))
+    config = SimpleNamespace(layer_types=layer_types)
+    policy = get_policy("delta", budget=64)
+    if early:
+        with pytest.raises(PolicyError, match=rf"sparse layers {re.escape(str(early))} come before any Δ-layer"):
+            policy.bind(manifest, config)
+    else:
+        policy.bind(manifest, config)
+        assert policy.roles == roles
