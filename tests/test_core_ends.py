@@ -271,3 +271,24 @@ def test_manifest_sliding_layers_are_layers_of_the_model(sliding, ok):
         bad = next(i for i in sliding if not 0 <= i < 3)
         with pytest.raises(ManifestError, match=rf"model.sliding_layers holds layer {bad}, but the model has 3 layers"):
             RoleManifest(identity, layer_role=torch.zeros(3, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("name_length", range(16))
+def test_manifest_header_is_padded_to_a_multiple_of_8_bytes(name_length):
+    """The header holds the canonical JSON and then fewer than 8 spaces, so the tensor data starts 8-byte aligned
+    (as safetensors writes it), whatever length the JSON has: model names of 0..15 characters reach every
+    remainder mod 8."""
+    import json
+    import struct
+
+    from rolecall.core.manifest import ModelIdentity, RoleManifest
+
+    identity = ModelIdentity(2, 2, 1, 8, name="m" * name_length or None)
+    blob = RoleManifest(identity, layer_role=torch.tensor([0, 1], dtype=torch.int8)).to_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = blob[8:8 + length]
+    text = header.rstrip(b" ")
+    assert length % 8 == 0 and len(header) - len(text) < 8 and json.loads(text)["layers.role"]["shape"] == [2]
+    offsets = json.loads(text)["layers.role"]["data_offsets"]
+    assert blob[8 + length + offsets[0]:8 + length + offsets[1]] == bytes([0, 1])
+    assert len(blob) == 8 + length + max(v["data_offsets"][1] for k, v in json.loads(text).items() if k != "__metadata__")
