@@ -336,6 +336,8 @@ def set_value(name: str, index: int, value) -> callable:
                                                   "is the share of the context a layer keeps; re-run calibrate-delta"),
     (set_value("layers.budget", 2, float("inf")), "layers.budget[2] is inf, not a fraction in (0, 1]"),
     (set_value("layers.budget", 3, 0.0), "layers.budget[3] is 0.0, not a fraction in (0, 1]"),
+    (set_value("layers.budget", 3, -0.0), "layers.budget[3] is -0.0, not a fraction in (0, 1]"),
+    (set_value("layers.budget", 2, 1.0000001), "layers.budget[2] is 1.0000001192092896, not a fraction in (0, 1]"),
     (set_value("layers.budget", 0, 1.5), "layers.budget[0] is 1.5, not a fraction in (0, 1]"),
     (set_value("layers.budget", 0, -0.25), "layers.budget[0] is -0.25, not a fraction in (0, 1]"),
     (lambda h, d: h["__metadata__"].update({"model.num_layers": "5"}),

@@ -240,39 +240,6 @@ def test_a_registry_lists_its_names_sorted_or_in_order(ordered, listed):
         reg.lookup("delta")
 
 
-@pytest.mark.parametrize("budget, ok", [
-    (1.0, True), (1e-6, True), (0.5, True),
-    (0.0, False), (-0.0, False), (1.0000001, False), (-0.25, False), (float("nan"), False), (float("inf"), False),
-])
-def test_manifest_lethe_budgets_are_fractions_in_the_half_open_unit_interval(budget, ok):
-    """layers.budget holds each layer's kept share of the context: 0 keeps nothing and is refused, 1 keeps all."""
-    from rolecall.core.manifest import ManifestError, ModelIdentity, RoleManifest
-
-    def make():
-        return RoleManifest(ModelIdentity(2, 2, 1, 8), layer_role=torch.tensor([0, 2], dtype=torch.int8),
-                            layer_budget=torch.tensor([1.0, budget]))
-    if ok:
-        assert make().layer_budget[1].item() == pytest.approx(budget)
-    else:
-        with pytest.raises(ManifestError, match=r"layers.budget\[1\] is \S+, not a fraction in \(0, 1\]"):
-            make()
-
-
-@pytest.mark.parametrize("sliding, ok", [([0], True), ([2], True), ([0, 1, 2], True), ([3], False), ([-1], False),
-                                         ([0, 4], False)])
-def test_manifest_sliding_layers_are_layers_of_the_model(sliding, ok):
-    """model.sliding_layers names layers 0..L-1 of a 3-layer model; L and -1 are refused, naming the first outside."""
-    from rolecall.core.manifest import ManifestError, ModelIdentity, RoleManifest
-
-    identity = ModelIdentity(3, 2, 1, 8, sliding_layers=sliding)
-    if ok:
-        assert RoleManifest(identity, layer_role=torch.zeros(3, dtype=torch.int8)).model.sliding_layers == sliding
-    else:
-        bad = next(i for i in sliding if not 0 <= i < 3)
-        with pytest.raises(ManifestError, match=rf"model.sliding_layers holds layer {bad}, but the model has 3 layers"):
-            RoleManifest(identity, layer_role=torch.zeros(3, dtype=torch.int8))
-
-
 @pytest.mark.parametrize("name_length", range(16))
 def test_manifest_header_is_padded_to_a_multiple_of_8_bytes(name_length):
     """The header holds the canonical JSON and then fewer than 8 spaces, so the tensor data starts 8-byte aligned

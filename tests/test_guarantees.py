@@ -343,11 +343,16 @@ def test_vattention_sample_size_uses_the_unbiased_variance_of_the_pilot():
 
 
 def test_a_sliding_layer_past_the_last_layer_is_refused():
+    """Layers 0..L-1 of a 3-layer model; L and -1 are refused, naming the first one outside."""
     from rolecall.core.manifest import ManifestError, ModelIdentity, RoleManifest
 
-    with pytest.raises(ManifestError, match="model.sliding_layers holds layer 3, but the model has 3 layers"):
-        RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=[3]), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
-    RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=[2]), layer_role=torch.tensor([0, 1, 2], dtype=torch.int8))
+    roles = torch.tensor([0, 1, 2], dtype=torch.int8)
+    for sliding, bad in (([3], 3), ([-1], -1), ([0, 4], 4)):
+        with pytest.raises(ManifestError, match=f"model.sliding_layers holds layer {bad}, but the model has 3 layers"):
+            RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=sliding), layer_role=roles)
+    for sliding in ([2], [0], [0, 1, 2]):
+        assert RoleManifest(ModelIdentity(3, 2, 1, 4, sliding_layers=sliding), layer_role=roles).model.sliding_layers \
+            == sliding
 
 
 def test_the_servers_seed_range_is_every_32_bit_value():
