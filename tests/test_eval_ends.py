@@ -46,9 +46,10 @@ def test_the_per_length_table_comes_from_two_lengths_on(lengths, table):
         assert lines[-1].startswith("| full | – | 0.500 [")
 
 
-def _tuned(name, policy, low, read):
-    return {"name": name, "policy": policy, "params": {}, "score": 0.9, "difference": low / 2,
-            "interval": [low, 0.0], "n": 10, "attended_fraction": read, "tpot_ms": read * 10}
+def _tuned_row(name, policy, low, difference, read, tpot=1.0):
+    """A row of ``rolecall tune``'s table: its paired interval [low, 0], its cost in keys read and in TPOT."""
+    return {"name": name, "policy": policy, "params": {}, "score": 0.9, "difference": difference,
+            "interval": [low, 0.0], "n": 10, "attended_fraction": read, "tpot_ms": tpot}
 
 
 @pytest.mark.parametrize("low, max_drop, qualifies", [
@@ -60,7 +61,7 @@ def test_a_setting_qualifies_only_with_its_lower_end_strictly_above_minus_the_dr
     exactly ``−max_drop`` full attention (always qualified) is chosen."""
     from rolecall.eval.tune import choose
 
-    rows = [_tuned("full", "full", 0.0, 1.0), _tuned("delta budget=64", "delta", low, 0.1)]
+    rows = [_tuned_row("full", "full", 0.0, 0.0, 1.0, 10.0), _tuned_row("delta budget=64", "delta", low, low / 2, 0.1)]
     for cost in ("keys", "tpot"):
         chosen, closest = choose(rows, max_drop, cost)
         assert chosen["name"] == ("delta budget=64" if qualifies else "full")
@@ -172,11 +173,6 @@ def test_pooled_weighs_cells_by_their_prompts(cells, score, n):
 
 
 # -- rolecall tune: ties and candidates --------------------------------------------------------------------------------------
-def _tuned_row(name, policy, low, difference, read, tpot=1.0):
-    return {"name": name, "policy": policy, "params": {}, "score": 0.9, "difference": difference,
-            "interval": [low, 0.0], "n": 10, "attended_fraction": read, "tpot_ms": tpot}
-
-
 @pytest.mark.parametrize("rows, cost, chosen", [
     # the same cost as full attention: full wins the tie
     ([_tuned_row("full", "full", 0.0, 0.0, 1.0), _tuned_row("delta b", "delta", -0.5, -0.1, 1.0)], "keys", "full"),
