@@ -19,10 +19,10 @@ The load is ``--concurrency N`` clients, each sending its next request when its 
 far counted) or ``--requests N``. Request ``i`` is the same under every policy: ``--prompt-tokens`` and
 ``--output-tokens`` lengths (``N`` fixed, ``LOW:HIGH`` uniform whole numbers) from ``--seed``, a prompt of random
 token ids away from the ends of the vocabulary, sent as ids with ``ignore_eos`` (exactly ``max_tokens`` new
-tokens), greedy, streamed. ``--staggered-start`` (with ``--concurrency N``) starts the first N requests part-way into
-their traces, so a closed load holds a steady load's spread of contexts once they are prefilled
-(:meth:`benchmarks.load.Workload.request`). Times are the client's: TTFT is the first chunk with tokens; TPOT is (last token −
-first token) / (tokens − 1) per request. The steady window leaves the ramp-up and the drain out: it starts when
+tokens), greedy, streamed. ``--staggered-start`` (with ``--concurrency N``) starts the first N requests part-way
+into their traces, so a closed load holds a steady load's spread of contexts once they are prefilled
+(:meth:`benchmarks.load.Workload.request`). Times are the client's: TTFT is the first chunk with tokens; TPOT is
+(last token − first token) / (tokens − 1) per request. The steady window leaves the ramp-up and the drain out: it starts when
 every slot first decodes (or a tenth of the way in, if later) and ends a tenth before the end, or at the end when a
 ``--duration`` cuts the load. In it: output tokens/s (``steady/s``), and the steady TPOT, the median over requests
 of their TPOT there. A request that fails (an HTTP error, a lost connection, fewer tokens than asked) is counted,
