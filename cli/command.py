@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("rolecall.cli.export", "write a manifest as a DuoAttention pattern, JSON or a layer list"),
     "import": ("rolecall.cli.imports", "make a manifest from a DuoAttention pattern, JSON or a layer list"),
     "merge": ("rolecall.cli.merge", "combine a layers manifest and a heads manifest of one model"),
+    "plan": ("rolecall.cli.plan", "the memory plan of serving a model: weights, KV pool in pages, maximum concurrency"),
     "serve": ("rolecall.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "grid": ("rolecall.cli.grid", "every policy at a grid of token budgets on one suite: tables, plots, resumable cells"),
     "tune": ("rolecall.cli.tune", "choose the cheapest setting within a stated drop of full attention, into the manifest"),

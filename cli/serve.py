@@ -20,6 +20,7 @@ from rolecall.cli.common import (
     load_placed,
     policy_inputs,
 )
+from rolecall.cli.plan import add_memory, check_memory_flags, plan_for
 from rolecall.core.models import pad_token
 
 SLOTS = {"cuda": 8, "cpu": 4}  # default --slots by device type
@@ -31,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "interface)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port, "
                         "named in the ready line)")
-    parser.add_argument("--slots", type=int, default=None, help="requests decoded together: the engine's row slots "
-                        f"[{SLOTS['cuda']} on a GPU, {SLOTS['cpu']} on the CPU]")
+    parser.add_argument("--slots", type=int, default=None, help="requests decoded together: the engine's row slots, "
+                        "each holding --max-context tokens of KV [as many as the memory plan's pool holds, at most "
+                        f"{SLOTS['cuda']} on a GPU, {SLOTS['cpu']} on the CPU]")
     parser.add_argument("--max-context", type=int, default=None, metavar="N", help="the most tokens (prompt + "
                         "answer) one request may hold [the model's context, max_position_embeddings]")
     parser.add_argument("--served-model-name", default=None, metavar="NAME", help="the model name clients send and "
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(load tests; --model may be a bare config.json); text needs a tokenizer beside the config, "
                         "else prompts must be token ids")
     add_long_context(parser)
+    add_memory(parser)
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -54,6 +57,7 @@ def check_flags(args: argparse.Namespace) -> None:
                          "pip install 'rolecall[serve]'")
     if args.slots is not None and args.slots < 1:
         raise ValueError(f"--slots {args.slots}: serve at least 1 request at a time")
+    check_memory_flags(args)
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context {args.max_context}: a request needs at least 2 positions (a prompt token "
                          "and an answer token)")
@@ -105,6 +109,29 @@ def context_of(args: argparse.Namespace, config: Any) -> int:
     check_context(context, limit, what="--max-context", fix="lower --max-context",
                   allow_long=args.allow_long_context, prog="rolecall serve")
     return context
+
+
+def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: str, context: int) -> tuple[int, Any]:
+    """The rows the memory plan allows, and the plan: ``--slots``, else the device's default, at most the requests
+    of ``context`` tokens the pool holds (each row reserves its whole context). A plan that cannot hold one
+    request, or ``--slots`` beyond what it holds, is refused in one line (``ValueError``) before any weight
+    loads."""
+    from rolecall.runtime.engine.memory import GIB, device_memory
+
+    wanted = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
+    size, name = device_memory(device)
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    plan = plan_for(args, config, policy, context=context, dtype=dtype, device=f"{device} ({name})",
+                    device_bytes=size, rows=wanted)
+    why = plan.refusal()
+    if why:
+        raise ValueError(why)
+    if args.slots and args.slots > plan.max_concurrency:
+        raise ValueError(f"--slots {args.slots}: each row holds --max-context {context:,} tokens of KV "
+                         f"({plan.request_bytes / GIB:.2f} GiB) and the pool ({plan.pool_bytes / GIB:.2f} GiB) holds "
+                         f"{plan.max_concurrency}; ask for --slots {plan.max_concurrency} or fewer, a smaller "
+                         "--max-context, or more memory (--gpu-memory-utilization, --kv-cache-gib)")
+    return min(wanted, plan.max_concurrency), plan
 
 
 def tokenizer_of(args: argparse.Namespace) -> Any:
@@ -171,9 +198,11 @@ def run(args: argparse.Namespace) -> int:
     policy = bound_policy(args.policy, manifest, config, **params)
     check_engine(args, config, policy)
     context = context_of(args, config)
-    slots = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
+    slots, plan = planned_slots(args, config, policy, device, context)
     with contextlib.ExitStack() as stack:
         sock = stack.enter_context(bind(args.host, args.port))  # a port in use is refused before the weights load
+        for line in plan.lines():
+            print(f"rolecall serve: plan: {line}", file=sys.stderr)
         tokenizer = tokenizer_of(args)
         if args.random_weights:
             dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))

@@ -54,6 +54,7 @@ class ModelSpec:
     context: int | None = None  # usable context length in tokens
     gguf: dict[str, Any] = field(default_factory=dict)  # {package, file, install[, parts, sha256]} for packaged GGUF
     description: str = ""
+    config: dict[str, Any] = field(default_factory=dict)  # the alias's bundled config.json fields (offline shape)
 
     @property
     def alias(self) -> str | None:
@@ -79,7 +80,8 @@ def resolve_model(name: str) -> ModelSpec:
     if name in aliases:
         doc = yaml.safe_load(aliases[name].read_text()) or {}
         return ModelSpec(name=name, hf_id=doc.get("hf_id"), revision=doc.get("revision"), dtype=doc.get("dtype"),
-                         context=doc.get("context"), gguf=doc.get("gguf") or {}, description=doc.get("description", ""))
+                         context=doc.get("context"), gguf=doc.get("gguf") or {}, description=doc.get("description", ""),
+                         config=doc.get("config") or {})
     path = Path(name).expanduser()
     if path.is_dir():
         return ModelSpec(name=name, path=path.resolve())
@@ -445,10 +447,18 @@ def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device_map: Any = N
 
 def load_config(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     """The model's transformers config, without loading weights (for checking a manifest against it).
-    ``name`` may also be a bare ``config.json`` (an architecture to build with random weights).
+    ``name`` may also be a bare ``config.json`` (an architecture to build with random weights). An alias that
+    bundles its model's config (``config:`` in ``configs/models/<alias>.yaml``) gives it without the network, so
+    ``rolecall plan`` and ``--random-weights`` work offline on the shapes the aliases name.
     ``trust_remote_code``: as in :func:`load_tokenizer`."""
     from transformers import AutoConfig
 
+    bundled = resolve_model(name).config if name in list_aliases() else None
+    if bundled:
+        fields = dict(bundled)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config._name_or_path = resolve_model(name).hf_id or name
+        return config
     if str(name).endswith("config.json"):
         if not Path(name).is_file():
             raise ModelNotFoundError(f"{name}: no such file; pass an existing config.json, an alias or a model folder")

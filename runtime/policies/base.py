@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -97,6 +97,25 @@ def mean_tokens_read(shape: Any, context: int, budget: int, full_share: list[flo
     return sum(per_layer) / len(per_layer)
 
 
+@runtime_checkable
+class Evicting(Protocol):
+    """A policy that holds fewer tokens than the context (Lethe): ``capacity(layer, logical)`` is the most tokens
+    layer ``layer`` keeps at ``logical`` tokens of context. The others (DELTA, Quest, LycheeDecode,
+    vAttention) restrict what a step reads and keep every token."""
+
+    def capacity(self, layer: int, logical: int) -> int: ...
+
+
+def tokens_held(policy: Any, layers: int, context: int) -> list[int] | None:
+    """Tokens each of ``layers`` layers keeps for a request of ``context`` tokens under a bound ``policy``, once
+    decoding has begun: an evicting policy's capacity and the one new token beside it, at most ``context``;
+    None when the policy keeps every token. (A sliding-window layer's window bounds it further; the memory
+    plan applies that.)"""
+    if not isinstance(policy, Evicting):
+        return None
+    return [min(context, policy.capacity(i, context) + 1) for i in range(layers)]
+
+
 def positive(name: str, value: Any, allow_zero: bool = False, policy: str = "") -> None:
     """Shared parameter check: a number > 0 (or ≥ 0)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
@@ -105,4 +124,5 @@ def positive(name: str, value: Any, allow_zero: bool = False, policy: str = "") 
         raise PolicyError(f"policy {policy!r}: {name} must be a number {bound}, got {value!r}")
 
 
-__all__ = ["POLICIES", "Plan", "PolicyError", "Step", "UnknownPolicyError", "engine_policies", "get_policy"]
+__all__ = ["POLICIES", "Evicting", "Plan", "PolicyError", "Step", "UnknownPolicyError", "engine_policies", "get_policy",
+           "tokens_held"]
