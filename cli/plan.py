@@ -19,7 +19,7 @@ ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def add_memory(parser: argparse.ArgumentParser) -> None:
     """``--gpu-memory-utilization`` and ``--kv-cache-gib``, shared by ``plan`` and ``serve``."""
-    from rolecall.runtime.engine.memory import DEFAULT_UTILIZATION
+    from rolecall.runtime.memory import DEFAULT_UTILIZATION
 
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION, metavar="F",
                         help="fraction of the device's memory for weights, activations and the KV pool, in (0, 1] "
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_memory_flags(args: argparse.Namespace) -> None:
     """The memory flags, refused in one line (``ValueError``) before anything loads."""
-    from rolecall.runtime.engine.memory import check_fraction, check_gib
+    from rolecall.runtime.memory import check_fraction, check_gib
 
     check_fraction(args.gpu_memory_utilization)
     if args.kv_cache_gib is not None:
@@ -60,9 +60,9 @@ def check_memory_flags(args: argparse.Namespace) -> None:
 
 def plan_for(args: argparse.Namespace, config: Any, policy: Any, *, context: int, dtype: str, device: str,
              device_bytes: int, rows: int) -> Any:
-    """The :class:`~rolecall.runtime.engine.memory.MemoryPlan` of serving ``config`` with a bound ``policy`` at
+    """The :class:`~rolecall.runtime.memory.MemoryPlan` of serving ``config`` with a bound ``policy`` at
     ``context`` tokens a request, from the memory flags in ``args``."""
-    from rolecall.runtime.engine.memory import GIB, plan_memory
+    from rolecall.runtime.memory import GIB, plan_memory
     from rolecall.runtime.engine.prefill import chunk_for
     from rolecall.runtime.engine.shape import ModelShape
     from rolecall.runtime.policies.base import tokens_held
@@ -78,7 +78,7 @@ def plan_for(args: argparse.Namespace, config: Any, policy: Any, *, context: int
 def run(args: argparse.Namespace) -> int:
     from rolecall.cli.serve import context_of
     from rolecall.core.models import load_config
-    from rolecall.runtime.engine.memory import GIB
+    from rolecall.runtime.memory import GIB
     from rolecall.runtime.session import bound_policy
 
     check_memory_flags(args)
@@ -114,7 +114,7 @@ def local_device(args: argparse.Namespace) -> tuple[str, int]:
     import torch
 
     if torch.cuda.is_available():
-        from rolecall.runtime.engine.memory import device_memory
+        from rolecall.runtime.memory import device_memory
 
         size, name = device_memory("cuda")
         return f"{name} ({size / 2**30:.1f} GiB)", size

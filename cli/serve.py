@@ -116,7 +116,7 @@ def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: st
     of ``context`` tokens the pool holds (each row reserves its whole context). A plan that cannot hold one
     request, or ``--slots`` beyond what it holds, is refused in one line (``ValueError``) before any weight
     loads."""
-    from rolecall.runtime.engine.memory import GIB, device_memory
+    from rolecall.runtime.memory import GIB, device_memory
 
     wanted = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
     size, name = device_memory(device)

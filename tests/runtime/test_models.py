@@ -29,7 +29,8 @@ def test_every_alias_yaml_is_valid():
     assert set(list_aliases()) >= REQUIRED_ALIASES
     for name, path in _alias_files().items():
         doc = yaml.safe_load(path.read_text())
-        assert set(doc) <= {"description", "hf_id", "revision", "dtype", "context", "gguf"}, name
+        assert set(doc) <= {"description", "hf_id", "revision", "dtype", "context", "gguf", "config"}, name
+        assert ("gguf" in doc) != ("config" in doc), name  # its config offline: bundled, or in its GGUF package
         assert doc["hf_id"].count("/") == 1, name
         assert doc["dtype"] in {"bfloat16", "float16", "float32"}, name
         assert isinstance(doc["context"], int) and doc["context"] >= 4096, name

@@ -196,7 +196,15 @@ def fake_cached(tmp_path, repo, config):
     return snapshot
 
 
-@pytest.mark.parametrize("load", [load_config, load_tokenizer, load_model])
+def test_an_alias_config_is_bundled_and_needs_no_network(online, monkeypatch):
+    probes = online(False)
+    forbid_from_pretrained(monkeypatch)
+    config = load_config("qwen-14b")
+    assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("qwen2", 48, 8)
+    assert config._name_or_path == "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B" and not probes
+
+
+@pytest.mark.parametrize("load", [load_tokenizer, load_model])
 def test_uncached_alias_without_network_fails_at_once(online, monkeypatch, load):
     probes = online(False)
     forbid_from_pretrained(monkeypatch)  # no hub retries: transformers is never asked
@@ -223,7 +231,7 @@ def test_reachable_hub_leaves_from_pretrained_alone(online, monkeypatch):
     online(True)
     seen = {}
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda where, **kw: seen.update(kw, where=where))
-    load_config("qwen-14b")
+    load_config("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B")
     assert seen["where"] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B" and "local_files_only" not in seen
     assert seen["trust_remote_code"] is False
 

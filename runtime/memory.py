@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rolecall.runtime.engine.shape import ModelShape
+if TYPE_CHECKING:  # the plan needs no torch: `rolecall plan --help` and the flags' checks stay light
+    from rolecall.runtime.engine.shape import ModelShape
 
 PAGE_TOKENS = 16  # tokens of a KV page: the page DELTA and Quest select
 GIB = 2 ** 30
