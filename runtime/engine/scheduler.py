@@ -24,6 +24,7 @@ from typing import Any
 
 from rolecall.runtime.engine.sampling import Sampling
 from rolecall.runtime.engine.text import TokenText
+from rolecall.runtime.memory import pages
 
 
 class RequestError(ValueError):
@@ -180,18 +181,22 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         """``running``, ``waiting`` requests, ``slots`` and ``slots_in_use``, ``kv_bytes`` held by the cache,
+        ``kv_pages_total`` (the 16-token pages of :mod:`rolecall.runtime.memory` the rows reserve: ``slots`` ×
+        ``max_context``) and ``kv_pages_used`` (the pages the running requests' tokens fill, prompt and answer),
         ``generated_tokens`` since start and ``tokens_per_s`` over the last engine calls; the engine's seconds in
         prefills (``prefill_seconds``, of ``prefill_tokens``) and in decode steps (``decode_seconds``, of
         ``decode_steps``, each step of every live row together): their ratio over an interval is the step's time
         there, apart from the prefills that ran between steps."""
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)
+            used = sum(pages(len(live.request.prompt) + len(live.tokens)) for live in self._running.values())
         rate = 0.0
         if len(self._rate) >= 2:
             (t0, _), (t1, _) = self._rate[0], self._rate[-1]
             rate = sum(n for _, n in list(self._rate)[1:]) / max(t1 - t0, 1e-9)
         return {"running": running, "waiting": waiting, "slots": self.slots, "slots_in_use": running,
-                "kv_bytes": self.kv_bytes, "generated_tokens": self.generated, "tokens_per_s": rate,
+                "kv_bytes": self.kv_bytes, "kv_pages_total": self.slots * pages(self.max_context),
+                "kv_pages_used": used, "generated_tokens": self.generated, "tokens_per_s": rate,
                 "prefill_seconds": self.prefill_s, "prefill_tokens": self.prefill_tokens,
                 "decode_seconds": self.decode_s, "decode_steps": self.decode_steps}
 

@@ -148,6 +148,8 @@ def test_eos_stop_strings_and_cancellation_end_a_request_and_free_its_row():
         got.wait(1)
         assert got.finish[2] == "cancelled" and len(got.tokens[2]) < 400
         assert sched.stats()["running"] == 0 and sched.stats()["slots_in_use"] == 0
+        assert sched.stats()["kv_pages_used"] == 0  # a cancelled request's pages are no longer counted
+        assert sched.stats()["kv_pages_total"] == 2 * -(-sched.max_context // 16)
 
 
 @pytest.mark.parametrize("request_, field, says", [
