@@ -62,9 +62,9 @@ def plan_for(args: argparse.Namespace, config: Any, policy: Any, *, context: int
              device_bytes: int, rows: int) -> Any:
     """The :class:`~rolecall.runtime.memory.MemoryPlan` of serving ``config`` with a bound ``policy`` at
     ``context`` tokens a request, from the memory flags in ``args``."""
-    from rolecall.runtime.memory import GIB, plan_memory
     from rolecall.runtime.engine.prefill import chunk_for
     from rolecall.runtime.engine.shape import ModelShape
+    from rolecall.runtime.memory import GIB, plan_memory
     from rolecall.runtime.policies.base import tokens_held
 
     shape = ModelShape.from_config(config)

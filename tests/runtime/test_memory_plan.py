@@ -13,6 +13,7 @@ import torch
 
 from rolecall.cli import main
 from rolecall.core.models import list_aliases, load_config, resolve_model
+from rolecall.runtime.engine.shape import ModelShape
 from rolecall.runtime.memory import (
     GIB,
     activation_bytes,
@@ -21,7 +22,6 @@ from rolecall.runtime.memory import (
     plan_memory,
     window_pages,
 )
-from rolecall.runtime.engine.shape import ModelShape
 from tests.tiny import tiny_config
 
 
