@@ -31,7 +31,8 @@ bytes, and the engine's seconds in decode steps and in prefills; over the steady
 own time per step (``step``: prefills between steps left out) and the share of time it prefilled.
 
 The byte bound is the fastest a decode step of the live batch can be: the weights read once plus the K/V bytes the
-policy reads at each live request's context (its static step's ``reads``), over ``--bandwidth-tbs``; taken at one
+policy reads at each live request's context (its static step's ``reads``), over ``--bandwidth-tbs`` (default: a
+device-to-device copy measured on the run's GPU, named in the JSON as ``bandwidth_source``); taken at one
 tick a second in the steady window over the requests decoding then, its median is the ``bound`` column, and ``of
 bound`` is that over the steady TPOT (a TPOT also carries the prefills the server runs between steps). After the
 servers, on CUDA with random weights, each policy's static step (``benchmarks/decode.py``'s: CUDA-graph replays,
@@ -84,7 +85,7 @@ from benchmarks.load import (
     warm_up,
 )
 from benchmarks.report import host_cpu
-from benchmarks.timing import gpu_slug
+from benchmarks.timing import copy_bandwidth, gpu_slug
 from rolecall.cli import Parser
 from rolecall.core.atomic import write_text
 from rolecall.core.manifest import ModelIdentity, RoleManifest
@@ -394,8 +395,9 @@ def build_parser() -> Parser:
     p.add_argument("--device", default=None, help="the server's: cuda or cpu (default cuda when there is one)")
     p.add_argument("--dtype", default=None, choices=tuple(ELEMENT),
                    help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--bandwidth-tbs", type=float, default=4.2,
-                   help="memory bandwidth the byte bound is taken over, TB/s (default 4.2: an H200's copy rate)")
+    p.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help="memory bandwidth the byte bound is taken over, TB/s (default: a device-to-device copy measured "
+                   "on the GPU of the run, named in the JSON; an H100 is not an H200)")
     p.add_argument("--no-static-step", dest="static_step", action="store_false",
                    help="skip the static step of each policy at its steady live batch, timed after the servers "
                         "(CUDA, random weights)")
@@ -484,6 +486,9 @@ def _check_model(p: Parser, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
+    args.bandwidth_source = "--bandwidth-tbs" if args.bandwidth_tbs else f"a copy measured on the {gpu}"
+    if not args.bandwidth_tbs:
+        args.bandwidth_tbs = copy_bandwidth(args.device, 2**28 if args.device.startswith("cuda") else 2**24) / 1e12
     with tempfile.TemporaryDirectory(prefix="rolecall-serve-") as tmp:
         folder = Path(tmp)
         try:
@@ -523,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             settings[key] = Path(settings[key]).name
     report = {"gpu": gpu, "host_cpu": host_cpu(), "torch": torch.__version__, "model": target.name,
               "random_weights": target.random, "shape": vars(target.shape), "bandwidth_Bps": args.bandwidth_tbs * 1e12,
-              "settings": settings, "policies": rows}
+              "bandwidth_source": args.bandwidth_source, "settings": settings, "policies": rows}
     write_text(out, json.dumps(report, indent=1, default=str) + "\n")
     print(f"wrote {out}")
     return 0
