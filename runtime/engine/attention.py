@@ -101,6 +101,8 @@ class DecodeAttention:
         (``LAYER_ORDER``: the running layer's map, None where the cache keeps the model's order; a call over a
         part of the heads passes its part of the map, and ``out`` then holds all of them)."""
         out_heads = self._heads(out_heads)
+        if not self.triton and k.device.type == "cpu":  # no graph here: read only up to the last readable slot
+            k, v, key_mask = within_reach(span, k, v, key_mask)
         keys = self.keys(span, k.shape[2])
         if key_mask is not None:
             keys["key_mask"] = keys["key_mask"] & key_mask if "key_mask" in keys else key_mask
@@ -273,6 +275,18 @@ class DecodeAttention:
         if last is None:
             last = self._last_block[block_size] = torch.div(self.cache.length, block_size, rounding_mode="floor")
         return last
+
+
+def within_reach(span: KeySpan, k: torch.Tensor, v: torch.Tensor,
+                 key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``k``, ``v [B, Hkv, S, D]`` and ``key_mask [B, S]`` cut to the slots before ``span``'s last readable one
+    and it: no row reads past it, so the result is the same, and a reference call's cost follows the longest
+    live row instead of the cache's size (the scheduler's rows reserve ``--max-context`` slots each). It reads
+    the bound on the host, so only where nothing is captured in a graph (the CPU)."""
+    reach = int(span.last.max()) + 1
+    if reach >= k.shape[2]:
+        return k, v, key_mask
+    return k[:, :, :reach], v[:, :, :reach], key_mask[..., :reach] if key_mask is not None else None
 
 
 class Pending:

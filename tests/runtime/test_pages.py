@@ -160,3 +160,24 @@ def test_a_preempted_request_recomputed_into_other_pages_reads_the_same():
         write_tokens(k_pages, v_pages, tables.table([0], 3), torch.tensor([pos]), k[:, :, pos], v[:, :, pos])
     after = paged_decode_attention(q, k_pages, v_pages, tables.table([0], 3), torch.tensor([40]), scale=0.5)
     torch.testing.assert_close(after, before)
+
+
+def test_reads_within_reach_give_the_same_attention_and_stop_at_the_last_readable_slot():
+    from rolecall.runtime.engine.attention import within_reach
+    from rolecall.runtime.engine.cache import KeySpan
+
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(3, 2, 64, 8, generator=gen), torch.randn(3, 2, 64, 8, generator=gen)
+    q = torch.randn(3, 4, 8, generator=gen)
+    span = KeySpan(torch.tensor([0, 3, 0]), torch.tensor([9, 20, 4]))  # rows of their own lengths
+    lethe_mask = torch.rand(3, 64, generator=gen) > 0.3
+    near_k, near_v, near_mask = within_reach(span, k, v, lethe_mask)
+    assert near_k.shape[2] == near_v.shape[2] == near_mask.shape[1] == 21  # the longest row's last slot and it
+    for indices, bs in [(None, 1), (torch.tensor([[[0, 3]] * 2, [[1, -1]] * 2, [[0, 2]] * 2]), 4)]:
+        want = sparse_decode_attention(q, k, v, indices, scale=0.4, block_size=bs,
+                                       key_mask=span.as_mask(64) & lethe_mask)
+        got = sparse_decode_attention(q, near_k, near_v, indices, scale=0.4, block_size=bs,
+                                      key_mask=span.as_mask(21) & near_mask)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the same up to summation order
+    ring = KeySpan(torch.tensor([60, 0, 62]), torch.tensor(63))  # a ring's span ends at its top slot: nothing cut
+    assert within_reach(ring, k, v, None)[0] is k
