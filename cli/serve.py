@@ -121,8 +121,8 @@ def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: st
     wanted = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
     size, name = device_memory(device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    plan = plan_for(args, config, policy, context=context, dtype=dtype, device=f"{device} ({name})",
-                    device_bytes=size, rows=wanted)
+    where = device if name == device else f"{device} ({name})"
+    plan = plan_for(args, config, policy, context=context, dtype=dtype, device=where, device_bytes=size, rows=wanted)
     why = plan.refusal()
     if why:
         raise ValueError(why)

@@ -67,8 +67,7 @@ def rows_refusal(step: Any) -> str | None:
     the step declares ``row_lengths`` when it keeps nothing across steps that assumes one length for all rows."""
     if getattr(step, "row_lengths", False):
         return None
-    return ("its engine step keeps state that assumes one length for all rows (served: full, delta without refine, "
-            "lychee)")
+    return ("its engine step keeps state that assumes one length for all rows (served: full, delta, lychee, quest)")
 
 
 class StaticDecoder:
@@ -180,6 +179,13 @@ class StaticDecoder:
         self.cache.length.fill_(length)
         self.position = length
         self._after_fill()
+
+    def row_filled(self) -> None:
+        """A row of the scheduler's now holds a new request's prompt: a policy whose step keeps state derived from
+        the cache (quest's and refining delta's page bounds) rebuilds it from every row's own slots. Below the
+        crossover the full step runs, and the first policy step after it rebuilds instead."""
+        if self._last_kind != "full":
+            self._after_fill()
 
     def _after_fill(self) -> None:
         after_fill = getattr(self.static, "after_fill", None)

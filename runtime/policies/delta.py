@@ -160,11 +160,12 @@ class DeltaStep:
     refine: int = 1
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
+    # rows of their own lengths (the scheduler's): without refining nothing is kept across steps, and refining's
+    # page bounds follow each row's own slots (PageMeta)
+    row_lengths: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.meta = PageMeta(self.page_size) if self.refine > 1 else None
-        # rows of their own lengths (the scheduler's): without refining, nothing is kept across steps
-        self.row_lengths = self.meta is None
 
     def prepare(self, dec: Any) -> None:
         if self.meta is not None:  # refining: each sparse layer keeps its page bounds beside the cache

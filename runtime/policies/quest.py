@@ -115,6 +115,7 @@ class QuestStep:
     group: str
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
+    row_lengths: ClassVar[bool] = True  # its page bounds follow each row's own slots (after_fill, update_page)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -176,10 +177,17 @@ class PageMeta:
 
     def after_fill(self, dec: Any) -> None:
         """The bounds of the filled pages; the pages after them empty again (a reused decoder's last request
-        filled them)."""
+        filled them). Rows of their own lengths (the scheduler's) each bound their own slots only: a row's slots
+        past its length hold a previous request's keys."""
         c, p = dec.cache, self.page_size
-        length = dec.position
-        keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[:, None]  # [B, T]
+        ids = torch.arange(c.slots, device=c.length.device)[None, :]
+        if c.row_lengths:
+            keep = (ids >= c.pads[:, None]) & (ids < c.length[:, None])  # [B, slots]
+            length = int(keep.any(0).nonzero().max()) + 1 if keep.any() else 0
+            keep = keep[:, :length]
+        else:
+            length = dec.position
+            keep = ids[:, :length] >= c.pads[:, None]  # [B, T]
         for i in self.kmin:
             lo, hi = page_minmax(c.k[i][:, :, :length], keep, p)
             n = lo.shape[2]

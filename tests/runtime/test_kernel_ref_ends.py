@@ -189,6 +189,15 @@ def test_update_page_recomputes_the_page_of_last(first, last, lo, hi, page):
     assert kmin[0, 0, others, 0].tolist() == [-7.0, -7.0]  # no other page touched
 
 
+def test_update_page_takes_each_rows_own_last_slot():
+    key = torch.tensor([[10.0, 20.0, 30.0, 40.0, 50.0], [1.0, 2.0, 3.0, 4.0, 5.0]]).view(2, 1, 5, 1)
+    kmin = torch.full((2, 1, 3, 1), -7.0)
+    kmax = torch.full((2, 1, 3, 1), -7.0)
+    update_page(key, kmin, kmax, torch.tensor([0, 1]), torch.tensor([4, 1]), 2)  # row 0: page 2; row 1: page 0
+    assert kmin[:, 0, :, 0].tolist() == [[-7.0, -7.0, 50.0], [2.0, -7.0, -7.0]]
+    assert kmax[:, 0, :, 0].tolist() == [[-7.0, -7.0, 50.0], [2.0, -7.0, -7.0]]
+
+
 @pytest.mark.parametrize("candidates, num_pages, recent, chosen", [
     # page bounds (one head, q = 1, scale 1) are the pages' keys: page u scores 4 - u
     ([0, 1, 2, 3], 2, 1, [0, 3]),  # the largest candidate is recent; then the best

@@ -712,7 +712,8 @@ def _check_page_bounds(b, hq, hkv, t, d, p, group, dtype, device, tol):
     assert (got[finite] - want[finite]).abs().max() <= tol * want[finite].abs().max()
     # the new token's page, recomputed from the keys in first[b]..last, as the reference does it
     first = torch.tensor([2 * p + 3] + [0] * (b - 1), device=device)
-    for last in (torch.tensor(t - 1, device=device), torch.tensor(2 * p + 1, device=device)):
+    rows = torch.tensor([t - 1 - 7 * i for i in range(b)], device=device)  # each row's own (the scheduler's rows)
+    for last in (torch.tensor(t - 1, device=device), torch.tensor(2 * p + 1, device=device), rows):
         ref = (kmin.clone(), kmax.clone())
         pb_naive.update_page(k, *ref, first, last, p)
         mine = (kmin.clone(), kmax.clone())

@@ -592,7 +592,8 @@ def test_random_weights_from_a_bare_config_serve_token_ids(tiny, tmp_path):
     (["-p", "min_context=-4"], "-p min_context=-4: give a whole number of tokens ≥ 0"),
     (["--policy", "delta"], "policy 'delta' needs a manifest with a layers section"),
     (["--max-context", "9000"], "--max-context is 9000 tokens, more than the model's context of 4096"),
-    (["--policy", "quest"], "--policy quest: its engine step keeps state that assumes one length for all rows"),
+    (["--policy", "lethe", "-p", "budget=64"],
+     "--policy lethe: its engine step keeps state that assumes one length for all rows"),
 ])
 def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monkeypatch, capsys):
     from rolecall.cli import main
@@ -604,6 +605,42 @@ def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monke
     assert main(["serve", "--model", str(tiny[0]), "--device", "cpu", "--policy", "full", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rolecall serve: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_quest_serves_the_tokens_it_decodes_alone(tiny):
+    """A policy whose step keeps page bounds per row (quest) serves: greedy answers through the server are the
+    engine's own for each prompt alone, several at once."""
+    from rolecall.core.models import load_model
+    from rolecall.runtime.engine import Weights, generate
+    from rolecall.runtime.session import bound_policy
+
+    folder, tokenizer, _ = tiny
+    model = load_model(str(folder), dtype="float32")
+    weights = Weights.from_model(model, positions=CONTEXT)
+    policy = bound_policy("quest", None, model.config, budget=32, page_size=16, dense_layers=1)
+    prompts = [[5 + i] * (20 + 13 * i) for i in range(4)]
+    want = [generate(weights, policy, [p], max_new_tokens=12, eos_token_id=None, min_context=0).tokens[0]
+            for p in prompts]
+    proc, port, line = start(folder, "--policy", "quest", "-p", "budget=32", "-p", "page_size=16", "-p",
+                             "dense_layers=1", "-p", "min_context=0")
+    try:
+        assert "with policy quest" in line
+        results = [None] * len(prompts)
+
+        def ask(i: int) -> None:
+            status, text = call(port, "POST", "/v1/completions", {"prompt": prompts[i], "max_tokens": 12,
+                                                                  "temperature": 0, "ignore_eos": True,
+                                                                  "return_token_ids": True})
+            results[i] = (status, json.loads(text)["choices"][0]["token_ids"])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [(200, w) for w in want]
+    finally:
+        assert stop(proc) == 0
 
 
 def test_a_port_in_use_and_a_missing_server_library_are_one_line(tiny, monkeypatch, capsys):

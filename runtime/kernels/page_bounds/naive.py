@@ -51,15 +51,18 @@ def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sca
 
 def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
                 page_size: int) -> None:
-    """Recompute, in place, the minimum and maximum of the page that holds slot ``last`` (a device scalar) from
-    the keys ``[B, Hkv, T, D]`` in slots ``first[b]..last``."""
-    page = torch.div(last, page_size, rounding_mode="floor").view(1)
-    raw = page * page_size + torch.arange(page_size, device=key.device)  # [P]
-    slots = raw.clamp_max(key.shape[2] - 1)  # the cache may end inside its last page
-    ok = ((raw >= first[:, None]) & (raw <= last) & (raw < key.shape[2]))[:, None, :, None]  # [B, 1, P, 1]
-    keys = key.index_select(2, slots)  # [B, Hkv, P, D]
-    kmin.index_copy_(2, page, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True))
-    kmax.index_copy_(2, page, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True))
+    """Recompute, in place, the minimum and maximum of the page that holds slot ``last`` (a device scalar, or
+    ``[B]``: each row's own) from the keys ``[B, Hkv, T, D]`` in slots ``first[b]..last``."""
+    bsz, hkv, t, d = key.shape
+    last = last.expand(bsz)[:, None]  # [B, 1]
+    page = torch.div(last, page_size, rounding_mode="floor")  # [B, 1]
+    raw = page * page_size + torch.arange(page_size, device=key.device)  # [B, P]
+    slots = raw.clamp_max(t - 1)  # the cache may end inside its last page
+    ok = ((raw >= first[:, None]) & (raw <= last) & (raw < t))[:, None, :, None]  # [B, 1, P, 1]
+    keys = key.gather(2, slots[:, None, :, None].expand(bsz, hkv, page_size, d))  # [B, Hkv, P, D]
+    at = page[:, None, :, None].expand(bsz, hkv, 1, d)
+    kmin.scatter_(2, at, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True).to(kmin.dtype))
+    kmax.scatter_(2, at, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True).to(kmax.dtype))
 
 
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,

@@ -81,10 +81,11 @@ def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sca
 
 
 @triton.jit
-def _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, P: tl.constexpr,
+def _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, P: tl.constexpr,
                 D: tl.constexpr, D_PAD: tl.constexpr):
-    """Recompute the minimum and maximum of KV head ``h``'s page that holds slot ``LAST`` (sequence ``b``)."""
-    last = tl.load(LAST)
+    """Recompute the minimum and maximum of KV head ``h``'s page that holds slot ``LAST`` of sequence ``b`` (one
+    slot for all, ``s_lb`` 0, or each row's own)."""
+    last = tl.load(LAST + b * s_lb)
     page = last // P
     slots = page * P + tl.arange(0, P)
     d = tl.arange(0, D_PAD)
@@ -99,10 +100,11 @@ def _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, 
 
 
 @triton.jit
-def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, HKV,
+def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, HKV,
                  P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     row = tl.program_id(0)
-    _store_page(K, KMIN, KMAX, FIRST, LAST, row // HKV, row % HKV, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, P, D, D_PAD)
+    _store_page(K, KMIN, KMAX, FIRST, LAST, row // HKV, row % HKV, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, P, D,
+                D_PAD)
 
 
 def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
@@ -111,8 +113,13 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
     b, hkv, t, d = key.shape
     _check_page_update(key, kmin, kmax, page_size)
     _update_page[(b * hkv,)](key, kmin, kmax, first, last, key.stride(0), key.stride(1), key.stride(2),
-                             kmin.stride(0), kmin.stride(1), kmin.stride(2), t, hkv, P=page_size, D=d,
+                             kmin.stride(0), kmin.stride(1), kmin.stride(2), row_stride(last), t, hkv, P=page_size, D=d,
                              D_PAD=triton.next_power_of_2(d))
+
+
+def row_stride(last: torch.Tensor) -> int:
+    """The stride between rows' last slots: 0 for one slot of all rows (a device scalar), else its own."""
+    return last.stride(0) if last.dim() else 0
 
 
 def _check_page_update(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int) -> None:
@@ -123,7 +130,7 @@ def _check_page_update(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 
 @triton.jit
 def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, s_qb, s_qh, s_mb, s_mh, s_mn, s_cb, s_ch,
-            s_kb, s_kh, s_kt, T, C, scale, HKV, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+            s_kb, s_kh, s_kt, s_lb, T, C, scale, HKV, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
             D_PAD: tl.constexpr, PB: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, C_PAD: tl.constexpr,
             W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP_MAX: tl.constexpr,
             UPDATE: tl.constexpr, P: tl.constexpr):
@@ -132,7 +139,7 @@ def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, s_qb, s_q
     b = row // HKV
     h = row % HKV
     if UPDATE and part == 0:  # the new token's page first; parts that read its bounds meanwhile rank it recent anyway
-        _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, T, P, D, D_PAD)
+        _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, P, D, D_PAD)
     for off in range(0, SPAN, PB):
         entry = part * SPAN + off + tl.arange(0, PB)
         pages = tl.load(CAND + b * s_cb + h * s_ch + entry, mask=entry < C, other=-1)
@@ -196,7 +203,8 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     _refine[(b * hkv, parts)](
         query, kmin, kmax, candidates, scratch, arrival_counters(query.device, b * hkv), out, key, first, last,
         query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), candidates.stride(0),
-        candidates.stride(1), key.stride(0), key.stride(1), key.stride(2), key.shape[2], c, float(scale), hkv, G=g,
+        candidates.stride(1), key.stride(0), key.stride(1), key.stride(2), row_stride(last) if fused else 0,
+        key.shape[2], c, float(scale), hkv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), PB=pb, SPAN=span,
         PARTS=parts, C_PAD=c_pad, W=w, W_PAD=triton.next_power_of_2(w), RECENT=recent_pages, BITS=2,
         GROUP_MAX=group == "max", UPDATE=fused, P=page_size, num_warps=8 if c_pad > 512 else 4,
