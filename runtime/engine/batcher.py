@@ -10,9 +10,9 @@ free rows (each prefilled alone into its row's memory, :meth:`StaticCache.row`),
 run (one sync), hands them to their requests, cuts rows at stop strings and frees the rows that finished.
 
 A policy's step runs on such rows when it keeps nothing across steps that assumes one length for all rows
-(``row_lengths`` on its step: full, delta, lychee, quest; quest's and refining delta's page bounds follow each
-row's own slots and are rebuilt when a row takes a new request, :meth:`StaticDecoder.row_filled`); the scheduler
-refuses the others (vattention, lethe) in one line.
+(``row_lengths`` on its step: full, delta, lychee, quest, vattention; quest's and refining delta's page bounds
+follow each row's own slots and are rebuilt when a row takes a new request, :meth:`StaticDecoder.row_filled`);
+the scheduler refuses the others (lethe) in one line.
 """
 
 from __future__ import annotations

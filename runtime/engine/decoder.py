@@ -67,7 +67,7 @@ def rows_refusal(step: Any) -> str | None:
     the step declares ``row_lengths`` when it keeps nothing across steps that assumes one length for all rows."""
     if getattr(step, "row_lengths", False):
         return None
-    return ("its engine step keeps state that assumes one length for all rows (served: full, delta, lychee, quest)")
+    return ("its engine step keeps state that assumes one length for all rows (served: full, delta, lychee, quest, vattention)")
 
 
 class StaticDecoder:

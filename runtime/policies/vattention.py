@@ -42,13 +42,18 @@ ABSENT = 1 << 40  # sorts after every slot
 
 
 def token_uniforms(seed: int, stream: int, tokens: torch.Tensor | int, layer: int, shape: tuple[int, int, int],
-                   device: Any) -> torch.Tensor:
+                   device: Any, row_keys: bool = True) -> torch.Tensor:
     """Uniforms in (0, 1) ``[B, Hkv, M]`` from a hash of (seed, stream, tokens so far, layer, row, KV head,
-    draw); ``tokens`` and ``layer`` may be device scalars (the engine's length; a compiled step's layer)."""
+    draw); ``tokens`` and ``layer`` may be device scalars (the engine's length; a compiled step's layer), and
+    ``tokens`` ``[B]``, each row's own (the scheduler's rows). Without ``row_keys`` every row hashes as row 0:
+    each of the scheduler's rows is a request of its own and draws what it would draw alone."""
     b, hkv, m = shape
-    h = mix32((torch.as_tensor(tokens, device=device).long() * 0x2545F491 + seed) & M32)
+    tokens = torch.as_tensor(tokens, device=device).long()
+    h = mix32((tokens.view(-1, 1, 1) if tokens.dim() else tokens) * 0x2545F491 + seed & M32)
     h = mix32(h ^ ((torch.as_tensor(layer, device=device).long() * 0x9E3779B + stream * 0x632BE5AB) & M32))
-    h = mix32(h ^ (torch.arange(b, device=device, dtype=torch.long)[:, None, None] * 0x27D4EB2F & M32))
+    rows = torch.arange(b, device=device, dtype=torch.long) if row_keys else torch.zeros(b, device=device,
+                                                                                          dtype=torch.long)
+    h = mix32(h ^ (rows[:, None, None] * 0x27D4EB2F & M32))
     h = mix32(h ^ (torch.arange(hkv, device=device, dtype=torch.long)[None, :, None] * 0x165667B1 & M32))
     h = mix32(h ^ torch.arange(m, device=device, dtype=torch.long)[None, None, :])
     return (h.double() + 0.5) / 4294967296.0
@@ -59,7 +64,7 @@ def heavy_hitters(scores: torch.Tensor, first: torch.Tensor, last: torch.Tensor 
     """``scores [B, H, T]`` → ``[B, H, min(heavy, T)]`` the slots of highest score among the valid ones
     (``first[b]..last``) outside the sinks and the window, -1 where there are fewer."""
     slot = torch.arange(scores.shape[-1], device=scores.device)
-    outside = (slot >= first[:, None, None] + sinks) & (slot <= last - window)
+    outside = (slot >= first[:, None, None] + sinks) & (slot <= per_row(last, 2) - window)
     ranked = scores.masked_fill(~outside, float("-inf")).topk(min(heavy, scores.shape[-1]), dim=-1)
     return torch.where(ranked.values > float("-inf"), ranked.indices, -1)
 
@@ -71,10 +76,18 @@ def fixed_slots(first: torch.Tensor, last: torch.Tensor | int, sinks: int, windo
     b, hkv = heavy.shape[:2]
     device = first.device
     head = first[:, None] + torch.arange(sinks, device=device)  # [B, S]
-    head = torch.where(head <= last, head, -1)
-    tail = (last - window + 1 + torch.arange(window, device=device))[None, :].expand(b, window)
+    head = torch.where(head <= per_row(last, 1), head, -1)
+    tail = (per_row(last, 1) - window + 1 + torch.arange(window, device=device)).expand(b, window)
     tail = torch.where(tail >= first[:, None] + sinks, tail, -1)  # not a sink, not before the first valid slot
     return torch.cat([head[:, None].expand(b, hkv, sinks), tail[:, None].expand(b, hkv, window), heavy], -1)
+
+
+def per_row(last: torch.Tensor | int, dims: int) -> torch.Tensor | int:
+    """``last`` (one slot for all rows, or ``[B]``: each row's own) shaped to broadcast over ``dims`` more
+    trailing dimensions of a ``[B, ...]`` tensor."""
+    if isinstance(last, torch.Tensor) and last.dim():
+        return last.view(-1, *([1] * dims))
+    return last
 
 
 def free_before(fixed: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -164,19 +177,20 @@ class VAttention:
         return self.sampled_plan(fixed, first, n_r, size, int(size.max()) if size.numel() else 0, t, step.layer)
 
     def pilot_slots(self, n_r: torch.Tensor, fixed: torch.Tensor, first: torch.Tensor, tokens: Any,
-                    layer: Any, free: torch.Tensor | None = None) -> torch.Tensor:
+                    layer: Any, free: torch.Tensor | None = None, row_keys: bool = True) -> torch.Tensor:
         """``[B, Hkv, pilot]`` slots drawn uniformly from the residual (slot ``first`` where it is empty)."""
-        u = token_uniforms(self.seed, PILOT, tokens, layer, (*n_r.shape, self.pilot), n_r.device)
+        u = token_uniforms(self.seed, PILOT, tokens, layer, (*n_r.shape, self.pilot), n_r.device, row_keys)
         ranks = (u * n_r[..., None]).long().minimum((n_r - 1).clamp_min(0)[..., None])
         return residual_slots(ranks, fixed, first, free).where(n_r[..., None] > 0, first[:, None, None])
 
     def sampled_plan(self, fixed: torch.Tensor, first: torch.Tensor, n_r: torch.Tensor, size: torch.Tensor,
-                     width: int, tokens: Any, layer: Any, free: torch.Tensor | None = None) -> Plan:
+                     width: int, tokens: Any, layer: Any, free: torch.Tensor | None = None,
+                     row_keys: bool = True) -> Plan:
         """The deterministic set at weight 1, then ``size`` draws (in ``width`` places) at weight ``n_r / size``;
         where ``size`` is ``n_r`` the remaining slots in order, each once."""
         if width == 0:
             return Plan(indices=fixed, info={"sampled": 0})
-        u = token_uniforms(self.seed, SAMPLE, tokens, layer, (*n_r.shape, width), n_r.device)
+        u = token_uniforms(self.seed, SAMPLE, tokens, layer, (*n_r.shape, width), n_r.device, row_keys)
         place = torch.arange(width, device=u.device)
         whole = (size >= n_r)[..., None]
         ranks = torch.where(whole, place, (u * n_r[..., None]).long()).minimum((n_r - 1).clamp_min(0)[..., None])
@@ -235,10 +249,16 @@ class VAttentionStep:
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
     block_sizes: ClassVar[tuple[int, ...]] = (1,)
+    # rows of their own lengths (the scheduler's): each row draws keyed by its own length, as a request alone
+    row_lengths: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._layer_ids: dict[Any, torch.Tensor] = {}
         self._compiled: Any = None
+        self.row_keys = True  # a batch's rows draw apart; the scheduler's rows each as a request alone
+
+    def prepare(self, dec: Any) -> None:
+        self.row_keys = not dec.cache.row_lengths
 
     def reads(self, shape: Any, context: int) -> float:
         """Mean tokens read per (layer, KV head): every key where a layer ranks by its own scores, then the
@@ -289,11 +309,11 @@ class VAttentionStep:
         g = q.shape[1] // hkv
         n_r = (last - first + 1)[:, None] - (fixed >= 0).sum(-1)  # [B, Hkv]
         tokens = last + 1
-        pilot = p.pilot_slots(n_r, fixed, first, tokens, layer, free)  # [B, Hkv, p]
+        pilot = p.pilot_slots(n_r, fixed, first, tokens, layer, free, self.row_keys)  # [B, Hkv, p]
         index = pilot[..., None].expand(*pilot.shape, d)
         keys, values = k.gather(2, index).float(), v.gather(2, index).float()  # [B, Hkv, p, D]
         # a product and a sum, not a matmul: exact float32 (no TF32) for the few pilot keys
         logits = (q.float().view(b, hkv, g, 1, d) * keys[:, :, None]).sum(-1) * scale  # [B, Hkv, G, p]
         size = p._sample_size(logits - lse.view(b, hkv, g)[..., None], values, out.float().view(b, hkv, g, d), n_r)
-        plan = p.sampled_plan(fixed, first, n_r, size, min(t, p.max_sample), tokens, layer, free)
+        plan = p.sampled_plan(fixed, first, n_r, size, min(t, p.max_sample), tokens, layer, free, self.row_keys)
         return plan.indices, plan.log_weights

@@ -17,7 +17,7 @@ from tests.tiny import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SERVED = ["full", "delta", "delta-per-head", "delta-refine", "lychee", "quest"]
+SERVED = ["full", "delta", "delta-per-head", "delta-refine", "lychee", "quest", "vattention", "vattention-delta"]
 
 
 class Collector:
@@ -183,7 +183,7 @@ def test_drain_finishes_what_runs_and_refuses_what_comes():
         sched.submit(Request([3], 2), got.emit(1))
 
 
-@pytest.mark.parametrize("policy", ["lethe", "vattention"])
+@pytest.mark.parametrize("policy", ["lethe"])
 def test_policies_that_cannot_serve_rows_are_refused_in_one_line(policy):
     model, weights, pol = served(policy)
     with pytest.raises(NotImplementedError, match=f"policy '{policy}' cannot serve yet") as err:
@@ -191,7 +191,7 @@ def test_policies_that_cannot_serve_rows_are_refused_in_one_line(policy):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("policy", ["full", "delta", "lychee", "quest"])
+@pytest.mark.parametrize("policy", ["full", "delta", "lychee", "quest", "vattention"])
 def test_rows_of_their_own_lengths_in_the_triton_kernels(policy, monkeypatch):
     """The GPU kernels (in Triton's interpreter) read each row up to its own length, the dense calls in programs of
     ``ROWS_CHUNK`` tokens (64 here, so rows span several programs and a short row's later ones read nothing):
