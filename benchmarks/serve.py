@@ -123,7 +123,8 @@ def shipped_manifest(model: str, policy: str) -> Path | None:
 
 
 def random_weights(args: argparse.Namespace) -> bool:
-    return args.model is None or args.model.endswith("config.json")
+    """A shape, a bare ``config.json`` or ``--random-weights`` (an alias's bundled config): random weights."""
+    return args.model is None or args.model.endswith("config.json") or args.random_weights
 
 
 # -- the model and its manifests -----------------------------------------------------------------------------------
@@ -155,8 +156,9 @@ def prepare(args: argparse.Namespace, folder: Path) -> Target:
     else:
         config = load_config(args.model)
         shape = ModelShape.from_config(config)
-        model = str(Path(args.model).resolve()) if random else args.model
-        name = (Path(args.model).parent.name if random else Path(args.model).name) or "model"
+        bare = args.model.endswith("config.json")
+        model = str(Path(args.model).resolve()) if bare else args.model
+        name = (Path(args.model).parent.name if bare else Path(args.model).name) or "model"
     manifests: dict[str, str | None] = {"full": None}
     identity = ModelIdentity(shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
     if "delta" in args.policies:
@@ -369,6 +371,8 @@ def build_parser() -> Parser:
                    help="a DeepSeek-R1-Distill-Qwen shape with random weights (default 7b unless --model)")
     p.add_argument("--model", default=None, help="a model the server loads (alias, Hugging Face id, folder), or a "
                    "config.json to serve with random weights")
+    p.add_argument("--random-weights", action="store_true", help="--model NAME's config with random weights (an "
+                   "alias's config is bundled: --model qwen-14b --random-weights runs offline)")
     p.add_argument("--manifest-delta", default=None, help="--model: delta's manifest (default: the shipped "
                    "artifacts/<name>/<name>.delta.safetensors)")
     p.add_argument("--manifest-lychee", default=None, help="--model: lychee's manifest (default: the shipped "
@@ -461,13 +465,15 @@ def _check_model(p: Parser, args: argparse.Namespace) -> None:
     """A shape (random weights) or a model, and the manifests the model's sparse policies read."""
     if args.model is not None and args.shape is not None:
         p.error(f"--shape {args.shape} and --model {args.model}: give one (a shape is served with random weights)")
+    if args.random_weights and args.model is None:
+        p.error("--random-weights goes with --model NAME (a --shape is served with random weights already)")
     args.shape = args.shape or (None if args.model else "7b")
     if random_weights(args):
         for policy in ("delta", "lychee"):
             if getattr(args, f"manifest_{policy}"):
                 p.error(f"--manifest-{policy} goes with --model NAME; with random weights the manifests are made "
                         "for the shape")
-        if args.model is not None and not Path(args.model).is_file():
+        if args.model is not None and args.model.endswith("config.json") and not Path(args.model).is_file():
             p.error(f"--model {args.model}: no such file")
     else:
         for policy in ("delta", "lychee"):

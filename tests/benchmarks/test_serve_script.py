@@ -73,6 +73,7 @@ def tiny(tmp_path):
     ([*BASE, "--manifest-delta", "d.safetensors"], "--manifest-delta goes with --model NAME; with random weights the "
                                                    "manifests are made for the shape"),
     ([*BASE, "--model", "nowhere/config.json"], "--model nowhere/config.json: no such file"),
+    ([*BASE, "--random-weights"], "--random-weights goes with --model NAME"),
     ([*BASE, "--model", "someone/model", "--policies", "full,delta"],
      "--policies delta with --model someone/model needs --manifest-delta FILE (this checkout ships no "
      "artifacts/model/model.delta.safetensors)"),
@@ -317,6 +318,20 @@ def test_the_byte_bound_is_the_weights_and_what_each_policy_reads_at_7b(serve, t
         "serve", "--model", target.model, "--policy", "delta", "--host", "127.0.0.1", "--port", "1234", "--slots",
         "64", "--max-context", "32768", "--device", "cpu", "--dtype", "float32", "--random-weights", "--manifest",
         target.manifests["delta"], "-p", "budget=2048", "-p", "page_size=16", "-p", "recent_pages=8"]
+
+
+def test_an_alias_with_random_weights_is_served_from_its_bundled_config(serve, tmp_path):
+    args = serve.parse_args(["--model", "qwen-14b", "--random-weights", "--concurrency", "32", "--duration", "300",
+                             "--device", "cpu", "--policies", "full,delta"])
+    target = serve.prepare(args, tmp_path)
+    assert target.random and target.name == "qwen-14b" and target.model == "qwen-14b"
+    assert (target.shape.layers, target.shape.kv_heads, target.shape.hidden) == (48, 8, 5120)
+    from rolecall.core.manifest import RoleManifest
+
+    delta = RoleManifest.load(target.manifests["delta"])  # made for the shape, as benchmarks/decode.py makes it
+    assert delta.model.num_layers == 48 and len(delta.layer_role) == 48 and delta.delta_layers == [2, 14, 22]
+    cmd = serve.server_command(args, target, "full", 1234)
+    assert cmd[cmd.index("--model"):cmd.index("--model") + 2] == ["--model", "qwen-14b"] and "--random-weights" in cmd
 
 
 # -- a server that does not come up --------------------------------------------------------------------------------
