@@ -16,6 +16,7 @@ named in the table and the JSON (``--out``, default ``benchmarks/results/plan_fi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import threading
@@ -57,6 +58,7 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     if plan.refusal():
         return {**row, "refused": plan.refusal()}
     slots = min(SLOTS["cuda"], plan.max_concurrency)
+    gc.collect()  # the last model's scheduler (a reference cycle through its thread) and its cache, gone
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -89,7 +91,7 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     return {**row, "slots": slots, "requests": args.requests, "failed": len(failed), "errors": failed[:3],
             "seconds": seconds, "weight_bytes": held_weights, "kv_bytes": kv, "peak_reserved_bytes": peak,
             "activation_bytes": activation, "fits": peak <= plan.utilization * size,
-            "device": name, "device_bytes": size}
+            "held_before_bytes": base, "device": name, "device_bytes": size}
 
 
 def print_row(r: dict[str, Any]) -> None:
@@ -125,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     for alias in args.models.split(","):
         rows.append(measure(alias, args))
         print_row(rows[-1])
-        torch.cuda.empty_cache()
     out = Path(args.out or f"benchmarks/results/plan_fit_{gpu.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": gpu, "settings": {k: v for k, v in vars(args).items() if k != "out"},

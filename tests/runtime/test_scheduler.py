@@ -244,6 +244,26 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
         assert_same_up_to_a_tie(got.tokens[i], alone, i, **({"rank": 5, "gap": 1.0} if policy == "delta" else {}))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["full", "quest", "delta-refine", "vattention", "vattention-delta"])
+def test_policies_with_per_row_state_serve_as_alone_on_gpu(policy):
+    """The tiny model on the GPU (Triton kernels, CUDA graphs): the policies whose step keeps per-row state (page
+    bounds, draws keyed by a row's length) give each of ten interleaved requests the tokens it gets when it runs
+    alone through a scheduler of as many rows (the same kernels' launches, so a near-tie rounds alike): a row that
+    read another row's or an old request's state would differ."""
+    model, _, pol = served(policy)
+    weights = Weights.from_model(model.to("cuda"), positions=512)
+    requests = random_requests(11, 10)
+    got = serve_all(weights, pol, requests, slots=3, check_every=3, min_context=0)[0]
+    alone = Collector()
+    with Scheduler(weights, pol, slots=3, check_every=3, min_context=0) as sched:
+        for i, r in enumerate(requests):
+            sched.submit(r, alone.emit(i))
+            alone.wait(1)
+    for i in range(len(requests)):
+        assert got.tokens[i] == alone.tokens[i], (policy, i)
+
+
 def assert_same_up_to_a_tie(tokens: list[int], alone, i: int, rank: int = 2, gap: float = 5e-3) -> None:
     """``tokens`` are ``alone``'s greedy tokens, or part from them once, at a step where ``tokens`` took one of
     alone's ``rank`` best tokens whose logit lies within ``gap`` of the best. On the GPU the kernels' launch (the
