@@ -26,6 +26,8 @@ from rolecall.cli.command import Parser
 def run_load(scheduler: Any, requests: int, prompt: int, new: int) -> None:
     from rolecall.runtime.engine.scheduler import Request
 
+    if requests == 0:
+        return
     done, lock, count = threading.Event(), threading.Lock(), [0]
 
     def emit(event: Any) -> None:
@@ -57,13 +59,9 @@ def step_ms(weights: Any, policy: Any, context: int, args: Any) -> dict[str, Any
             "kv_bytes": after["kv_bytes"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from benchmarks.report import host_cpu
-    from rolecall.core.models import load_model
-    from rolecall.runtime.engine import Weights
-    from rolecall.runtime.session import bound_policy
-
-    p = Parser(prog="python -m benchmarks.cpu_step", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> Any:
+    """The flags, checked (a usage error in one line before any work)."""
+    p = Parser(prog="cpu_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--contexts", default="512,8192", help="comma-separated --max-context values")
     p.add_argument("--slots", type=int, default=10)
@@ -73,7 +71,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    contexts = p.counts(args.contexts, "--contexts", "token counts", low=64)
+    args.contexts = p.counts(args.contexts, "--contexts", "token counts", low=64)
+    for flag in ("slots", "requests", "prompt_tokens", "new_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.prompt_tokens + args.new_tokens > min(args.contexts):
+        p.error(f"--prompt-tokens + --new-tokens ({args.prompt_tokens + args.new_tokens}) must fit the smallest "
+                f"context ({min(args.contexts)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.report import host_cpu
+    from rolecall.core.models import load_model
+    from rolecall.runtime.engine import Weights
+    from rolecall.runtime.session import bound_policy
+
+    args = parse_args(argv)
+    contexts = args.contexts
     model = load_model(args.model, dtype=torch.float32)
     weights = Weights.from_model(model, positions=max(contexts))
     policy = bound_policy("full", None, model.config)

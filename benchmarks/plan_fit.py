@@ -106,19 +106,32 @@ def print_row(r: dict[str, Any]) -> None:
           f"{r['peak_reserved_bytes'] / GIB:>7.2f} {str(r['fits']):>5}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.plan_fit", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (a usage error in one line before any work)."""
+    from rolecall.core.models import list_aliases
+
+    p = Parser(prog="plan_fit.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen-14b,qwen-7b", help="comma-separated aliases")
     p.add_argument("--max-context", type=int, default=None, help="tokens a request may hold [the model's context]")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--prompt-tokens", default="1024:8192")
-    p.add_argument("--output-tokens", default="64:256")
+    p.add_argument("--prompt-tokens", default="1024:8192", help="N, or LOW:HIGH drawn uniformly")
+    p.add_argument("--output-tokens", default="64:256", help="N, or LOW:HIGH drawn uniformly")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    p.names(args.models, "--models", list_aliases())
+    if args.requests < 1:
+        p.error(f"--requests must be at least 1, got {args.requests}")
+    for flag in ("prompt_tokens", "output_tokens"):
+        p.counts(getattr(args, flag).replace(":", ","), f"--{flag.replace('_', '-')}", "token counts")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
+        raise SystemExit("plan_fit.py: error: needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}; plan/measured in GiB")
     print(f"{'model':<10} {'context':>8} {'slots':>5} {'done':>9} {'weights':>13} {'activation':>13} {'KV':>13} "

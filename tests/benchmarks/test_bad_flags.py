@@ -1,4 +1,4 @@
-"""benchmarks/calibrate.py, multi_gpu.py, train_step.py, memory.py and serve_overlap.py refuse bad counts, lengths
+"""benchmarks/calibrate.py, multi_gpu.py, train_step.py, memory.py, serve_overlap.py, plan_fit.py and cpu_step.py refuse bad counts, lengths
 and parts in one line (exit status 2, the flag, its limit and the value given) before any model is built, command
 launched or file written."""
 
@@ -14,7 +14,8 @@ def too_low(script: str, flag: str, value: str, low: int, why: str = "") -> tupl
 
 
 WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_step": ("build_model",),
-        "memory": ("measure",), "serve_overlap": ("measure",)}
+        "memory": ("measure",), "serve_overlap": ("measure",), "plan_fit": ("measure",),
+        "cpu_step": ("step_ms", "run_load")}
 
 
 @pytest.mark.parametrize("script, flags, says", [
@@ -58,6 +59,13 @@ WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_
                                                      "got 'delta,quest'"),
     ("serve_overlap", ["--policies", ","], "--policies takes comma-separated names of full, delta, lychee, got ','"),
     ("serve_overlap", ["--prompt", "0"], "--prompt must be 1 to 32767 (the prefill's decoder holds 32768 slots), got 0"),
+    ("plan_fit", ["--models", "qwen-14b,qwen-99b"], "--models: unknown qwen-99b; known: "),
+    too_low("plan_fit", "--requests", "0", 1),
+    ("plan_fit", ["--prompt-tokens", "0:8"], "--prompt-tokens takes comma-separated token counts of at least 1 each"),
+    ("cpu_step", ["--contexts", "512,32"], "--contexts takes comma-separated token counts of at least 64 each"),
+    too_low("cpu_step", "--slots", "0", 1),
+    ("cpu_step", ["--contexts", "64", "--prompt-tokens", "40", "--new-tokens", "30"],
+     "--prompt-tokens + --new-tokens (70) must fit the smallest context (64)"),
     ("serve_overlap", ["--prompt", "32768"],
      "--prompt must be 1 to 32767 (the prefill's decoder holds 32768 slots), got 32768"),
 ])
