@@ -18,22 +18,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from benchmarks.load import Lengths
 from rolecall.cli.command import Parser
 
 GIB = 2 ** 30
-
-
-def lengths(spec: str, n: int, rng: random.Random) -> list[int]:
-    low, _, high = spec.partition(":")
-    return [rng.randint(int(low), int(high or low)) for _ in range(n)]
 
 
 def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -64,9 +60,9 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     base = torch.cuda.memory_allocated()
     weights = Weights.random(ModelShape.from_config(config), "cuda", torch.bfloat16, positions=context)
     held_weights = torch.cuda.memory_allocated() - base
-    rng = random.Random(args.seed)
-    prompts = lengths(args.prompt_tokens, args.requests, rng)
-    answers = lengths(args.output_tokens, args.requests, rng)
+    rng = np.random.default_rng(args.seed)
+    prompts = [args.prompt_tokens.draw(rng) for _ in range(args.requests)]
+    answers = [args.output_tokens.draw(rng) for _ in range(args.requests)]
     done, failed, lock, finished = threading.Event(), [], threading.Lock(), []
     start = time.perf_counter()
     with Scheduler(weights, policy, slots=slots, max_context=context, eos_token_id=None) as scheduler:
@@ -81,7 +77,7 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
                     done.set()
 
         for p, a in zip(prompts, answers):
-            ids = [rng.randrange(100, 30000) for _ in range(p)]
+            ids = rng.integers(100, 30000, size=p).tolist()
             scheduler.submit(Request(tuple(ids), max_new_tokens=a, ignore_eos=True), emit)
         done.wait()
         kv = scheduler.stats()["kv_bytes"]
@@ -123,8 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.names(args.models, "--models", list_aliases())
     if args.requests < 1:
         p.error(f"--requests must be at least 1, got {args.requests}")
-    for flag in ("prompt_tokens", "output_tokens"):
-        p.counts(getattr(args, flag).replace(":", ","), f"--{flag.replace('_', '-')}", "token counts")
+    try:
+        args.prompt_tokens = Lengths.parse(args.prompt_tokens, "--prompt-tokens")
+        args.output_tokens = Lengths.parse(args.output_tokens, "--output-tokens")
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -142,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         print_row(rows[-1])
     out = Path(args.out or f"benchmarks/results/plan_fit_{gpu.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": gpu, "settings": {k: v for k, v in vars(args).items() if k != "out"},
+    settings = {k: (str(v) if isinstance(v, Lengths) else v) for k, v in vars(args).items() if k != "out"}
+    out.write_text(json.dumps({"gpu": gpu, "settings": settings,
                                "rows": rows}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")
     return 0

@@ -90,13 +90,13 @@ from rolecall.cli import Parser
 from rolecall.core.atomic import write_text
 from rolecall.core.manifest import ModelIdentity, RoleManifest
 from rolecall.runtime.engine import SHAPES, ModelShape
+from rolecall.runtime.memory import ELEMENT_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 POLICIES = ("full", "delta", "lychee")
 HOST = "127.0.0.1"
 PROG = Path(__file__).name
-ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 SHIPPED = {"delta": "{name}/{name}.delta.safetensors", "lychee": "{name}/heads-hardkuma.safetensors"}  # artifacts/
 
 
@@ -303,7 +303,7 @@ def byte_bound(args: argparse.Namespace, target: Target, policy: str, run: Run, 
     """The live batch's byte bound at one tick a second in ``window``: its median over ticks with a live batch, the
     mean live batch, and the bound over the ``steady`` TPOT."""
     batches = [b for b in live_batches(run.records, run.wall, window) if b]
-    element, bandwidth = ELEMENT[args.dtype], args.bandwidth_tbs * 1e12
+    element, bandwidth = ELEMENT_BYTES[args.dtype], args.bandwidth_tbs * 1e12
     bounds = [bound_ms(target.shape, target.steps[policy], b, element, bandwidth) for b in batches]
     tpot = percentile(bounds, 50)
     contexts = [c for b in batches for c in b]
@@ -397,7 +397,7 @@ def build_parser() -> Parser:
                    help="the server's tokens per row (default: the longest prompt and output)")
     p.add_argument("--warmup", type=int, default=2, help="short requests sent before each load, not counted")
     p.add_argument("--device", default=None, help="the server's: cuda or cpu (default cuda when there is one)")
-    p.add_argument("--dtype", default=None, choices=tuple(ELEMENT),
+    p.add_argument("--dtype", default=None, choices=tuple(ELEMENT_BYTES),
                    help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="memory bandwidth the byte bound is taken over, TB/s (default: a device-to-device copy measured "

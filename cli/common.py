@@ -221,6 +221,11 @@ def check_device_map(args: argparse.Namespace, prog: str) -> None:
     check_placement(prog, args.device_map, None)
 
 
+def chosen_dtype(args: argparse.Namespace, device: str) -> str:
+    """``--dtype``, else bfloat16 on a GPU and float32 on the CPU."""
+    return args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
+
 def load_placed(args: argparse.Namespace):
     """The model in ``--dtype`` (bf16 on a GPU, else fp32), on ``--device`` (default cuda when there is one) or
     where ``--device-map`` puts it; ``--rope-theta`` where the command has it."""
@@ -229,7 +234,7 @@ def load_placed(args: argparse.Namespace):
     from rolecall.core.models import load_model
 
     device = chosen_device(args)
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = chosen_dtype(args, device)
     model = load_model(args.model, dtype=getattr(torch, dtype), trust_remote_code=args.trust_remote_code,
                        rope_theta=getattr(args, "rope_theta", None), device_map=args.device_map)
     return model if args.device_map else model.to(device)

@@ -12,9 +12,9 @@ import sys
 from typing import Any
 
 from rolecall.cli.common import add_manifest, add_model, policy_inputs
+from rolecall.runtime.memory import ELEMENT_BYTES
 
 H100_GIB = 79.2  # what torch reports of an 80 GB H100: the default device when this machine has no GPU
-ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def add_memory(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "request [the model's context]")
     parser.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G", help="the device's memory in GiB "
                         f"[this machine's GPU; else {H100_GIB}, an 80 GB H100]")
-    parser.add_argument("--dtype", default="bfloat16", choices=tuple(ELEMENT), help="weights and KV dtype (default "
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(ELEMENT_BYTES), help="weights and KV dtype (default "
                         "bfloat16)")
     parser.add_argument("--slots", type=int, default=1, metavar="N", help="rows decoded together (their logits count "
                         "in the activations; default 1)")
@@ -69,16 +69,15 @@ def plan_for(args: argparse.Namespace, config: Any, policy: Any, *, context: int
 
     shape = ModelShape.from_config(config)
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * GIB)
-    return plan_memory(shape, max_context=context, element=ELEMENT[dtype], device_bytes=device_bytes,
+    return plan_memory(shape, max_context=context, element=ELEMENT_BYTES[dtype], device_bytes=device_bytes,
                        cuda=device != "cpu", held=tokens_held(policy, shape.layers, context),
                        utilization=args.gpu_memory_utilization, kv_cache_bytes=kv, rows=rows, chunk=chunk_for(1),
-                       model=args.model, policy=getattr(policy, "name", str(args.policy)), device=device, dtype=dtype)
+                       model=args.model, policy=policy.name, device=device, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     from rolecall.cli.serve import context_of
     from rolecall.core.models import load_config
-    from rolecall.runtime.memory import GIB
     from rolecall.runtime.session import bound_policy
 
     check_memory_flags(args)
@@ -94,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     context = context_of(args, config)
     device, device_bytes = local_device(args)
     plan = plan_for(args, config, policy, context=context, dtype=args.dtype, device=device,
-                    device_bytes=device_bytes or int(args.gpu_memory_gib * GIB), rows=args.slots)
+                    device_bytes=device_bytes, rows=args.slots)
     if args.json:
         print(json.dumps(plan.as_json(), sort_keys=True))
     else:
@@ -107,16 +106,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def local_device(args: argparse.Namespace) -> tuple[str, int]:
-    """The device to plan for: ``--gpu-memory-gib`` (bytes 0: the caller converts), else this machine's first GPU,
-    else an 80 GB H100 as torch reports it."""
+    """The device to plan for, named, and its bytes: ``--gpu-memory-gib``, else this machine's first GPU, else an
+    80 GB H100 as torch reports it."""
+    from rolecall.runtime.memory import GIB
+
     if args.gpu_memory_gib is not None:
-        return f"a device of {args.gpu_memory_gib:g} GiB", 0
+        return f"a device of {args.gpu_memory_gib:g} GiB", int(args.gpu_memory_gib * GIB)
     import torch
 
     if torch.cuda.is_available():
         from rolecall.runtime.memory import device_memory
 
         size, name = device_memory("cuda")
-        return f"{name} ({size / 2**30:.1f} GiB)", size
-    args.gpu_memory_gib = H100_GIB
-    return f"an 80 GB H100 ({H100_GIB} GiB; --gpu-memory-gib to change)", 0
+        return f"{name} ({size / GIB:.1f} GiB)", size
+    return f"an 80 GB H100 ({H100_GIB} GiB; --gpu-memory-gib to change)", int(H100_GIB * GIB)

@@ -17,6 +17,7 @@ from rolecall.cli.common import (
     add_common,
     add_long_context,
     chosen_device,
+    chosen_dtype,
     load_placed,
     policy_inputs,
 )
@@ -120,7 +121,7 @@ def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: st
 
     wanted = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
     size, name = device_memory(device)
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = chosen_dtype(args, device)
     where = device if name == device else f"{device} ({name})"
     plan = plan_for(args, config, policy, context=context, dtype=dtype, device=where, device_bytes=size, rows=wanted)
     why = plan.refusal()
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"rolecall serve: plan: {line}", file=sys.stderr)
         tokenizer = tokenizer_of(args)
         if args.random_weights:
-            dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+            dtype = getattr(torch, chosen_dtype(args, device))
             weights = Weights.random(ModelShape.from_config(config), device, dtype, positions=context)
             eos = eos_ids(config, tokenizer)
         else:

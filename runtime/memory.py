@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the plan needs no torch: `rolecall plan --help` and the fla
     from rolecall.runtime.engine.shape import ModelShape
 
 PAGE_TOKENS = 16  # tokens of a KV page: the page DELTA and Quest select
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes of a weight or KV element, by --dtype
 GIB = 2 ** 30
 CUDA_OVERHEAD = GIB  # the CUDA context, cuBLAS workspaces and captured graphs, outside the activation estimate
 DEFAULT_UTILIZATION = 0.9
@@ -196,5 +197,5 @@ def device_memory(device: str) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "cpu"
 
 
-__all__ = ["PAGE_TOKENS", "MemoryPlan", "activation_bytes", "check_fraction", "check_gib", "device_memory",
+__all__ = ["ELEMENT_BYTES", "PAGE_TOKENS", "MemoryPlan", "activation_bytes", "check_fraction", "check_gib", "device_memory",
            "held_weight_bytes", "layer_pages", "pages", "plan_memory", "window_pages"]

@@ -177,17 +177,12 @@ class PageMeta:
 
     def after_fill(self, dec: Any) -> None:
         """The bounds of the filled pages; the pages after them empty again (a reused decoder's last request
-        filled them). Rows of their own lengths (the scheduler's) each bound their own slots only: a row's slots
-        past its length hold a previous request's keys."""
+        filled them). Rows of their own lengths (the scheduler's) are bounded up to the longest: a shorter row's
+        pages past its new token's are never scored (:meth:`DecodeAttention.select` ranks a row's pages up to its
+        own), and the page of its new token is recomputed from its valid slots before it is (``update``)."""
         c, p = dec.cache, self.page_size
-        ids = torch.arange(c.slots, device=c.length.device)[None, :]
-        if c.row_lengths:
-            keep = (ids >= c.pads[:, None]) & (ids < c.length[:, None])  # [B, slots]
-            length = int(keep.any(0).nonzero().max()) + 1 if keep.any() else 0
-            keep = keep[:, :length]
-        else:
-            length = dec.position
-            keep = ids[:, :length] >= c.pads[:, None]  # [B, T]
+        length = int(c.length.max()) if c.row_lengths else dec.position
+        keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[:, None]  # [B, T]
         for i in self.kmin:
             lo, hi = page_minmax(c.k[i][:, :, :length], keep, p)
             n = lo.shape[2]

@@ -61,7 +61,7 @@ WORK = {"calibrate": ("build",), "multi_gpu": ("launch", "traces_file"), "train_
     ("serve_overlap", ["--prompt", "0"], "--prompt must be 1 to 32767 (the prefill's decoder holds 32768 slots), got 0"),
     ("plan_fit", ["--models", "qwen-14b,qwen-99b"], "--models: unknown qwen-99b; known: "),
     too_low("plan_fit", "--requests", "0", 1),
-    ("plan_fit", ["--prompt-tokens", "0:8"], "--prompt-tokens takes comma-separated token counts of at least 1 each"),
+    ("plan_fit", ["--prompt-tokens", "0:8"], "--prompt-tokens takes token counts of at least 1, got '0:8'"),
     ("cpu_step", ["--contexts", "512,32"], "--contexts takes comma-separated token counts of at least 64 each"),
     too_low("cpu_step", "--slots", "0", 1),
     ("cpu_step", ["--contexts", "64", "--prompt-tokens", "40", "--new-tokens", "30"],
