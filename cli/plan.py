@@ -59,9 +59,11 @@ def check_memory_flags(args: argparse.Namespace) -> None:
 
 
 def plan_for(args: argparse.Namespace, config: Any, policy: Any, *, context: int, dtype: str, device: str,
-             device_bytes: int, rows: int) -> Any:
+             device_bytes: int, rows: int, whole_rows: bool = False) -> Any:
     """The :class:`~rolecall.runtime.memory.MemoryPlan` of serving ``config`` with a bound ``policy`` at
-    ``context`` tokens a request, from the memory flags in ``args``."""
+    ``context`` tokens a request, from the memory flags in ``args``. ``whole_rows``: every row holds its whole
+    context in every layer, whatever the policy evicts (the served engine's rows: an evicting policy's kept tokens
+    sit in a row of the full context until the KV is held by the page)."""
     from rolecall.runtime.engine.prefill import chunk_for
     from rolecall.runtime.engine.shape import ModelShape
     from rolecall.runtime.memory import GIB, plan_memory
@@ -70,7 +72,7 @@ def plan_for(args: argparse.Namespace, config: Any, policy: Any, *, context: int
     shape = ModelShape.from_config(config)
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * GIB)
     return plan_memory(shape, max_context=context, element=ELEMENT_BYTES[dtype], device_bytes=device_bytes,
-                       cuda=device != "cpu", held=tokens_held(policy, shape.layers, context),
+                       cuda=device != "cpu", held=None if whole_rows else tokens_held(policy, shape.layers, context),
                        utilization=args.gpu_memory_utilization, kv_cache_bytes=kv, rows=rows, chunk=chunk_for(1),
                        model=args.model, policy=policy.name, device=device, dtype=dtype)
 

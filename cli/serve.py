@@ -123,7 +123,8 @@ def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: st
     size, name = device_memory(device)
     dtype = chosen_dtype(args, device)
     where = device if name == device else f"{device} ({name})"
-    plan = plan_for(args, config, policy, context=context, dtype=dtype, device=where, device_bytes=size, rows=wanted)
+    plan = plan_for(args, config, policy, context=context, dtype=dtype, device=where, device_bytes=size, rows=wanted,
+                    whole_rows=True)
     why = plan.refusal()
     if why:
         raise ValueError(why)

@@ -10,9 +10,9 @@ free rows (each prefilled alone into its row's memory, :meth:`StaticCache.row`),
 run (one sync), hands them to their requests, cuts rows at stop strings and frees the rows that finished.
 
 A policy's step runs on such rows when it keeps nothing across steps that assumes one length for all rows
-(``row_lengths`` on its step: full, delta, lychee, quest, vattention; quest's and refining delta's page bounds
-follow each row's own slots and are rebuilt when a row takes a new request, :meth:`StaticDecoder.row_filled`);
-the scheduler refuses the others (lethe) in one line.
+(``row_lengths`` on its step: every policy of :mod:`rolecall.runtime.policies`; quest's and refining delta's page
+bounds and lethe's held slots and scores are kept per row and built for a row when it takes a new request,
+:meth:`StaticDecoder.row_filled`); the scheduler refuses another in one line.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class Batcher:
         s.prefill_tokens += len(prompt)
         c = self.dec.cache
         c.length[row], c.pads[row] = len(prompt), 0
-        self.dec.row_filled()
+        self.dec.row_filled(row)
         self.dec.tokens[row] = first
         self.sampler.set_row(row, r.sampling, 1)
         eos = [] if r.ignore_eos else s.eos

@@ -67,7 +67,8 @@ def rows_refusal(step: Any) -> str | None:
     the step declares ``row_lengths`` when it keeps nothing across steps that assumes one length for all rows."""
     if getattr(step, "row_lengths", False):
         return None
-    return ("its engine step keeps state that assumes one length for all rows (served: full, delta, lychee, quest, vattention)")
+    return ("its engine step keeps state that assumes one length for all rows (served: full, delta, lethe, lychee, "
+            "quest, vattention)")
 
 
 class StaticDecoder:
@@ -180,19 +181,23 @@ class StaticDecoder:
         self.position = length
         self._after_fill()
 
-    def row_filled(self) -> None:
-        """A row of the scheduler's now holds a new request's prompt: a policy whose step keeps state derived from
-        the cache (quest's and refining delta's page bounds) rebuilds it from every row's own slots. Below the
-        crossover the full step runs, and the first policy step after it rebuilds instead."""
+    def row_filled(self, row: int) -> None:
+        """Row ``row`` of the scheduler's now holds a new request's prompt (its length set in the cache): a policy
+        whose step keeps per-row state (quest's and refining delta's page bounds, lethe's held slots and scores)
+        builds that row's from its own slots, the other rows' untouched. Below the crossover the full step runs,
+        and the first policy step after it rebuilds every row instead."""
         if self._last_kind != "full":
-            self._after_fill()
+            self._after_fill(row)
 
-    def _after_fill(self) -> None:
+    def _after_fill(self, row: int | None = None) -> None:
+        """The policy's ``after_fill(dec, row)``: its state derived from the cache, rebuilt for every row (None)
+        or for ``row`` alone; then when it settles (``steps_to_settle``: steps from here, None for never)."""
         after_fill = getattr(self.static, "after_fill", None)
         if after_fill is not None:
-            after_fill(self)
+            after_fill(self, row)
         settle = getattr(self.static, "steps_to_settle", None)
-        self._settle_at = self.position + settle(self) if settle is not None else None
+        steps = settle(self) if settle is not None else None
+        self._settle_at = None if steps is None else self.position + steps
 
     def _settle(self) -> None:
         """The policy settles (its buffers may change: graphs over the old ones go), then the deferred capture."""

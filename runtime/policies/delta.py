@@ -171,9 +171,9 @@ class DeltaStep:
         if self.meta is not None:  # refining: each sparse layer keeps its page bounds beside the cache
             self.meta.prepare(dec, [i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SPARSE])
 
-    def after_fill(self, dec: Any) -> None:
+    def after_fill(self, dec: Any, row: int | None = None) -> None:
         if self.meta is not None:
-            self.meta.after_fill(dec)
+            self.meta.after_fill(dec, row)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

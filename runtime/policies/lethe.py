@@ -282,12 +282,14 @@ class Lethe:
 
 
 def keep_on_device(scores: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor, cap: int, sinks: int,
-                   recent: int, segments: int, tau: float) -> torch.Tensor:
+                   recent: int, segments: int, tau: float, per_row: bool = False) -> torch.Tensor:
     """:meth:`Lethe._keep` on fixed shapes, for slots in position order: ``[B, S]`` bool of the slots kept.
 
     ``alive`` marks the slots the layer holds (the reference's compact list, in the same order), ``valid``
     those of them the query may read, ``scores`` their decayed scores. Every row keeps the same count
-    ``min(max over rows of its choice, cap)``, filled as the reference fills it. No host sync."""
+    ``min(max over rows of its choice, cap)``, filled as the reference fills it; with ``per_row`` each row keeps
+    its own choice's count (at most ``cap``): the scheduler's rows, each a request decoded as alone. No host
+    sync."""
     b, s = scores.shape
     device = scores.device
     ok = valid & alive
@@ -299,7 +301,8 @@ def keep_on_device(scores: torch.Tensor, valid: torch.Tensor, alive: torch.Tenso
     room = (cap - protect.sum(-1)).clamp_min(0)  # [B]
     picked = _segmented_on_device(scores, candidates, room, segments, tau)
     chosen = protect | picked
-    count = chosen.sum(-1).amax().clamp(max=cap)  # one count for every row
+    count = chosen.sum(-1).clamp(max=cap)  # [B]: each row's own count, or one for every row
+    count = count[:, None] if per_row else count.amax()
     # kept first, then the best other candidates, then the other slots held (the reference's -inf, in order);
     # slots not held come last
     priority = torch.where(candidates & ~picked, scores, torch.where(chosen, math.inf, -1.0))
@@ -364,23 +367,29 @@ def compaction_order(keep: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(slot).scatter_(-1, torch.where(keep, kept, dropped), slot)
 
 
-def evict(p: Lethe, q, k, v, held, scores, pos, count, keep, mask, cap: int, scale: float) -> None:
+def evict(p: Lethe, q, k, v, held, scores, pos, count, keep, mask, cap: int, scale: float,
+          running: torch.Tensor | None = None) -> None:
     """Lethe ``p``'s eviction in the engine's step: add this step's attention to the decayed scores and, past
     ``cap``, keep what :func:`keep_on_device` chooses, moved to the front of the buffers (one gather) in
-    position order; every tensor in place. A function, not a method: a step that kept its own bound method
+    position order; every tensor in place. ``count`` is one for every row (``[]``) or each row's own (``[B]``,
+    the scheduler's rows, where ``running [B]`` bool says which rows wrote a new token this step: an idle row
+    holds ``count`` slots and evicts nothing). A function, not a method: a step that kept its own bound method
     (compiled) would form a reference cycle, and its cache buffers would then wait for the garbage collector."""
+    rows = count.dim() == 1
     slot = torch.arange(held.shape[1], device=held.device)
     updated = p.gamma * scores + attention_probs(q, k, scale, mask).mean(1)
-    kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau)
+    kept = keep_on_device(updated, keep, held, cap, p.sinks, p.recent_slots(cap), p.segments, p.tau, per_row=rows)
     over = count >= cap  # every row holds slots 0..count (the new token's included): count + 1 of them
-    now = torch.where(over, kept, held)  # the same count in every row
+    if rows:
+        over = (over & running)[:, None]
+    now = torch.where(over, kept, held)  # the same count in every row, or each row's own
     order = compaction_order(now)
     width = min(held.shape[1], cap + 1)  # at most max(cap, count + 1 before any eviction) slots are kept
     at = order[:, None, :width, None].expand(-1, k.shape[1], -1, k.shape[3])
     k[:, :, :width].copy_(k.gather(2, at))
     v[:, :, :width].copy_(v.gather(2, at))
-    total = now.sum(-1)[0]
-    held.copy_((slot < total).expand_as(held))
+    total = now.sum(-1) if rows else now.sum(-1)[0]
+    held.copy_((slot < (total[:, None] if rows else total)).expand_as(held))
     scores.copy_(torch.where(held, updated.gather(1, order), 0.0))
     pos.copy_(pos.gather(1, order))
     count.copy_(total)
@@ -410,6 +419,7 @@ class LetheStep:
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
     full_fallback: ClassVar[bool] = False
+    row_lengths: ClassVar[bool] = True  # each row keeps its own count, scores and positions (the scheduler's rows)
     reusable: ClassVar[bool] = False  # settling shrinks its buffers: the next request needs prompt-sized ones
     block_sizes: ClassVar[tuple[int, ...]] = ()
     _compiled: Any = field(default=None, init=False, repr=False)
@@ -434,7 +444,8 @@ class LetheStep:
         self.held = {i: torch.zeros(c.batch, n[i], dtype=torch.bool, device=device) for i in self.caps}
         self.scores = {i: torch.zeros(c.batch, n[i], device=device) for i in self.caps}
         self.pos = {i: torch.zeros(c.batch, n[i], dtype=torch.long, device=device) for i in self.caps}
-        self.count = {i: torch.zeros((), dtype=torch.long, device=device) for i in self.caps}
+        rows = (c.batch,) if c.row_lengths else ()  # the scheduler's rows: each its own count
+        self.count = {i: torch.zeros(rows, dtype=torch.long, device=device) for i in self.caps}
         self.buffers = [t for i in self.caps for t in (c.k[i], c.v[i])]
 
     def state(self) -> list[torch.Tensor]:
@@ -444,15 +455,19 @@ class LetheStep:
     def write_slots(self) -> dict[int, torch.Tensor]:
         return self.count
 
-    def steps_to_settle(self, dec: Any) -> int:
+    def steps_to_settle(self, dec: Any) -> int | None:
         """Steps after a fill before :meth:`settle`: none when every layer already holds at most its capacity
-        (its new token then lands inside the first ``cap + 1`` slots), else one."""
+        (its new token then lands inside the first ``cap + 1`` slots), else one; never (None) on the scheduler's
+        rows, whose buffers hold the next request's prompt."""
+        if dec.cache.row_lengths:
+            return None
         held = {i: min(dec.position, self.held[i].shape[1] - 1) for i in self.caps}
         return 0 if all(held[i] <= cap for i, cap in self.caps.items()) else 1
 
     def _oversized(self, dec: Any) -> list[int]:
         """The layers whose buffers :meth:`settle` shrinks: wider than ``cap + 1``, in a cache of the decoder's own."""
-        return [i for i, cap in self.caps.items() if dec.owns_cache and dec.cache.k[i].shape[2] > cap + 1]
+        return [i for i, cap in self.caps.items()
+                if dec.owns_cache and not dec.cache.row_lengths and dec.cache.k[i].shape[2] > cap + 1]
 
     def settle(self, dec: Any) -> bool:
         """Each layer of a cache of the decoder's own keeps only its first ``cap + 1`` slots (new, smaller
@@ -476,18 +491,25 @@ class LetheStep:
             self._compiled = dec.compiled(evict)
         return self._compiled
 
-    def after_fill(self, dec: Any) -> None:
+    def after_fill(self, dec: Any, row: int | None = None) -> None:
         """A prefill leaves every slot of the prompt held, in place, its scores at zero. A length declared past
         a layer's buffer (``set_length`` over a benchmark's random cache) stands for the steady state instead:
-        the layer holds the most recent ``slots - 1`` positions, one free slot for the next token."""
+        the layer holds the most recent ``slots - 1`` positions, one free slot for the next token. ``row``: only
+        that row of the scheduler's took a new request (its prompt's length is its length in the cache); the
+        other rows' state is theirs."""
+        length = dec.position if row is None else int(dec.cache.length[row])
+        rows = slice(None) if row is None else slice(row, row + 1)
         for i in self.caps:
             n = self.held[i].shape[1]
-            held = min(dec.position, n - 1)
+            held = min(length, n - 1)
             slot = torch.arange(n, device=self.held[i].device)
-            self.held[i].copy_((slot < held).expand_as(self.held[i]))
-            self.scores[i].zero_()
-            self.pos[i].copy_((slot + dec.position - held).expand_as(self.pos[i]))
-            self.count[i].fill_(held)
+            self.held[i][rows] = slot < held
+            self.scores[i][rows] = 0.0
+            self.pos[i][rows] = slot + length - held
+            if row is None:
+                self.count[i].fill_(held)
+            else:
+                self.count[i][row] = held
         if self._oversized(dec):
             # the step over prompt-sized buffers runs once, before settle(): eagerly, not compiled for that width
             # (torch.compile's inductor failed on 16,001 slots, which then made every later eviction eager too)
@@ -498,12 +520,18 @@ class LetheStep:
             return dec.attn.attend(q, k, v, span)
         held, scores, pos, count = self.held[layer], self.scores[layer], self.pos[layer], self.count[layer]
         slot = torch.arange(held.shape[1], device=held.device)
-        new = slot == count  # the new token's slot (written there by the engine)
+        running = None
+        if count.dim():  # the scheduler's rows: each at its own count, and an idle row takes no new token
+            running = dec.stopper.running().bool()
+            new = (slot[None, :] == count[:, None]) & running[:, None]
+            last = span.last[:, None]
+        else:
+            new, last = slot == count, span.last  # the new token's slot (written there by the engine)
         held.logical_or_(new)
-        pos.copy_(torch.where(new, span.last, pos))
-        keep = (pos >= span.first[:, None]) & (pos <= span.last)  # [B, S]: what the query may read
+        pos.copy_(torch.where(new, last, pos))
+        keep = (pos >= span.first[:, None]) & (pos <= last)  # [B, S]: what the query may read
         mask = keep & held
         out = dec.attn.attend(q, k, v, KeySpan(torch.zeros_like(span.first), count), key_mask=mask)
         self._evictor(dec)(self.policy, q, k, v, held, scores, pos, count, keep, mask, self.caps[layer],
-                           dec.shape.attention_scale)
+                           dec.shape.attention_scale, running)
         return out

@@ -132,8 +132,8 @@ class QuestStep:
         # a hybrid model's sliding layers (the cache's rings) run their own attention, not this step
         self.meta.prepare(dec, [i for i in range(self.dense_layers, dec.cache.shape.layers) if i not in dec.cache.rings])
 
-    def after_fill(self, dec: Any) -> None:
-        self.meta.after_fill(dec)
+    def after_fill(self, dec: Any, row: int | None = None) -> None:
+        self.meta.after_fill(dec, row)
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
         if layer < self.dense_layers or layer not in self.meta.kmin:
@@ -175,19 +175,25 @@ class PageMeta:
         self.kmin = {i: torch.full(shape, math.inf, dtype=c.k[i].dtype, device=c.k[i].device) for i in layers}
         self.kmax = {i: torch.full_like(t, -math.inf) for i, t in self.kmin.items()}
 
-    def after_fill(self, dec: Any) -> None:
+    def after_fill(self, dec: Any, row: int | None = None) -> None:
         """The bounds of the filled pages; the pages after them empty again (a reused decoder's last request
-        filled them). Rows of their own lengths (the scheduler's) are bounded up to the longest: a shorter row's
-        pages past its new token's are never scored (:meth:`DecodeAttention.select` ranks a row's pages up to its
-        own), and the page of its new token is recomputed from its valid slots before it is (``update``)."""
+        filled them). ``row``: only that row of the scheduler's took a new request, and only its bounds are built,
+        from its own slots (its length in the cache). Without it, rows of their own lengths are bounded up to the
+        longest: a shorter row's pages past its new token's are never scored (:meth:`DecodeAttention.select` ranks a
+        row's pages up to its own), and the page of its new token is recomputed from its valid slots before it is
+        (``update``)."""
         c, p = dec.cache, self.page_size
-        length = int(c.length.max()) if c.row_lengths else dec.position
-        keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[:, None]  # [B, T]
+        rows = slice(None) if row is None else slice(row, row + 1)
+        if row is not None:
+            length = int(c.length[row])
+        else:
+            length = int(c.length.max()) if c.row_lengths else dec.position
+        keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[rows, None]  # [B, T]
         for i in self.kmin:
-            lo, hi = page_minmax(c.k[i][:, :, :length], keep, p)
+            lo, hi = page_minmax(c.k[i][rows, :, :length], keep, p)
             n = lo.shape[2]
-            self.kmin[i][:, :, :n], self.kmax[i][:, :, :n] = lo, hi
-            self.kmin[i][:, :, n:], self.kmax[i][:, :, n:] = math.inf, -math.inf
+            self.kmin[i][rows, :, :n], self.kmax[i][rows, :, :n] = lo, hi
+            self.kmin[i][rows, :, n:], self.kmax[i][rows, :, n:] = math.inf, -math.inf
 
     def update(self, dec: Any, layer: int, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute the new token's page of ``layer`` from the cache ``k``; its ``(kmin, kmax)`` buffers."""

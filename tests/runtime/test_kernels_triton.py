@@ -1287,3 +1287,72 @@ def test_page_scores_from_logits_read_nothing_past_the_last_slot_in_interpreter(
     got = page_tri.page_scores_from_logits(garbage, lse, 16, 2, per_kv_head=True, last=last)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert float(got[0, :, 3:].abs().sum() if per_row else got[:, :, 8:].abs().sum()) == 0  # pages past last: 0
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A contiguous cache ``[B, Hkv, T, D]`` (T a whole number of 16-token pages) as a pool of pages in shuffled order
+    (page 0 the null page, NaN, which no read may touch) and its ``[B, T / 16]`` block table."""
+    b, hkv, t, d = k.shape
+    w = t // 16
+    order = torch.randperm(b * w, generator=torch.Generator().manual_seed(seed)) + 1
+    table = order.view(b, w).to(torch.int32)
+    pools = []
+    for cache in (k, v):
+        pool = torch.full((b * w + 1, hkv, 16, d), float("nan"), dtype=cache.dtype)
+        pool[table.reshape(-1).long()] = cache.view(b, hkv, w, 16, d).permute(0, 2, 1, 3, 4).reshape(b * w, hkv, 16, d)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+PAGED_CASES = [
+    # b, hq, hkv, t, d, n, bs, extras: dense over ragged rows, pages with full rows and log weights, single tokens
+    (3, 4, 2, 80, 16, 0, 16, {}),
+    (2, 8, 2, 96, 16, 3, 16, {"full": True, "weights": True}),
+    (2, 4, 4, 64, 16, 9, 1, {"weights": True}),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
+@pytest.mark.parametrize("b, hq, hkv, t, d, n, bs, extra", PAGED_CASES)
+def test_a_paged_cache_reads_as_the_contiguous_one_in_interpreter(b, hq, hkv, t, d, n, bs, extra):
+    """The kernel reading a pool through block tables (pages shuffled, the null page NaN) gives what it gives over
+    the contiguous cache holding the same tokens, and the reference's answer: dense rows of their own lengths (a key
+    span ending mid-page), sets of pages mixed with full rows, sets of single tokens; and the logits a selection
+    layer keeps."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    from rolecall.runtime.kernels.page_scores import triton as scores
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
+
+    q, k, v, idx, kw, fr = _case(b, hq, hkv, t, d, max(n, 1), bs, torch.float32, "cpu", **extra)
+    kp, vp, table = _paged(k, v, seed=t)
+    scale = d ** -0.5
+    if n == 0:  # dense, each row up to its own last slot (one mid-page)
+        idx, first, last = None, torch.zeros(b, dtype=torch.long), torch.tensor([t - 1, 16, 40])[:b]
+        kw = {"key_span": (first, last)}
+        held = torch.arange(t)[None, :] <= last[:, None]
+        ref = naive.sparse_decode_attention(q, k, v, scale=scale, key_mask=held)
+    else:
+        ref = _reference(q, k, v, idx, kw, fr, bs, scale)
+    flat = tri.sparse_decode_attention(q, k, v, idx, scale=scale, block_size=bs, full_rows=fr, chunk=32, **kw)
+    paged = tri.sparse_decode_attention(q, kp, vp, idx, scale=scale, block_size=bs, full_rows=fr, chunk=32,
+                                        block_table=table, **kw)
+    for got in (flat, paged):
+        torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(paged[0], flat[0], atol=1e-6, rtol=1e-6)
+    if n == 0:  # a selection layer's kept logits, the same through the pages
+        _, _, want = scores.decode_keeping_logits(q, k, v, scale, chunk=32, **kw)
+        _, _, got = scores.decode_keeping_logits(q, kp, vp, scale, chunk=32, block_table=table, **kw)
+        assert got.shape == want.shape == (b, hq, t)
+        read = held[:, None, :].expand(b, hq, t)  # past a row's last slot nothing is written
+        torch.testing.assert_close(got[read], want[read], atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_table_of_another_batch_is_refused():
+    from rolecall.runtime.kernels.sparse_attention import triton as tri
+
+    q, k, v, _, _, _ = _case(2, 4, 2, 32, 16, 1, 16, torch.float32, "cpu")
+    kp, vp, table = _paged(k, v, seed=1)
+    with pytest.raises(ValueError, match=r"block_table must be int32 \[B, W\] with B = 3"):
+        tri.sparse_decode_attention(torch.cat([q, q[:1]]), kp, vp, scale=0.25, block_table=table)

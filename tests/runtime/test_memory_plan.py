@@ -136,6 +136,9 @@ def test_bad_memory_flags_are_one_line(flag, value, capsys):
     (["--kv-cache-gib", "30", "--max-context", "65536", "--slots", "3", "--dtype", "bfloat16"],
      "--slots 3: each row holds --max-context 65,536 tokens of KV (12.00 GiB) and the pool (30.00 GiB) holds 2; "
      "ask for --slots 2 or fewer"),
+    # a served row of lethe's holds its whole context until KV is held by the page (rolecall plan says 39 here)
+    (["--kv-cache-gib", "30", "--max-context", "65536", "--slots", "3", "--dtype", "bfloat16", "--policy", "lethe",
+      "-p", "budget=4096"], "the pool (30.00 GiB) holds 2; ask for --slots 2 or fewer"),
 ])
 def test_serve_refuses_a_plan_before_any_weight_loads(flags, says, monkeypatch, capsys):
     def load(*_, **__):

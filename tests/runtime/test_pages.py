@@ -181,3 +181,30 @@ def test_reads_within_reach_give_the_same_attention_and_stop_at_the_last_readabl
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the same up to summation order
     ring = KeySpan(torch.tensor([60, 0, 62]), torch.tensor(63))  # a ring's span ends at its top slot: nothing cut
     assert within_reach(ring, k, v, None)[0] is k
+
+
+@pytest.mark.parametrize("kernels", ["naive", "triton"])
+def test_the_new_token_is_stored_through_the_block_table(kernels):
+    """``rope_and_store`` over a pool and block tables writes each row's new token (its own slot, at page boundaries
+    15, 16, 17 and 0) where the contiguous cache holds it, returns the same query, and writes nothing else."""
+    import importlib
+    import os
+
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before importing triton to run kernels on the CPU")
+    rope = importlib.import_module(f"rolecall.runtime.kernels.rope_cache.{kernels}")
+    gen = torch.Generator().manual_seed(4)
+    b, hq, hkv, d, w = 4, 4, 2, 8, 3
+    y = torch.randn(b, (hq + 2 * hkv) * d, generator=gen)
+    cos, sin = torch.randn(b, d, generator=gen), torch.randn(b, d, generator=gen)
+    slot = torch.tensor([15, 16, 17, 0])
+    k, v = torch.zeros(b, hkv, w * 16, d), torch.zeros(b, hkv, w * 16, d)
+    want_q = rope.rope_and_store(y, hq, hkv, cos, sin, k, v, slot)
+    table = (torch.randperm(b * w, generator=gen) + 1).view(b, w).to(torch.int32)
+    kp, vp = torch.zeros(b * w + 1, hkv, 16, d), torch.zeros(b * w + 1, hkv, 16, d)
+    q = rope.rope_and_store(y, hq, hkv, cos, sin, kp, vp, slot, block_table=table)
+    torch.testing.assert_close(q, want_q)
+    assert torch.equal(gather_pages(kp, table), k) and torch.equal(gather_pages(vp, table), v)
+    assert not kp[NULL_PAGE].any() and not vp[NULL_PAGE].any()
+    with pytest.raises(ValueError, match=r"block_table must be int32 \[B, W\] with B = 4"):
+        rope.rope_and_store(y, hq, hkv, cos, sin, kp, vp, slot, block_table=table.long())

@@ -17,7 +17,7 @@ from tests.tiny import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SERVED = ["full", "delta", "delta-per-head", "delta-refine", "lychee", "quest", "vattention", "vattention-delta"]
+SERVED = ["full", "delta", "delta-per-head", "delta-refine", "lychee", "quest", "vattention", "vattention-delta", "lethe"]
 
 
 class Collector:
@@ -183,11 +183,24 @@ def test_drain_finishes_what_runs_and_refuses_what_comes():
         sched.submit(Request([3], 2), got.emit(1))
 
 
-@pytest.mark.parametrize("policy", ["lethe"])
-def test_policies_that_cannot_serve_rows_are_refused_in_one_line(policy):
-    model, weights, pol = served(policy)
-    with pytest.raises(NotImplementedError, match=f"policy '{policy}' cannot serve yet") as err:
-        Scheduler(weights, pol)
+def test_a_policy_whose_step_assumes_one_length_is_refused_in_one_line():
+    """A step that does not declare ``row_lengths`` (state kept over one length for all rows) is refused when the
+    scheduler is built, in one line."""
+    from rolecall.runtime.policies.full import Full, FullStep
+
+    class OneLength(FullStep):
+        row_lengths = False
+
+    class Once(Full):
+        name = "once"
+
+        def static_step(self, shape):
+            return OneLength()
+
+    model, weights, _ = served("full")
+    with pytest.raises(NotImplementedError, match="policy 'once' cannot serve yet: its engine step keeps state that "
+                                                  "assumes one length for all rows") as err:
+        Scheduler(weights, Once())
     assert "\n" not in str(err.value)
 
 

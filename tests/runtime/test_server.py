@@ -592,8 +592,7 @@ def test_random_weights_from_a_bare_config_serve_token_ids(tiny, tmp_path):
     (["-p", "min_context=-4"], "-p min_context=-4: give a whole number of tokens ≥ 0"),
     (["--policy", "delta"], "policy 'delta' needs a manifest with a layers section"),
     (["--max-context", "9000"], "--max-context is 9000 tokens, more than the model's context of 4096"),
-    (["--policy", "lethe", "-p", "budget=64"],
-     "--policy lethe: its engine step keeps state that assumes one length for all rows"),
+    (["--policy", "lethe", "-p", "sparse_ratio=0.25"], "--policy lethe: policy 'lethe' with a share of the context"),
 ])
 def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monkeypatch, capsys):
     from rolecall.cli import main
@@ -607,9 +606,14 @@ def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monke
     assert err.startswith("rolecall serve: error: ") and says in err and err.count("\n") == 1, err
 
 
-def test_quest_serves_the_tokens_it_decodes_alone(tiny):
-    """A policy whose step keeps page bounds per row (quest) serves: greedy answers through the server are the
-    engine's own for each prompt alone, several at once."""
+@pytest.mark.parametrize("name, params", [
+    ("quest", {"budget": 32, "page_size": 16, "dense_layers": 1}),
+    ("lethe", {"budget": 24, "sinks": 2, "recent_ratio": 0.25}),
+])
+def test_a_policy_with_per_row_state_serves_the_tokens_it_decodes_alone(tiny, name, params):
+    """Policies whose step keeps state per row (quest's page bounds, lethe's held slots, scores and evictions)
+    serve: greedy answers through the server are the engine's own for each prompt alone, several at once (the
+    prompts pass lethe's budget, so every row evicts on its own)."""
     from rolecall.core.models import load_model
     from rolecall.runtime.engine import Weights, generate
     from rolecall.runtime.session import bound_policy
@@ -617,14 +621,14 @@ def test_quest_serves_the_tokens_it_decodes_alone(tiny):
     folder, tokenizer, _ = tiny
     model = load_model(str(folder), dtype="float32")
     weights = Weights.from_model(model, positions=CONTEXT)
-    policy = bound_policy("quest", None, model.config, budget=32, page_size=16, dense_layers=1)
+    policy = bound_policy(name, None, model.config, **params)
     prompts = [[5 + i] * (20 + 13 * i) for i in range(4)]
     want = [generate(weights, policy, [p], max_new_tokens=12, eos_token_id=None, min_context=0).tokens[0]
             for p in prompts]
-    proc, port, line = start(folder, "--policy", "quest", "-p", "budget=32", "-p", "page_size=16", "-p",
-                             "dense_layers=1", "-p", "min_context=0")
+    flags = [f for key, value in params.items() for f in ("-p", f"{key}={value}")]
+    proc, port, line = start(folder, "--policy", name, *flags, *(["-p", "min_context=0"] if name == "quest" else []))
     try:
-        assert "with policy quest" in line
+        assert f"with policy {name}" in line
         results = [None] * len(prompts)
 
         def ask(i: int) -> None:

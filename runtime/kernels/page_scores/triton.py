@@ -163,7 +163,7 @@ def mixed_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     from rolecall.runtime.kernels.sparse_attention import triton as attention
 
     b, hq, _ = query.shape
-    hkv, t = key.shape[1], key.shape[2]
+    hkv, t = key.shape[1], attention.tokens_of(key, kernel.get("block_table"))
     g = hq // hkv
     full = (torch.arange(hkv, device=query.device) < full_heads).expand(b, hkv)
     keeping = full_heads if keeping_heads is None else keeping_heads
@@ -214,7 +214,8 @@ def decode_keeping_logits(query: torch.Tensor, key: torch.Tensor, value: torch.T
     b, hq, _ = query.shape
     hkv = key.shape[1]
     keeping = hkv if keeping_heads is None else keeping_heads
-    logits = torch.empty(b, keeping * (hq // hkv), key.shape[2], device=query.device, dtype=logits_dtype(query.dtype))
+    t = attention.tokens_of(key, kernel.get("block_table"))
+    logits = torch.empty(b, keeping * (hq // hkv), t, device=query.device, dtype=logits_dtype(query.dtype))
     out, lse = attention.sparse_decode_attention(query, key, value, scale=scale, key_mask=key_mask,
                                                  logits_out=logits, logit_heads=keeping, **kernel)
     return out, lse, logits

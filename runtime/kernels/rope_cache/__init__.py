@@ -1,7 +1,7 @@
 """The new token's projections → rotary-embedded query, and its key and value written into the cache.
 
 ``rope_and_store(y, heads, kv_heads, cos, sin, k_cache, v_cache, slot, q_norm=None, k_norm=None, eps=1e-6,
-order=None) -> query``
+order=None, block_table=None) -> query``
 
 =================  ===========================  =======================================================
 ``y``              ``[B, (Hq + 2 Hkv) · D]``    the fused q/k/v projection of one token per row
@@ -13,6 +13,9 @@ order=None) -> query``
 ``k_norm``
 ``order``          ``[Hkv]`` int32 or None      the cache's head order: stored KV head j is the model's
                                                 head ``order[j]`` (the query comes in that order too)
+``block_table``    ``[B, W]`` int32 or None     a paged cache: ``k_cache``, ``v_cache`` are pools
+                                                ``[N, Hkv, P, D]`` and slot s of row b is offset
+                                                ``s % P`` of page ``block_table[b, s // P]``
 ``query``          ``[B, Hq, D]``               in ``y``'s dtype
 =================  ===========================  =======================================================
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rolecall.runtime.kernels.paged_attention.tables import check_table, write_tokens
+
 
 def split_rope(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
@@ -31,10 +33,14 @@ def split_rope(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, si
 def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
+                   eps: float = 1e-6, order: torch.Tensor | None = None,
+                   block_table: torch.Tensor | None = None) -> torch.Tensor:
     """See :mod:`rolecall.runtime.kernels.rope_cache`."""
     q, k, v = split_rope(y, heads, kv_heads, cos, sin, q_norm, k_norm, eps, order)
-    if slot.numel() == 1:
+    if block_table is not None:
+        check_table(block_table, k.shape[0])
+        write_tokens(k_cache, v_cache, block_table, slot.expand(k.shape[0]), k, v)
+    elif slot.numel() == 1:
         at = slot.reshape(1)
         k_cache.index_copy_(2, at, k[:, :, None].to(k_cache.dtype))
         v_cache.index_copy_(2, at, v[:, :, None].to(v_cache.dtype))

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rolecall.runtime.kernels.paged_attention.tables import check_table
+
 from rolecall.runtime.kernels import pdl
 
 
@@ -26,10 +28,11 @@ def _normed(y_row, d, ok, NORM, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER,
-                s_yb, s_cb, s_sb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, eps,
+def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER, TABLE,
+                s_yb, s_cb, s_sb, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_tb, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                HAS_NORM: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr):
+                HAS_NORM: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr, PAGED: tl.constexpr,
+                PAGE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): query heads, [HQ, HQ + HKV): keys, then values
     src = h  # the head of y this program reads: with ORDER, stored KV head j is the model's head ORDER[j]
@@ -45,10 +48,16 @@ def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER,
     d = tl.arange(0, D_PAD)
     ok = d < D
     slot = tl.load(SLOT + b * s_sb)  # one slot for every row (s_sb = 0), or the row's own
+    k_at = b * s_kb + slot * s_kt
+    v_at = b * s_vb + slot * s_vt
+    if PAGED:  # the slot's page in the row's block table (s_kb, s_vb: a page's stride)
+        page = tl.load(TABLE + b * s_tb + slot // PAGE).to(tl.int64)
+        k_at = page * s_kb + (slot % PAGE) * s_kt
+        v_at = page * s_vb + (slot % PAGE) * s_vt
     y_row = Y + b * s_yb + src * D
     if h >= HQ + HKV:
         v = tl.load(y_row + d, mask=ok, other=0.0)
-        tl.store(VC + b * s_vb + (h - HQ - HKV) * s_vh + slot * s_vt + d, v.to(VC.dtype.element_ty), mask=ok)
+        tl.store(VC + v_at + (h - HQ - HKV) * s_vh + d, v.to(VC.dtype.element_ty), mask=ok)
     else:
         c = tl.load(COS + b * s_cb + d, mask=ok, other=0.0).to(tl.float32)
         s = tl.load(SIN + b * s_cb + d, mask=ok, other=0.0).to(tl.float32)
@@ -57,14 +66,14 @@ def _rope_store(Y, COS, SIN, QN, KN, Q, KC, VC, SLOT, ORDER,
             tl.store(Q + b * s_qb + h * s_qh + d, (x * c + rolled * s).to(Q.dtype.element_ty), mask=ok)
         else:
             x, rolled = _normed(y_row, d, ok, KN, eps, D, HAS_NORM)
-            tl.store(KC + b * s_kb + (h - HQ) * s_kh + slot * s_kt + d, (x * c + rolled * s).to(KC.dtype.element_ty),
-                     mask=ok)
+            tl.store(KC + k_at + (h - HQ) * s_kh + d, (x * c + rolled * s).to(KC.dtype.element_ty), mask=ok)
 
 
 def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 1e-6, order: torch.Tensor | None = None) -> torch.Tensor:
+                   eps: float = 1e-6, order: torch.Tensor | None = None,
+                   block_table: torch.Tensor | None = None) -> torch.Tensor:
     """See :mod:`rolecall.runtime.kernels.rope_cache`."""
     b, width = y.shape
     d = k_cache.shape[-1]
@@ -77,16 +86,18 @@ def rope_and_store(y: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
         raise ValueError(f"order must be int32 [{kv_heads}], got {order.dtype} {list(order.shape)}")
     if slot.numel() not in (1, b):
         raise ValueError(f"slot must be one slot or one per row ({b}), got {list(slot.shape)}")
+    check_table(block_table, b)
     q = torch.empty(b, heads, d, device=y.device, dtype=y.dtype)
     norm = q_norm is not None
     _rope_store[(b, heads + 2 * kv_heads)](
         y, cos, sin, q_norm if norm else y, k_norm if norm else y, q, k_cache, v_cache, slot,
-        order if order is not None else slot,
+        order if order is not None else slot, block_table if block_table is not None else slot,
         y.stride(0), cos.stride(0), slot.stride(0) if slot.numel() > 1 else 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if block_table is not None else 0, float(eps),
         HQ=heads, HKV=kv_heads, D=d, D_PAD=triton.next_power_of_2(d), HAS_NORM=norm,
-        HAS_ORDER=order is not None, num_warps=1,
+        HAS_ORDER=order is not None, PAGED=block_table is not None, PAGE=k_cache.shape[2], num_warps=1,
         **pdl.options(y.device),
     )
     return q

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from rolecall.runtime.kernels.paged_attention.tables import check_table, gather_pages
+
 
 def expand_blocks(indices: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """Block ids ``[..., N]`` → token ids ``[..., N * block_size]``; -1 where the block is padding or the token
@@ -37,8 +39,13 @@ def indices_to_mask(indices: torch.Tensor | None, block_size: int, length: int,
 def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             indices: torch.Tensor | None = None, *, scale: float, block_size: int = 1,
                             log_weights: torch.Tensor | None = None,
-                            key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`rolecall.runtime.kernels.sparse_attention.sparse_decode_attention` for the contract."""
+                            key_mask: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`rolecall.runtime.kernels.sparse_attention.sparse_decode_attention` for the contract; a paged
+    cache (``block_table``) is read in logical order first (:func:`gather_pages`)."""
+    if block_table is not None:
+        check_table(block_table, query.shape[0])
+        key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     b, hq, d = query.shape
     _, hkv, t, _ = key.shape
     g = hq // hkv

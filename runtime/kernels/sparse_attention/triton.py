@@ -42,17 +42,19 @@ import triton
 import triton.language as tl
 
 from rolecall.runtime.kernels import max_shared, pdl, peak_bandwidth, sm_count
+from rolecall.runtime.kernels.paged_attention.tables import check_table
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt,
-          T, scale, lg_base, s_gh, first, last, keep_logits, G: tl.constexpr, G_PAD: tl.constexpr,
+          T, scale, lg_base, s_gh, first, last, keep_logits, pages, s_kp, s_vp, G: tl.constexpr, G_PAD: tl.constexpr,
           D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
           HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
-          WRITE_LOGITS: tl.constexpr):
-    """One tile of TILE tokens of the row's read set: gather K/V rows, update the online softmax state."""
+          WRITE_LOGITS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """One tile of TILE tokens of the row's read set: gather K/V rows, update the online softmax state. ``PAGED``:
+    token ``tok`` of the row sits at offset ``tok % PAGE`` of page ``pages[tok // PAGE]`` (the row's block table)."""
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     j = j0 + tl.arange(0, TILE)
@@ -70,7 +72,14 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, fu
         valid = valid & (tl.load(KMASK + b * s_mb + tok, mask=valid, other=0) != 0)
     if HAS_SPAN:
         valid = valid & (tok >= first) & (tok <= last)
-    k = tl.load(k_base + tok[:, None] * s_kt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+    if PAGED:
+        page = tl.load(pages + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        k_at = page * s_kp + (tok % PAGE) * s_kt
+        v_at = page * s_vp + (tok % PAGE) * s_vt
+    else:
+        k_at = tok * s_kt
+        v_at = tok * s_vt
+    k = tl.load(k_base + k_at[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, TILE] fp32
     if HAS_LOGW:
         w = tl.load(LOGW + b * s_ib + hi * s_ih + entry, mask=valid & ~is_full, other=0.0)
@@ -86,7 +95,7 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, fu
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing valid keeps the state
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    v = tl.load(v_base + tok[:, None] * s_vt + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_base + v_at[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
@@ -94,10 +103,11 @@ def _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK, b, hi, fu
 
 @triton.jit
 def _sparse_decode_partial(
-    Q, K, V, IDX, IROWS, LOGW, KMASK, FIRST, LAST, FULL, OUT, OHEADS, LSE, LOGITS,
+    Q, K, V, IDX, IROWS, LOGW, KMASK, FIRST, LAST, FULL, OUT, OHEADS, LSE, LOGITS, TABLE,
     s_qb, s_qh,
     s_kb, s_kh, s_kt,
     s_vb, s_vh, s_vt,
+    s_tb, s_kp, s_vp,
     s_ib, s_ih,
     s_mb,
     s_ob, s_oh, s_os, s_og,
@@ -108,7 +118,7 @@ def _sparse_decode_partial(
     BS: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_LOGW: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SPAN: tl.constexpr,
     HAS_FULL: tl.constexpr, WRITE_LOGITS: tl.constexpr, STATIC_BOUNDS: tl.constexpr, HAS_IROWS: tl.constexpr,
-    HAS_OHEADS: tl.constexpr, PDL: tl.constexpr,
+    HAS_OHEADS: tl.constexpr, PDL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -144,8 +154,9 @@ def _sparse_decode_partial(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    k_base = K + b * s_kb + h * s_kh
+    k_base = K + b * s_kb + h * s_kh  # a paged cache: s_kb = s_vb = 0, and the row's pages say where its tokens are
     v_base = V + b * s_vb + h * s_vh
+    pages = TABLE + b * s_tb
     lg_base = LOGITS + b * s_gb + h * G * s_gh
     keep_logits = (h < LOGIT_HEADS).to(tl.int32)
     first = 0
@@ -160,16 +171,16 @@ def _sparse_decode_partial(
         for off in range(0, CHUNK, TILE):
             m_i, l_i, acc = _tile(start + off, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
                                   b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
-                                  keep_logits,
+                                  keep_logits, pages, s_kp, s_vp,
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
-                                  WRITE_LOGITS)
+                                  WRITE_LOGITS, PAGED, PAGE)
     else:
         for j0 in range(start, end, TILE):
             m_i, l_i, acc = _tile(j0, end, m_i, l_i, acc, q, k_base, v_base, IDX, LOGW, KMASK,
                                   b, hi, full, s_ib, s_ih, s_mb, s_kt, s_vt, T, scale, lg_base, s_gh, first, last,
-                                  keep_logits,
+                                  keep_logits, pages, s_kp, s_vp,
                                   G, G_PAD, D, D_PAD, BS, TILE, HAS_IDX, HAS_LOGW, HAS_KMASK, HAS_SPAN,
-                                  WRITE_LOGITS)
+                                  WRITE_LOGITS, PAGED, PAGE)
 
     pdl.let_next_start(PDL)  # the merge's programs may be placed while the last ones finish
     busy = l_i > 0
@@ -178,6 +189,12 @@ def _sparse_decode_partial(
     o_ptr = OUT + b * s_ob + ho * s_oh + split * s_os + g[:, None] * s_og + d[None, :]
     tl.store(o_ptr, out, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(LSE + b * s_lb + h * s_lh + split * s_ls + g, lse, mask=g_ok)
+
+
+def tokens_of(key: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+    """Tokens a row of the cache ``key`` holds in logical order: ``T`` of a contiguous ``[B, Hkv, T, D]``, or ``W · P``
+    of a pool ``[N, Hkv, P, D]`` read through a ``[B, W]`` ``block_table``."""
+    return key.shape[2] * (block_table.shape[1] if block_table is not None else 1)
 
 
 def _next_pow2(x: int, floor: int = 16) -> int:
@@ -278,8 +295,14 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             key_span: tuple[torch.Tensor, torch.Tensor] | None = None,
                             index_rows: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, out_heads: torch.Tensor | None = None,
-                            logit_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            logit_heads: int | None = None,
+                            block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of the reference; see the module docstring for shapes.
+
+    ``block_table [B, W]`` int32: the cache is paged (:mod:`rolecall.runtime.kernels.paged_attention`): ``key`` and
+    ``value`` are pools ``[N, Hkv, P, D]`` and row b's token t sits at offset ``t % P`` of page ``block_table[b, t //
+    P]``, read in place; every other argument speaks of the row's ``T = W · P`` tokens in logical order, as for a
+    contiguous cache holding the same tokens (which gives the same result).
 
     ``chunk`` (tokens a program), ``tile`` and ``num_stages``: left None, :func:`choose_launch` picks all three;
     where ``tile`` or ``num_stages`` is given, or the call mixes ``full_rows``, :func:`choose_chunk` picks the
@@ -292,6 +315,12 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     """
     b, hq, d = query.shape
     _, hkv, t, dk = key.shape
+    page = 1
+    if block_table is not None:
+        page = t
+        check_table(block_table, b)
+        block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+        t = block_table.shape[1] * page
     if dk != d or hq % hkv:
         raise ValueError(f"query [B, {hq}, {d}] does not fit key [B, {hkv}, T, {dk}]")
     if indices is None and (log_weights is not None or full_rows is not None or index_rows is not None):
@@ -351,10 +380,11 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         logw if logw is not None else dummy,
         km if km is not None else dummy, first, last, fr if fr is not None else dummy,
         out_p, out_heads if out_heads is not None and splits == 1 else dummy, lse_p,
-        logits_out if logits_out is not None else out_p,
+        logits_out if logits_out is not None else out_p, block_table if block_table is not None else dummy,
         query.stride(0), query.stride(1),
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
+        0 if block_table is not None else key.stride(0), key.stride(1), key.stride(2),
+        0 if block_table is not None else value.stride(0), value.stride(1), value.stride(2),
+        block_table.stride(0) if block_table is not None else 0, key.stride(0), value.stride(0),
         idx.stride(0) if idx is not None else 0, idx.stride(1) if idx is not None else 0,
         (km.stride(0) if km.shape[0] > 1 else 0) if km is not None else 0,
         out_p.stride(0), out_p.stride(1), out_p.stride(2), out_p.stride(3),
@@ -367,7 +397,8 @@ def sparse_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         HAS_IDX=idx is not None, HAS_LOGW=logw is not None, HAS_KMASK=km is not None,
         HAS_SPAN=key_span is not None, HAS_FULL=fr is not None,
         WRITE_LOGITS=logits_out is not None, STATIC_BOUNDS=INTERPRETING, HAS_IROWS=index_rows is not None,
-        HAS_OHEADS=out_heads is not None and splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl.options(query.device),
+        HAS_OHEADS=out_heads is not None and splits == 1, PAGED=block_table is not None, PAGE=page,
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(query.device),
     )
     if splits == 1:
         return out, lse
