@@ -6,9 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rolecall.runtime.kernels.paged_attention.tables import check_table
-
 from rolecall.runtime.kernels import pdl
+from rolecall.runtime.kernels.paged_attention.tables import check_table
 
 
 @triton.jit
