@@ -5,8 +5,8 @@ tokens, timed in the same run.
 
 For each ``--cases`` entry (``tokens x rows``) it fills a contiguous cache ``[rows, Hkv, tokens, D]`` with random
 keys and values and the same tokens into a pool of 16-token pages in shuffled order (the worst case for locality:
-no two neighbouring pages of a row are neighbours in memory), read through a block table. It times, with CUDA
-events, the median of ``--reps`` calls after a warm-up of each:
+no two neighbouring pages of a row are neighbours in memory), read through a block table. It times each call as a
+decode step runs it, inside a CUDA graph of 16 calls (the median of ``--reps`` replays, over 16, after a warm-up):
 
 * ``dense``: every token of every row (full attention, a Δ-layer's read);
 * ``keep-logits``: the same, keeping the logits a selection layer scores pages from;
@@ -42,8 +42,29 @@ def paged_copy(k: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, tor
     return pool, table
 
 
-def case_rows(tokens: int, rows: int, args: Any) -> list[dict[str, Any]]:
+CALLS = 16  # calls captured in one timed graph
+
+
+def graph_ms(fn: Any, args: Any) -> float:
+    """Median milliseconds of one call of ``fn`` inside a CUDA graph of :data:`CALLS` calls, as a decode step runs
+    its kernels: no launch or Python overhead charged to a call (the warm-up compiles the kernels beside)."""
     from benchmarks.timing import median_ms
+    from rolecall.runtime.kernels import graphed
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), graphed():
+        for _ in range(max(args.warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), graphed():
+        for _ in range(CALLS):
+            fn()
+    return median_ms(graph.replay, reps=args.reps) / CALLS
+
+
+def case_rows(tokens: int, rows: int, args: Any) -> list[dict[str, Any]]:
     from rolecall.runtime.kernels.page_scores import triton as scores
     from rolecall.runtime.kernels.paged_attention import gather_pages
     from rolecall.runtime.kernels.rope_cache import triton as rope
@@ -86,8 +107,8 @@ def case_rows(tokens: int, rows: int, args: Any) -> list[dict[str, Any]]:
             diff = (gather_pages(kp, table).float() - k.float()).abs().max().item()
         else:
             diff = (call(True)[0].float() - call(False)[0].float()).abs().max().item()
-        flat = median_ms(lambda c=call: c(False), reps=args.reps, warmup=args.warmup)
-        paged = median_ms(lambda c=call: c(True), reps=args.reps, warmup=args.warmup)
+        flat = graph_ms(lambda c=call: c(False), args)
+        paged = graph_ms(lambda c=call: c(True), args)
         out.append({"tokens": tokens, "rows": rows, "mode": mode, "contiguous_us": 1e3 * flat, "paged_us": 1e3 * paged,
                     "paged_over_contiguous": paged / flat, "max_abs_diff": diff})
     return out
