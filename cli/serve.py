@@ -112,28 +112,42 @@ def context_of(args: argparse.Namespace, config: Any) -> int:
     return context
 
 
-def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: str, context: int) -> tuple[int, Any]:
-    """The rows the memory plan allows, and the plan: ``--slots``, else the device's default, at most the requests
-    of ``context`` tokens the pool holds (each row reserves its whole context). A plan that cannot hold one
-    request, or ``--slots`` beyond what it holds, is refused in one line (``ValueError``) before any weight
-    loads."""
-    from rolecall.runtime.memory import GIB, device_memory
+def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: str,
+                  context: int) -> tuple[int, Any, int | None]:
+    """The rows the memory plan allows, the plan, and the pages of the engine's pool (None: a contiguous cache).
+    A policy whose step reads pages (:func:`~rolecall.runtime.engine.decoder.reads_pages`) takes ``--slots``, else
+    the device's default, as rows over a pool of the plan's pages (at most what the rows hold at ``context`` tokens
+    each, and the null page): requests are admitted by the pages they hold.
+    Another reserves its whole context in every row: at most the requests of ``context`` tokens the pool holds. A
+    plan that cannot hold one request, or ``--slots`` beyond what a contiguous cache holds, is refused in one line
+    (``ValueError``) before any weight loads."""
+    from rolecall.runtime.engine import ModelShape, static_step_of
+    from rolecall.runtime.engine.decoder import reads_pages
+    from rolecall.runtime.memory import ELEMENT_BYTES, GIB, device_memory, engine_pages, pages
 
     wanted = args.slots or SLOTS["cuda" if device.startswith("cuda") else "cpu"]
     size, name = device_memory(device)
     dtype = chosen_dtype(args, device)
     where = device if name == device else f"{device} ({name})"
+    shape = ModelShape.from_config(config)
+    paged = reads_pages(static_step_of(policy, shape))
     plan = plan_for(args, config, policy, context=context, dtype=dtype, device=where, device_bytes=size, rows=wanted,
-                    whole_rows=True)
+                    whole_rows=not paged)
     why = plan.refusal()
     if why:
         raise ValueError(why)
+    if paged:  # no more pages than the rows can ever hold at once
+        pool = min(engine_pages(plan, shape, ELEMENT_BYTES[dtype], wanted), wanted * pages(context))
+        if pool < pages(context):
+            raise ValueError(f"--slots {wanted}: the rings of {wanted} rows leave {pool:,} pages of the pool, fewer "
+                             f"than one request of --max-context {context:,} tokens needs; ask for fewer --slots")
+        return wanted, plan, pool + 1  # and the null page
     if args.slots and args.slots > plan.max_concurrency:
         raise ValueError(f"--slots {args.slots}: each row holds --max-context {context:,} tokens of KV "
                          f"({plan.request_bytes / GIB:.2f} GiB) and the pool ({plan.pool_bytes / GIB:.2f} GiB) holds "
                          f"{plan.max_concurrency}; ask for --slots {plan.max_concurrency} or fewer, a smaller "
                          "--max-context, or more memory (--gpu-memory-utilization, --kv-cache-gib)")
-    return min(wanted, plan.max_concurrency), plan
+    return min(wanted, plan.max_concurrency), plan, None
 
 
 def tokenizer_of(args: argparse.Namespace) -> Any:
@@ -200,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     policy = bound_policy(args.policy, manifest, config, **params)
     check_engine(args, config, policy)
     context = context_of(args, config)
-    slots, plan = planned_slots(args, config, policy, device, context)
+    slots, plan, kv_pages = planned_slots(args, config, policy, device, context)
     with contextlib.ExitStack() as stack:
         sock = stack.enter_context(bind(args.host, args.port))  # a port in use is refused before the weights load
         for line in plan.lines():
@@ -219,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             scheduler = stack.enter_context(Scheduler(weights, policy, slots=slots, max_context=context,
                                                       tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad,
-                                                      min_context=min_context))
+                                                      min_context=min_context, kv_pages=kv_pages))
         except NotImplementedError as e:  # a policy the scheduler refuses: one line, as every refusal
             raise ValueError(f"--policy {args.policy}: {e}") from None
         warm_up(scheduler)
@@ -227,8 +241,9 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(scheduler, model_name=name, tokenizer=tokenizer)
 
         def ready(port: int) -> None:
+            kv = f", KV in {kv_pages - 1:,} pages of 16 tokens" if kv_pages else ""
             print(f"rolecall serve: {name} with policy {args.policy} on http://{args.host}:{port} ({slots} slots, "
-                  f"context {context})", flush=True)
+                  f"context {context}{kv})", flush=True)
 
         serve(app, sock, ready=ready)
     return 0

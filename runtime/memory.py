@@ -187,6 +187,18 @@ def plan_memory(shape: ModelShape, *, max_context: int, element: int, device_byt
                       max_concurrency=max(pool, 0) // request if request else 0)
 
 
+def engine_pages(plan: MemoryPlan, shape: ModelShape, element: int, rows: int) -> int:
+    """Pages of the served engine's pool (its layers that are not rings; one page the null page) in ``plan``'s pool
+    once ``rows`` rows' rings are set aside: a hybrid model's sliding layers hold a ring of their window beside
+    the pool, in every row (:class:`~rolecall.runtime.engine.cache.StaticCache`); 0 when nothing is left."""
+    sliding = set(shape.sliding_layers)
+    ring_slots = sum(min(int(shape.windows[i]), plan.max_context) + 1 for i in sliding)
+    token = 2 * shape.kv_heads * shape.head_dim * element  # K and V of one token in one layer
+    left = plan.pool_bytes - rows * ring_slots * token
+    paged = shape.layers - len(sliding)
+    return max(left, 0) // (page_bytes(shape, element) * paged) if paged else 0
+
+
 def device_memory(device: str) -> tuple[int, str]:
     """Bytes of memory of ``device`` (``cuda[:N]``: the GPU's; ``cpu``: the machine's RAM) and its name."""
     if device.startswith("cuda"):

@@ -85,9 +85,14 @@ class DecodeAttention:
         self._joins.clear()
 
     # -- what the policies' static steps call --------------------------------------------------------------
-    def keys(self, span: KeySpan, slots: int) -> dict[str, Any]:
-        """The kernels' argument for the readable slots: the bounds (GPU kernels) or a mask (references)."""
-        return {"key_span": (span.first, span.last)} if self.triton else {"key_mask": span.as_mask(slots)}
+    def keys(self, span: KeySpan, k: torch.Tensor) -> dict[str, Any]:
+        """The kernels' arguments for the slots of the keys ``k`` that ``span`` reads: the bounds (GPU kernels) or a
+        mask over the row's slots (references), and a paged cache's block table (:attr:`KeySpan.table`)."""
+        keys: dict[str, Any] = ({"key_span": (span.first, span.last)} if self.triton else
+                                {"key_mask": span.as_mask(span.slots(k))})
+        if span.table is not None:
+            keys["block_table"] = span.table
+        return keys
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: KeySpan,
                indices: torch.Tensor | None = None, block_size: int = 1, log_weights: torch.Tensor | None = None,
@@ -102,8 +107,8 @@ class DecodeAttention:
         part of the heads passes its part of the map, and ``out`` then holds all of them)."""
         out_heads = self._heads(out_heads)
         if not self.triton and k.device.type == "cpu":  # no graph here: read only up to the last readable slot
-            k, v, key_mask = within_reach(span, k, v, key_mask)
-        keys = self.keys(span, k.shape[2])
+            k, v, key_mask, span = within_reach(span, k, v, key_mask)
+        keys = self.keys(span, k)
         if key_mask is not None:
             keys["key_mask"] = keys["key_mask"] & key_mask if "key_mask" in keys else key_mask
         scale = self.shape.attention_scale
@@ -130,7 +135,7 @@ class DecodeAttention:
         """Dense attention (written into ``out`` when given, ``out_heads`` as in :meth:`attend`) and block scores
         ``[B, n]`` (max over all heads) or ``[B, Hkv, n]`` (per KV head, in the cache's order)."""
         out_heads = self._heads(out_heads)
-        keys = self.keys(span, k.shape[2])
+        keys = self.keys(span, k)
         if self.triton:
             o, _, scores = self._page_triton.decode_and_score(q, k, v, self.shape.attention_scale, block_size,
                                                               per_kv_head=per_kv_head, out=out, out_heads=out_heads,
@@ -166,7 +171,7 @@ class DecodeAttention:
         if self.triton and q.is_cuda and self.batch < MIXED_MAX_BATCH:
             o, lse, logits = self._page_triton.mixed_keeping_logits(
                 q, k, v, indices, self.shape.attention_scale, block_size, r, index_rows=index_rows,
-                keeping_heads=c, out_heads=heads, **self.keys(span, k.shape[2]), **self._out)
+                keeping_heads=c, out_heads=heads, **self.keys(span, k), **self._out)
             if not c:
                 return o, None
             return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, True, count, recent, out, out_rows,
@@ -217,7 +222,7 @@ class DecodeAttention:
                                           out=out, out_rows=out_rows))
         o, lse, logits = self._page_triton.decode_keeping_logits(q, k, v, self.shape.attention_scale, out=into,
                                                                  out_heads=out_heads, keeping_heads=c,
-                                                                 **self.keys(span, k.shape[2]), **self._dense)
+                                                                 **self.keys(span, k), **self._dense)
         g = q.shape[1] // k.shape[1]
         return o, self._choose_aside(logits, lse[:, :c * g], block_size, c, per_kv_head, count, recent, out, out_rows,
                                      span.last)
@@ -277,16 +282,22 @@ class DecodeAttention:
         return last
 
 
-def within_reach(span: KeySpan, k: torch.Tensor, v: torch.Tensor,
-                 key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``k``, ``v [B, Hkv, S, D]`` and ``key_mask [B, S]`` cut to the slots before ``span``'s last readable one
-    and it: no row reads past it, so the result is the same, and a reference call's cost follows the longest
-    live row instead of the cache's size (the scheduler's rows reserve ``--max-context`` slots each). It reads
-    the bound on the host, so only where nothing is captured in a graph (the CPU)."""
+def within_reach(span: KeySpan, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KeySpan]:
+    """``k``, ``v [B, Hkv, S, D]``, ``key_mask [B, S]`` and ``span`` cut to the slots before ``span``'s last readable
+    one and it (a paged cache: its table cut to the pages that hold them, and the mask to those pages' slots): no
+    row reads past it, so the result is the same, and a reference call's cost follows the longest live row instead
+    of the cache's size. It reads the bound on the host, so only where nothing is captured in a graph (the CPU)."""
     reach = int(span.last.max()) + 1
+    if span.table is not None:
+        width = -(-reach // k.shape[2])  # pages of the longest row
+        if width >= span.table.shape[1]:
+            return k, v, key_mask, span
+        cut = KeySpan(span.first, span.last, span.table[:, :width])
+        return k, v, key_mask[..., :width * k.shape[2]] if key_mask is not None else None, cut
     if reach >= k.shape[2]:
-        return k, v, key_mask
-    return k[:, :, :reach], v[:, :, :reach], key_mask[..., :reach] if key_mask is not None else None
+        return k, v, key_mask, span
+    return k[:, :, :reach], v[:, :, :reach], key_mask[..., :reach] if key_mask is not None else None, span
 
 
 class Pending:

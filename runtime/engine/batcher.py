@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rolecall.runtime.engine.decoder import StaticDecoder
+from rolecall.runtime.engine.pages import NULL_PAGE, PagePool, PageTables
 from rolecall.runtime.engine.sampling import RowSampler, Sampler
 
 
@@ -76,7 +77,10 @@ class Batcher:
         self.sampler = RowSampler(self.rows, w.device)
         # below min_context (of the longest live request: position, set before each run) the full step runs
         self.dec = StaticDecoder(w, s.policy, self.rows, s.max_context, min_context=s.min_context, kernels=s.kernels,
-                                 sampler=self.sampler, stopper=self.stopper, row_lengths=True)
+                                 sampler=self.sampler, stopper=self.stopper, row_lengths=True, pages=s.kv_pages)
+        # the pages each request holds, over the cache's pool (None: a contiguous cache, every row its context)
+        self.tables = PageTables(PagePool(s.kv_pages)) if s.kv_pages is not None else None
+        self.swapped: dict[int, Any] = {}  # a preempted request's id -> its KV, in host memory
         s.min_context = self.dec.min_context  # the crossover the decoder took, when None
         self.graphs = w.device.type == "cuda"
         if self.graphs:
@@ -87,40 +91,115 @@ class Batcher:
         self.live: dict[int, Any] = {}  # row -> the request in it
         s.kv_bytes = self.dec.cache.nbytes
 
+    # -- pages ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _written(live: Any, steps: int = 0) -> int:
+        """Tokens ``live`` has in the cache after ``steps`` more steps: its prompt and every token but the last
+        (the next step's input), at most all but its last possible one."""
+        r = live.request
+        return min(len(r.prompt) + max(len(live.tokens) - 1, 0) + steps, len(r.prompt) + r.max_new_tokens - 1)
+
+    def _hold(self, row: int, live: Any, tokens: int) -> bool:
+        """Make ``live`` (in ``row``) hold the pages of ``tokens`` tokens, its table row updated; False when the
+        pool has too few free pages (nothing changed)."""
+        held = len(self.tables.pages_of(live.id))
+        if not self.tables.reserve(live.id, tokens):
+            return False
+        if len(self.tables.pages_of(live.id)) != held:
+            table = self.dec.cache.table
+            table[row].copy_(self.tables.table([live.id], table.shape[1])[0])
+        return True
+
+    def _grow(self, steps: int) -> None:
+        """Every live row holds the pages the next ``steps`` steps write, the earliest requests first; where the
+        pool runs out, the latest request that runs is preempted (:meth:`_preempt`), until it does or is itself."""
+        for row, live in sorted(self.live.items(), key=lambda item: item[1].id):
+            while row in self.live and not self._hold(row, live, self._written(live, steps)):
+                self._preempt(max(self.live, key=lambda r: self.live[r].id))
+
+    def _preempt(self, row: int) -> None:
+        """Free ``row`` and its request's pages, its KV copied to host memory first; the request waits at the head of
+        the queue and takes them back (:meth:`_start`) when pages are free again."""
+        s, live = self.sched, self.live.pop(row)
+        self.swapped[live.id] = self.dec.cache.take_out(row, self.tables.pages_of(live.id))
+        self._free(row, live)
+        with s._lock:
+            s._running.pop(live.id, None)
+            s._waiting.appendleft(live)
+        s.preemptions += 1
+
+    def _free(self, row: int, live: Any) -> None:
+        """``row`` is idle: its request's pages go back to the pool, its table row to the null page, and it reads
+        one slot, not its last request's context, until a request joins it."""
+        self.sampler.free_row(row)
+        self.stopper.finished[row] = True
+        c = self.dec.cache
+        c.length[row], c.pads[row] = 0, 0
+        if self.tables is not None:
+            self.tables.release(live.id)
+            c.table[row].fill_(NULL_PAGE)
+
+    def release_all(self) -> None:
+        """Every page back to the pool (the engine stopped: no request runs on)."""
+        for row, live in list(self.live.items()):
+            del self.live[row]
+            if self.tables is not None:
+                self.tables.release(live.id)
+
     # -- admission -----------------------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self, steps: int) -> None:
+        """Waiting requests into free rows, in order, while the pool holds each one's prompt and the next ``steps``
+        steps (a request that does not fit waits, and those behind it with it)."""
         s = self.sched
         while len(self.live) < self.rows:
             with s._lock:
                 if not s._waiting:
                     return
-                live = s._waiting.popleft()
+                live = s._waiting[0]
+                if not live.cancelled and self.tables is not None and \
+                        not self.tables.fits(self._written(live, steps)):
+                    return
+                s._waiting.popleft()
                 if live.cancelled:
+                    self.swapped.pop(live.id, None)
                     s._finish(live, "cancelled")
                     continue
                 s._running[live.id] = live
             row = next(r for r in range(self.rows) if r not in self.live)
+            if self.tables is not None and not self._hold(row, live, self._written(live, steps)):
+                raise RuntimeError("the pages that were free at admission were gone")  # nothing else takes them
             self._start(row, live)
 
     def _start(self, row: int, live: Any) -> None:
-        """Prefill ``live``'s prompt alone into ``row``'s memory and set the row's books; its first token goes out."""
+        """Prefill ``live``'s prompt alone into ``row``'s memory and set the row's books; its first token goes out.
+        A preempted request takes back its KV instead (the same bytes, into its new pages), and its last token is
+        the row's next input, as if it had never stopped: under any policy its tokens are an uninterrupted run's
+        (recomputing them by a prefill would not be: a sparse policy's decode steps wrote KV that a dense pass
+        does not)."""
         s, r = self.sched, live.request
-        prompt = list(r.prompt)
-        start = time.perf_counter()
-        pre = StaticDecoder(s.weights, s.policy, 1, s.max_context, cache=self.dec.cache.row(row), min_context=0,
-                            kernels=s.kernels, sampler=Sampler(r.sampling, s.weights.device), compile=False)
-        pre.prefill(torch.tensor([prompt], dtype=torch.long, device=s.weights.device))
-        first = int(pre.tokens[0])  # one sync per admitted request
-        s.prefill_s += time.perf_counter() - start
-        s.prefill_tokens += len(prompt)
+        done_before = len(live.tokens)
+        written = len(r.prompt) + max(done_before - 1, 0)
         c = self.dec.cache
-        c.length[row], c.pads[row] = len(prompt), 0
+        if done_before:
+            c.put_back(row, self.tables.pages_of(live.id), self.swapped.pop(live.id))
+            first = live.tokens[-1]
+        else:
+            start = time.perf_counter()
+            pre = StaticDecoder(s.weights, s.policy, 1, s.max_context, cache=c.row(row), min_context=0,
+                                kernels=s.kernels, sampler=Sampler(r.sampling, s.weights.device), compile=False)
+            pre.prefill(torch.tensor([list(r.prompt)], dtype=torch.long, device=s.weights.device))
+            first = int(pre.tokens[0])  # one sync per admitted request
+            s.prefill_s += time.perf_counter() - start
+            s.prefill_tokens += written
+        c.length[row], c.pads[row] = written, 0
         self.dec.row_filled(row)
         self.dec.tokens[row] = first
-        self.sampler.set_row(row, r.sampling, 1)
+        self.sampler.set_row(row, r.sampling, max(done_before, 1))
         eos = [] if r.ignore_eos else s.eos
-        done = self.stopper.set_row(row, r.max_new_tokens, eos, first)
+        done = self.stopper.set_row(row, r.max_new_tokens - max(done_before - 1, 0), eos, first)
         self.live[row] = live
+        if done_before:  # its tokens went out before it was preempted
+            return
         s.generated += 1
         if not self._deliver(row, [first], done):
             self.stopper.finished[row] = True
@@ -128,10 +207,12 @@ class Batcher:
     # -- one run of steps ------------------------------------------------------------------------------------------
     def advance(self) -> None:
         s = self.sched
-        self._admit()
+        n = s.check_every
+        if self.tables is not None:
+            self._grow(n)  # the live rows' pages for this run first: an admission takes only what is left
+        self._admit(n)
         if not self.live:
             return
-        n = s.check_every
         # the full-step fallback's one length: the longest live request's tokens in the cache (its prompt and all
         # its tokens but the last, which the next step writes), as the decoder's position counts them for a request
         # alone; the rows keep their own lengths on the device
@@ -168,9 +249,7 @@ class Batcher:
         if s._deliver(live, new, reason) is None:
             return True
         del self.live[row]
-        self.sampler.free_row(row)
-        # an idle row reads one slot, not its last request's context, until a request joins it
-        self.dec.cache.length[row], self.dec.cache.pads[row] = 0, 0
+        self._free(row, live)
         with s._lock:
             s._running.pop(live.id, None)
         return False

@@ -11,6 +11,13 @@ position, so a new token overwrites the one that just left its window (a request
 wraps), and the readable slots are always one span ending at slot ``n - 1`` (:func:`ring_span`). Padding goes to
 the last slot, which no step reads. At 128K tokens this holds a Gemma 3 model's KV in about a sixth of the
 memory, as transformers' own cache does.
+
+A paged cache (``pages=N``, the scheduler's rows) holds each layer that is not a ring as a pool of ``N`` pages of
+:data:`~rolecall.runtime.memory.PAGE_TOKENS` tokens, ``[N, Hkv, 16, D]``, shared by every row, and ``table [B, W]``
+int32 says which page holds each row's slots ``16 j … 16 j + 15`` (:mod:`rolecall.runtime.engine.pages` hands them
+out; page 0 is the null page an idle row's entries point at). A row's slots are the same slots as a contiguous
+cache's; the step reads them through the table (:attr:`KeySpan.table`), the prefill through :meth:`read_span` and
+:meth:`write_span`, so memory follows the pages requests hold, not rows × slots.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from typing import Any
 import torch
 
 from rolecall.runtime.engine.shape import ModelShape
+from rolecall.runtime.kernels.paged_attention.tables import gather_pages
+from rolecall.runtime.memory import PAGE_TOKENS
+from rolecall.runtime.memory import pages as page_count
 
 
 class StaticCache:
@@ -28,16 +38,26 @@ class StaticCache:
     ``lethe``). ``head_order``: per layer, the model's KV head each cache head holds (position j holds head
     ``head_order[l][j]``), or ``None`` for the model's own order. A policy that stores a layer's heads in
     another order (``lychee`` keeps retrieval heads first) gives its order here, so that every decoder reading
-    a shared cache sees the same model state."""
+    a shared cache sees the same model state. ``pages``: hold the layers that are not rings as a pool of that many
+    16-token pages read through :attr:`table` (see the module's docstring; the scheduler's rows only: each row keeps
+    its own length)."""
 
     def __init__(self, shape: ModelShape, batch: int, slots: int, device: Any, dtype: torch.dtype,
                  head_order: list[torch.Tensor] | None = None, layer_slots: dict[int, int] | None = None,
-                 row_lengths: bool = False) -> None:
+                 row_lengths: bool = False, pages: int | None = None) -> None:
         self.shape, self.batch, self.slots = shape, batch, int(slots)
         self.rings = ring_lengths(shape, self.slots)  # layer -> n: a ring of n tokens and the padding's slot
+        if pages is not None and (layer_slots or not row_lengths):
+            raise ValueError("a paged cache holds rows of their own lengths, every slot of every layer that is not a "
+                             "ring (no compact layers)")
+        self.table = None if pages is None else torch.zeros(batch, page_count(self.slots), dtype=torch.int32,
+                                                            device=device)
         sizes = [self.rings[i] + 1 if i in self.rings else min(int((layer_slots or {}).get(i, slots)), self.slots)
                  for i in range(shape.layers)]
-        self.k = [torch.zeros(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=dtype) for n in sizes]
+        self.k = [torch.zeros(pages, shape.kv_heads, PAGE_TOKENS, shape.head_dim, device=device, dtype=dtype)
+                  if pages is not None and i not in self.rings else
+                  torch.zeros(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=dtype)
+                  for i, n in enumerate(sizes)]
         self.v = [torch.zeros_like(k) for k in self.k]
         # the next slot each row writes: one for all rows (a left-padded batch), or each row's own (row_lengths:
         # the scheduler's rows, each a request of its own, unpadded)
@@ -50,21 +70,78 @@ class StaticCache:
         """Whether each row keeps its own length (``length [B]``) rather than one for all (``length []``)."""
         return self.length.dim() == 1
 
+    @property
+    def paged(self) -> bool:
+        """Whether the layers that are not rings are pools of pages read through :attr:`table`."""
+        return self.table is not None
+
+    def table_of(self, layer: int) -> torch.Tensor | None:
+        """The block table ``layer`` is read through: :attr:`table` for a paged layer, None for a ring or a
+        contiguous cache."""
+        return None if self.table is None or layer in self.rings else self.table
+
     def row(self, r: int) -> StaticCache:
         """Row ``r`` as a cache of one row over the same memory (a request's own prefill into its row), with a
-        length of its own."""
+        length of its own; a paged cache's row shares the pools and reads row ``r`` of the table."""
         view = object.__new__(StaticCache)
         view.shape, view.batch, view.slots, view.rings = self.shape, 1, self.slots, self.rings
-        view.k, view.v = [t[r:r + 1] for t in self.k], [t[r:r + 1] for t in self.v]
+        view.table = None if self.table is None else self.table[r:r + 1]
+        view.k = [t if view.table_of(i) is not None else t[r:r + 1] for i, t in enumerate(self.k)]
+        view.v = [t if view.table_of(i) is not None else t[r:r + 1] for i, t in enumerate(self.v)]
         view.length = torch.zeros((), dtype=torch.long, device=self.length.device)
         view.pads = torch.zeros(1, dtype=torch.long, device=self.length.device)
         view.head_order = self.head_order
         return view
 
+    def read_span(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, Hkv, end, D]`` of slots ``0 … end - 1`` of a layer that is not a ring (views of a contiguous
+        cache; gathered through the table from a paged one)."""
+        table = self.table_of(layer)
+        if table is None:
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        table = table[:, :page_count(end)]
+        return gather_pages(self.k[layer], table)[:, :, :end], gather_pages(self.v[layer], table)[:, :, :end]
+
+    def write_span(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v [B, Hkv, m, D]`` into slots ``start … start + m - 1`` of a layer that is not a ring (a paged
+        row's pages for those slots must be in its table)."""
+        table = self.table_of(layer)
+        end = start + k.shape[2]
+        if table is None:
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
+            return
+        slots = torch.arange(start, end, device=table.device)
+        page = table.long().index_select(1, slots // PAGE_TOKENS)  # [B, m]
+        at = slots % PAGE_TOKENS
+        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+            pool[page, :, at[None, :].expand_as(page)] = new.transpose(1, 2).to(pool.dtype)  # [B, m, Hkv, D]
+
+    def take_out(self, row: int, held: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies in host memory of what row ``row`` holds, per layer: its pages ``held`` (in token order) of a paged
+        layer, its ring of a sliding one (a request preempted whole, :meth:`put_back` restores it)."""
+        at = torch.tensor(held, dtype=torch.long, device=self.length.device)
+        return [(k.index_select(0, at).cpu(), v.index_select(0, at).cpu()) if self.table_of(i) is not None else
+                (k[row].cpu(), v[row].cpu()) for i, (k, v) in enumerate(zip(self.k, self.v))]
+
+    def put_back(self, row: int, held: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Row ``row`` holds again what :meth:`take_out` copied, in the pages ``held`` now (at least as many, in token
+        order): the same bytes, so the request goes on as if it had never stopped."""
+        for i, (k, v) in enumerate(saved):
+            if self.table_of(i) is None:
+                self.k[i][row].copy_(k)
+                self.v[i][row].copy_(v)
+                continue
+            at = torch.tensor(held[:k.shape[0]], dtype=torch.long, device=self.length.device)
+            self.k[i].index_copy_(0, at, k.to(self.k[i].device))
+            self.v[i].index_copy_(0, at, v.to(self.v[i].device))
+
     @property
     def min_slots(self) -> int:
         """Slots of the smallest layer that is not a ring (a policy that keeps a layer's tokens compact may hold
-        fewer)."""
+        fewer; a paged layer holds every slot)."""
+        if self.paged:
+            return self.slots
         return min(k.shape[2] for i, k in enumerate(self.k) if i not in self.rings)
 
     @property
@@ -155,6 +232,11 @@ class KeySpan:
 
     first: torch.Tensor  # [B] long
     last: torch.Tensor  # [] or [B] long: the new token's slot (each row's, where rows keep their own lengths)
+    table: torch.Tensor | None = None  # [B, W] int32: the keys are a pool of pages read through it (a paged cache)
+
+    def slots(self, k: torch.Tensor) -> int:
+        """Slots a row of the keys ``k`` holds: ``k``'s third dimension, or the table's pages × 16 for a pool."""
+        return k.shape[2] * (self.table.shape[1] if self.table is not None else 1)
 
     def as_mask(self, slots: int) -> torch.Tensor:
         """``[B, slots]`` bool, True on the readable slots (what the reference kernels take)."""

@@ -62,6 +62,12 @@ def static_step_of(policy: Any, shape: Any) -> Any:
     return make(shape)
 
 
+def reads_pages(step: Any) -> bool:
+    """Whether a policy's static ``step`` reads the cache only through :class:`DecodeAttention`'s calls (so a paged
+    cache serves it: the calls read through the span's block table): the step declares ``paged``."""
+    return bool(getattr(step, "paged", False))
+
+
 def rows_refusal(step: Any) -> str | None:
     """Why a policy's static ``step`` cannot run rows of their own lengths (the scheduler's), or None when it can:
     the step declares ``row_lengths`` when it keeps nothing across steps that assumes one length for all rows."""
@@ -86,7 +92,7 @@ class StaticDecoder:
     def __init__(self, weights: Weights, policy: Any = None, batch: int = 1, max_len: int = 4096, *,
                  cache: StaticCache | None = None, min_context: int | None = None, kernels: str = "auto",
                  sampler: Any = None, stopper: Any = None, compile: bool | None = None,
-                 prompt_tokens: int | None = None, row_lengths: bool = False) -> None:
+                 prompt_tokens: int | None = None, row_lengths: bool = False, pages: int | None = None) -> None:
         from rolecall.runtime.policies.full import Full
 
         self.policy = policy if policy is not None else Full()
@@ -96,6 +102,9 @@ class StaticDecoder:
         why = rows_refusal(self.static) if row_lengths else None
         if why:
             raise NotImplementedError(f"policy {self.policy.name!r}: {why}")
+        if pages is not None and not reads_pages(self.static):
+            raise NotImplementedError(f"policy {self.policy.name!r}: its engine step reads the cache's slots itself, "
+                                      "not through a block table (paged: full, delta without refine, lychee)")
         head_order = head_order_of(self.static.head_order, s)
         if max_len > weights.max_positions:
             raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "
@@ -103,7 +112,7 @@ class StaticDecoder:
         self.weights, self.shape, self.batch = weights, s, batch
         device, dtype = weights.device, weights.dtype
         self.owns_cache = cache is None  # a policy may resize only a cache of its own
-        self.cache = self._cache(cache, batch, max_len, head_order, prompt_tokens, row_lengths)
+        self.cache = self._cache(cache, batch, max_len, head_order, prompt_tokens, row_lengths, pages)
         self.max_len = max_len
         # A cache that keeps a layer's KV heads in another order (the policy's head_order) does not reorder the
         # weights: the new token's heads are read in the cache's order (rope_and_store) and every attention call
@@ -145,13 +154,17 @@ class StaticDecoder:
         self._post = L.compiled_finish(s) if compile else L.bound_finish(s)
 
     def _cache(self, cache: StaticCache | None, batch: int, max_len: int, head_order: Any,
-               prompt_tokens: int | None, row_lengths: bool) -> StaticCache:
+               prompt_tokens: int | None, row_lengths: bool, pages: int | None) -> StaticCache:
         """A new cache of ``batch`` rows × ``max_len`` slots (a policy that keeps some layers compact sizes them
-        to the prompt and its budget), or the shared ``cache``, refused where its size or head order differs."""
+        to the prompt and its budget; ``pages``: a pool of that many pages instead), or the shared ``cache``,
+        refused where its size or head order differs."""
         if cache is None:
             sizes = getattr(self.static, "cache_slots", None)
             return StaticCache(self.shape, batch, max_len, self.weights.device, self.weights.dtype, head_order,
-                               sizes(max_len, prompt_tokens) if sizes is not None else None, row_lengths)
+                               sizes(max_len, prompt_tokens) if sizes is not None else None, row_lengths, pages)
+        if cache.paged and not reads_pages(self.static):
+            raise NotImplementedError(f"policy {self.policy.name!r}: its engine step reads the cache's slots itself, "
+                                      "not through a block table")
         if cache.batch != batch or cache.slots != max_len:
             raise ValueError(f"the shared cache has {cache.batch} rows × {cache.slots} slots, this decoder needs "
                              f"{batch} × {max_len}")
@@ -278,7 +291,9 @@ class StaticDecoder:
         saved_state = [t.clone() for t in self._state()]
         written = self.position + torch.arange(warmup, device=c.length.device)
         owned = getattr(self.static, "owned_layers", set())  # compact layers: whole buffers in the step's state()
-        plain = [i for i in range(len(c.k)) if i not in owned and i not in c.rings]
+        # a paged layer's warm-up writes go to each row's next slots, which its next step writes again before any
+        # step reads them (an idle row's, and a row's past its pages, to the null page, which nothing reads)
+        plain = [i for i in range(len(c.k)) if i not in owned and c.table_of(i) is None and i not in c.rings]
         saved = [(c.k[i].index_select(2, written), c.v[i].index_select(2, written)) for i in plain]
         rings = {i: (c.k[i].clone(), c.v[i].clone()) for i in c.rings}  # a few hundred slots: kept whole
         side = torch.cuda.Stream()
@@ -337,9 +352,9 @@ class StaticDecoder:
         (``positions [B]``: each row's position of the new token)."""
         c = self.cache
         pads = c.pads
-        spans: dict[Any, KeySpan] = {None: KeySpan(pads, length)}
+        spans: dict[Any, KeySpan] = {None: KeySpan(pads, length, c.table)}
         for w in sorted({w for i, w in enumerate(self.shape.windows) if w is not None and i not in c.rings}):
-            spans[w] = KeySpan(torch.maximum(pads, length - w + 1), length)
+            spans[w] = KeySpan(torch.maximum(pads, length - w + 1), length, c.table)
         rings = {n: (ring_span(positions, n, last), ring_slots(positions, n), blocks)
                  for n, (last, blocks) in self._ring_reads.items()}
         return spans, rings
@@ -364,7 +379,8 @@ class StaticDecoder:
                 # q and the cache in the cache's head order, o in the model's
                 self.attn.layer_heads = self.head_maps[i]
                 q = rope_store(linear(h, lw.wqkv, lw.bqkv), hq, s.kv_heads, *rope[s.rope_kinds[i]], c.k[i], c.v[i],
-                               slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i])  # K/V stored
+                               slots.get(i, length), lw.q_norm, lw.k_norm, s.eps, self.head_maps[i],
+                               block_table=c.table_of(i))  # K/V stored (through the table into a paged layer)
                 window = s.windows[i]
                 if i in c.rings:  # a hybrid model's sliding layer: its own attention, over its ring
                     span, _, blocks = rings[c.rings[i]]
@@ -420,5 +436,5 @@ def padding_mask(pads: list[int], width: int, device: Any = "cpu") -> torch.Tens
     return (torch.arange(width, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]).long()
 
 
-__all__ = ["StaticDecoder", "pad_left", "padding_mask", "rows_refusal", "static_step_of"]
+__all__ = ["StaticDecoder", "pad_left", "padding_mask", "reads_pages", "rows_refusal", "static_step_of"]
 

@@ -140,6 +140,8 @@ class Prefilled:
 def snapshot(dec, ids: torch.Tensor, pads: list[int]) -> Prefilled:
     """The prompt's K/V and last logits of a decoder that has just prefilled ``ids`` (copies, model head order)."""
     c, p = dec.cache, ids.shape[1]
+    if c.paged:
+        raise ValueError("snapshot reads a contiguous cache; a paged one serves the scheduler's rows")
     if dec.position != p:
         raise RuntimeError(f"snapshot needs the decoder right after its prefill of {p} tokens (it holds {dec.position})")
     k, v = [], []
@@ -161,6 +163,8 @@ def load(dec, pre: Prefilled) -> torch.Tensor:
     decoder's cache (in its head order), the next tokens chosen from the kept logits."""
     c = dec.cache
     b, p = pre.ids.shape
+    if c.paged:
+        raise ValueError("load writes a contiguous cache; a paged one serves the scheduler's rows")
     _check_fits(dec, b, p, pre.pads)
     want = [(b, dec.shape.kv_heads, min(p, c.rings[i]) if i in c.rings else p, dec.shape.head_dim)
             for i in range(len(c.k))]
@@ -271,14 +275,13 @@ def _forward(dec, input_ids: torch.Tensor, start: int, plain: bool) -> torch.Ten
                 before_k, before_v = c.read_ring(i, base, start)
                 keys_all, values_all = torch.cat([before_k, k], 2), torch.cat([before_v, v], 2)
             c.write_ring(i, start, k, v)
-        else:
-            c.k[i][:, :, start:end] = k
-            c.v[i][:, :, start:end] = v
-            base, keys_all, values_all = 0, c.k[i], c.v[i]
+        else:  # slots 0 .. end - 1: the chunk's own and, past the first chunk, those before it from the cache
+            c.write_span(i, start, k, v)
+            base, (keys_all, values_all) = 0, ((k, v) if start == 0 else c.read_span(i, end))
         blocks, q = masks[s.windows[i]], q.transpose(1, 2)  # q [B, Hq, C, D]
         if blocks is None:
             causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(end - start, end)}
-            o = F.scaled_dot_product_attention(q, c.k[i][:, :, :end], c.v[i][:, :, :end], **causal,
+            o = F.scaled_dot_product_attention(q, keys_all, values_all, **causal,
                                                scale=s.attention_scale, enable_gqa=g > 1)
         else:
             parts = []

@@ -94,22 +94,39 @@ class Scheduler:
     sparse policy's step runs only once the longest live request holds this many tokens; below it every row takes
     the full step (faster there: the sparse step's selection costs more than the reads it saves). Default: the
     measured crossover for the policy at ``slots`` rows (:func:`rolecall.runtime.engine.default_min_context`); 0: always
-    the policy's step."""
+    the policy's step.
+
+    KV by the page: where the policy's step reads the cache through block tables (``reads_pages``: full, delta
+    without refine, lychee) the rows share a pool of ``kv_pages`` 16-token pages (one the null page; default: as many
+    as ``slots`` rows of ``max_context`` tokens take, plus it), and ``slots`` is the step's row capacity, not a
+    reservation. A request is admitted while a row and the pages of its prompt and of the next run of steps are free;
+    before each run every live row is given the pages that run writes, and when the pool runs out the most recently
+    admitted request is preempted (its pages freed, it waits at the head of the queue and is recomputed from its
+    prompt and the tokens it has: its client sees only latency; its tokens are those of an uninterrupted run
+    under greedy decoding, and a sampled one's draws continue from its seed). Pages return on finish, cancel,
+    error and disconnect. A request that could never fit the pool is refused at once. ``paged=False`` keeps a
+    contiguous cache of ``slots`` × ``max_context`` for any policy (the others always have one)."""
 
     def __init__(self, weights: Any, policy: Any, *, slots: int = 8, max_context: int | None = None,
                  tokenizer: Any = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
-                 kernels: str = "auto", check_every: int = 8, min_context: int | None = None) -> None:
+                 kernels: str = "auto", check_every: int = 8, min_context: int | None = None,
+                 kv_pages: int | None = None, paged: bool | None = None) -> None:
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer ≥ 1, got {slots!r}")
         most = weights.max_positions
         max_context = most if max_context is None else int(max_context)
         if not 2 <= max_context <= most:
             raise ValueError(f"max_context {max_context} must be in [2, {most}] (the model's RoPE positions)")
-        from rolecall.runtime.engine.decoder import rows_refusal, static_step_of
+        from rolecall.runtime.engine.decoder import reads_pages, rows_refusal, static_step_of
 
-        why = rows_refusal(static_step_of(policy, weights.shape))
+        step = static_step_of(policy, weights.shape)
+        why = rows_refusal(step)
         if why:
             raise NotImplementedError(f"policy {policy.name!r} cannot serve yet: {why}")
+        paged = reads_pages(step) if paged is None else bool(paged and reads_pages(step))
+        if kv_pages is not None and (not isinstance(kv_pages, int) or isinstance(kv_pages, bool) or kv_pages < 2):
+            raise ValueError(f"kv_pages must be an integer ≥ 2 (one is the null page), got {kv_pages!r}")
+        self.kv_pages = (kv_pages or slots * pages(max_context) + 1) if paged else None
         self.weights, self.policy, self.slots, self.max_context = weights, policy, slots, max_context
         self.tokenizer, self.pad_token_id, self.kernels = tokenizer, int(pad_token_id), kernels
         self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
@@ -128,6 +145,7 @@ class Scheduler:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.generated = 0  # tokens generated since start
+        self.preemptions = 0  # requests preempted for pages since start
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per engine call, for tokens/s
         self.kv_bytes = 0
         # where the engine's time goes: prefills of admitted requests (each alone, between runs of steps) and runs
@@ -152,6 +170,11 @@ class Scheduler:
                           limit_name="this server's context of {limit}")
         except ValueError as e:
             raise RequestError("prompt", " ".join(str(e).split())) from None
+        need = len(request.prompt) + request.max_new_tokens - 1  # the last token is never written
+        if self.kv_pages is not None and pages(need) > self.kv_pages - 1:
+            raise RequestError("prompt", f"the request needs {need:,} tokens of KV ({pages(need):,} pages of 16) and "
+                               f"this server's pool holds {self.kv_pages - 1:,} pages ({16 * (self.kv_pages - 1):,} "
+                               "tokens); shorten the prompt or lower max_tokens")
         if request.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer, and this server has none")
         if not isinstance(request.sampling, Sampling):
@@ -181,8 +204,9 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         """``running``, ``waiting`` requests, ``slots`` and ``slots_in_use``, ``kv_bytes`` held by the cache,
-        ``kv_pages_total`` (the 16-token pages of :mod:`rolecall.runtime.memory` the rows reserve: ``slots`` ×
-        ``max_context``) and ``kv_pages_used`` (the pages the running requests' tokens fill, prompt and answer),
+        ``kv_pages_total`` (the 16-token pages of :mod:`rolecall.runtime.memory` of the pool, or those the rows
+        reserve, ``slots`` × ``max_context``, with a contiguous cache) and ``kv_pages_used`` (the pages the running
+        requests hold; with a contiguous cache those their tokens fill, prompt and answer), ``preemptions``,
         ``generated_tokens`` since start and ``tokens_per_s`` over the last engine calls; the engine's seconds in
         prefills (``prefill_seconds``, of ``prefill_tokens``) and in decode steps (``decode_seconds``, of
         ``decode_steps``, each step of every live row together): their ratio over an interval is the step's time
@@ -190,13 +214,17 @@ class Scheduler:
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)
             used = sum(pages(len(live.request.prompt) + len(live.tokens)) for live in self._running.values())
+        pool = getattr(self.engine, "tables", None)
+        total = self.slots * pages(self.max_context) if self.kv_pages is None else self.kv_pages - 1
+        if pool is not None:
+            used = pool.pool.used  # the pages the running requests hold
         rate = 0.0
         if len(self._rate) >= 2:
             (t0, _), (t1, _) = self._rate[0], self._rate[-1]
             rate = sum(n for _, n in list(self._rate)[1:]) / max(t1 - t0, 1e-9)
         return {"running": running, "waiting": waiting, "slots": self.slots, "slots_in_use": running,
-                "kv_bytes": self.kv_bytes, "kv_pages_total": self.slots * pages(self.max_context),
-                "kv_pages_used": used, "generated_tokens": self.generated, "tokens_per_s": rate,
+                "kv_bytes": self.kv_bytes, "kv_pages_total": total, "kv_pages_used": used,
+                "preemptions": self.preemptions, "generated_tokens": self.generated, "tokens_per_s": rate,
                 "prefill_seconds": self.prefill_s, "prefill_tokens": self.prefill_tokens,
                 "decode_seconds": self.decode_s, "decode_steps": self.decode_steps}
 
@@ -256,6 +284,8 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the engine failed: every request learns why, the process lives
             self.failure = f"{type(e).__name__}: {e}"
             print(f"rolecall: the engine stopped: {self.failure}", file=sys.stderr)
+            if self.engine is not None:
+                self.engine.release_all()
             with self._lock:
                 left = list(self._waiting) + list(self._running.values())
                 self._waiting.clear()

@@ -167,6 +167,12 @@ class DeltaStep:
     def __post_init__(self) -> None:
         self.meta = PageMeta(self.page_size) if self.refine > 1 else None
 
+    @property
+    def paged(self) -> bool:
+        """Reads the cache only through the decoder's attention calls (a paged cache serves it): without refining;
+        refining's page bounds read the cache's slots themselves."""
+        return self.meta is None
+
     def prepare(self, dec: Any) -> None:
         if self.meta is not None:  # refining: each sparse layer keeps its page bounds beside the cache
             self.meta.prepare(dec, [i for i, r in enumerate(self.roles) if r == LAYER_ROLE_SPARSE])

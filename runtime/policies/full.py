@@ -29,6 +29,7 @@ class FullStep:
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = False
     row_lengths: ClassVar[bool] = True  # runs on rows of their own lengths (the scheduler's)
+    paged: ClassVar[bool] = True  # reads the cache only through the decoder's attention calls (block tables)
     block_sizes: ClassVar[tuple[int, ...]] = ()
 
     def reads(self, shape: Any, context: int) -> float:

@@ -159,6 +159,7 @@ class LycheeStep:
     choosing: torch.Tensor  # [L, Hkv] bool: retrieval heads whose choice is read (passes_on)
     sparse: ClassVar[bool] = True
     row_lengths: ClassVar[bool] = True  # nothing is kept across steps: rows of their own lengths are fine
+    paged: ClassVar[bool] = True  # reads the cache only through the decoder's attention calls (block tables)
 
     def __post_init__(self) -> None:
         rank = 2 - self.retrieval.to(torch.int8) - self.choosing.to(torch.int8)  # 0 choose, 1 retrieve only, 2 sparse
@@ -198,14 +199,14 @@ class LycheeStep:
         return self._maps[key]
 
     def attention(self, dec: Any, layer: int, q, k, v, span, state: dict) -> Any:
-        b, hkv = k.shape[:2]
+        b, hkv = q.shape[0], k.shape[1]  # k: the rows' keys, or a pool of pages (span.table)
         order, out_rows = self._device_maps(k.device, b)[layer]
         r, c, bs, n = self.n_retrieval[layer], self.n_choosing[layer], self.block_size, self.num_blocks
         pending = state.get("lychee.sets")  # Pending([B, Hkv, N] by original head index), chosen beside the step
         sets = pending.result() if pending is not None else None
         if r == hkv or sets is None:  # every head reads everything (the first layer): one dense launch
             if sets is None and c:  # the first choice: rows no choice writes are never read (passes_on)
-                sets = torch.empty(b, hkv, min(n, math.ceil(k.shape[2] / bs)), device=k.device, dtype=torch.int32)
+                sets = torch.empty(b, hkv, min(n, math.ceil(span.slots(k) / bs)), device=k.device, dtype=torch.int32)
             out, chosen = dec.attn.attend_and_choose(q, k, v, span, bs, True, n, self.recent_blocks, out=sets,
                                                 out_rows=out_rows, choosing=c)
         elif r == 0:  # every head reads what it inherits

@@ -14,8 +14,11 @@ FROM_STATS = {
     "rolecall_slots": ("gauge", "Row slots of the engine's decoder.", "slots"),
     "rolecall_slots_in_use": ("gauge", "Row slots holding a request.", "slots_in_use"),
     "rolecall_kv_cache_bytes": ("gauge", "Bytes of KV cache the engine holds.", "kv_bytes"),
-    "rolecall_kv_pages_total": ("gauge", "16-token KV pages the engine's rows reserve.", "kv_pages_total"),
-    "rolecall_kv_pages_used": ("gauge", "16-token KV pages the running requests' tokens fill.", "kv_pages_used"),
+    "rolecall_kv_pages_total": ("gauge", "16-token KV pages of the engine's pool (or that its rows reserve).",
+                                "kv_pages_total"),
+    "rolecall_kv_pages_used": ("gauge", "16-token KV pages the running requests hold.", "kv_pages_used"),
+    "rolecall_preemptions_total": ("counter", "Requests preempted when the KV pool ran out (their KV kept in host "
+                                   "memory, resumed as they were).", "preemptions"),
     "rolecall_generated_tokens_total": ("counter", "Tokens generated since the server started.", "generated_tokens"),
     "rolecall_tokens_per_second": ("gauge", "Tokens generated per second over the engine's last calls.",
                                    "tokens_per_s"),

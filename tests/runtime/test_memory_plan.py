@@ -133,7 +133,9 @@ def test_bad_memory_flags_are_one_line(flag, value, capsys):
 @pytest.mark.parametrize("flags, says", [
     (["--gpu-memory-utilization", "inf"], "--gpu-memory-utilization inf: give the fraction"),
     (["--kv-cache-gib", "8", "--max-context", "131072"], "cannot hold one request of 131,072 tokens"),
-    (["--kv-cache-gib", "30", "--max-context", "65536", "--slots", "3", "--dtype", "bfloat16"],
+    # a policy whose step reads the cache's slots itself (quest) has a contiguous cache: each row its whole context
+    (["--kv-cache-gib", "30", "--max-context", "65536", "--slots", "3", "--dtype", "bfloat16", "--policy", "quest",
+      "-p", "budget=1024"],
      "--slots 3: each row holds --max-context 65,536 tokens of KV (12.00 GiB) and the pool (30.00 GiB) holds 2; "
      "ask for --slots 2 or fewer"),
     # a served row of lethe's holds its whole context until KV is held by the page (rolecall plan says 39 here)
@@ -162,3 +164,24 @@ def test_every_alias_has_its_config_offline_and_it_matches_its_description(alias
     layers, heads, kv = map(int, re.search(r"\((\d+) layers, (\d+) query / (\d+) KV heads", spec.description).groups())
     assert (shape.layers, shape.heads, shape.kv_heads) == (layers, heads, kv)
     assert config.max_position_embeddings == spec.context and shape.head_dim == 128
+
+
+def test_a_paged_policy_serves_its_slots_over_the_plans_pages():
+    """``full`` reads the cache through block tables: ``serve`` takes ``--slots`` rows (past the two requests of
+    64K the pool holds at once) over a pool of the plan's pages and the null page; a hybrid's rings are set aside
+    from the pool first, in every row."""
+    from rolecall.cli import build_parser
+    from rolecall.cli.serve import planned_slots
+    from rolecall.runtime.memory import engine_pages
+    from rolecall.runtime.session import bound_policy
+
+    args = build_parser().parse_args(["serve", "--model", "qwen-14b", "--random-weights", "--kv-cache-gib", "30",
+                                      "--max-context", "65536", "--slots", "16", "--dtype", "bfloat16"])
+    config = load_config("qwen-14b")
+    slots, plan, pool = planned_slots(args, config, bound_policy("full", None, config), "cpu", 65536)
+    assert (slots, plan.max_concurrency, pool) == (16, 2, 30 * GIB // (16 * 196_608) + 1)  # 10,240 pages and the null one
+    gemma = ModelShape.from_config(tiny_config("gemma3", layers=6))  # 2 full layers, 4 sliding of its window
+    hybrid = plan_memory(gemma, max_context=4096, element=2, device_bytes=0, cuda=False, kv_cache_bytes=10 * 2**20)
+    token = 2 * gemma.kv_heads * gemma.head_dim * 2
+    rings = 4 * (min(gemma.windows[0], 4096) + 1) * token
+    assert engine_pages(hybrid, gemma, 2, rows=3) == (10 * 2**20 - 3 * rings) // (16 * token * 2)

@@ -171,7 +171,8 @@ def test_reads_within_reach_give_the_same_attention_and_stop_at_the_last_readabl
     q = torch.randn(3, 4, 8, generator=gen)
     span = KeySpan(torch.tensor([0, 3, 0]), torch.tensor([9, 20, 4]))  # rows of their own lengths
     lethe_mask = torch.rand(3, 64, generator=gen) > 0.3
-    near_k, near_v, near_mask = within_reach(span, k, v, lethe_mask)
+    near_k, near_v, near_mask, near_span = within_reach(span, k, v, lethe_mask)
+    assert near_span is span
     assert near_k.shape[2] == near_v.shape[2] == near_mask.shape[1] == 21  # the longest row's last slot and it
     for indices, bs in [(None, 1), (torch.tensor([[[0, 3]] * 2, [[1, -1]] * 2, [[0, 2]] * 2]), 4)]:
         want = sparse_decode_attention(q, k, v, indices, scale=0.4, block_size=bs,

@@ -320,3 +320,93 @@ def test_tokens_per_second_counts_the_tokens_made_after_the_first_call_of_the_wi
     sched._rate = deque([(10.0, 5), (11.0, 3), (12.0, 4)])
     assert sched.stats()["tokens_per_s"] == pytest.approx(3.5)
     sched.close()
+
+
+# -- KV by the page ----------------------------------------------------------------------------------------------------
+PAGED = ["full", "delta", "lychee"]
+
+
+def boundary_requests(seed: int, count: int) -> list[Request]:
+    """Requests whose prompts end at page boundaries (15, 16, 17, 31, 32, 33 tokens, …) and whose answers cross them."""
+    rng = random.Random(seed)
+    return [Request([rng.randrange(256) for _ in range(rng.choice([1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 95]))],
+                    max_new_tokens=rng.choice([1, 2, 15, 16, 17, 18]), ignore_eos=True) for _ in range(count)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("policy", PAGED)
+def test_paged_and_contiguous_rows_give_the_same_tokens(policy, family):
+    """The rows of a scheduler whose cache is a pool of pages read through block tables (the default for these
+    policies) give every request the tokens the same scheduler gives it over a contiguous cache, and each request's
+    alone: prompts and answers at page boundaries, rows reused, every family (Gemma 3's sliding layers keep their
+    rings beside the pool; Mistral's window reads through the table)."""
+    model, weights, pol = served(policy, family)
+    requests = boundary_requests(2, 9)
+    paged, sched = serve_all(weights, pol, requests, slots=3, check_every=3, min_context=0)
+    assert sched.engine.dec.cache.paged and sched.engine.tables is not None
+    flat, contiguous = serve_all(weights, pol, requests, slots=3, check_every=3, min_context=0, paged=False)
+    assert not contiguous.engine.dec.cache.paged
+    for i, r in enumerate(requests):
+        alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, min_context=0).tokens[0]
+        assert paged.tokens[i] == flat.tokens[i] == alone, (policy, family, i)
+    assert sched.stats()["kv_pages_used"] == 0  # every page came back
+
+
+@pytest.mark.parametrize("policy", PAGED)
+def test_preempted_requests_are_recomputed_to_the_tokens_of_an_uninterrupted_run(policy):
+    """A pool of 13 pages (208 tokens) under four rows of requests of up to 150 tokens: the pool runs out mid-decode,
+    the latest requests are preempted and recomputed from their prompts and tokens, and every request still gets
+    exactly the greedy tokens it gets alone (a sampled one those of its seed), with every page back at the end."""
+    model, weights, pol = served(policy)
+    rng = random.Random(5)
+    requests = [Request([rng.randrange(256) for _ in range(rng.randint(20, 70))], rng.randint(30, 80),
+                        ignore_eos=True) for _ in range(6)]
+    requests[2] = Request(requests[2].prompt, 40, Sampling(True, 0.8, 20, 0.9, seed=3), ignore_eos=True)
+    got, sched = serve_all(weights, pol, requests, slots=4, check_every=4, min_context=0, kv_pages=14)
+    stats = sched.stats()
+    assert stats["preemptions"] > 0 and stats["kv_pages_total"] == 13
+    for i, r in enumerate(requests):
+        alone = generate(weights, pol, [list(r.prompt)], max_new_tokens=r.max_new_tokens, sampling=r.sampling,
+                         min_context=0).tokens[0]
+        assert got.tokens[i] == alone, (policy, i)
+        assert got.finish[i] == "length"
+    assert stats["kv_pages_used"] == 0
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused_at_once():
+    model, weights, pol = served("full")
+    with Scheduler(weights, pol, slots=2, max_context=512, kv_pages=5) as sched:  # 4 pages: 64 tokens
+        with pytest.raises(RequestError, match="the request needs 69 tokens of KV .5 pages of 16. and this server's "
+                                               "pool holds 4 pages .64 tokens.") as err:
+            sched.submit(Request([1] * 60, 10), lambda event: None)
+        assert err.value.field == "prompt"
+        got = Collector()
+        sched.submit(Request([1] * 60, 5, ignore_eos=True), got.emit(0))  # 64 tokens written: fits
+        got.wait(1)
+        assert len(got.tokens[0]) == 5
+
+
+def test_pages_come_back_after_cancels_failing_callbacks_and_finishes():
+    """A load with cancelled requests (a client that went away), a callback that raises (a broken connection) and
+    requests that run to their end: afterwards no page is held."""
+    model, weights, pol = served("delta")
+    got = Collector()
+    broken = threading.Event()
+
+    def breaks(event) -> None:
+        broken.set()
+        raise ConnectionError("the client went away")
+
+    with Scheduler(weights, pol, slots=3, check_every=2, min_context=0, kv_pages=20) as sched:
+        ids = [sched.submit(r, got.emit(i)) for i, r in enumerate(random_requests(8, 6))]
+        sched.submit(Request([7] * 40, 30, ignore_eos=True), breaks)
+        sched.cancel(ids[1])
+        sched.cancel(ids[4])
+        got.wait(6)
+        assert broken.wait(60)
+        for _ in range(200):  # the broken request is cancelled at the next step boundary
+            if sched.stats()["running"] == 0:
+                break
+            threading.Event().wait(0.05)
+        stats = sched.stats()
+        assert stats["running"] == 0 and stats["kv_pages_used"] == 0, stats

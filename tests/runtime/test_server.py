@@ -143,7 +143,7 @@ def test_stop_text_over_every_split():
 
 def test_metrics_exposition():
     stats = {"running": 2, "waiting": 1, "slots": 4, "slots_in_use": 2, "kv_bytes": 1024, "kv_pages_total": 64,
-             "kv_pages_used": 5, "generated_tokens": 17,
+             "kv_pages_used": 5, "preemptions": 3, "generated_tokens": 17,
              "tokens_per_s": 12.5, "prefill_seconds": 0.25, "prefill_tokens": 30, "decode_seconds": 1.5,
              "decode_steps": 16}
     text = exposition(stats, 30, {"stop": 2, "length": 1}, draining=False)
@@ -152,6 +152,7 @@ def test_metrics_exposition():
     assert parse_metrics(text) == {"rolecall_requests_running": 2, "rolecall_requests_waiting": 1, "rolecall_slots": 4,
                                    "rolecall_slots_in_use": 2, "rolecall_kv_cache_bytes": 1024,
                                    "rolecall_kv_pages_total": 64, "rolecall_kv_pages_used": 5,
+                                   "rolecall_preemptions_total": 3,
                                    "rolecall_generated_tokens_total": 17, "rolecall_tokens_per_second": 12.5,
                                    "rolecall_prefill_seconds_total": 0.25, "rolecall_prefill_tokens_total": 30,
                                    "rolecall_decode_seconds_total": 1.5, "rolecall_decode_steps_total": 16,
@@ -213,7 +214,7 @@ class ScriptedScheduler:
 
     def stats(self):
         return {"running": 0, "waiting": 0, "slots": 1, "slots_in_use": 0, "kv_bytes": 0, "kv_pages_total": 0,
-                "kv_pages_used": 0, "generated_tokens": 0, "tokens_per_s": 0.0}
+                "kv_pages_used": 0, "preemptions": 0, "generated_tokens": 0, "tokens_per_s": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +391,9 @@ def served(tiny):
 
 def test_the_ready_line(served):
     _, port, line = served
-    assert line == f"rolecall serve: tiny with policy full on http://127.0.0.1:{port} ({SLOTS} slots, context {CONTEXT})"
+    pages = SLOTS * -(-CONTEXT // 16)  # the rows' pages at the full context: the pool's cap
+    assert line == (f"rolecall serve: tiny with policy full on http://127.0.0.1:{port} ({SLOTS} slots, context {CONTEXT}"
+                    f", KV in {pages:,} pages of 16 tokens)")
 
 
 def test_health_and_models(served):
@@ -511,7 +514,9 @@ def test_metrics_count_what_was_served(served):
     assert after[finished] - before.get(finished, 0) == 1
     assert after["rolecall_slots"] == SLOTS and after["rolecall_requests_running"] == 0
     assert after["rolecall_kv_cache_bytes"] > 0 and after["rolecall_draining"] == 0
+    # a pool of the pages the rows hold at the full context (full reads through block tables), none held now
     assert after["rolecall_kv_pages_total"] == SLOTS * -(-CONTEXT // 16) and after["rolecall_kv_pages_used"] == 0
+    assert after["rolecall_preemptions_total"] == 0
 
 
 @pytest.mark.slow

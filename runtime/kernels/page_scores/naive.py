@@ -41,12 +41,17 @@ def page_scores(query: torch.Tensor, key: torch.Tensor, scale: float, page_size:
 
 
 def decode_and_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, page_size: int,
-                     key_mask: torch.Tensor | None = None,
-                     per_kv_head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     key_mask: torch.Tensor | None = None, per_kv_head: bool = False,
+                     block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of the Triton ``decode_and_score``: dense decode attention and the page scores of the same
-    pass, ``(out [B, Hq, D], lse [B, Hq], scores [B, pages] or [B, Hkv, pages])``."""
+    pass, ``(out [B, Hq, D], lse [B, Hq], scores [B, pages] or [B, Hkv, pages])``; a paged cache
+    (``block_table``) is read in logical order first."""
+    from rolecall.runtime.kernels.paged_attention.tables import check_table, gather_pages
     from rolecall.runtime.kernels.sparse_attention.naive import sparse_decode_attention
 
+    if block_table is not None:
+        check_table(block_table, query.shape[0])
+        key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     mask = key_mask.bool() if key_mask is not None else None
     out, lse = sparse_decode_attention(query, key, value, scale=scale, key_mask=mask)
     probs = attention_probs(query, key, scale, mask)  # [B, Hq, T]
