@@ -249,8 +249,9 @@ def request_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
 METRICS = {"running": "requests_running", "waiting": "requests_waiting", "slots_in_use": "slots_in_use",
            "kv_cache_bytes": "kv_cache_bytes", "generated_tokens": "generated_tokens",
            "tokens_per_s": "tokens_per_second", "prefill_seconds": "prefill_seconds",
-           "prefill_tokens": "prefill_tokens", "decode_seconds": "decode_seconds", "decode_steps": "decode_steps"}
-COUNTERS = ("generated_tokens", "prefill_seconds", "prefill_tokens", "decode_seconds", "decode_steps")
+           "prefill_tokens": "prefill_tokens", "decode_seconds": "decode_seconds", "decode_steps": "decode_steps",
+           "kv_pages_total": "kv_pages", "kv_pages_used": "kv_pages_used", "preemptions": "preemptions"}
+COUNTERS = ("generated_tokens", "prefill_seconds", "prefill_tokens", "decode_seconds", "decode_steps", "preemptions")
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
 
 

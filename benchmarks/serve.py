@@ -204,6 +204,8 @@ def server_command(args: argparse.Namespace, target: Target, policy: str, port: 
            str(args.slots), "--max-context", str(args.max_context), "--device", args.device, "--dtype", args.dtype]
     if target.random:
         cmd.append("--random-weights")
+    if not args.paged_kv:
+        cmd.append("--no-paged-kv")
     if target.manifests[policy]:
         cmd += ["--manifest", target.manifests[policy]]
     for key, value in policy_params(policy, args.budget).items():
@@ -393,6 +395,8 @@ def build_parser() -> Parser:
                         "each output moved into its prompt), so the rows hold a steady load's spread of contexts once "
                         "they are prefilled")
     p.add_argument("--slots", type=int, default=None, help="the server's rows (default --concurrency, or 64)")
+    p.add_argument("--no-paged-kv", dest="paged_kv", action="store_false",
+                   help="the server's --no-paged-kv: a contiguous KV cache of --slots × --max-context")
     p.add_argument("--max-context", type=int, default=None,
                    help="the server's tokens per row (default: the longest prompt and output)")
     p.add_argument("--warmup", type=int, default=2, help="short requests sent before each load, not counted")

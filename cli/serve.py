@@ -33,9 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "interface)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port, "
                         "named in the ready line)")
-    parser.add_argument("--slots", type=int, default=None, help="requests decoded together: the engine's row slots, "
-                        "each holding --max-context tokens of KV [as many as the memory plan's pool holds, at most "
-                        f"{SLOTS['cuda']} on a GPU, {SLOTS['cpu']} on the CPU]")
+    parser.add_argument("--slots", type=int, default=None, help="requests decoded together: the engine's rows, over "
+                        "a pool of 16-token KV pages the memory plan sizes (a policy whose step reads the cache's "
+                        "slots itself: each row holds --max-context tokens, as many as the pool holds) "
+                        f"[{SLOTS['cuda']} on a GPU, {SLOTS['cpu']} on the CPU]")
+    parser.add_argument("--no-paged-kv", dest="paged_kv", action="store_false", help="a contiguous KV cache of --slots "
+                        "× --max-context tokens for every policy (the memory plan caps --slots), not the pool of pages")
     parser.add_argument("--max-context", type=int, default=None, metavar="N", help="the most tokens (prompt + "
                         "answer) one request may hold [the model's context, max_position_embeddings]")
     parser.add_argument("--served-model-name", default=None, metavar="NAME", help="the model name clients send and "
@@ -130,7 +133,7 @@ def planned_slots(args: argparse.Namespace, config: Any, policy: Any, device: st
     dtype = chosen_dtype(args, device)
     where = device if name == device else f"{device} ({name})"
     shape = ModelShape.from_config(config)
-    paged = reads_pages(static_step_of(policy, shape))
+    paged = getattr(args, "paged_kv", True) and reads_pages(static_step_of(policy, shape))
     plan = plan_for(args, config, policy, context=context, dtype=dtype, device=where, device_bytes=size, rows=wanted,
                     whole_rows=not paged)
     why = plan.refusal()
@@ -233,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             scheduler = stack.enter_context(Scheduler(weights, policy, slots=slots, max_context=context,
                                                       tokenizer=tokenizer, eos_token_id=eos, pad_token_id=pad,
-                                                      min_context=min_context, kv_pages=kv_pages))
+                                                      min_context=min_context, kv_pages=kv_pages,
+                                                      paged=kv_pages is not None))
         except NotImplementedError as e:  # a policy the scheduler refuses: one line, as every refusal
             raise ValueError(f"--policy {args.policy}: {e}") from None
         warm_up(scheduler)

@@ -258,7 +258,8 @@ def test_the_embedded_model_serves_interleaved_requests_as_alone_on_gpu(policy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["full", "quest", "delta-refine", "vattention", "vattention-delta"])
+@pytest.mark.parametrize("policy", ["full", "delta", "lychee", "quest", "delta-refine", "vattention",
+                                    "vattention-delta", "lethe"])
 def test_policies_with_per_row_state_serve_as_alone_on_gpu(policy):
     """The tiny model on the GPU (Triton kernels, CUDA graphs): the policies whose step keeps per-row state (page
     bounds, draws keyed by a row's length) give each of ten interleaved requests the tokens it gets when it runs
@@ -410,3 +411,25 @@ def test_pages_come_back_after_cancels_failing_callbacks_and_finishes():
             threading.Event().wait(0.05)
         stats = sched.stats()
         assert stats["running"] == 0 and stats["kv_pages_used"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", PAGED)
+def test_preemption_on_gpu_gives_each_request_its_tokens_alone(policy):
+    """The tiny model on the GPU (Triton kernels reading block tables, CUDA graphs): a pool of 14 pages under four rows
+    preempts requests mid-decode and puts their KV back into other pages; each request still gets the very tokens
+    it gets alone through a scheduler of the same rows and pool, and every page comes back."""
+    model, _, pol = served(policy)
+    weights = Weights.from_model(model.to("cuda"), positions=512)
+    rng = random.Random(5)
+    requests = [Request([rng.randrange(256) for _ in range(rng.randint(20, 70))], rng.randint(30, 80),
+                        ignore_eos=True) for _ in range(6)]
+    got, sched = serve_all(weights, pol, requests, slots=4, check_every=4, min_context=0, kv_pages=14)
+    assert sched.stats()["preemptions"] > 0 and sched.stats()["kv_pages_used"] == 0
+    alone = Collector()
+    with Scheduler(weights, pol, slots=4, check_every=4, min_context=0, kv_pages=14) as one:
+        for i, r in enumerate(requests):
+            one.submit(r, alone.emit(i))
+            alone.wait(1)
+    for i in range(len(requests)):
+        assert got.tokens[i] == alone.tokens[i], (policy, i)
