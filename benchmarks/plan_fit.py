@@ -4,13 +4,15 @@ the plan's estimate to what the engine holds?
     python -m benchmarks.plan_fit --models qwen-14b,qwen-7b --requests 8
 
 For each alias (its bundled config, random bf16 weights: memory depends on shapes alone) it computes the plan
-that ``rolecall serve`` logs (``--gpu-memory-utilization``, default 0.9, of this GPU; ``--max-context``, default
-the model's context), builds the weights and the scheduler with the rows the plan allows, runs ``--requests``
-requests of ``--prompt-tokens`` and ``--output-tokens`` token ids (``LOW:HIGH`` uniform, ``--seed``) through it,
-more of them than there are rows, and reads back: requests finished and failed, the weights and the KV cache as
-allocated, and the peak the allocator reserved. ``activation`` is the peak beyond the weights and the cache,
-against the plan's estimate; ``fits`` says whether the peak stayed within ``utilization × device``. The GPU is
-named in the table and the JSON (``--out``, default ``benchmarks/results/plan_fit_<gpu>.json``).
+that ``rolecall serve`` logs and the rows and KV pool serve takes from it (``cli.serve.planned_slots``:
+``--gpu-memory-utilization``, default 0.9, of this GPU; ``--max-context``, default the model's context; the default
+slots; ``--no-paged-kv``: a contiguous cache, each row its whole context, as serve had before KV was paged), builds
+the weights and the scheduler so, submits ``--requests`` requests of ``--prompt-tokens`` and ``--output-tokens``
+token ids (``LOW:HIGH`` uniform, ``--seed``) at once, more of them than there are rows, and reads back: requests
+finished and failed, output tokens a second over the run, preemptions, the weights and the KV cache as allocated,
+and the peak the allocator reserved. ``activation`` is the peak beyond the weights and the cache, against the
+plan's estimate; ``fits`` says whether the peak stayed within ``utilization × device``. The GPU is named in the
+table and the JSON (``--out``, default ``benchmarks/results/plan_fit_<gpu>.json``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ GIB = 2 ** 30
 
 def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model: the plan, then the engine under the plan's rows, with the allocator's figures."""
-    from rolecall.cli.plan import plan_for
-    from rolecall.cli.serve import SLOTS
+    from rolecall.cli import build_parser
+    from rolecall.cli.serve import planned_slots
     from rolecall.core.models import context_limit, load_config
     from rolecall.runtime.engine import ModelShape, Weights
     from rolecall.runtime.engine.scheduler import Request, Scheduler
@@ -46,14 +48,15 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     policy = bound_policy("full", None, config)
     context = args.max_context or context_limit(config, alias)
     size, name = device_memory("cuda")
-    flags = argparse.Namespace(model=alias, policy="full", gpu_memory_utilization=args.gpu_memory_utilization,
-                               kv_cache_gib=None)
-    plan = plan_for(flags, config, policy, context=context, dtype="bfloat16", device=name, device_bytes=size,
-                    rows=SLOTS["cuda"])
-    row: dict[str, Any] = {"model": alias, "context": context, "plan": plan.as_json()}
-    if plan.refusal():
-        return {**row, "refused": plan.refusal()}
-    slots = min(SLOTS["cuda"], plan.max_concurrency)
+    flags = build_parser().parse_args(["serve", "--model", alias, "--random-weights", "--dtype", "bfloat16",
+                                       "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                                       *([] if args.paged_kv else ["--no-paged-kv"])])
+    row: dict[str, Any] = {"model": alias, "context": context, "paged": args.paged_kv}
+    try:
+        slots, plan, kv_pages = planned_slots(flags, config, policy, "cuda", context)
+    except ValueError as e:
+        return {**row, "refused": str(e)}
+    row["plan"] = plan.as_json()
     gc.collect()  # the last model's scheduler (a reference cycle through its thread) and its cache, gone
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -65,7 +68,8 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     answers = [args.output_tokens.draw(rng) for _ in range(args.requests)]
     done, failed, lock, finished = threading.Event(), [], threading.Lock(), []
     start = time.perf_counter()
-    with Scheduler(weights, policy, slots=slots, max_context=context, eos_token_id=None) as scheduler:
+    with Scheduler(weights, policy, slots=slots, max_context=context, eos_token_id=None, kv_pages=kv_pages,
+                   paged=kv_pages is not None) as scheduler:
         def emit(event: Any) -> None:
             if event.finish_reason is None:
                 return
@@ -80,12 +84,16 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
             ids = rng.integers(100, 30000, size=p).tolist()
             scheduler.submit(Request(tuple(ids), max_new_tokens=a, ignore_eos=True), emit)
         done.wait()
-        kv = scheduler.stats()["kv_bytes"]
+        stats = scheduler.stats()
     seconds = time.perf_counter() - start
+    kv = stats["kv_bytes"]
     peak = torch.cuda.max_memory_reserved()
     activation = peak - base - held_weights - kv
-    return {**row, "slots": slots, "requests": args.requests, "failed": len(failed), "errors": failed[:3],
-            "seconds": seconds, "weight_bytes": held_weights, "kv_bytes": kv, "peak_reserved_bytes": peak,
+    made = sum(e.completion_tokens for e in finished)
+    return {**row, "slots": slots, "kv_pages": kv_pages, "requests": args.requests, "failed": len(failed),
+            "errors": failed[:3], "seconds": seconds, "output_tokens": made, "output_tokens_per_s": made / seconds,
+            "preemptions": stats["preemptions"], "kv_pages_used_after": stats["kv_pages_used"],
+            "weight_bytes": held_weights, "kv_bytes": kv, "peak_reserved_bytes": peak,
             "activation_bytes": activation, "fits": peak <= plan.utilization * size,
             "held_before_bytes": base, "device": name, "device_bytes": size}
 
@@ -95,10 +103,12 @@ def print_row(r: dict[str, Any]) -> None:
     if "refused" in r:
         print(f"{r['model']:<10} refused: {r['refused']}")
         return
-    print(f"{r['model']:<10} {r['context']:>8,} {r['slots']:>5} {r['requests'] - r['failed']:>4}/{r['requests']:<4} "
+    kv_plan = p["pool_bytes"] if r["paged"] else r["slots"] * p["request_bytes"]
+    print(f"{r['model']:<10} {'paged' if r['paged'] else 'contig':>6} {r['context']:>8,} {r['slots']:>5} "
+          f"{r['requests'] - r['failed']:>4}/{r['requests']:<4} {r['output_tokens_per_s']:>7.1f} {r['preemptions']:>5} "
           f"{p['weight_bytes'] / GIB:>6.2f}/{r['weight_bytes'] / GIB:<6.2f} "
           f"{p['activation_bytes'] / GIB:>6.2f}/{r['activation_bytes'] / GIB:<6.2f} "
-          f"{r['slots'] * p['request_bytes'] / GIB:>6.2f}/{r['kv_bytes'] / GIB:<6.2f} "
+          f"{kv_plan / GIB:>6.2f}/{r['kv_bytes'] / GIB:<6.2f} "
           f"{r['peak_reserved_bytes'] / GIB:>7.2f} {str(r['fits']):>5}")
 
 
@@ -110,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="qwen-14b,qwen-7b", help="comma-separated aliases")
     p.add_argument("--max-context", type=int, default=None, help="tokens a request may hold [the model's context]")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-paged-kv", dest="paged_kv", action="store_false",
+                   help="serve's --no-paged-kv: a contiguous cache, each row its whole context")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-tokens", default="1024:8192", help="N, or LOW:HIGH drawn uniformly")
     p.add_argument("--output-tokens", default="64:256", help="N, or LOW:HIGH drawn uniformly")
@@ -133,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("plan_fit.py: error: needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}; plan/measured in GiB")
-    print(f"{'model':<10} {'context':>8} {'slots':>5} {'done':>9} {'weights':>13} {'activation':>13} {'KV':>13} "
-          f"{'peak':>7} {'fits':>5}")
+    print(f"{'model':<10} {'KV':>6} {'context':>8} {'slots':>5} {'done':>9} {'tok/s':>7} {'pre.':>5} {'weights':>13} "
+          f"{'activation':>13} {'KV pool':>13} {'peak':>7} {'fits':>5}")
     rows = []
     for alias in args.models.split(","):
         rows.append(measure(alias, args))
