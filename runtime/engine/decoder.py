@@ -104,7 +104,7 @@ class StaticDecoder:
             raise NotImplementedError(f"policy {self.policy.name!r}: {why}")
         if pages is not None and not reads_pages(self.static):
             raise NotImplementedError(f"policy {self.policy.name!r}: its engine step reads the cache's slots itself, "
-                                      "not through a block table (paged: full, delta without refine, lychee)")
+                                      "not through a block table (paged: every policy but lethe)")
         head_order = head_order_of(self.static.head_order, s)
         if max_len > weights.max_positions:
             raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "

@@ -96,8 +96,8 @@ class Scheduler:
     measured crossover for the policy at ``slots`` rows (:func:`rolecall.runtime.engine.default_min_context`); 0: always
     the policy's step.
 
-    KV by the page: where the policy's step reads the cache through block tables (``reads_pages``: full, delta
-    without refine, lychee) the rows share a pool of ``kv_pages`` 16-token pages (one the null page; default: as many
+    KV by the page: where the policy's step reads the cache through block tables (``reads_pages``: every policy but
+    lethe) the rows share a pool of ``kv_pages`` 16-token pages (one the null page; default: as many
     as ``slots`` rows of ``max_context`` tokens take, plus it), and ``slots`` is the step's row capacity, not a
     reservation. A request is admitted while a row and the pages of its prompt and of the next run of steps are free;
     before each run every live row is given the pages that run writes, and when the pool runs out the most recently

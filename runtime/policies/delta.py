@@ -167,11 +167,7 @@ class DeltaStep:
     def __post_init__(self) -> None:
         self.meta = PageMeta(self.page_size) if self.refine > 1 else None
 
-    @property
-    def paged(self) -> bool:
-        """Reads the cache only through the decoder's attention calls (a paged cache serves it): without refining;
-        refining's page bounds read the cache's slots themselves."""
-        return self.meta is None
+    paged: ClassVar[bool] = True  # its attention and, refining, its page bounds read through the span's table
 
     def prepare(self, dec: Any) -> None:
         if self.meta is not None:  # refining: each sparse layer keeps its page bounds beside the cache

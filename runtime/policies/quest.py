@@ -32,6 +32,7 @@ import torch
 
 from rolecall.runtime.kernels.page_bounds import naive as bounds_naive
 from rolecall.runtime.kernels.page_bounds import page_bounds, page_minmax
+from rolecall.runtime.kernels.page_bounds.naive import NEW_PAGE
 from rolecall.runtime.kernels.page_scores import pool_pages
 from rolecall.runtime.kernels.topk_select import topk_with_recent
 from rolecall.runtime.policies import Plan, PolicyError, Step, mean_tokens_read, positive
@@ -116,6 +117,7 @@ class QuestStep:
     head_order: ClassVar[None] = None
     sparse: ClassVar[bool] = True
     row_lengths: ClassVar[bool] = True  # its page bounds follow each row's own slots (after_fill, update_page)
+    paged: ClassVar[bool] = True  # its bounds read the cache through the span's table (read_span, update_page)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -143,7 +145,8 @@ class QuestStep:
         scores = self.meta.impl(dec).page_scores(q, kmin, kmax, dec.shape.attention_scale, self.group)
         if dec.shape.windows[layer] is not None:  # a window on every layer (Mistral): pages it left are not read
             starts = torch.arange(scores.shape[-1], device=q.device) * p
-            readable = (starts + p - 1 >= span.first[:, None]) & (starts <= span.last)  # [B, n]: overlaps the span
+            last = span.last[:, None] if span.last.dim() else span.last  # each row's own, on the scheduler's rows
+            readable = (starts + p - 1 >= span.first[:, None]) & (starts <= last)  # [B, n]: overlaps the span
             scores = scores.masked_fill(~readable[:, None, :], -math.inf)
         pages = dec.attn.select(scores, p, self.num_pages, 1)
         return dec.attn.attend(q, k, v, span, pages, p)
@@ -189,19 +192,21 @@ class PageMeta:
         else:
             length = int(c.length.max()) if c.row_lengths else dec.position
         keep = torch.arange(length, device=c.length.device)[None, :] >= c.pads[rows, None]  # [B, T]
+        cache = c if row is None else c.row(row)
         for i in self.kmin:
-            lo, hi = page_minmax(c.k[i][rows, :, :length], keep, p)
+            lo, hi = page_minmax(cache.read_span(i, length)[0], keep, p)
             n = lo.shape[2]
             self.kmin[i][rows, :, :n], self.kmax[i][rows, :, :n] = lo, hi
             self.kmin[i][rows, :, n:], self.kmax[i][rows, :, n:] = math.inf, -math.inf
 
     def update(self, dec: Any, layer: int, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute the new token's page of ``layer`` from the cache ``k``; its ``(kmin, kmax)`` buffers."""
-        key, first, last, page_size = self.new_page(k, span)
-        self.impl(dec).update_page(key, self.kmin[layer], self.kmax[layer], first, last, page_size)
+        self.impl(dec).update_page(kmin=self.kmin[layer], kmax=self.kmax[layer],
+                                   **dict(zip(NEW_PAGE, self.new_page(k, span))))
         return self.kmin[layer], self.kmax[layer]
 
-    def new_page(self, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def new_page(self, k: torch.Tensor, span: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any]:
         """What :func:`~rolecall.runtime.kernels.page_bounds.update_page` reads besides the buffers (keys, first and last
-        readable slot, page size): for a kernel that updates the new token's page itself."""
-        return k, span.first, span.last, self.page_size
+        readable slot, page size, a paged cache's block table; :data:`NEW_PAGE`): for a kernel that updates the new
+        token's page itself."""
+        return k, span.first, span.last, self.page_size, span.table

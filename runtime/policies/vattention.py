@@ -35,6 +35,8 @@ import torch
 
 from rolecall.core.manifest import LAYER_ROLE_FULL, LAYER_ROLE_SELECT, LAYER_ROLE_SPARSE
 from rolecall.runtime.engine.sampling import M32, mix32
+from rolecall.runtime.kernels.paged_attention.tables import gather_tokens
+from rolecall.runtime.kernels.topk_select.naive import top_stable
 from rolecall.runtime.policies import Plan, PolicyError, Step, positive
 
 PILOT, SAMPLE = 0, 1  # the two draws of a step: the pilot and the sample
@@ -65,7 +67,7 @@ def heavy_hitters(scores: torch.Tensor, first: torch.Tensor, last: torch.Tensor 
     (``first[b]..last``) outside the sinks and the window, -1 where there are fewer."""
     slot = torch.arange(scores.shape[-1], device=scores.device)
     outside = (slot >= first[:, None, None] + sinks) & (slot <= per_row(last, 2) - window)
-    ranked = scores.masked_fill(~outside, float("-inf")).topk(min(heavy, scores.shape[-1]), dim=-1)
+    ranked = top_stable(scores.masked_fill(~outside, float("-inf")), heavy)  # ties: the earlier slot, any width
     return torch.where(ranked.values > float("-inf"), ranked.indices, -1)
 
 
@@ -251,6 +253,7 @@ class VAttentionStep:
     block_sizes: ClassVar[tuple[int, ...]] = (1,)
     # rows of their own lengths (the scheduler's): each row draws keyed by its own length, as a request alone
     row_lengths: ClassVar[bool] = True
+    paged: ClassVar[bool] = True  # its attention and its pilot's keys read through the span's table
 
     def __post_init__(self) -> None:
         self._layer_ids: dict[Any, torch.Tensor] = {}
@@ -274,7 +277,7 @@ class VAttentionStep:
         role = p.role(layer)
         if role == LAYER_ROLE_FULL:
             return dec.attn.attend(q, k, v, span)
-        b, hkv = k.shape[:2]
+        b, hkv = q.shape[0], k.shape[1]  # k: the rows' keys, or a pool of pages (span.table)
         first, last = span.first, span.last
         if role == LAYER_ROLE_SPARSE:  # the deterministic set the nearest Δ-layer chose, the same for every head
             fixed, free = (x.expand(b, hkv, -1) for x in state["vattention.fixed"])
@@ -292,7 +295,7 @@ class VAttentionStep:
             self._layer_ids[k.device] = torch.arange(dec.shape.layers, device=k.device)
         sample = self._sample(dec)
         indices, log_weights = sample(q, k, v, fixed, free, first, last, out, lse, self._layer_ids[k.device][layer],
-                                      dec.shape.attention_scale)
+                                      dec.shape.attention_scale, span.table, span.slots(k))
         return dec.attn.attend(q, k, v, span, indices, 1, log_weights=log_weights)
 
     def _sample(self, dec: Any) -> Any:
@@ -302,16 +305,18 @@ class VAttentionStep:
             self._compiled = dec.compiled(self.draw_sample)
         return self._compiled
 
-    def draw_sample(self, q, k, v, fixed, free, first, last, out, lse, layer, scale: float):
-        """The pilot, the bound's sample size and the draws: ``(indices, log_weights)`` of the last pass."""
+    def draw_sample(self, q, k, v, fixed, free, first, last, out, lse, layer, scale: float, table=None,
+                    slots: int | None = None):
+        """The pilot, the bound's sample size and the draws: ``(indices, log_weights)`` of the last pass. ``table``:
+        the keys are a pool of pages read through it (``slots``: a row's slots, then)."""
         p = self.policy
-        b, hkv, t, d = k.shape
+        b, hkv, d = q.shape[0], k.shape[1], k.shape[3]
+        t = k.shape[2] if slots is None else slots
         g = q.shape[1] // hkv
         n_r = (last - first + 1)[:, None] - (fixed >= 0).sum(-1)  # [B, Hkv]
         tokens = last + 1
         pilot = p.pilot_slots(n_r, fixed, first, tokens, layer, free, self.row_keys)  # [B, Hkv, p]
-        index = pilot[..., None].expand(*pilot.shape, d)
-        keys, values = k.gather(2, index).float(), v.gather(2, index).float()  # [B, Hkv, p, D]
+        keys, values = gather_tokens(k, pilot, table).float(), gather_tokens(v, pilot, table).float()  # [B, Hkv, p, D]
         # a product and a sum, not a matmul: exact float32 (no TF32) for the few pilot keys
         logits = (q.float().view(b, hkv, g, 1, d) * keys[:, :, None]).sum(-1) * scale  # [B, Hkv, G, p]
         size = p._sample_size(logits - lse.view(b, hkv, g)[..., None], values, out.float().view(b, hkv, g, d), n_r)

@@ -719,6 +719,13 @@ def _check_page_bounds(b, hq, hkv, t, d, p, group, dtype, device, tol):
         mine = (kmin.clone(), kmax.clone())
         pb_tri.update_page(k, *mine, first, last, p)
         assert torch.equal(mine[0], ref[0]) and torch.equal(mine[1], ref[1])
+        # the same keys in shuffled 16-token pages of a pool, read through a block table: the same bounds
+        padded = torch.nn.functional.pad(k.cpu(), (0, 0, 0, -t % 16))
+        pool, _, table = _paged(padded, padded, seed=t)
+        for impl in (pb_naive, pb_tri):
+            paged = (kmin.clone(), kmax.clone())
+            impl.update_page(pool.to(device), *paged, first, last, p, block_table=table.to(device))
+            assert torch.equal(paged[0], ref[0]) and torch.equal(paged[1], ref[1]), impl
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this")
@@ -1012,6 +1019,14 @@ def test_refine_candidates_kernel_equals_the_reference_in_interpreter():
         assert torch.equal(meta[0], ref_meta[0]) and torch.equal(meta[1], ref_meta[1])
         assert not torch.equal(meta[0], kmin)  # the page of slot `last` changed
         assert torch.equal(fast.long(), ref.long()), (recent, fast, ref)
+        # the keys in shuffled pages of a pool, through a block table: the same update and choice
+        pool, _, table = _paged(torch.nn.functional.pad(key, (0, 0, 0, -key.shape[2] % 16)),
+                                torch.nn.functional.pad(key, (0, 0, 0, -key.shape[2] % 16)), seed=recent)
+        for impl in (pb_naive, pb_tri):
+            paged = (kmin.clone(), kmax.clone())
+            got = impl.refine_candidates(query, *paged, candidates.contiguous(), 0.25, 5, recent,
+                                         new_page=(pool, first, last, p, table))
+            assert torch.equal(paged[0], ref_meta[0]) and torch.equal(got.long(), ref.long()), (impl, recent)
 
 
 @pytest.mark.gpu

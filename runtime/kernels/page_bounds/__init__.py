@@ -7,12 +7,13 @@ token's logit in the page.
 ``page_bounds(query, kmin, kmax, scale)``              ``[B, Hq, n]`` bounds, ``-inf`` for empty pages
 ``page_scores(query, kmin, kmax, scale, group)``       ``[B, Hkv, n]``: the bounds of each KV head's query
                                                        group, combined by ``"max"`` or ``"sum"``
-``update_page(key, kmin, kmax, first, last, P)``       recompute, in place, the page holding slot ``last``
-                                                       from the keys in ``first[b]..last``
+``update_page(key, kmin, kmax, first, last, P,        recompute, in place, the page holding slot ``last``
+block_table=None)``                                    from the keys in ``first[b]..last`` (a pool of pages
+                                                       read through ``block_table``)
 ``refine_candidates(query, kmin, kmax, candidates,     ``[B, Hkv, C]`` ascending candidate pages (a Δ-layer's
 scale, K, L, new_page=None)``                          choice) → each KV head's ``K`` best by ``page_scores``,
                                                        its last ``L`` always: ``[B, Hkv, min(K, C)]``; with
-                                                       ``new_page = (key, first, last, P)`` after
+                                                       ``new_page = (key, first, last, P, table)`` after
                                                        ``update_page`` (one launch on the GPU)
 =====================================================  ====================================================
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+
+from rolecall.runtime.kernels.paged_attention.tables import check_table
 
 
 def page_minmax(key: torch.Tensor, keep: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,35 +52,52 @@ def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sca
     return bounds.amax(2) if group == "max" else bounds.sum(2)
 
 
+NEW_PAGE = ("key", "first", "last", "page_size", "block_table")  # what new_page holds, in order
+
+
 def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
-                page_size: int) -> None:
+                page_size: int, block_table: torch.Tensor | None = None) -> None:
     """Recompute, in place, the minimum and maximum of the page that holds slot ``last`` (a device scalar, or
-    ``[B]``: each row's own) from the keys ``[B, Hkv, T, D]`` in slots ``first[b]..last``."""
-    bsz, hkv, t, d = key.shape
+    ``[B]``: each row's own) from the keys ``[B, Hkv, T, D]`` in slots ``first[b]..last`` (a pool of pages read
+    through ``block_table [B, W]``: its rows' slots in logical order, ``T = W · 16``)."""
+    bsz, hkv, d = kmin.shape[0], key.shape[1], key.shape[3]
+    t = key.shape[2] * (block_table.shape[1] if block_table is not None else 1)
     last = last.expand(bsz)[:, None]  # [B, 1]
     page = torch.div(last, page_size, rounding_mode="floor")  # [B, 1]
     raw = page * page_size + torch.arange(page_size, device=key.device)  # [B, P]
     slots = raw.clamp_max(t - 1)  # the cache may end inside its last page
     ok = ((raw >= first[:, None]) & (raw <= last) & (raw < t))[:, None, :, None]  # [B, 1, P, 1]
-    keys = key.gather(2, slots[:, None, :, None].expand(bsz, hkv, page_size, d))  # [B, Hkv, P, D]
+    keys = take_slots(key, slots, block_table)  # [B, Hkv, P, D]
     at = page[:, None, :, None].expand(bsz, hkv, 1, d)
     kmin.scatter_(2, at, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True).to(kmin.dtype))
     kmax.scatter_(2, at, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True).to(kmax.dtype))
 
 
+def take_slots(key: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys of slots ``slots [B, n]`` of each row: ``[B, Hkv, n, D]``, from a contiguous ``[B, Hkv, T, D]`` or a
+    pool ``[N, Hkv, P, D]`` read through ``block_table``."""
+    if block_table is None:
+        b, hkv, _, d = key.shape
+        return key.gather(2, slots[:, None, :, None].expand(b, hkv, slots.shape[1], d))
+    check_table(block_table, slots.shape[0])
+    p = key.shape[2]
+    held = block_table.long().gather(1, torch.div(slots, p, rounding_mode="floor"))  # [B, n]
+    return key[held, :, slots % p].transpose(1, 2)  # [B, n, Hkv, D] → [B, Hkv, n, D]
+
+
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
                       scale: float, num_pages: int, recent_pages: int, group: str = "max",
-                      new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+                      new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any] | None = None) -> torch.Tensor:
     """Two-stage selection's second stage: candidate page ids ``[B, Hkv, C]`` (any order, -1 = none; a Δ-layer's
     choice, whose largest page is the new token's) → per KV head at most ``num_pages`` of them: the candidates
     within ``recent_pages`` of the largest always (the recent pages), then those of highest :func:`page_scores`;
     ``[B, Hkv, min(num_pages, C)]`` ascending page ids, -1 padded. Reads the metadata of the candidates only;
-    no host sync. ``new_page = (key, first, last, page_size)``: first :func:`update_page` the metadata in place."""
+    no host sync. ``new_page = (key, first, last, page_size, block_table)`` (:data:`NEW_PAGE`): first
+    :func:`update_page` the metadata in place."""
     from rolecall.runtime.kernels.topk_select import topk_with_recent
 
     if new_page is not None:
-        key, first, last, page_size = new_page
-        update_page(key, kmin, kmax, first, last, page_size)
+        update_page(kmin=kmin, kmax=kmax, **dict(zip(NEW_PAGE, new_page)))
 
     scores = page_scores(query, kmin, kmax, scale, group, pages=candidates)  # [B, Hkv, C], -inf for -1
     ids = candidates.long()

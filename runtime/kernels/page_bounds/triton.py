@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from rolecall.runtime.kernels.arrivals import arrival_counters
+from rolecall.runtime.kernels.page_bounds.naive import NEW_PAGE
+from rolecall.runtime.kernels.paged_attention.tables import check_table
 from rolecall.runtime.kernels.topk_select.triton import MAX_N, store_ascending, top_w
 
 
@@ -81,17 +85,22 @@ def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sca
 
 
 @triton.jit
-def _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, P: tl.constexpr,
-                D: tl.constexpr, D_PAD: tl.constexpr):
+def _store_page(K, KMIN, KMAX, FIRST, LAST, TABLE, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, s_tb, T,
+                P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGED: tl.constexpr, KP: tl.constexpr):
     """Recompute the minimum and maximum of KV head ``h``'s page that holds slot ``LAST`` of sequence ``b`` (one
-    slot for all, ``s_lb`` 0, or each row's own)."""
+    slot for all, ``s_lb`` 0, or each row's own). ``PAGED``: ``K`` is a pool of ``KP``-token pages (``s_kb`` a page's
+    stride) and slot s of row b sits at offset ``s % KP`` of page ``TABLE[b, s // KP]``."""
     last = tl.load(LAST + b * s_lb)
     page = last // P
     slots = page * P + tl.arange(0, P)
     d = tl.arange(0, D_PAD)
     ok = (slots >= tl.load(FIRST + b)) & (slots <= last) & (slots < T)
-    keys = tl.load(K + b * s_kb + h * s_kh + slots[:, None] * s_kt + d[None, :], mask=ok[:, None] & (d < D)[None, :],
-                   other=0.0)
+    if PAGED:
+        held = tl.load(TABLE + b * s_tb + slots // KP, mask=ok, other=0).to(tl.int64)
+        at = held * s_kb + (slots % KP) * s_kt
+    else:
+        at = b * s_kb + slots * s_kt
+    keys = tl.load(K + h * s_kh + at[:, None] + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
     lo = tl.min(tl.where(ok[:, None], keys, float("inf")), 0)
     hi = tl.max(tl.where(ok[:, None], keys, float("-inf")), 0)
     dst = b * s_mb + h * s_mh + page * s_mn + d
@@ -100,21 +109,32 @@ def _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, 
 
 
 @triton.jit
-def _update_page(K, KMIN, KMAX, FIRST, LAST, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, HKV,
-                 P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+def _update_page(K, KMIN, KMAX, FIRST, LAST, TABLE, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, s_tb, T, HKV,
+                 P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGED: tl.constexpr, KP: tl.constexpr):
     row = tl.program_id(0)
-    _store_page(K, KMIN, KMAX, FIRST, LAST, row // HKV, row % HKV, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, P, D,
-                D_PAD)
+    _store_page(K, KMIN, KMAX, FIRST, LAST, TABLE, row // HKV, row % HKV, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb,
+                s_tb, T, P, D, D_PAD, PAGED, KP)
 
 
 def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
-                page_size: int) -> None:
+                page_size: int, block_table: torch.Tensor | None = None) -> None:
     """See :func:`rolecall.runtime.kernels.page_bounds.naive.update_page`."""
-    b, hkv, t, d = key.shape
+    b, hkv, d = kmin.shape[0], key.shape[1], key.shape[3]
     _check_page_update(key, kmin, kmax, page_size)
-    _update_page[(b * hkv,)](key, kmin, kmax, first, last, key.stride(0), key.stride(1), key.stride(2),
-                             kmin.stride(0), kmin.stride(1), kmin.stride(2), row_stride(last), t, hkv, P=page_size, D=d,
-                             D_PAD=triton.next_power_of_2(d))
+    check_table(block_table, b)
+    _update_page[(b * hkv,)](key, kmin, kmax, first, last, *_paged(key, block_table), kmin.stride(0), kmin.stride(1),
+                             kmin.stride(2), row_stride(last), *_table(key, block_table), hkv, P=page_size, D=d,
+                             D_PAD=triton.next_power_of_2(d), PAGED=block_table is not None, KP=key.shape[2])
+
+
+def _paged(key: torch.Tensor, table: torch.Tensor | None) -> tuple[Any, int, int, int]:
+    """The table pointer (the keys where there is none) and the keys' strides (a pool's first is its page's)."""
+    return (table if table is not None else key), key.stride(0), key.stride(1), key.stride(2)
+
+
+def _table(key: torch.Tensor, table: torch.Tensor | None) -> tuple[int, int]:
+    """The table's row stride and the slots a row holds (``T``)."""
+    return (table.stride(0), table.shape[1] * key.shape[2]) if table is not None else (0, key.shape[2])
 
 
 def row_stride(last: torch.Tensor) -> int:
@@ -129,17 +149,18 @@ def _check_page_update(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 
 
 @triton.jit
-def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, s_qb, s_qh, s_mb, s_mh, s_mn, s_cb, s_ch,
-            s_kb, s_kh, s_kt, s_lb, T, C, scale, HKV, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-            D_PAD: tl.constexpr, PB: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, C_PAD: tl.constexpr,
-            W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP_MAX: tl.constexpr,
-            UPDATE: tl.constexpr, P: tl.constexpr):
+def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, TABLE, s_qb, s_qh, s_mb, s_mh, s_mn, s_cb,
+            s_ch, s_kb, s_kh, s_kt, s_lb, s_tb, T, C, scale, HKV, G: tl.constexpr, G_PAD: tl.constexpr,
+            D: tl.constexpr, D_PAD: tl.constexpr, PB: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr,
+            C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr,
+            GROUP_MAX: tl.constexpr, UPDATE: tl.constexpr, P: tl.constexpr, PAGED: tl.constexpr, KP: tl.constexpr):
     row = tl.program_id(0)  # (sequence, KV head)
     part = tl.program_id(1)  # SPAN of its candidates: every part scores its own, the last to finish chooses
     b = row // HKV
     h = row % HKV
     if UPDATE and part == 0:  # the new token's page first; parts that read its bounds meanwhile rank it recent anyway
-        _store_page(K, KMIN, KMAX, FIRST, LAST, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, T, P, D, D_PAD)
+        _store_page(K, KMIN, KMAX, FIRST, LAST, TABLE, b, h, s_kb, s_kh, s_kt, s_mb, s_mh, s_mn, s_lb, s_tb, T, P, D,
+                    D_PAD, PAGED, KP)
     for off in range(0, SPAN, PB):
         entry = part * SPAN + off + tl.arange(0, PB)
         pages = tl.load(CAND + b * s_cb + h * s_ch + entry, mask=entry < C, other=-1)
@@ -162,7 +183,7 @@ def _refine(Q, KMIN, KMAX, CAND, SCORES, ARRIVED, OUT, K, FIRST, LAST, s_qb, s_q
 
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
                       scale: float, num_pages: int, recent_pages: int, group: str = "max",
-                      new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+                      new_page: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any] | None = None,
                       parts: int | None = None) -> torch.Tensor:
     """See :func:`rolecall.runtime.kernels.page_bounds.naive.refine_candidates`: one launch. ``parts`` programs per
     (sequence, KV head) each score their share of its candidates into a float32 scratch row; the last of them to
@@ -170,7 +191,7 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     candidates' order: ascending for a Δ-layer's choice on the GPU, and in any order the attention kernels read
     them.
 
-    ``new_page = (key, first, last, page_size)`` updates the metadata of the new token's page first
+    ``new_page = (key, first, last, page_size, block_table)`` updates the metadata of the new token's page first
     (:func:`update_page`) in the same launch: its bounds do not matter to the choice, since the newest page is
     always among the recent ones (``recent_pages ≥ 1``; with none, the update runs as its own launch first).
 
@@ -187,11 +208,12 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
                          "reference")
     fused = new_page is not None and recent_pages >= 1
     if new_page is not None and not fused:
-        key, first, last, page_size = new_page
-        update_page(key, kmin, kmax, first, last, page_size)
-    key, first, last, page_size = new_page if fused else (query[:, None], query, query, 1)  # unread unless fused
+        update_page(kmin=kmin, kmax=kmax, **dict(zip(NEW_PAGE, new_page)))
+    # unread unless fused; a new_page of four (no table) reads a contiguous cache
+    key, first, last, page_size, table = (*new_page, None)[:5] if fused else (query[:, None], query, query, 1, None)
     if fused:
         _check_page_update(key, kmin, kmax, page_size)
+        check_table(table, b)
     g, w, c_pad = hq // hkv, min(num_pages, c), triton.next_power_of_2(c)
     pb = min(64, max(16, c_pad))
     blocks = triton.cdiv(c, pb)
@@ -202,11 +224,12 @@ def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     scratch = torch.empty(b * hkv, c_pad, device=query.device, dtype=torch.float32)
     _refine[(b * hkv, parts)](
         query, kmin, kmax, candidates, scratch, arrival_counters(query.device, b * hkv), out, key, first, last,
-        query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), candidates.stride(0),
-        candidates.stride(1), key.stride(0), key.stride(1), key.stride(2), row_stride(last) if fused else 0,
-        key.shape[2], c, float(scale), hkv, G=g,
+        _paged(key, table)[0], query.stride(0), query.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        candidates.stride(0), candidates.stride(1), *_paged(key, table)[1:], row_stride(last) if fused else 0,
+        *_table(key, table), c, float(scale), hkv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), PB=pb, SPAN=span,
         PARTS=parts, C_PAD=c_pad, W=w, W_PAD=triton.next_power_of_2(w), RECENT=recent_pages, BITS=2,
-        GROUP_MAX=group == "max", UPDATE=fused, P=page_size, num_warps=8 if c_pad > 512 else 4,
+        GROUP_MAX=group == "max", UPDATE=fused, P=page_size, PAGED=table is not None, KP=key.shape[2],
+        num_warps=8 if c_pad > 512 else 4,
     )
     return out

@@ -30,3 +30,16 @@ def write_tokens(key_pages: torch.Tensor, value_pages: torch.Tensor, table: torc
     page = table.long().gather(1, (pos // p)[:, None])[:, 0]  # [B]
     key_pages[page, :, pos % p] = key.to(key_pages.dtype)
     value_pages[page, :, pos % p] = value.to(value_pages.dtype)
+
+
+def gather_tokens(key: torch.Tensor, ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """The K (or V) of each KV head's tokens ``ids [B, Hkv, n]`` (slots, in range): ``[B, Hkv, n, D]``, from a
+    contiguous ``[B, Hkv, T, D]`` or a pool ``[N, Hkv, P, D]`` read through ``table [B, W]``."""
+    if table is None:
+        return key.gather(2, ids[..., None].expand(*ids.shape, key.shape[-1]))
+    b, hkv, n = ids.shape
+    p = key.shape[2]
+    held = table.long().gather(1, torch.div(ids, p, rounding_mode="floor").reshape(b, -1)).view(b, hkv, n)
+    heads = torch.arange(hkv, device=ids.device)[None, :, None]
+    return key[held, heads, ids % p]
+

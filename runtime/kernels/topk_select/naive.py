@@ -43,10 +43,10 @@ def _ranked(scores: torch.Tensor, recent: int, last: torch.Tensor | int | None, 
     return ranked
 
 
-def _top(ranked: torch.Tensor, k: int) -> Any:
-    """The ``k`` best of ``ranked [..., n]`` (values and indices), equal values toward the lower ids (as the Triton
-    kernel breaks them): a stable sort, so the choice among ties does not depend on ``n`` (a row of a cache of any
-    size chooses as the request alone, where ``torch.topk``'s choice among ties may differ)."""
+def top_stable(ranked: torch.Tensor, k: int) -> Any:
+    """The ``k`` best of ``ranked [..., n]`` (``.values`` and ``.indices``, best first), equal values toward the lower
+    ids (as the Triton kernel breaks them): a stable sort, so the choice among ties does not depend on ``n`` (a row of
+    a cache of any size chooses as the request alone, where ``torch.topk``'s choice among ties may differ)."""
     order = ranked.sort(dim=-1, descending=True, stable=True)
     return SimpleNamespace(values=order.values[..., :k], indices=order.indices[..., :k])
 
@@ -55,7 +55,7 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Ten
                      last: torch.Tensor | int | None = None, ascending: bool = True,
                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`rolecall.runtime.kernels.topk_select.topk_with_recent`."""
-    top = _top(_ranked(scores, recent, last, valid, positions), k)
+    top = top_stable(_ranked(scores, recent, last, valid, positions), k)
     ids = top.indices if positions is None else positions.gather(-1, top.indices)
     if not ascending:  # the kernels read a set in any order: skip the sort
         return torch.where(top.values > float("-inf"), ids, -1)
@@ -67,6 +67,6 @@ def topk_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Ten
 def topk_mask_with_recent(scores: torch.Tensor, k: int, recent: int, valid: torch.Tensor | None = None,
                           last: torch.Tensor | int | None = None) -> torch.Tensor:
     """The same choice as :func:`topk_with_recent`, as a boolean ``[..., n]``."""
-    top = _top(_ranked(scores, recent, last, valid), k)
+    top = top_stable(_ranked(scores, recent, last, valid), k)
     chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     return chosen.scatter_(-1, top.indices, top.values > float("-inf"))
