@@ -100,12 +100,12 @@ class Scheduler:
     lethe) the rows share a pool of ``kv_pages`` 16-token pages (one the null page; default: as many
     as ``slots`` rows of ``max_context`` tokens take, plus it), and ``slots`` is the step's row capacity, not a
     reservation. A request is admitted while a row and the pages of its prompt and of the next run of steps are free;
-    before each run every live row is given the pages that run writes, and when the pool runs out the most recently
-    admitted request is preempted (its pages freed, it waits at the head of the queue and is recomputed from its
-    prompt and the tokens it has: its client sees only latency; its tokens are those of an uninterrupted run
-    under greedy decoding, and a sampled one's draws continue from its seed). Pages return on finish, cancel,
-    error and disconnect. A request that could never fit the pool is refused at once. ``paged=False`` keeps a
-    contiguous cache of ``slots`` × ``max_context`` for any policy (the others always have one)."""
+    before each run every live row is given the pages that run writes, and when the pool runs out the latest request
+    that runs is preempted (its KV copied to host memory, its pages and row freed; it waits at the head of the queue
+    and takes its KV back into new pages when they are free: its client sees only latency, and its tokens are those
+    of an uninterrupted run under any policy, a sampled one's draws continuing from its seed). Pages return on
+    finish, cancel, error and disconnect. A request that could never fit the pool is refused at once.
+    ``paged=False`` keeps a contiguous cache of ``slots`` × ``max_context`` for any policy (lethe always has one)."""
 
     def __init__(self, weights: Any, policy: Any, *, slots: int = 8, max_context: int | None = None,
                  tokenizer: Any = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,

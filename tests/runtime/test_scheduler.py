@@ -356,10 +356,11 @@ def test_paged_and_contiguous_rows_give_the_same_tokens(policy, family):
 
 
 @pytest.mark.parametrize("policy", PAGED)
-def test_preempted_requests_are_recomputed_to_the_tokens_of_an_uninterrupted_run(policy):
+def test_preempted_requests_resume_to_the_tokens_of_an_uninterrupted_run(policy):
     """A pool of 13 pages (208 tokens) under four rows of requests of up to 150 tokens: the pool runs out mid-decode,
-    the latest requests are preempted and recomputed from their prompts and tokens, and every request still gets
-    exactly the greedy tokens it gets alone (a sampled one those of its seed), with every page back at the end."""
+    the latest requests are preempted (their KV to host memory) and resumed in other pages, and every request still
+    gets exactly the greedy tokens it gets alone (a sampled one those of its seed), with every page back at the
+    end."""
     model, weights, pol = served(policy)
     rng = random.Random(5)
     requests = [Request([rng.randrange(256) for _ in range(rng.randint(20, 70))], rng.randint(30, 80),
