@@ -16,6 +16,13 @@ decode step runs it, inside a CUDA graph of 16 calls (the median of ``--reps`` r
 It checks that both layouts give the same output (``max_abs_diff``), prints a table and writes JSON (``--out``,
 default ``benchmarks/results/paged_<gpu>.json``) naming the GPU. ``paged / contiguous`` is the paged call's time
 over the contiguous one's.
+
+    python -m benchmarks.paged --steps          # the whole decode step of the scheduler's rows, full and delta
+
+``--steps`` times the engine's decode step instead (random weights of the 7B shape, the scheduler's rows of their
+own lengths, every row at ``tokens``, a CUDA graph replayed; medians of ``--reps`` steps): a contiguous cache against
+a pool whose pages are shuffled, under ``full`` and ``delta`` (``--budget`` tokens of pages, the Δ-layers of
+``benchmarks/decode.py``).
 """
 
 from __future__ import annotations
@@ -114,6 +121,49 @@ def case_rows(tokens: int, rows: int, args: Any) -> list[dict[str, Any]]:
     return out
 
 
+def step_rows(tokens: int, rows: int, args: Any) -> list[dict[str, Any]]:
+    """The decode step of ``rows`` scheduler rows at ``tokens`` tokens each, contiguous and paged, full and delta."""
+    from benchmarks.decode import _config, delta_manifest, recent_pages
+    from benchmarks.timing import median_ms
+    from rolecall.runtime.engine import SHAPES, StaticDecoder, Weights
+    from rolecall.runtime.engine.batcher import RowStopper
+    from rolecall.runtime.memory import pages
+    from rolecall.runtime.policies import get_policy
+
+    shape = SHAPES["7b"]
+    weights = Weights.random(shape, "cuda", getattr(torch, args.dtype), positions=tokens + 512)
+    out = []
+    for name in ("full", "delta"):
+        if name == "full":
+            policy = get_policy("full")
+        else:
+            policy = get_policy("delta", budget=args.budget, page_size=PAGE, recent_pages=recent_pages(args.budget))
+            policy.bind(delta_manifest(shape), _config(shape))
+        times = {}
+        for paged in (False, True):
+            slots = tokens + 256
+            stopper = RowStopper(rows, 1, 0, "cuda")
+            stopper.finished.zero_()
+            stopper.limits.fill_(1 << 30)
+            pool = rows * pages(slots) + 1 if paged else None
+            dec = StaticDecoder(weights, policy, rows, slots, min_context=0, stopper=stopper, row_lengths=True,
+                                pages=pool)
+            dec.cache.fill_random()
+            if paged:  # every row's pages, shuffled over the pool
+                order = torch.randperm(rows * pages(slots), generator=torch.Generator().manual_seed(rows)) + 1
+                dec.cache.table.copy_(order.view(rows, -1).to(torch.int32))
+            dec.cache.length.fill_(tokens)
+            dec.position = tokens
+            dec.capture()
+            times[paged] = median_ms(dec.step, reps=args.reps, warmup=args.warmup)
+            del dec
+            torch.cuda.empty_cache()
+        out.append({"tokens": tokens, "rows": rows, "mode": f"step {name}", "contiguous_us": 1e3 * times[False],
+                    "paged_us": 1e3 * times[True], "paged_over_contiguous": times[True] / times[False],
+                    "max_abs_diff": None})
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> Any:
     """The flags, checked (a usage error in one line before any work)."""
     p = Parser(prog="paged.py", description=__doc__.split("\n\n")[0])
@@ -123,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", action="store_true", help="time the engine's decode step on the scheduler's rows")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cases = []
@@ -155,11 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':>12} {'mode':>12} {'contig µs':>10} {'paged µs':>10} {'paged/contig':>13} {'max diff':>9}")
     rows = []
     for tokens, n in args.cases:
-        for r in case_rows(tokens, n, args):
+        for r in (step_rows if args.steps else case_rows)(tokens, n, args):
             rows.append(r)
+            diff = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:>9.2e}"
             print(f"{f'{tokens}x{n}':>12} {r['mode']:>12} {r['contiguous_us']:>10.1f} {r['paged_us']:>10.1f} "
-                  f"{r['paged_over_contiguous']:>13.3f} {r['max_abs_diff']:>9.2e}")
-    out = Path(args.out or f"benchmarks/results/paged_{gpu_slug(gpu)}.json")
+                  f"{r['paged_over_contiguous']:>13.3f} {diff}")
+    suffix = "_steps" if args.steps else ""
+    out = Path(args.out or f"benchmarks/results/paged{suffix}_{gpu_slug(gpu)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     out.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "settings": settings, "rows": rows},
