@@ -614,6 +614,7 @@ def test_bad_flags_are_one_line_before_any_weight_loads(tiny, flags, says, monke
 @pytest.mark.parametrize("name, params", [
     ("quest", {"budget": 32, "page_size": 16, "dense_layers": 1}),
     ("lethe", {"budget": 24, "sinks": 2, "recent_ratio": 0.25}),
+    ("vattention", {"epsilon": 0.3, "delta": 0.3, "sinks": 2, "window": 8, "heavy": 8, "pilot": 8, "max_sample": 24}),
 ])
 def test_a_policy_with_per_row_state_serves_the_tokens_it_decodes_alone(tiny, name, params):
     """Policies whose step keeps state per row (quest's page bounds, lethe's held slots, scores and evictions)
@@ -631,7 +632,7 @@ def test_a_policy_with_per_row_state_serves_the_tokens_it_decodes_alone(tiny, na
     want = [generate(weights, policy, [p], max_new_tokens=12, eos_token_id=None, min_context=0).tokens[0]
             for p in prompts]
     flags = [f for key, value in params.items() for f in ("-p", f"{key}={value}")]
-    proc, port, line = start(folder, "--policy", name, *flags, *(["-p", "min_context=0"] if name == "quest" else []))
+    proc, port, line = start(folder, "--policy", name, *flags, *(["-p", "min_context=0"] if name != "lethe" else []))
     try:
         assert f"with policy {name}" in line
         results = [None] * len(prompts)
