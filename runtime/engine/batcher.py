@@ -102,10 +102,10 @@ class Batcher:
     def _hold(self, row: int, live: Any, tokens: int) -> bool:
         """Make ``live`` (in ``row``) hold the pages of ``tokens`` tokens, its table row updated; False when the
         pool has too few free pages (nothing changed)."""
-        held = len(self.tables.pages_of(live.id))
+        held = self.tables.count(live.id)
         if not self.tables.reserve(live.id, tokens):
             return False
-        if len(self.tables.pages_of(live.id)) != held:
+        if self.tables.count(live.id) != held:
             table = self.dec.cache.table
             table[row].copy_(self.tables.table([live.id], table.shape[1])[0])
         return True

@@ -94,6 +94,10 @@ class PageTables:
     def pages_of(self, request: Hashable) -> list[int]:
         return list(self._held.get(request, ()))
 
+    def count(self, request: Hashable) -> int:
+        """Pages ``request`` holds (no copy of the list: the scheduler asks for every live row before each run)."""
+        return len(self._held.get(request, ()))
+
     def fits(self, tokens: int) -> bool:
         """Whether a new request of ``tokens`` tokens could be given its pages now."""
         return pages(tokens) <= self.pool.free
@@ -106,7 +110,7 @@ class PageTables:
         if more > self.pool.free:
             return False
         if more > 0:
-            self._held[request] = held + self.pool.take(more)
+            self._held.setdefault(request, []).extend(self.pool.take(more))
         elif request not in self._held:
             self._held[request] = held
         return True

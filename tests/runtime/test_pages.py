@@ -44,8 +44,8 @@ def test_reserve_is_all_or_nothing_and_release_returns_every_page():
     assert tables.pages_of("a") == [1, 2] and tables.pool.free == 0
     assert tables.youngest() == "b"
     assert tables.release("b") == 3 and tables.pool.free == 3 and tables.youngest() == "a"
-    assert tables.reserve("a", 33) and len(tables.pages_of("a")) == 3
-    assert tables.release("nobody") == 0
+    assert tables.reserve("a", 33) and len(tables.pages_of("a")) == 3 == tables.count("a")
+    assert tables.release("nobody") == 0 and tables.count("nobody") == 0
 
 
 def test_the_table_pads_with_the_null_page_and_bounds_a_row():
