@@ -40,7 +40,7 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     from rolecall.cli.serve import planned_slots
     from rolecall.core.models import context_limit, load_config
     from rolecall.runtime.engine import ModelShape, Weights
-    from rolecall.runtime.engine.scheduler import Request, Scheduler
+    from rolecall.runtime.engine.scheduler import Scheduler
     from rolecall.runtime.memory import device_memory
     from rolecall.runtime.session import bound_policy
 
@@ -63,27 +63,10 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     base = torch.cuda.memory_allocated()
     weights = Weights.random(ModelShape.from_config(config), "cuda", torch.bfloat16, positions=context)
     held_weights = torch.cuda.memory_allocated() - base
-    rng = np.random.default_rng(args.seed)
-    prompts = [args.prompt_tokens.draw(rng) for _ in range(args.requests)]
-    answers = [args.output_tokens.draw(rng) for _ in range(args.requests)]
-    done, failed, lock, finished = threading.Event(), [], threading.Lock(), []
     start = time.perf_counter()
     with Scheduler(weights, policy, slots=slots, max_context=context, eos_token_id=None, kv_pages=kv_pages,
                    paged=kv_pages is not None) as scheduler:
-        def emit(event: Any) -> None:
-            if event.finish_reason is None:
-                return
-            with lock:
-                finished.append(event)
-                if event.finish_reason == "error":
-                    failed.append(event.error)
-                if len(finished) == args.requests:
-                    done.set()
-
-        for p, a in zip(prompts, answers):
-            ids = rng.integers(100, 30000, size=p).tolist()
-            scheduler.submit(Request(tuple(ids), max_new_tokens=a, ignore_eos=True), emit)
-        done.wait()
+        finished, failed = run_load(scheduler, args)
         stats = scheduler.stats()
     seconds = time.perf_counter() - start
     kv = stats["kv_bytes"]
@@ -96,6 +79,33 @@ def measure(alias: str, args: argparse.Namespace) -> dict[str, Any]:
             "weight_bytes": held_weights, "kv_bytes": kv, "peak_reserved_bytes": peak,
             "activation_bytes": activation, "fits": peak <= plan.utilization * size,
             "held_before_bytes": base, "device": name, "device_bytes": size}
+
+
+def run_load(scheduler: Any, args: argparse.Namespace) -> tuple[list[Any], list[str]]:
+    """``--requests`` requests of random token ids submitted at once, all waited for: their last events, and the
+    errors of those that failed."""
+    from rolecall.runtime.engine.scheduler import Request
+
+    rng = np.random.default_rng(args.seed)
+    prompts = [args.prompt_tokens.draw(rng) for _ in range(args.requests)]
+    answers = [args.output_tokens.draw(rng) for _ in range(args.requests)]
+    done, failed, lock, finished = threading.Event(), [], threading.Lock(), []
+
+    def emit(event: Any) -> None:
+        if event.finish_reason is None:
+            return
+        with lock:
+            finished.append(event)
+            if event.finish_reason == "error":
+                failed.append(event.error)
+            if len(finished) == args.requests:
+                done.set()
+
+    for p, a in zip(prompts, answers):
+        ids = rng.integers(100, 30000, size=p).tolist()
+        scheduler.submit(Request(tuple(ids), max_new_tokens=a, ignore_eos=True), emit)
+    done.wait()
+    return finished, failed
 
 
 def print_row(r: dict[str, Any]) -> None:

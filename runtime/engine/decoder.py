@@ -99,12 +99,7 @@ class StaticDecoder:
         s = weights.shape
         self.static = static_step_of(self.policy, s)
         self.full = Full().static_step(s)
-        why = rows_refusal(self.static) if row_lengths else None
-        if why:
-            raise NotImplementedError(f"policy {self.policy.name!r}: {why}")
-        if pages is not None and not reads_pages(self.static):
-            raise NotImplementedError(f"policy {self.policy.name!r}: its engine step reads the cache's slots itself, "
-                                      "not through a block table (paged: every policy but lethe)")
+        self._check_step(row_lengths, pages is not None)
         head_order = head_order_of(self.static.head_order, s)
         if max_len > weights.max_positions:
             raise ValueError(f"the cache needs {max_len} positions, the model's RoPE tables hold "
@@ -152,6 +147,16 @@ class StaticDecoder:
             compile = compiles_on(device)
         self.compiles = compile  # whether the step's small ops go through torch.compile (policies may too)
         self._post = L.compiled_finish(s) if compile else L.bound_finish(s)
+
+    def _check_step(self, row_lengths: bool, paged: bool) -> None:
+        """Refuse (``NotImplementedError``, one line) rows of their own lengths or a paged cache for a policy whose
+        step cannot run them."""
+        why = rows_refusal(self.static) if row_lengths else None
+        if why:
+            raise NotImplementedError(f"policy {self.policy.name!r}: {why}")
+        if paged and not reads_pages(self.static):
+            raise NotImplementedError(f"policy {self.policy.name!r}: its engine step reads the cache's slots itself, "
+                                      "not through a block table (paged: every policy but lethe)")
 
     def _cache(self, cache: StaticCache | None, batch: int, max_len: int, head_order: Any,
                prompt_tokens: int | None, row_lengths: bool, pages: int | None) -> StaticCache:
