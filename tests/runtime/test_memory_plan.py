@@ -133,9 +133,8 @@ def test_bad_memory_flags_are_one_line(flag, value, capsys):
 @pytest.mark.parametrize("flags, says", [
     (["--gpu-memory-utilization", "inf"], "--gpu-memory-utilization inf: give the fraction"),
     (["--kv-cache-gib", "8", "--max-context", "131072"], "cannot hold one request of 131,072 tokens"),
-    # a policy whose step reads the cache's slots itself (quest) has a contiguous cache: each row its whole context
-    (["--kv-cache-gib", "30", "--max-context", "65536", "--slots", "3", "--dtype", "bfloat16", "--policy", "quest",
-      "-p", "budget=1024"],
+    # a contiguous cache (--no-paged-kv): each row holds its whole context
+    (["--kv-cache-gib", "30", "--max-context", "65536", "--slots", "3", "--dtype", "bfloat16", "--no-paged-kv"],
      "--slots 3: each row holds --max-context 65,536 tokens of KV (12.00 GiB) and the pool (30.00 GiB) holds 2; "
      "ask for --slots 2 or fewer"),
     # a served row of lethe's holds its whole context until KV is held by the page (rolecall plan says 39 here)
