@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rolecall.runtime.kernels.paged_attention.tables import check_table
+from rolecall.runtime.kernels.paged_attention.tables import check_table, gather_tokens
 
 
 def page_minmax(key: torch.Tensor, keep: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,22 +67,12 @@ def update_page(key: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, first
     raw = page * page_size + torch.arange(page_size, device=key.device)  # [B, P]
     slots = raw.clamp_max(t - 1)  # the cache may end inside its last page
     ok = ((raw >= first[:, None]) & (raw <= last) & (raw < t))[:, None, :, None]  # [B, 1, P, 1]
-    keys = take_slots(key, slots, block_table)  # [B, Hkv, P, D]
+    if block_table is not None:
+        check_table(block_table, bsz)
+    keys = gather_tokens(key, slots[:, None, :].expand(bsz, hkv, page_size), block_table)  # [B, Hkv, P, D]
     at = page[:, None, :, None].expand(bsz, hkv, 1, d)
     kmin.scatter_(2, at, keys.masked_fill(~ok, math.inf).amin(2, keepdim=True).to(kmin.dtype))
     kmax.scatter_(2, at, keys.masked_fill(~ok, -math.inf).amax(2, keepdim=True).to(kmax.dtype))
-
-
-def take_slots(key: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """The keys of slots ``slots [B, n]`` of each row: ``[B, Hkv, n, D]``, from a contiguous ``[B, Hkv, T, D]`` or a
-    pool ``[N, Hkv, P, D]`` read through ``block_table``."""
-    if block_table is None:
-        b, hkv, _, d = key.shape
-        return key.gather(2, slots[:, None, :, None].expand(b, hkv, slots.shape[1], d))
-    check_table(block_table, slots.shape[0])
-    p = key.shape[2]
-    held = block_table.long().gather(1, torch.div(slots, p, rounding_mode="floor"))  # [B, n]
-    return key[held, :, slots % p].transpose(1, 2)  # [B, n, Hkv, D] → [B, Hkv, n, D]
 
 
 def refine_candidates(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, candidates: torch.Tensor,
